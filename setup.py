@@ -1,0 +1,35 @@
+"""megatron_gtpo: GTPO / GRPO-S entropy-shaped RL for LLM reasoning on megatron-core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_gtpo",
+    version="0.1.0",
+    description="GTPO / GRPO-S (entropy-shaped RL) next to GRPO and DAPO, on megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_gtpo", "megatron_gtpo.*"]),
+    install_requires=[
+        # The CPU wheel of torch 2.13.0 is installed first by the Makefile on machines without CUDA.
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "transformers>=4.45",
+        "safetensors",
+        "sentencepiece",
+        "tokenizers",
+        "pyyaml",
+        "psutil",  # dist_checkpointing's async writer needs it
+        "einops",
+        "numpy",
+        "tqdm",
+        "math-verify>=0.7",
+        "matplotlib",
+        "tensorboard",
+    ],
+    extras_require={
+        # NVIDIA apex is optional and never a dependency: the PyPI package named "apex" is unrelated.
+        "gpu": ["transformer-engine[pytorch]"],
+        "vllm": ["vllm"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+    },
+)

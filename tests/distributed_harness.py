@@ -1,0 +1,101 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each returns.
+
+    results = run_distributed(fn, world_size=2, args=(...,), timeout_s=300)
+
+`fn(rank, world_size, *args, **kwargs)` must be a module-level function (it is pickled by reference into
+spawned processes). Before calling it, each rank has MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set
+and, unless `init_process_group=False`, a gloo default process group. The return values (picklable; tensors
+are fine) come back as a list indexed by rank. A rank that raises makes the whole call raise with that rank's
+traceback; a rank that hangs makes it raise TimeoutError after `timeout_s`, naming the ranks that never
+reported. Every child is terminated before the call returns or raises, so a failing test cannot leak ranks.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result_queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    # Oversubscribing a 2-core machine with 4 ranks x N threads makes gloo collectives crawl.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        if init_process_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args, **kwargs)
+        result_queue.put((rank, "ok", out))
+    except BaseException:  # report everything, including KeyboardInterrupt/SystemExit, to the parent
+        result_queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, args=(), kwargs=None, *, timeout_s: float = 300.0,
+                    init_process_group: bool = True) -> list:
+    ctx = mp.get_context("spawn")
+    result_queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs or {},
+                                          init_process_group, result_queue), daemon=False)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items())
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f}s{detail}")
+            try:
+                rank, status, payload = result_queue.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in results and i not in errors]
+                if dead:
+                    # A rank that died without reporting (segfault, os._exit) would otherwise wait out the timeout.
+                    time.sleep(1.0)  # give the queue feeder of a dying rank a moment
+                    if result_queue.empty():
+                        raise RuntimeError(f"ranks {dead} exited with codes "
+                                           f"{[procs[i].exitcode for i in dead]} without reporting")
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+                # The other ranks are probably blocked in a collective with the failed one: stop waiting soon.
+                deadline = min(deadline, time.monotonic() + 10.0)
+        if errors:
+            detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RuntimeError(f"{len(errors)} of {world_size} ranks failed:{detail}")
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if not errors else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,37 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed_harness import run_distributed
+
+
+def _allreduce_rank(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 blocks here forever: the harness must not wait out the full timeout
+    return rank
+
+
+def _hang(rank, world_size):
+    import time
+    time.sleep(60)
+
+
+def test_collects_results_by_rank():
+    assert run_distributed(_allreduce_rank, 2, timeout_s=120) == [3.0, 3.0]
+
+
+def test_error_on_one_rank_is_reported_with_traceback():
+    with pytest.raises(RuntimeError, match="boom on rank one"):
+        run_distributed(_raise_on_rank_one, 2, timeout_s=120)
+
+
+def test_hang_is_a_timeout_naming_ranks():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
+        run_distributed(_hang, 2, timeout_s=5, init_process_group=False)

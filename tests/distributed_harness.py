@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -39,7 +40,9 @@ def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
-        result_queue.put((rank, "ok", out))
+        # Plain pickle to bytes: torch's queue reducers would share tensors through file descriptors that die
+        # with this process before the parent reads them.
+        result_queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt/SystemExit, to the parent
         result_queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -82,7 +85,7 @@ def run_distributed(fn, world_size: int, args=(), kwargs=None, *, timeout_s: flo
                                            f"{[procs[i].exitcode for i in dead]} without reporting")
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
                 # The other ranks are probably blocked in a collective with the failed one: stop waiting soon.

@@ -1,0 +1,16 @@
+"""Process-group-explicit distributed code: start-up, the CPU platform layer, vocab-parallel ops.
+
+The only package that reads megatron.core.parallel_state. Importing it does not import megatron.
+"""
+from .parallel import (ParallelGroups, check_parallel_layout, destroy_parallel, initialize_parallel,
+                       read_launch_env)
+from .platform import activate_cpu_platform
+try:
+    from .vocab_parallel import vocab_parallel_logprobs_and_entropy
+except ImportError:  # TEMP
+    vocab_parallel_logprobs_and_entropy = None
+
+__all__ = [
+    "ParallelGroups", "activate_cpu_platform", "check_parallel_layout", "destroy_parallel", "initialize_parallel",
+    "read_launch_env", "vocab_parallel_logprobs_and_entropy",
+]

@@ -1,0 +1,176 @@
+"""Distributed start-up: torch.distributed from torchrun or SLURM, then megatron-core's model-parallel state.
+
+This module (with the rest of distributed/) is the only place that reads `megatron.core.parallel_state`. What the
+rest of the code needs of it travels in the explicit `ParallelGroups` object returned by `initialize_parallel`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .platform import activate_cpu_platform
+
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as torchrun or srun describe it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" | "slurm" | "single"
+
+
+def first_host_in_nodelist(nodelist: str) -> str:
+    """First host of a SLURM node list: 'gpu[003-005,010],cpu1' -> 'gpu003' (zero padding kept)."""
+    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if head is None or not head.group(1):
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, ranges = head.group(1), head.group(3)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def read_launch_env(environ=None) -> LaunchEnv:
+    """torchrun's variables win; otherwise srun's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, node list)."""
+    env = os.environ if environ is None else environ
+    port = int(env.get("MASTER_PORT", "29500"))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")),
+                         env.get("MASTER_ADDR", "127.0.0.1"), port, "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        addr = env.get("MASTER_ADDR") or (first_host_in_nodelist(nodelist) if nodelist else None)
+        if addr is None:
+            raise RuntimeError("SLURM launch without MASTER_ADDR or SLURM_JOB_NODELIST: cannot find rank 0's host")
+        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")),
+                         addr, port, "slurm")
+    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups and coordinates of this rank. Passed explicitly to everything that communicates."""
+
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup  # tensor x pipeline: the ranks holding one model replica
+    embedding_group: dist.ProcessGroup | None  # first+last pipeline stage, for tied embeddings
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    vpp_size: int | None
+    sequence_parallel: bool
+    world_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def last_stage_global_rank(self) -> int:
+        return dist.get_global_rank(self.pp_group, self.pp_size - 1)
+
+
+def check_parallel_layout(world_size: int, tp: int, pp: int, vpp: int | None = None) -> int:
+    """Validate TP/PP against the world size and return DP."""
+    for name, value in (("tensor parallel size", tp), ("pipeline parallel size", pp)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}")
+    if vpp is not None and (vpp < 1 or pp < 2):
+        raise ValueError(f"virtual pipeline size {vpp} needs pipeline parallel size >= 2 (got PP={pp})")
+    return world_size // (tp * pp)
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown distributed backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, and this machine has none; use 'gloo'")
+    return backend
+
+
+def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
+                        virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
+                        backend: str | None = None, seed: int = 1234, timeout_minutes: float = 30.0) -> ParallelGroups:
+    """Start torch.distributed (unless already started) and megatron's model-parallel state; seed the RNGs.
+
+    Rank layout is megatron's default order (tp-cp-ep-dp-pp): TP ranks are adjacent. On a machine without CUDA the
+    CPU platform layer is activated first, so megatron-core runs unmodified on gloo.
+    """
+    if sequence_parallel and tensor_parallel == 1:
+        raise ValueError("sequence parallelism needs tensor parallel size > 1")
+    activate_cpu_platform()
+    backend = _pick_backend(backend)
+    launch = read_launch_env()
+    check_parallel_layout(launch.world_size, tensor_parallel, pipeline_parallel, virtual_pipeline_parallel)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(launch.local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    elif dist.get_world_size() != launch.world_size:
+        raise RuntimeError(f"torch.distributed already initialised with world size {dist.get_world_size()}, "
+                           f"but the launch environment says {launch.world_size}")
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_parallel,
+    )
+    # As Megatron-LM does: stages get different seeds (different layers), DP replicas the same one.
+    stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+    embedding_group = ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None
+    return ParallelGroups(
+        tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
+        embedding_group=embedding_group,
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tensor_parallel,
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pipeline_parallel,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        vpp_size=virtual_pipeline_parallel, sequence_parallel=sequence_parallel,
+        world_rank=dist.get_rank(), world_size=dist.get_world_size(),
+        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,260 @@
+"""Per-token log-prob of a target id and full-vocabulary entropy from vocab-sharded logits.
+
+Tensor parallelism splits the output layer's vocabulary: TP rank r holds the logits of the contiguous global ids
+[r * V_local, (r + 1) * V_local). This op never gathers those shards. Each rank reduces its shard to a few scalars
+per token and the TP group all-reduces only those, so the communication is O(tokens), not O(tokens x vocab):
+
+    z = logits / temperature                       (global ids >= vocab_size do not exist: they are sliced off)
+    m_r = max_v z_v,   S_r = sum_v exp(z_v - m_r),   A_r = sum_v exp(z_v - m_r) (z_v - m_r)     (local, per rank)
+    m = max_r m_r                                                                  (all-reduce MAX, one per token)
+    S = sum_r S_r e^(m_r - m),   A = sum_r e^(m_r - m) (A_r + S_r (m_r - m)),   z_target   (one all-reduce SUM)
+    log Z = m + log S,   E_p[z] = m + A / S
+    logprob = z_target - log Z,   entropy = log Z - E_p[z] = log S - A / S
+
+Each rank's statistics are taken against its own maximum, so a chunk of tokens is reduced in a single sweep while
+it is in cache and the two all-reduces run once per call, after the sweep, whatever the chunk size.
+
+Backward needs no communication: with p = softmax(z) over the whole vocabulary and g_lp, g_H the incoming
+gradients of the two outputs,
+
+    d logprob / d z_v = 1[v = target] - p_v,        d entropy / d z_v = -p_v (z_v - E_p[z])
+    d / d logits_v = (1 / temperature) (g_lp 1[v = target] - p_v (g_lp + g_H (z_v - E_p[z])))
+
+and p_v = exp(z_v - log Z) is local to the rank given the saved per-token log Z and E_p[z].
+
+Layout: megatron-core's output layer produces [s, b, V_local] (any leading dims work; they are flattened). Under
+sequence parallelism megatron's output ColumnParallelLinear all-gathers the sequence before the vocab projection, so
+every TP rank sees the full [s, b, V_local] and passes the same full [s, b] targets; nothing changes here.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+
+def _compute_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    # bf16/fp16 are accumulated in fp32; float64 stays float64 (gradcheck needs it).
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
+def _scaled_chunk(logits_chunk_CV, temperature: float, workspace_CV: torch.Tensor, compute_dtype) -> torch.Tensor:
+    """z = logits / temperature in the compute dtype. Returns the input itself (no copy) when nothing changes it,
+    otherwise writes into the workspace: converting first, then dividing, so bf16 is never divided in bf16."""
+    if logits_chunk_CV.dtype == compute_dtype:
+        if temperature == 1.0:
+            return logits_chunk_CV
+        return torch.div(logits_chunk_CV, temperature, out=workspace_CV)
+    workspace_CV.copy_(logits_chunk_CV)
+    if temperature != 1.0:
+        workspace_CV.div_(temperature)
+    return workspace_CV
+
+
+class _VocabParallelLogprobsEntropy(torch.autograd.Function):
+    """Autograd core of `vocab_parallel_logprobs_and_entropy` on flattened, validated inputs.
+
+    Saved for backward: the input `logits_TV` itself (a reference, no copy), `targets_T`, and two per-token
+    scalars in the compute dtype (log Z and E_p[z], [T] each). Softmax is recomputed chunk by chunk in backward,
+    so besides the gradient it returns, backward allocates at most two [chunk, V_local] compute-dtype workspaces.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_TV, targets_T, tp_group, tp_rank, vocab_size, temperature, chunk_size):
+        num_tokens, vocab_local = logits_TV.shape
+        compute_dtype = _compute_dtype(logits_TV.dtype)
+        device = logits_TV.device
+        vocab_start = tp_rank * vocab_local
+        # Columns of this shard that hold real ids; the rest is padding and is sliced away, not masked.
+        num_valid = min(max(vocab_size - vocab_start, 0), vocab_local)
+        chunk = num_tokens if chunk_size is None else min(chunk_size, num_tokens)
+
+        local_max_T = torch.full((num_tokens,), -math.inf, dtype=compute_dtype, device=device)
+        local_sum_exp_T = torch.zeros(num_tokens, dtype=compute_dtype, device=device)
+        local_sum_exp_shift_T = torch.zeros(num_tokens, dtype=compute_dtype, device=device)
+        if num_valid > 0 and num_tokens > 0:
+            shifted_CV = torch.empty(chunk, num_valid, dtype=compute_dtype, device=device)
+            exp_CV = torch.empty(chunk, num_valid, dtype=compute_dtype, device=device)
+            for start in range(0, num_tokens, chunk):
+                stop = min(start + chunk, num_tokens)
+                n = stop - start
+                z_CV = _scaled_chunk(logits_TV[start:stop, :num_valid], temperature, shifted_CV[:n], compute_dtype)
+                chunk_max_C = local_max_T[start:stop]
+                torch.amax(z_CV, dim=-1, out=chunk_max_C)
+                torch.sub(z_CV, chunk_max_C.unsqueeze(-1), out=shifted_CV[:n])  # in place when z is the workspace
+                torch.exp(shifted_CV[:n], out=exp_CV[:n])
+                torch.sum(exp_CV[:n], dim=-1, out=local_sum_exp_T[start:stop])
+                torch.sum(exp_CV[:n].mul_(shifted_CV[:n]), dim=-1, out=local_sum_exp_shift_T[start:stop])
+            del shifted_CV, exp_CV
+
+        target_col_T, owns_target_T = _local_target_columns(targets_T, vocab_start, num_valid)
+        target_z_T = logits_TV.gather(1, target_col_T.unsqueeze(1)).squeeze(1).to(compute_dtype) / temperature
+        target_z_T = torch.where(owns_target_T, target_z_T, 0.0)
+
+        global_max_T = local_max_T.clone()
+        if tp_group is not None:
+            dist.all_reduce(global_max_T, op=dist.ReduceOp.MAX, group=tp_group)
+        if num_valid > 0:
+            shift_T = local_max_T - global_max_T
+            scale_T = torch.exp(shift_T)
+            sums_3T = torch.stack([local_sum_exp_T * scale_T,
+                                   scale_T * (local_sum_exp_shift_T + local_sum_exp_T * shift_T),
+                                   target_z_T])
+        else:  # this rank is all padding: it contributes nothing (and must not turn 0 * -inf into NaN)
+            sums_3T = torch.stack([local_sum_exp_T, local_sum_exp_shift_T, target_z_T])
+        if tp_group is not None:
+            dist.all_reduce(sums_3T, op=dist.ReduceOp.SUM, group=tp_group)
+        sum_exp_T, sum_exp_shift_T, target_z_T = sums_3T.unbind(0)
+
+        log_sum_exp_T = torch.log(sum_exp_T)
+        mean_shift_T = sum_exp_shift_T / sum_exp_T
+        log_normalizer_T = global_max_T + log_sum_exp_T
+        entropy_T = log_sum_exp_T - mean_shift_T
+        logprobs_T = target_z_T - log_normalizer_T
+        # Out-of-range targets (reachable only with check_targets=False) are owned by no rank: make them loud.
+        in_range_T = (targets_T >= 0) & (targets_T < vocab_size)
+        logprobs_T = torch.where(in_range_T, logprobs_T, math.nan)
+
+        ctx.save_for_backward(logits_TV, targets_T, log_normalizer_T, global_max_T + mean_shift_T)
+        ctx.vocab_start, ctx.num_valid = vocab_start, num_valid
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)
+        return logprobs_T, entropy_T
+
+    @staticmethod
+    @once_differentiable  # the backward is hand-written, not itself differentiable: say so instead of being wrong
+    def backward(ctx, grad_logprobs_T, grad_entropy_T):
+        none_for_args = (None,) * 6
+        if grad_logprobs_T is None and grad_entropy_T is None:
+            return (None,) + none_for_args
+        logits_TV, targets_T, log_normalizer_T, mean_z_T = ctx.saved_tensors
+        num_tokens, vocab_local = logits_TV.shape
+        num_valid, temperature, chunk = ctx.num_valid, ctx.temperature, ctx.chunk
+        compute_dtype = log_normalizer_T.dtype
+        device = logits_TV.device
+
+        grad_logits_TV = torch.empty_like(logits_TV)
+        grad_logits_TV[:, num_valid:] = 0.0  # padding ids do not exist: zero gradient
+        if num_valid == 0 or num_tokens == 0:
+            return (grad_logits_TV,) + none_for_args
+
+        # Fold -1/temperature into the per-token factors: grad = p * (a + b (z - E_p[z])) + [v = target] c.
+        inv_t = 1.0 / temperature
+        coef_const_T = (-inv_t * grad_logprobs_T.to(compute_dtype) if grad_logprobs_T is not None
+                        else torch.zeros(num_tokens, dtype=compute_dtype, device=device))
+        coef_slope_T = -inv_t * grad_entropy_T.to(compute_dtype) if grad_entropy_T is not None else None
+        if grad_logprobs_T is not None:
+            target_col_T, owns_target_T = _local_target_columns(targets_T, ctx.vocab_start, num_valid)
+            target_add_T = torch.where(owns_target_T, inv_t * grad_logprobs_T.to(compute_dtype), 0.0)
+            row_index_C = torch.arange(chunk, device=device)
+
+        writes_in_place = logits_TV.dtype == compute_dtype
+        prob_CV = None if writes_in_place else torch.empty(chunk, num_valid, dtype=compute_dtype, device=device)
+        z_workspace_CV = torch.empty(chunk, num_valid, dtype=compute_dtype, device=device)
+        for start in range(0, num_tokens, chunk):
+            stop = min(start + chunk, num_tokens)
+            n = stop - start
+            z_CV = _scaled_chunk(logits_TV[start:stop, :num_valid], temperature, z_workspace_CV[:n], compute_dtype)
+            out_CV = grad_logits_TV[start:stop, :num_valid] if writes_in_place else prob_CV[:n]
+            torch.sub(z_CV, log_normalizer_T[start:stop].unsqueeze(-1), out=out_CV)
+            out_CV.exp_()  # p, over the whole vocabulary's normaliser
+            if coef_slope_T is None:
+                out_CV.mul_(coef_const_T[start:stop].unsqueeze(-1))
+            else:
+                coef_CV = z_workspace_CV[:n]
+                torch.sub(z_CV, mean_z_T[start:stop].unsqueeze(-1), out=coef_CV)
+                coef_CV.mul_(coef_slope_T[start:stop].unsqueeze(-1)).add_(coef_const_T[start:stop].unsqueeze(-1))
+                out_CV.mul_(coef_CV)
+            if grad_logprobs_T is not None:
+                out_CV.index_put_((row_index_C[:n], target_col_T[start:stop]), target_add_T[start:stop],
+                                  accumulate=True)
+            if not writes_in_place:
+                grad_logits_TV[start:stop, :num_valid].copy_(out_CV)
+        return (grad_logits_TV,) + none_for_args
+
+
+def _local_target_columns(targets_T, vocab_start: int, num_valid: int):
+    """Column of each target inside this shard's valid columns (0 where the shard does not own it) and ownership."""
+    local_T = targets_T - vocab_start
+    owns_T = (local_T >= 0) & (local_T < num_valid)
+    return torch.where(owns_T, local_T, 0), owns_T
+
+
+def vocab_parallel_logprobs_and_entropy(logits_local, targets, *, tp_group, vocab_size=None, temperature=1.0,
+                                        chunk_size=None, check_targets=True):
+    """Target log-probs and full-vocabulary entropies from this TP rank's vocab shard of the logits.
+
+    Args:
+        logits_local: [..., V_local] float (fp32, bf16, fp16 or fp64), contiguous. This rank's contiguous vocab
+            shard: TP rank r holds global ids [r * V_local, (r + 1) * V_local). megatron-core's output layer gives
+            [s, b, V_local]; under sequence parallelism too (the sequence is gathered before the projection).
+        targets: [...] integer global token ids, the leading dims of `logits_local`, identical on every TP rank.
+        tp_group: the tensor-parallel process group, or None for no tensor parallelism (a world of one). The
+            default group is never used implicitly.
+        vocab_size: the true vocabulary size; ids >= vocab_size are padding and are excluded exactly (they get
+            zero probability and zero gradient). Default V_local * TP (no padding).
+        temperature: z = logits / temperature, applied to both outputs (> 0).
+        chunk_size: tokens processed at a time. None processes all tokens at once. With a chunk of C tokens the
+            extra memory beyond the input shard is two [C, V_local] compute-dtype workspaces in forward and in
+            backward (plus the returned gradient and O(T) per-token scalars). Small chunks (4-16) are also the
+            fastest on CPU, because each chunk's passes stay in cache.
+        check_targets: raise ValueError unless 0 <= targets < vocab_size. The check is a min/max over the [T]
+            target ids on this rank (no communication) but on an accelerator it is one host synchronisation, so
+            hot paths whose ids come from the tokenizer may pass False; out-of-range targets then yield NaN
+            log-probs (detectable without a sync) instead of an error.
+
+    Returns:
+        (logprobs, entropy): shaped like `targets`, float32 (float64 for float64 logits). logprobs[i] =
+        log softmax(z_i)[targets[i]], entropy[i] = -sum_v p_iv log p_iv over the vocab_size real ids. Both are
+        differentiable w.r.t. `logits_local`; the gradient has its dtype. Backward does no communication.
+
+    Memory: autograd keeps a reference to `logits_local` (no copy), `targets`, and two [T] compute-dtype
+    per-token scalars; no [T, V_local] float32 buffer is kept between forward and backward.
+    Logits must be finite (as an output layer produces them); padding is handled by slicing, not by -inf.
+    """
+    if not isinstance(logits_local, torch.Tensor) or not logits_local.is_floating_point() or logits_local.dim() < 1:
+        raise ValueError(f"logits_local must be a floating-point tensor [..., V_local], got "
+                         f"{type(logits_local).__name__} {getattr(logits_local, 'dtype', '')} "
+                         f"{tuple(getattr(logits_local, 'shape', ()))}")
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.is_complex() \
+            or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor of token ids, got {getattr(targets, 'dtype', targets)}")
+    if tuple(targets.shape) != tuple(logits_local.shape[:-1]):
+        raise ValueError(f"targets shape {tuple(targets.shape)} must equal the leading dims of logits_local "
+                         f"{tuple(logits_local.shape)}, i.e. {tuple(logits_local.shape[:-1])}")
+    if targets.device != logits_local.device:
+        raise ValueError(f"targets are on {targets.device} but logits_local is on {logits_local.device}")
+    if not logits_local.is_contiguous():
+        raise ValueError(f"logits_local must be contiguous (strides {logits_local.stride()} for shape "
+                         f"{tuple(logits_local.shape)}); copying it here would double its memory, so call "
+                         f".contiguous() where the copy is intended")
+    vocab_local = logits_local.shape[-1]
+    if vocab_local == 0:
+        raise ValueError("logits_local has an empty vocab dim (V_local = 0)")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be None or an int > 0, got {chunk_size!r}")
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    if tp_rank < 0:
+        raise ValueError("this process is not a member of tp_group")
+    padded_vocab = vocab_local * tp_size
+    if vocab_size is None:
+        vocab_size = padded_vocab
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded_vocab:
+        raise ValueError(f"vocab_size must be an int in [1, V_local * TP = {vocab_local} * {tp_size} = "
+                         f"{padded_vocab}], got {vocab_size!r}")
+    if check_targets and targets.numel() > 0:
+        low, high = torch.aminmax(targets)
+        if bool(low < 0) or bool(high >= vocab_size):  # one host sync on an accelerator; see check_targets
+            raise ValueError(f"targets must be token ids in [0, vocab_size={vocab_size}), got values in "
+                             f"[{int(low)}, {int(high)}]")
+
+    logprobs_T, entropy_T = _VocabParallelLogprobsEntropy.apply(
+        logits_local.view(-1, vocab_local), targets.reshape(-1),
+        tp_group if tp_size > 1 else None, tp_rank, vocab_size, float(temperature), chunk_size)
+    return logprobs_T.view(targets.shape), entropy_T.view(targets.shape)

@@ -1,0 +1,168 @@
+"""THE Hugging Face <-> Megatron name and layout mapping for Qwen2. The converters, the HF weight loader,
+checkpoint export and the vLLM weight sync all go through this module and nowhere else.
+
+Megatron names here are canonical: the local-spec names (`input_layernorm`, `pre_mlp_layernorm`) with GLOBAL layer
+indices. `canonical_name` turns a parameter name of a model chunk (Transformer Engine spec or local spec, stage-local
+layer index) into that form.
+
+Layouts (per TP rank r of T, H = hidden size, d = head_dim, G = query groups, Q = heads / G):
+  linear_qkv  [G/T * (Q+2) * d, H]  for each of this rank's query groups g: [q heads of g; k_g; v_g]
+  linear_fc1  [2 * F/T, H]          [gate rows of rank r; up rows of rank r]
+  linear_proj, linear_fc2           split along dim 1 (row-parallel input)
+  embedding, output_layer           vocab padded with zero rows to padded_vocab_size(V, T), split along dim 0
+  layer norms                       replicated
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .qwen2 import Qwen2Shape, padded_vocab_size
+
+REPLICATED, COLUMN, ROW, QKV, FC1, VOCAB = "replicated", "column", "row", "qkv", "fc1", "vocab"
+
+
+@dataclass(frozen=True)
+class TensorMapping:
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    layout: str
+
+    @property
+    def tp_split_dim(self) -> int | None:
+        return {REPLICATED: None, ROW: 1}.get(self.layout, 0)
+
+
+def tensor_mappings(shape: Qwen2Shape) -> list[TensorMapping]:
+    """Every tensor of the full model, in HF file order. A tied model has no lm_head: its output layer maps to the
+    embedding (the last pipeline stage keeps its own copy of it in megatron)."""
+    maps = [TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)]
+    for i in range(shape.num_layers):
+        mg, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn = hf + "self_attn."
+        maps += [
+            TensorMapping(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), REPLICATED),
+            TensorMapping(mg + "self_attention.linear_qkv.weight",
+                          (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), QKV),
+            TensorMapping(mg + "self_attention.linear_qkv.bias",
+                          (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), QKV),
+            TensorMapping(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), ROW),
+            TensorMapping(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), REPLICATED),
+            TensorMapping(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), FC1),
+            TensorMapping(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), ROW),
+        ]
+    maps.append(TensorMapping("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED))
+    lm_head = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
+    maps.append(TensorMapping("output_layer.weight", (lm_head,), VOCAB))
+    return maps
+
+
+def hf_tensor_names(shape: Qwen2Shape) -> list[str]:
+    """The tensors a HF checkpoint of this shape holds (each once; tied models have no lm_head.weight)."""
+    seen: dict[str, None] = {}
+    for m in tensor_mappings(shape):
+        for name in m.hf_names:
+            seen.setdefault(name)
+    return list(seen)
+
+
+def hf_tensor_shape(name: str, shape: Qwen2Shape) -> tuple[int, ...]:
+    """The shape config.json implies for a HF tensor (to name mismatches before loading)."""
+    h, d, heads, groups, f = (shape.hidden_size, shape.head_dim, shape.num_attention_heads, shape.num_query_groups,
+                              shape.ffn_hidden_size)
+    rules = [
+        (r"model\.embed_tokens\.weight|lm_head\.weight", (shape.vocab_size, h)),
+        (r".*(input|post_attention)_layernorm\.weight|model\.norm\.weight", (h,)),
+        (r".*q_proj\.weight", (heads * d, h)), (r".*q_proj\.bias", (heads * d,)),
+        (r".*[kv]_proj\.weight", (groups * d, h)), (r".*[kv]_proj\.bias", (groups * d,)),
+        (r".*o_proj\.weight", (h, heads * d)),
+        (r".*(gate|up)_proj\.weight", (f, h)), (r".*down_proj\.weight", (h, f)),
+    ]
+    for pattern, expected in rules:
+        if re.fullmatch(pattern, name):
+            return expected
+    raise KeyError(f"{name!r} is not a Qwen2 tensor")
+
+
+_TE_TO_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
+
+
+def canonical_name(param_name: str, layer_offset: int) -> str:
+    """'decoder.layers.1.mlp.linear_fc1.layer_norm_weight' on a stage starting at layer 4 ->
+    'decoder.layers.5.pre_mlp_layernorm.weight'. DDP's `module.` prefixes are dropped."""
+    name = re.sub(r"^(module\.)+", "", param_name)
+    m = _LAYER.match(name)
+    if m is None:
+        return name
+    rest = _TE_TO_LOCAL.get(m.group(2), m.group(2))
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
+
+
+def _qkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwen2Shape) -> torch.Tensor:
+    groups, d = shape.num_query_groups, shape.head_dim
+    per_group = shape.num_attention_heads // groups
+    tail = q.shape[1:]
+    q = q.reshape(groups, per_group * d, *tail)
+    k = k.reshape(groups, d, *tail)
+    v = v.reshape(groups, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(groups * (per_group + 2) * d, *tail)
+
+
+def _qkv_split(full: torch.Tensor, shape: Qwen2Shape) -> list[torch.Tensor]:
+    groups, d = shape.num_query_groups, shape.head_dim
+    per_group = shape.num_attention_heads // groups
+    tail = full.shape[1:]
+    grouped = full.reshape(groups, (per_group + 2) * d, *tail)
+    q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+    return [q.reshape(groups * per_group * d, *tail), k.reshape(groups * d, *tail), v.reshape(groups * d, *tail)]
+
+
+def hf_to_megatron_shard(mapping: TensorMapping, hf_tensors: list[torch.Tensor], shape: Qwen2Shape,
+                         tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's shard of a megatron tensor, from the HF tensors named by `mapping.hf_names` (same order)."""
+    layout = mapping.layout
+    if layout == REPLICATED:
+        return hf_tensors[0]
+    if layout == ROW:
+        return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank]
+    if layout == QKV:
+        return _qkv_full(*hf_tensors, shape).chunk(tp_size, dim=0)[tp_rank]
+    if layout == FC1:
+        gate, up = hf_tensors
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+    if layout == VOCAB:
+        table = hf_tensors[0]
+        padding = padded_vocab_size(shape.vocab_size, tp_size) - table.shape[0]
+        rows_per_rank = (table.shape[0] + padding) // tp_size
+        start = tp_rank * rows_per_rank
+        shard = table[start:start + rows_per_rank]
+        if shard.shape[0] < rows_per_rank:  # the padded tail: zero rows (never reach a softmax)
+            pad = table.new_zeros(rows_per_rank - shard.shape[0], *table.shape[1:])
+            shard = torch.cat([shard, pad], dim=0)
+        return shard
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def megatron_shards_to_hf(mapping: TensorMapping, shards: list[torch.Tensor],
+                          shape: Qwen2Shape) -> list[torch.Tensor]:
+    """The HF tensors (in `mapping.hf_names` order) from all TP ranks' shards of one megatron tensor (rank order).
+    For a replicated tensor one shard is enough."""
+    layout = mapping.layout
+    if layout == REPLICATED:
+        return [shards[0]]
+    if layout == ROW:
+        return [torch.cat(shards, dim=1)]
+    if layout == QKV:
+        return _qkv_split(torch.cat(shards, dim=0), shape)
+    if layout == FC1:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    if layout == VOCAB:
+        return [torch.cat(shards, dim=0)[:shape.vocab_size]]
+    raise ValueError(f"unknown layout {layout!r}")

@@ -1,0 +1,235 @@
+"""Qwen2 / Qwen2.5 on megatron-core: TransformerConfig from a Hugging Face config.json, layer specs, model builder.
+
+`transformer_config_from_hf` is the ONE function that turns a Qwen2 config.json into a megatron TransformerConfig.
+Everything about tensor names and layouts lives in `hf_mapping.py`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+# Megatron pads the vocabulary so that every TP rank holds an equal, 128-aligned slice. We pad to a multiple of
+# lcm(128 * TP, 1024): that is a multiple of 128 * TP, and for every TP <= 8 it does not depend on TP at all, so a
+# distributed checkpoint written at one TP reloads at another without touching the embedding shapes.
+VOCAB_DIVISIBLE_BY = 128
+VOCAB_TP_INDEPENDENT_MULTIPLE = 1024
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    multiple = math.lcm(VOCAB_DIVISIBLE_BY * tensor_parallel, VOCAB_TP_INDEPENDENT_MULTIPLE)
+    return -(-vocab_size // multiple) * multiple
+
+
+def load_hf_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {model_dir!r}: not a Hugging Face model directory")
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
+@dataclass(frozen=True)
+class Qwen2Shape:
+    """The architecture facts of a Qwen2 config.json that the model, the mapping and the planner use."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int  # true vocabulary, before padding
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    init_std: float
+
+    @classmethod
+    def from_hf(cls, hf_config: dict) -> "Qwen2Shape":
+        archs = hf_config.get("architectures") or []
+        model_type = hf_config.get("model_type")
+        if model_type != "qwen2" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"unsupported architecture {archs or model_type!r}: only Qwen2 (Qwen2ForCausalLM, "
+                             f"model_type 'qwen2') models are supported")
+        missing = [k for k in _REQUIRED_KEYS if k not in hf_config]
+        if missing:
+            raise ValueError(f"config.json lacks required keys {missing}")
+        if hf_config.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window=true is not supported (Qwen2.5 checkpoints do not use it)")
+        if hf_config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf_config['hidden_act']!r} is not supported (Qwen2 uses 'silu')")
+        # transformers >= 5 writes rope settings under `rope_parameters`; older config.json files use the top level.
+        rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"RoPE scaling {rope!r} is not supported (Qwen2.5 checkpoints use plain RoPE)")
+        rope_theta = hf_config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        heads = hf_config["num_attention_heads"]
+        hidden = hf_config["hidden_size"]
+        return cls(
+            hidden_size=hidden,
+            ffn_hidden_size=hf_config["intermediate_size"],
+            num_layers=hf_config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_query_groups=hf_config.get("num_key_value_heads", heads),
+            head_dim=hf_config.get("head_dim") or hidden // heads,
+            vocab_size=hf_config["vocab_size"],
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(hf_config.get("max_position_embeddings", 32768)),
+            init_std=float(hf_config.get("initializer_range", 0.02)),
+        )
+
+    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int,
+                       layers_per_stage: list[int] | None = None) -> None:
+        """Errors for TP/PP layouts this model cannot be split into."""
+        if self.num_attention_heads % tensor_parallel:
+            raise ValueError(f"{self.num_attention_heads} attention heads are not divisible by TP={tensor_parallel}")
+        if self.num_query_groups % tensor_parallel:
+            raise ValueError(f"{self.num_query_groups} query groups (num_key_value_heads) are not divisible by "
+                             f"TP={tensor_parallel}")
+        if self.ffn_hidden_size % tensor_parallel:
+            raise ValueError(f"intermediate_size {self.ffn_hidden_size} is not divisible by TP={tensor_parallel}")
+        if layers_per_stage is not None:
+            if len(layers_per_stage) != pipeline_parallel or sum(layers_per_stage) != self.num_layers \
+                    or min(layers_per_stage) < 1:
+                raise ValueError(f"layers_per_stage {layers_per_stage} must be {pipeline_parallel} positive numbers "
+                                 f"summing to {self.num_layers}")
+        elif self.num_layers % pipeline_parallel:
+            raise ValueError(f"{self.num_layers} layers are not divisible by PP={pipeline_parallel}; pass an "
+                             f"explicit uneven split (layers_per_stage)")
+
+
+def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                               virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
+                               params_dtype: torch.dtype = torch.float32, layers_per_stage: list[int] | None = None,
+                               recompute_activations: bool = False):
+    """The megatron-core TransformerConfig of a Qwen2 config.json, for the given parallel layout.
+
+    Qwen2: GQA (num_query_groups = num_key_value_heads), bias on q/k/v only, RMSNorm, SwiGLU, RoPE (rope_theta is
+    passed to GPTModel, which owns the rotary embedding). Dropout is 0 (RL fine-tuning, and exact parity with HF).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    shape = Qwen2Shape.from_hf(hf_config)
+    shape.check_parallel(tensor_parallel, pipeline_parallel, layers_per_stage)
+    on_gpu = torch.cuda.is_available()
+    uneven = {}
+    if layers_per_stage is not None and pipeline_parallel > 1:
+        uneven = dict(num_layers_in_first_pipeline_stage=layers_per_stage[0],
+                      num_layers_in_last_pipeline_stage=layers_per_stage[-1])
+        if len(set(layers_per_stage[1:-1])) > 1:
+            raise ValueError(f"layers_per_stage {layers_per_stage}: megatron-core allows only the first and last "
+                             f"stages to differ; the middle stages must hold equal numbers of layers")
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=shape.init_std,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_parallel,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        variable_seq_lengths=True,  # RL micro-batches have different lengths
+        moe_token_dispatcher_type="alltoall",  # no MoE here; the default "allgather" vetoes variable_seq_lengths
+        # Fusions need CUDA kernels (apex / TE / triton); off on CPU.
+        bias_activation_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_gpu,
+        recompute_granularity="full" if recompute_activations else None,
+        recompute_method="uniform" if recompute_activations else None,
+        recompute_num_layers=1 if recompute_activations else None,
+        **uneven,
+    )
+
+
+def transformer_engine_available() -> bool:
+    """TE is used only when it imports and CUDA is present (it has no CPU kernels)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401  (this is the one place that probes it)
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(use_transformer_engine: bool | None = None):
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    if use_transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int, pp_rank: int,
+                virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
+                params_dtype: torch.dtype = torch.float32, layers_per_stage: list[int] | None = None,
+                recompute_activations: bool = False, use_transformer_engine: bool | None = None,
+                parallel_output: bool = True) -> list:
+    """This rank's model chunks (one per virtual pipeline stage; a list of one without VPP).
+
+    Needs megatron's parallel state initialised (distributed.initialize_parallel). The vocabulary is padded with
+    `padded_vocab_size`; the padded logits are masked by every consumer (vocab-parallel op, scoring, generation).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    shape = Qwen2Shape.from_hf(hf_config)
+    config = transformer_config_from_hf(
+        hf_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+        virtual_pipeline_parallel=virtual_pipeline_parallel, sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype, layers_per_stage=layers_per_stage, recompute_activations=recompute_activations)
+    spec = layer_spec(use_transformer_engine)
+    num_chunks = virtual_pipeline_parallel or 1
+    chunks = []
+    for vp_stage in range(num_chunks):
+        first = pp_rank == 0 and vp_stage == 0
+        last = pp_rank == pipeline_parallel - 1 and vp_stage == num_chunks - 1
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(shape.vocab_size, tensor_parallel),
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=first, post_process=last, parallel_output=parallel_output,
+            share_embeddings_and_output_weights=shape.tie_word_embeddings,
+            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
+            vp_stage=vp_stage if virtual_pipeline_parallel else None,
+        )
+        chunks.append(model)
+    return chunks

@@ -203,12 +203,15 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
                 params_dtype: torch.dtype = torch.float32, layers_per_stage: list[int] | None = None,
                 recompute_activations: bool = False, use_transformer_engine: bool | None = None,
-                parallel_output: bool = True) -> list:
+                parallel_output: bool = True, meta_device: bool = False) -> list:
     """This rank's model chunks (one per virtual pipeline stage; a list of one without VPP).
 
     Needs megatron's parallel state initialised (distributed.initialize_parallel). The vocabulary is padded with
     `padded_vocab_size`; the padded logits are masked by every consumer (vocab-parallel op, scoring, generation).
+    `meta_device=True` builds shapes only (no memory, no initialisation): for parameter counts and planning.
     """
+    import contextlib
+
     from megatron.core.models.gpt import GPTModel
 
     shape = Qwen2Shape.from_hf(hf_config)
@@ -216,20 +219,24 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
         hf_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         virtual_pipeline_parallel=virtual_pipeline_parallel, sequence_parallel=sequence_parallel,
         params_dtype=params_dtype, layers_per_stage=layers_per_stage, recompute_activations=recompute_activations)
+    if meta_device:
+        config.use_cpu_initialization, config.perform_initialization = True, False
+        use_transformer_engine = False
     spec = layer_spec(use_transformer_engine)
     num_chunks = virtual_pipeline_parallel or 1
     chunks = []
     for vp_stage in range(num_chunks):
         first = pp_rank == 0 and vp_stage == 0
         last = pp_rank == pipeline_parallel - 1 and vp_stage == num_chunks - 1
-        model = GPTModel(
-            config=config, transformer_layer_spec=spec,
-            vocab_size=padded_vocab_size(shape.vocab_size, tensor_parallel),
-            max_sequence_length=shape.max_position_embeddings,
-            pre_process=first, post_process=last, parallel_output=parallel_output,
-            share_embeddings_and_output_weights=shape.tie_word_embeddings,
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
-            vp_stage=vp_stage if virtual_pipeline_parallel else None,
-        )
+        with torch.device("meta") if meta_device else contextlib.nullcontext():
+            model = GPTModel(
+                config=config, transformer_layer_spec=spec,
+                vocab_size=padded_vocab_size(shape.vocab_size, tensor_parallel),
+                max_sequence_length=shape.max_position_embeddings,
+                pre_process=first, post_process=last, parallel_output=parallel_output,
+                share_embeddings_and_output_weights=shape.tie_word_embeddings,
+                position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
+                vp_stage=vp_stage if virtual_pipeline_parallel else None,
+            )
         chunks.append(model)
     return chunks

@@ -1,0 +1,116 @@
+"""Launch-environment parsing, layout validation and Qwen2 config checks (no processes needed)."""
+import pytest
+
+from megatron_gtpo.distributed.parallel import (_pick_backend, check_parallel_layout, first_host_in_nodelist,
+                                                read_launch_env)
+from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+
+
+def test_torchrun_env_wins_over_slurm():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "1234",
+           "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    launch = read_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.master_port,
+            launch.launcher) == (3, 8, 1, "n1", 1234, "torchrun")
+
+
+def test_slurm_env_uses_first_node_as_master():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5", "SLURM_JOB_NODELIST": "gpu[007-008]"}
+    launch = read_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.launcher) == \
+        (5, 16, 5, "gpu007", "slurm")
+
+
+def test_single_process_default():
+    assert read_launch_env({}).launcher == "single"
+
+
+@pytest.mark.parametrize("nodelist,first", [
+    ("node1", "node1"), ("gpu[003-005,010]", "gpu003"), ("gpu[10,3]", "gpu10"), ("a[1-2],b[3-4]", "a1"),
+    ("host-7,host-8", "host-7"),
+])
+def test_first_host_in_nodelist(nodelist, first):
+    assert first_host_in_nodelist(nodelist) == first
+
+
+def test_layout_errors_name_the_problem():
+    assert check_parallel_layout(8, 2, 2) == 2
+    with pytest.raises(ValueError, match="world size 6 is not divisible by TP x PP = 2 x 2"):
+        check_parallel_layout(6, 2, 2)
+    with pytest.raises(ValueError, match="tensor parallel size must be >= 1"):
+        check_parallel_layout(4, 0, 1)
+    with pytest.raises(ValueError, match="virtual pipeline"):
+        check_parallel_layout(4, 2, 1, vpp=2)
+
+
+def test_backend_errors():
+    with pytest.raises(ValueError, match="unknown distributed backend 'mpi'"):
+        _pick_backend("mpi")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        _pick_backend("nccl")
+    assert _pick_backend(None) == "gloo"
+
+
+def test_model_split_errors():
+    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))  # 28 heads, 4 query groups, 28 layers
+    shape.check_parallel(4, 4)
+    with pytest.raises(ValueError, match="28 attention heads are not divisible by TP=8"):
+        shape.check_parallel(8, 1)
+    small = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-0.5b"))  # 14 heads, 2 query groups
+    with pytest.raises(ValueError, match=r"2 query groups \(num_key_value_heads\) are not divisible by TP=7"):
+        small.check_parallel(7, 1)
+    with pytest.raises(ValueError, match="28 attention heads are not divisible by TP=3"):
+        shape.check_parallel(3, 1)
+    with pytest.raises(ValueError, match="28 layers are not divisible by PP=3"):
+        shape.check_parallel(1, 3)
+    shape.check_parallel(1, 3, layers_per_stage=[9, 10, 9])
+    with pytest.raises(ValueError, match="summing to 28"):
+        shape.check_parallel(1, 3, layers_per_stage=[9, 9, 9])
+
+
+def test_unsupported_architecture_and_rope_scaling():
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        Qwen2Shape.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    cfg = dict(qwen25_hf_config("qwen2.5-0.5b"), rope_scaling={"type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="RoPE scaling"):
+        Qwen2Shape.from_hf(cfg)
+    with pytest.raises(ValueError, match="lacks required keys"):
+        Qwen2Shape.from_hf({"model_type": "qwen2"})
+
+
+def test_vocab_padding_is_tp_independent_up_to_8():
+    for vocab in (1000, 151936, 152064):
+        sizes = {padded_vocab_size(vocab, tp) for tp in (1, 2, 4, 8)}
+        assert len(sizes) == 1
+        size = sizes.pop()
+        assert size >= vocab and all(size % (128 * tp) == 0 for tp in (1, 2, 4, 8))
+    assert padded_vocab_size(1000, 1) == 1024
+    assert padded_vocab_size(152064, 16) % (128 * 16) == 0
+
+
+def _meta_param_counts(rank, world_size, names):
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.qwen2 import build_model
+
+    initialize_parallel(1, 1)
+    counts = {}
+    for name in names:
+        model = build_model(qwen25_hf_config(name), tensor_parallel=1, pipeline_parallel=1, pp_rank=0,
+                            meta_device=True)[0]
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+        counts[name] = sum(p.numel() for p in model.parameters())
+    return counts
+
+
+def test_real_sizes_build_on_meta_device_with_published_parameter_counts():
+    from distributed_harness import run_distributed
+
+    # Parameter counts of the published checkpoints (safetensors totals), e.g. Qwen2.5-7B: 7,615,616,512.
+    published = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen2.5-32b": 32_763_876_352}
+    counts = run_distributed(_meta_param_counts, 1, args=(list(published),), timeout_s=180)[0]
+    for name, expected in published.items():
+        cfg = qwen25_hf_config(name)
+        padding_rows = padded_vocab_size(cfg["vocab_size"], 1) - cfg["vocab_size"]
+        tables = 1 if cfg["tie_word_embeddings"] else 2
+        assert counts[name] == expected + padding_rows * cfg["hidden_size"] * tables, name

@@ -5,10 +5,7 @@ The only package that reads megatron.core.parallel_state. Importing it does not 
 from .parallel import (ParallelGroups, check_parallel_layout, destroy_parallel, initialize_parallel,
                        read_launch_env)
 from .platform import activate_cpu_platform
-try:
-    from .vocab_parallel import vocab_parallel_logprobs_and_entropy
-except ImportError:  # TEMP
-    vocab_parallel_logprobs_and_entropy = None
+from .vocab_parallel import vocab_parallel_logprobs_and_entropy
 
 __all__ = [
     "ParallelGroups", "activate_cpu_platform", "check_parallel_layout", "destroy_parallel", "initialize_parallel",

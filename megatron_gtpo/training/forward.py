@@ -79,10 +79,13 @@ def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[Micr
     of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding garbage."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
+        # Score all L positions against the left-shifted tokens (the last target is a dummy id 0) and drop the last
+        # column afterwards: slicing the logits instead would hand the op a non-contiguous [B, L-1, V/TP] view.
+        targets_BL = torch.nn.functional.pad(mb.tokens_BL[:, 1:], (0, 1)).to(logits_BLV.device)
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-            logits_BLV[:, :-1], mb.tokens_BL[:, 1:].to(logits_BLV.device), tp_group=groups.tp_group,
-            vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size)
-        return logprobs.float().cpu(), entropy.float().cpu()
+            logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature,
+            chunk_size=chunk_size)
+        return logprobs[:, :-1].float().cpu(), entropy[:, :-1].float().cpu()
 
     for model in model_chunks:
         model.eval()

@@ -1,0 +1,82 @@
+"""`python -m megatron_gtpo.score` end to end under torchrun, against a float64 reference from transformers."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed_harness import free_port
+from tiny_models import make_tiny_qwen2
+
+SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0], [4]]
+
+
+def _run_score(args, nproc=1, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", "-m", "megatron_gtpo.score", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def model_and_input(tmp_path_factory):
+    root = tmp_path_factory.mktemp("score")
+    hf = make_tiny_qwen2(root / "hf", tie=True, vocab_size=1000, num_layers=2)
+    inp = root / "in.jsonl"
+    inp.write_text("".join(json.dumps({"token_ids": s}) + "\n" for s in SEQUENCES))
+    return root, hf, inp
+
+
+def _reference(hf, seq, temperature):
+    with torch.no_grad():
+        logits = hf(torch.tensor([seq])).logits[0].double() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    target = torch.tensor(seq[1:])
+    lp = logp[:-1].gather(-1, target[:, None])[:, 0]
+    ent = -(logp.exp() * logp).sum(-1)[:-1]
+    return lp, ent
+
+
+@pytest.mark.parametrize("nproc,flags", [(2, ["--tp", "2"]), (2, ["--pp", "2"])], ids=["tp2", "pp2"])
+def test_score_matches_float64_reference(model_and_input, nproc, flags):
+    root, hf, inp = model_and_input
+    out = root / f"out_{'_'.join(flags)}.jsonl"
+    res = _run_score(["--hf", str(root / "hf"), "--input", str(inp), "--output", str(out), "--temperature", "0.7",
+                      "--micro-batch-size", "3", *flags], nproc=nproc)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(SEQUENCES)
+    for seq, row in zip(SEQUENCES, rows):
+        assert len(row["logprobs"]) == len(row["entropy"]) == len(seq) - 1
+        if len(seq) == 1:
+            continue
+        lp, ent = _reference(hf, seq, 0.7)
+        assert torch.allclose(torch.tensor(row["logprobs"], dtype=torch.float64), lp, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(torch.tensor(row["entropy"], dtype=torch.float64), ent, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"token_ids": [1, 2, 1000]}'], "outside the vocabulary"),
+    (['{"token_ids": [1, 2]}', "not json"], "in.jsonl:2: expected a JSON object"),
+    (['{"ids": [1]}'], "expected a JSON object with a 'token_ids' list"),
+    ([json.dumps({"token_ids": [1] * 257})], "exceed the model's max positions 256"),
+])
+def test_bad_input_fails_cleanly_without_output(model_and_input, tmp_path, lines, message):
+    root, _, _ = model_and_input
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.score", "--hf", str(root / "hf"), "--input", str(inp),
+                          "--output", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert not out.exists() and os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_missing_model_dir_is_named(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.score", "--hf", str(tmp_path / "nope"),
+                          "--input", "x.jsonl", "--output", str(tmp_path / "o.jsonl")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "no config.json" in res.stderr

@@ -1,0 +1,295 @@
+"""The run configuration: a typed dataclass tree, loaded from YAML with `--set a.b=c` overrides.
+
+Unknown keys, wrong types and inconsistent settings are errors that name the key (`ConfigError`). The resolved
+configuration is written next to the checkpoints (`save_config`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+ALGORITHMS = ("gtpo", "grpo_s", "grpo", "dapo")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str | None = None  # a Hugging Face Qwen2 directory to start from
+    load: str | None = None  # or a megatron_gtpo checkpoint directory (converter or trainer output)
+    tiny_synthetic: bool = False  # or a tiny random Qwen2 built in code for the synthetic task (the CPU demo)
+    dtype: str = "float32"  # float32 | bfloat16
+    recompute_activations: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    virtual_pipeline: int | None = None
+    sequence_parallel: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "builtin"  # builtin | vllm
+    num_responses_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    vllm_gpu_memory_utilization: float = 0.5
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "gtpo"
+    alpha1: float = 1.0
+    alpha2: float = 0.1
+    beta1: float = 1.0
+    beta2: float = 0.1
+    norm_scope: str = "batch"  # batch | group (GTPO)
+    entropy_clip: tuple[float, float] | None = None
+    eps_low: float | None = None  # None: the algorithm's default (0.2, and 0.28 high for clip-higher ones)
+    eps_high: float | None = None
+    dual_clip: float | None = None
+    sequence_ratio: str = "arithmetic"  # arithmetic | geometric (GRPO-S)
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool | None = None  # None: on for DAPO/GTPO/GRPO-S, off for GRPO
+    max_resample_rounds: int = 3
+    length_penalty: str | None = None  # None: the algorithm's default | none | overlong | group_relative
+    overlong_max_len: int | None = None  # None: rollout.max_new_tokens
+    overlong_cache_len: int | None = None  # None: a fifth of the max length (DAPO: 4096 of 20480)
+    group_relative_gamma: float = 0.75
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+
+
+@dataclass
+class DataConfig:
+    source: str = "jsonl"  # jsonl | synthetic
+    path: str | None = None
+    prompt_field: str = "problem"
+    answer_field: str = "answer"
+    template: str = "chat"  # chat | plain | dapo
+    prompts_per_step: int = 8  # global, across data-parallel ranks
+    micro_batch_size: int = 8  # sequences per micro-batch
+    mini_batches_per_step: int = 1
+    epochs_per_step: int = 1
+    max_prompt_tokens: int = 2048
+    seed: int = 1234
+
+
+@dataclass
+class WarmStartConfig:
+    """Optional supervised warm-start on the task's reference answers before RL (reported in the metrics)."""
+
+    steps: int = 0
+    lr: float = 1e-3
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # default: <output_dir>/checkpoints
+    save_every: int = 0  # 0: only at the end and on SIGTERM/SIGUSR1
+    keep_last: int = 2
+    resume: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "outputs/run"
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    seed: int = 1234
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.logging.output_dir, "checkpoints")
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm"), "algorithm.name": ALGORITHMS,
+    "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
+    "algorithm.length_penalty": ("none", "overlong", "group_relative"),
+    "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
+    "data.template": ("chat", "plain", "dapo"),
+}
+
+
+def _coerce(value, annotation, key: str):
+    """Check/convert one YAML value against a field's type annotation."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(annotation)):
+            raise ConfigError(f"{key}: expected a list of {len(typing.get_args(annotation))} values, got {value!r}")
+        return tuple(_coerce(v, t, key) for v, t in zip(value, typing.get_args(annotation)))
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected null, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {annotation!r}")
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(prefix + k for k in unknown)}; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        annotation = hints[name]
+        key = prefix + name
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, value, key + ".")
+        else:
+            kwargs[name] = _coerce(value, annotation, key)
+            if key in _CHOICES and kwargs[name] not in _CHOICES[key]:
+                raise ConfigError(f"{key}: {kwargs[name]!r} is not one of {', '.join(_CHOICES[key])}")
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], object]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-6")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    data: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    for item in overrides:
+        keys, value = _parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {k} is not a section")
+        node[keys[-1]] = value
+    cfg = _build(TrainConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Cross-field checks. With `world_size`, also the layout-dependent ones."""
+    def need(cond, msg):
+        if not cond:
+            raise ConfigError(msg)
+
+    m, r, d, a = cfg.model, cfg.rollout, cfg.data, cfg.algorithm
+    need(sum(x is not None and x is not False for x in (m.hf_dir, m.load, m.tiny_synthetic or None)) == 1,
+         "model: set exactly one of model.hf_dir, model.load, model.tiny_synthetic")
+    need(cfg.steps >= 0, f"steps: must be >= 0, got {cfg.steps}")
+    need(r.num_responses_per_prompt >= 2,
+         f"rollout.num_responses_per_prompt: group size must be >= 2, got {r.num_responses_per_prompt}")
+    need(r.temperature > 0, f"rollout.temperature: must be > 0, got {r.temperature}")
+    need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
+    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
+    need(d.source != "jsonl" or d.path, "data.path: required when data.source is jsonl")
+    need(d.source != "synthetic" or m.tiny_synthetic or m.hf_dir or m.load, "data.source: synthetic needs a model")
+    need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
+         and d.epochs_per_step >= 1, "data: prompts_per_step, micro_batch_size, mini_batches_per_step and "
+                                     "epochs_per_step must be >= 1")
+    need(d.prompts_per_step % d.mini_batches_per_step == 0,
+         f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data.mini_batches_per_step "
+         f"({d.mini_batches_per_step})")
+    need(a.entropy_clip is None or a.entropy_clip[0] <= a.entropy_clip[1],
+         f"algorithm.entropy_clip: low must be <= high, got {a.entropy_clip}")
+    need(cfg.optim.lr > 0, f"optim.lr: must be > 0, got {cfg.optim.lr}")
+    need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")
+    need(not cfg.parallel.sequence_parallel or cfg.parallel.tensor > 1,
+         "parallel.sequence_parallel: needs parallel.tensor > 1")
+    if world_size is not None:
+        tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+        need(world_size % (tp * pp) == 0,
+             f"parallel: world size {world_size} is not divisible by tensor x pipeline = {tp} x {pp}")
+        dp = world_size // (tp * pp)
+        need(d.prompts_per_step % (dp * d.mini_batches_per_step) == 0,
+             f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data-parallel size x "
+             f"mini_batches_per_step = {dp} x {d.mini_batches_per_step}")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: TrainConfig, path: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)

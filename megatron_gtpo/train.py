@@ -1,0 +1,39 @@
+"""Entry point: python -m megatron_gtpo.train --config FILE.yaml [--set key=value ...] (under torchrun or srun).
+
+Writes <logging.output_dir>/metrics.jsonl (one JSON object per step), TensorBoard logs, and checkpoints under
+<checkpoint.dir> (default <output_dir>/checkpoints); resumes from the newest checkpoint automatically.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_gtpo.config import ConfigError, load_config
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_gtpo.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="YAML config file (see examples/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set optim.lr=1e-6 (repeatable)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"megatron_gtpo.train: config error: {e}", file=sys.stderr)
+        return 2
+    from megatron_gtpo.distributed import destroy_parallel
+    from megatron_gtpo.training.loop import train
+
+    try:
+        train(cfg)
+    except ConfigError as e:  # layout-dependent checks run after the process group exists
+        print(f"megatron_gtpo.train: config error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

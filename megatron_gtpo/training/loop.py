@@ -1,0 +1,36 @@
+"""The RL loop. Every choice (algorithm, engine, data, parallel layout) was made when the run was built."""
+from __future__ import annotations
+
+from megatron_gtpo.config import TrainConfig
+
+from .checkpointing import StopSignal, save_checkpoint
+from .metrics import PhaseTimer
+from .run import build_run, update_policy, warm_start
+from .step_metrics import step_metrics
+
+
+def train(cfg: TrainConfig) -> None:
+    run = build_run(cfg)
+    stop = StopSignal.install()  # SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint, then exit
+    if run.start_step == 0 and cfg.warm_start.steps:
+        run.logger.log(-1, {"warm_start_steps": cfg.warm_start.steps, **warm_start(run)})
+    for step in range(run.start_step, cfg.steps):
+        timer = PhaseTimer()
+        with timer("generate"):
+            experience = run.collect(step)  # G responses per prompt, rewards, dynamic sampling
+        with timer("old_logprob"):
+            run.score(experience)  # old-policy log-probs + token entropy, vocab-parallel, at the training TP/PP
+        with timer("advantages"):
+            advantages = run.advantages(experience)  # the chosen algorithm, over the global batch
+        with timer("update"):
+            update = update_policy(run, experience, advantages)
+        with timer("sync"):
+            run.engine.sync_weights(run.policy.chunks, run.groups)
+        run.logger.log(step, step_metrics(run, experience, update, timer))
+        stopping = stop.agreed()  # every rank stops after the same step
+        if stopping or step + 1 == cfg.steps or (cfg.checkpoint.save_every
+                                                 and (step + 1) % cfg.checkpoint.save_every == 0):
+            save_checkpoint(run, step + 1)
+        if stopping:
+            break
+    run.logger.close()

@@ -1,0 +1,88 @@
+"""Per-step metrics: `<output dir>/metrics.jsonl` (one JSON object per step), TensorBoard, Weights & Biases when
+configured, and a console progress bar. Only the logging rank writes; the others hold a disabled logger."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+
+from tqdm import tqdm
+
+
+class PhaseTimer:
+    """Wall time of named phases of one step (seconds)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, *, enabled: bool, start_step: int, total_steps: int, tensorboard: bool,
+                 wandb_project: str | None, progress_bar: bool, run_config: dict):
+        self.enabled = enabled
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._tb = self._wandb = self._bar = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self._truncate_after(start_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if wandb_project:
+            import wandb  # optional: only when configured, and then its absence is an error
+
+            self._wandb = wandb.init(project=wandb_project, config=run_config, dir=output_dir)
+        if progress_bar:
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", dynamic_ncols=True)
+
+    def _truncate_after(self, start_step: int) -> None:
+        """A resumed run rewrites the steps it is about to redo (those logged after its checkpoint)."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in metrics.items()}}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "entropy_mean",
+                                                                   "response_length_mean") if k in metrics})
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,78 @@
+"""Building what the update needs: model chunks wrapped in megatron-core DDP, the DistributedOptimizer, the LR
+schedule. Weights come from a HF directory, a megatron_gtpo checkpoint, or a random init (the synthetic demo)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_gtpo.config import TrainConfig
+from megatron_gtpo.distributed import ParallelGroups
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class PolicyModel:
+    """The trained policy on this rank: DDP-wrapped chunks (for the update) and the bare GPTModels inside them
+    (for generation, scoring and checkpoints)."""
+
+    ddp_chunks: list
+    optimizer: object  # megatron.core.optimizer.MegatronOptimizer
+    scheduler: object  # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+
+    @property
+    def chunks(self) -> list:
+        return [c.module for c in self.ddp_chunks]
+
+
+def build_chunks(cfg: TrainConfig, hf_config: dict, groups: ParallelGroups) -> list:
+    from megatron_gtpo.models.qwen2 import build_model
+
+    return build_model(hf_config, tensor_parallel=groups.tp_size, pipeline_parallel=groups.pp_size,
+                       pp_rank=groups.pp_rank, virtual_pipeline_parallel=groups.vpp_size,
+                       sequence_parallel=groups.sequence_parallel, params_dtype=_DTYPES[cfg.model.dtype],
+                       recompute_activations=cfg.model.recompute_activations)
+
+
+def load_initial_weights(cfg: TrainConfig, chunks: list, groups: ParallelGroups) -> None:
+    """HF directory or converter/trainer checkpoint; a tiny synthetic model keeps megatron's seeded random init."""
+    if cfg.model.hf_dir:
+        from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+
+        with HFCheckpoint(cfg.model.hf_dir) as ckpt:
+            load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
+    elif cfg.model.load:
+        from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_only
+
+        load_model_only(cfg.model.load, chunks)
+
+
+def wrap_for_training(cfg: TrainConfig, chunks: list, *, train_steps: int) -> PolicyModel:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=True)
+    ddp_chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in chunks]
+    for c in ddp_chunks:
+        c.broadcast_params()  # replicas start identical even if their random inits differed
+    bf16 = cfg.model.dtype == "bfloat16"
+    optim = cfg.optim
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                        clip_grad=optim.grad_clip, bf16=bf16, params_dtype=_DTYPES[cfg.model.dtype],
+                        use_distributed_optimizer=True),
+        ddp_chunks)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(train_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+        wd_incr_steps=max(train_steps, 1), wd_incr_style="constant")
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, tied-embedding grad sync
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
+    return PolicyModel(ddp_chunks, optimizer, scheduler)

@@ -1,0 +1,297 @@
+"""Everything a run is made of, built once from the config: parallel groups, policy (DDP + optimizer + schedule),
+rollout engine, data, reward, the algorithm's advantage and loss functions, metrics and checkpoints. The loop
+(loop.py) only calls what is built here; every algorithm choice is made in `build_run`."""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_gtpo.algorithms import informative_groups, local_loss_normalizer
+from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
+from megatron_gtpo.algorithms.registry import resolve_algorithm
+from megatron_gtpo.config import TrainConfig, to_dict, validate
+from megatron_gtpo.distributed import ParallelGroups, initialize_parallel
+from megatron_gtpo.rollout.engine import SamplingParams
+
+from .experience import Experience, collect_experience, global_advantages, score_old_policy
+from .metrics import MetricsLogger
+from .model_setup import PolicyModel, build_chunks, load_initial_weights, wrap_for_training
+from .train_step import build_update_micro_batch, run_train_step, supervised_loss_fn
+
+
+@dataclass
+class Task:
+    """Prompts (PromptSample items), a tokenizer and a reward on decoded text."""
+
+    samples: list
+    tokenizer: object
+    reward: Callable[[str, str], float]
+    hf_config: dict
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    from megatron_gtpo.models.qwen2 import load_hf_config
+
+    if cfg.data.source == "synthetic":
+        from megatron_gtpo.data import synthetic
+
+        hf_config = synthetic.tiny_model_hf_config() if cfg.model.tiny_synthetic else None
+        return Task(synthetic.addition_problems(), synthetic.CharTokenizer(), synthetic.exact_match_reward,
+                    hf_config or _model_hf_config(cfg))
+    from megatron_gtpo.data.datasets import load_dataset
+    from megatron_gtpo.data.records import FieldMapping
+    from megatron_gtpo.data.templates import PROMPT_STYLES, tokenize_prompts
+    from megatron_gtpo.data.tokenizer import load_tokenizer
+    from megatron_gtpo.rewards import math_reward
+
+    model_dir = cfg.model.hf_dir or cfg.model.load
+    tokenizer = load_tokenizer(model_dir)
+    records = load_dataset(cfg.data.path, FieldMapping(problem=cfg.data.prompt_field, answer=cfg.data.answer_field))
+    template = PROMPT_STYLES["dapo" if cfg.data.template == "dapo" else "boxed"]
+    samples = tokenize_prompts(records, tokenizer, template, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    return Task(samples, tokenizer, math_reward, load_hf_config(model_dir) if cfg.model.hf_dir
+                else _model_hf_config(cfg))
+
+
+def _model_hf_config(cfg: TrainConfig) -> dict:
+    if cfg.model.hf_dir:
+        from megatron_gtpo.models.qwen2 import load_hf_config
+
+        return load_hf_config(cfg.model.hf_dir)
+    from megatron_gtpo.checkpoint.megatron_checkpoint import read_checkpoint_metadata
+
+    return read_checkpoint_metadata(cfg.model.load).hf_config
+
+
+def _accepted_kwargs(fn, candidates: dict) -> dict:
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in candidates.items() if k in params}
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    groups: ParallelGroups
+    task: Task
+    policy: PolicyModel
+    engine: object
+    loader: object
+    vocab_size: int
+    score: Callable[[Experience], None]
+    advantages: Callable[[Experience], torch.Tensor | None]
+    policy_loss: Callable  # (logprobs, old, advantages, mask, *, loss_normalizer, ref/entropy) -> loss, metrics
+    loss_agg_mode: str
+    collect: Callable[[int], Experience]
+    logger: MetricsLogger
+    start_step: int = 0
+    is_logging_rank: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def sampling_params(self, step: int, round_index: int) -> SamplingParams:
+        r = self.cfg.rollout
+        seed = (self.cfg.seed * 1_000_003 + step * 7_919 + round_index * 104_729 + self.groups.dp_rank) % 2**31
+        return SamplingParams(n=r.num_responses_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=(self.task.tokenizer.eos_token_id,),
+                              seed=seed)
+
+
+def build_run(cfg: TrainConfig) -> Run:
+    groups = initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline,
+                                 virtual_pipeline_parallel=cfg.parallel.virtual_pipeline,
+                                 sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.seed)
+    validate(cfg, world_size=groups.world_size)
+    task = build_task(cfg)
+    from megatron_gtpo.models.qwen2 import Qwen2Shape
+
+    shape = Qwen2Shape.from_hf(task.hf_config)
+    shape.check_parallel(groups.tp_size, groups.pp_size)
+    chunks = build_chunks(cfg, task.hf_config, groups)
+    load_initial_weights(cfg, chunks, groups)
+    policy = wrap_for_training(cfg, chunks, train_steps=cfg.steps)
+
+    from megatron_gtpo.data.loader import PromptLoader
+    from megatron_gtpo.rollout.builtin import BuiltinEngine
+
+    engine = BuiltinEngine(policy.chunks, groups, vocab_size=shape.vocab_size) if cfg.rollout.engine == "builtin" \
+        else _vllm_engine(cfg, task, groups)
+    loader = PromptLoader(task.samples, prompts_per_step=cfg.data.prompts_per_step, dp_rank=groups.dp_rank,
+                          dp_size=groups.dp_size, seed=cfg.data.seed)
+
+    spec = resolve_algorithm(cfg.algorithm.name)
+    a = cfg.algorithm
+    advantage_fn = partial(spec.advantage_fn, **_accepted_kwargs(spec.advantage_fn, dict(
+        alpha1=a.alpha1, alpha2=a.alpha2, beta1=a.beta1, beta2=a.beta2, norm_scope=a.norm_scope,
+        entropy_clip=a.entropy_clip)))
+    loss_overrides = dict(eps_low=a.eps_low if a.eps_low is not None else spec.eps_low,
+                          eps_high=a.eps_high if a.eps_high is not None else spec.eps_high,
+                          dual_clip=a.dual_clip, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef)
+    if spec.sequence_level_loss:
+        loss_overrides["sequence_ratio"] = a.sequence_ratio
+    policy_loss = partial(spec.policy_loss, **loss_overrides)
+
+    penalty_name = a.length_penalty or spec.length_penalty
+    max_len = a.overlong_max_len or cfg.rollout.max_new_tokens
+    length_penalty = {
+        "none": None,
+        "overlong": lambda lengths_NG, correct_NG: overlong_penalty(
+            lengths_NG, max_len=max_len, cache_len=a.overlong_cache_len or max(1, max_len // 5)),
+        "group_relative": lambda lengths_NG, correct_NG: group_relative_overlong_penalty(
+            lengths_NG, correct_NG, gamma=a.group_relative_gamma),
+    }[penalty_name]
+    dynamic_sampling = spec.dynamic_sampling if a.dynamic_sampling is None else a.dynamic_sampling
+
+    def reward_fn(token_ids: list[int], reference: str) -> float:
+        return task.reward(task.tokenizer.decode(token_ids), reference)
+
+    run = Run(cfg=cfg, groups=groups, task=task, policy=policy, engine=engine, loader=loader,
+              vocab_size=shape.vocab_size,
+              score=lambda exp: score_old_policy(policy.chunks, exp, groups, vocab_size=shape.vocab_size,
+                                                 temperature=cfg.rollout.temperature,
+                                                 micro_batch_size=cfg.data.micro_batch_size),
+              advantages=lambda exp: global_advantages(advantage_fn, spec.uses_entropy, exp, groups)
+              if groups.is_last_stage else None,
+              policy_loss=policy_loss,
+              loss_agg_mode="seq-mean-token-mean" if spec.sequence_level_loss else spec.loss_agg_mode,
+              collect=None, logger=None,
+              is_logging_rank=groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0)
+    target_groups = cfg.data.prompts_per_step // groups.dp_size
+
+    def collect(step: int) -> Experience:
+        rounds = iter(range(1_000_000))
+
+        def generate(prompts, params):
+            return engine.generate(prompts, run.sampling_params(step, next(rounds)))
+
+        sampler = type("Sampler", (), {"generate": staticmethod(generate)})
+        return collect_experience(sampler, lambda: loader.next_batch().items, reward_fn,
+                                  run.sampling_params(step, 0), groups, target_groups=target_groups,
+                                  dynamic_sampling=dynamic_sampling, max_extra_rounds=a.max_resample_rounds,
+                                  length_penalty=length_penalty, informative=informative_groups)
+
+    run.collect = collect
+    from .checkpointing import restore_if_any
+
+    run.start_step = restore_if_any(run)
+    os.makedirs(cfg.logging.output_dir, exist_ok=True)
+    run.logger = MetricsLogger(cfg.logging.output_dir, enabled=run.is_logging_rank, start_step=run.start_step,
+                               total_steps=cfg.steps, tensorboard=cfg.logging.tensorboard,
+                               wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
+                               run_config=to_dict(cfg))
+    return run
+
+
+def _vllm_engine(cfg: TrainConfig, task: Task, groups: ParallelGroups):
+    from megatron_gtpo.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine.from_config(cfg, task.hf_config, groups)
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    size = math.ceil(len(items) / parts) if items else 0
+    return [items[i * size:(i + 1) * size] for i in range(parts)]
+
+
+def update_policy(run: Run, exp: Experience, advantages) -> dict:
+    """mini_batches_per_step optimizer steps per epoch, epochs_per_step epochs, over this rank's groups."""
+    cfg, groups = run.cfg, run.groups
+    sequences, starts = exp.sequences(), exp.response_starts()
+    lengths = exp.response_lengths_NG().flatten().tolist()
+    G = exp.group_size
+    last = groups.is_last_stage and exp.num_groups > 0
+    old = [exp.old_logprobs_NGT.reshape(-1, exp.old_logprobs_NGT.shape[-1])[i, :n] for i, n in enumerate(lengths)] \
+        if last else None
+    if last and advantages.ndim == 3:
+        per_seq_adv = [advantages.reshape(-1, advantages.shape[-1])[i, :n] for i, n in enumerate(lengths)]
+    elif last:
+        per_seq_adv = list(advantages.reshape(-1).unbind())
+    group_ids = split_evenly(list(range(exp.num_groups)), cfg.data.mini_batches_per_step)
+    pad = groups.tp_size if groups.sequence_parallel else 1
+    results = []
+    for _epoch in range(cfg.data.epochs_per_step):
+        for mb_groups in group_ids:
+            seq_ids = [g * G + j for g in mb_groups for j in range(G)]
+            micro_batches = []
+            for chunk in split_evenly(seq_ids, max(1, math.ceil(len(seq_ids) / cfg.data.micro_batch_size))):
+                if not chunk:  # a rank without groups still takes part in the collective step, with no loss terms
+                    micro_batches.append(build_update_micro_batch([[0, 0]], [2], pad_to_multiple=pad))
+                    continue
+                micro_batches.append(build_update_micro_batch(
+                    [sequences[i] for i in chunk], [starts[i] for i in chunk], pad_to_multiple=pad,
+                    old_logprobs=[old[i] for i in chunk] if last else None,
+                    advantages=[per_seq_adv[i] for i in chunk] if last else None))
+            normalizer = torch.stack([local_loss_normalizer(m.loss_mask_BL, run.loss_agg_mode)
+                                      for m in micro_batches]).sum().double()
+            dist.all_reduce(normalizer, group=groups.dp_group)
+
+            def loss_fn(mb, logprobs_BL, entropy_BL, normalizer=normalizer.clamp(min=1)):
+                if mb.advantages is None:  # padding micro-batch of a rank without groups
+                    zero = (logprobs_BL * 0).sum()
+                    return zero, {}
+                return run.policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
+                                       loss_normalizer=normalizer, entropy_BT=entropy_BL)
+
+            results.append(run_train_step(run.policy, micro_batches, groups, loss_fn, vocab_size=run.vocab_size,
+                                          temperature=cfg.rollout.temperature))
+    return combine_update_metrics(results, groups)
+
+
+_SUMMED, _MAXED, _MINNED = ("pg_loss", "sft_loss", "num_tokens", "num_sequences"), ("ratio_max",), ("ratio_min",)
+
+
+def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
+    """Token-weighted means over micro-batches, mini-batches and DP ranks (sums / max / min where that is the
+    meaning); grad_norm of the last optimizer step."""
+    local: dict[str, list] = {}
+    for result in results:
+        for mb in result["micro_batch_metrics"] if groups.is_last_stage else []:
+            weight = float(mb.get("num_tokens", 0))
+            for k, v in mb.items():
+                local.setdefault(k, []).append((float(v), weight))
+    gathered = [None] * groups.dp_size
+    dist.all_gather_object(gathered, local, group=groups.dp_group)
+    merged: dict[str, list] = {}
+    for part in gathered:
+        for k, vs in part.items():
+            merged.setdefault(k, []).extend(vs)
+    out = {}
+    for k, vs in merged.items():
+        values = [v for v, _ in vs]
+        if k in _SUMMED:
+            out[k] = sum(values) / max(1, len(results) if k in ("pg_loss", "sft_loss") else 1)
+        elif k in _MAXED:
+            out[k] = max(values)
+        elif k in _MINNED:
+            out[k] = min(values)
+        else:
+            total = sum(w for _, w in vs)
+            out[k] = sum(v * w for v, w in vs) / total if total else float("nan")
+    out["grad_norm"] = results[-1]["grad_norm"] if results else float("nan")
+    out["update_successful"] = all(r["update_successful"] for r in results)
+    return out
+
+
+def warm_start(run: Run) -> dict:
+    """Supervised warm-start on the task's reference answers (synthetic task only: it knows the answer tokens)."""
+    from megatron_gtpo.data.synthetic import answer_token_ids
+
+    cfg, groups = run.cfg, run.groups
+    results = []
+    for _ in range(cfg.warm_start.steps):
+        prompts = run.loader.next_batch().items
+        sequences = [list(p.prompt_token_ids) + answer_token_ids(p.answer) for p in prompts]
+        starts = [len(p.prompt_token_ids) for p in prompts]
+        chunk_ids = split_evenly(list(range(len(sequences))), max(1, math.ceil(len(sequences) /
+                                                                             cfg.data.micro_batch_size)))
+        micro_batches = [build_update_micro_batch([sequences[i] for i in c], [starts[i] for i in c]) for c in chunk_ids]
+        tokens = torch.stack([m.loss_mask_BL.sum() for m in micro_batches]).sum().double()
+        dist.all_reduce(tokens, group=groups.dp_group)
+        results.append(run_train_step(run.policy, micro_batches, groups, supervised_loss_fn(float(tokens)),
+                                      vocab_size=run.vocab_size, lr=cfg.warm_start.lr))
+    return combine_update_metrics(results, groups) if results else {}

@@ -9,6 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_gtpo", "megatron_gtpo.*"]),
+    package_data={"megatron_gtpo.data": ["eval_sets/*"]},
     install_requires=[
         # The CPU wheel of torch 2.13.0 is installed first by the Makefile on machines without CUDA.
         "torch>=2.4",

@@ -20,7 +20,8 @@ gradients of the two outputs,
     d logprob / d z_v = 1[v = target] - p_v,        d entropy / d z_v = -p_v (z_v - E_p[z])
     d / d logits_v = (1 / temperature) (g_lp 1[v = target] - p_v (g_lp + g_H (z_v - E_p[z])))
 
-and p_v = exp(z_v - log Z) is local to the rank given the saved per-token log Z and E_p[z].
+and p_v = exp(z_v - log Z), z_v - E_p[z] = (z_v - log Z) + entropy are local to the rank given the saved
+per-token log Z and entropy. Backward recomputes them chunk by chunk from the input it keeps a reference to.
 
 Layout: megatron-core's output layer produces [s, b, V_local] (any leading dims work; they are flattened). Under
 sequence parallelism megatron's output ColumnParallelLinear all-gathers the sequence before the vocab projection, so
@@ -40,25 +41,32 @@ def _compute_dtype(logits_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if logits_dtype == torch.float64 else torch.float32
 
 
-def _scaled_chunk(logits_chunk_CV, temperature: float, workspace_CV: torch.Tensor, compute_dtype) -> torch.Tensor:
-    """z = logits / temperature in the compute dtype. Returns the input itself (no copy) when nothing changes it,
-    otherwise writes into the workspace: converting first, then dividing, so bf16 is never divided in bf16."""
-    if logits_chunk_CV.dtype == compute_dtype:
-        if temperature == 1.0:
-            return logits_chunk_CV
-        return torch.div(logits_chunk_CV, temperature, out=workspace_CV)
-    workspace_CV.copy_(logits_chunk_CV)
-    if temperature != 1.0:
-        workspace_CV.div_(temperature)
-    return workspace_CV
+def _shifted_chunk(logits_chunk_CV, shift_C, temperature: float, out_CV: torch.Tensor) -> torch.Tensor:
+    """out = logits / temperature - shift (per row), in out's (compute) dtype, converting before dividing so that
+    bf16 is never divided in bf16. Returns out."""
+    if logits_chunk_CV.dtype == out_CV.dtype and temperature == 1.0:
+        return torch.sub(logits_chunk_CV, shift_C.unsqueeze(-1), out=out_CV)
+    if logits_chunk_CV.dtype == out_CV.dtype:
+        torch.div(logits_chunk_CV, temperature, out=out_CV)
+    else:
+        out_CV.copy_(logits_chunk_CV)
+        if temperature != 1.0:
+            out_CV.div_(temperature)
+    return out_CV.sub_(shift_C.unsqueeze(-1))
+
+
+def _chunk_max(logits_chunk_CV, temperature: float, compute_dtype) -> torch.Tensor:
+    # fl(x / t) is monotone in x, so max_v fl(x_v / t) == fl(max_v x_v / t): no scaled copy is needed for the max.
+    return torch.amax(logits_chunk_CV, dim=-1).to(compute_dtype) / temperature
 
 
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     """Autograd core of `vocab_parallel_logprobs_and_entropy` on flattened, validated inputs.
 
     Saved for backward: the input `logits_TV` itself (a reference, no copy), `targets_T`, and two per-token
-    scalars in the compute dtype (log Z and E_p[z], [T] each). Softmax is recomputed chunk by chunk in backward,
-    so besides the gradient it returns, backward allocates at most two [chunk, V_local] compute-dtype workspaces.
+    scalars in the compute dtype (log Z and the entropy, [T] each). Softmax is recomputed chunk by chunk in
+    backward. Forward and backward each allocate two [chunk, V_local] compute-dtype workspaces (besides the
+    gradient that backward returns), freed when they return.
     """
 
     @staticmethod
@@ -69,7 +77,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         vocab_start = tp_rank * vocab_local
         # Columns of this shard that hold real ids; the rest is padding and is sliced away, not masked.
         num_valid = min(max(vocab_size - vocab_start, 0), vocab_local)
-        chunk = num_tokens if chunk_size is None else min(chunk_size, num_tokens)
+        chunk = max(1, num_tokens if chunk_size is None else min(chunk_size, num_tokens))
 
         local_max_T = torch.full((num_tokens,), -math.inf, dtype=compute_dtype, device=device)
         local_sum_exp_T = torch.zeros(num_tokens, dtype=compute_dtype, device=device)
@@ -80,13 +88,12 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
             for start in range(0, num_tokens, chunk):
                 stop = min(start + chunk, num_tokens)
                 n = stop - start
-                z_CV = _scaled_chunk(logits_TV[start:stop, :num_valid], temperature, shifted_CV[:n], compute_dtype)
-                chunk_max_C = local_max_T[start:stop]
-                torch.amax(z_CV, dim=-1, out=chunk_max_C)
-                torch.sub(z_CV, chunk_max_C.unsqueeze(-1), out=shifted_CV[:n])  # in place when z is the workspace
-                torch.exp(shifted_CV[:n], out=exp_CV[:n])
-                torch.sum(exp_CV[:n], dim=-1, out=local_sum_exp_T[start:stop])
-                torch.sum(exp_CV[:n].mul_(shifted_CV[:n]), dim=-1, out=local_sum_exp_shift_T[start:stop])
+                logits_CV = logits_TV[start:stop, :num_valid]
+                local_max_T[start:stop] = _chunk_max(logits_CV, temperature, compute_dtype)
+                d_CV = _shifted_chunk(logits_CV, local_max_T[start:stop], temperature, shifted_CV[:n])
+                e_CV = torch.exp(d_CV, out=exp_CV[:n])
+                torch.sum(e_CV, dim=-1, out=local_sum_exp_T[start:stop])
+                torch.sum(e_CV.mul_(d_CV), dim=-1, out=local_sum_exp_shift_T[start:stop])
             del shifted_CV, exp_CV
 
         target_col_T, owns_target_T = _local_target_columns(targets_T, vocab_start, num_valid)
@@ -109,15 +116,15 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         sum_exp_T, sum_exp_shift_T, target_z_T = sums_3T.unbind(0)
 
         log_sum_exp_T = torch.log(sum_exp_T)
-        mean_shift_T = sum_exp_shift_T / sum_exp_T
         log_normalizer_T = global_max_T + log_sum_exp_T
-        entropy_T = log_sum_exp_T - mean_shift_T
+        entropy_T = log_sum_exp_T - sum_exp_shift_T / sum_exp_T
         logprobs_T = target_z_T - log_normalizer_T
         # Out-of-range targets (reachable only with check_targets=False) are owned by no rank: make them loud.
         in_range_T = (targets_T >= 0) & (targets_T < vocab_size)
         logprobs_T = torch.where(in_range_T, logprobs_T, math.nan)
 
-        ctx.save_for_backward(logits_TV, targets_T, log_normalizer_T, global_max_T + mean_shift_T)
+        # A copy of the entropy ([T]), not the output itself: callers may modify the outputs in place.
+        ctx.save_for_backward(logits_TV, targets_T, log_normalizer_T, entropy_T.clone())
         ctx.vocab_start, ctx.num_valid = vocab_start, num_valid
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)
@@ -129,7 +136,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         none_for_args = (None,) * 6
         if grad_logprobs_T is None and grad_entropy_T is None:
             return (None,) + none_for_args
-        logits_TV, targets_T, log_normalizer_T, mean_z_T = ctx.saved_tensors
+        logits_TV, targets_T, log_normalizer_T, entropy_T = ctx.saved_tensors
         num_tokens, vocab_local = logits_TV.shape
         num_valid, temperature, chunk = ctx.num_valid, ctx.temperature, ctx.chunk
         compute_dtype = log_normalizer_T.dtype
@@ -140,38 +147,42 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         if num_valid == 0 or num_tokens == 0:
             return (grad_logits_TV,) + none_for_args
 
-        # Fold -1/temperature into the per-token factors: grad = p * (a + b (z - E_p[z])) + [v = target] c.
+        # With ls_v = z_v - log Z (so p_v = exp(ls_v) and z_v - E_p[z] = ls_v + H), the gradient is
+        #   d/d logits_v = p_v (a + s ls_v) + [v = target] c,   a = -(g_lp + g_H H) / t,  s = -g_H / t,  c = g_lp / t.
         inv_t = 1.0 / temperature
-        coef_const_T = (-inv_t * grad_logprobs_T.to(compute_dtype) if grad_logprobs_T is not None
-                        else torch.zeros(num_tokens, dtype=compute_dtype, device=device))
-        coef_slope_T = -inv_t * grad_entropy_T.to(compute_dtype) if grad_entropy_T is not None else None
+        zeros_T = torch.zeros(num_tokens, dtype=compute_dtype, device=device)
+        g_lp_T = grad_logprobs_T.to(compute_dtype) if grad_logprobs_T is not None else zeros_T
+        coef_const_T = -inv_t * g_lp_T
+        coef_slope_T = None
+        if grad_entropy_T is not None:
+            coef_slope_T = -inv_t * grad_entropy_T.to(compute_dtype)
+            coef_const_T = coef_const_T + coef_slope_T * entropy_T
         if grad_logprobs_T is not None:
             target_col_T, owns_target_T = _local_target_columns(targets_T, ctx.vocab_start, num_valid)
-            target_add_T = torch.where(owns_target_T, inv_t * grad_logprobs_T.to(compute_dtype), 0.0)
+            target_add_T = torch.where(owns_target_T, inv_t * g_lp_T, 0.0)
             row_index_C = torch.arange(chunk, device=device)
 
         writes_in_place = logits_TV.dtype == compute_dtype
-        prob_CV = None if writes_in_place else torch.empty(chunk, num_valid, dtype=compute_dtype, device=device)
-        z_workspace_CV = torch.empty(chunk, num_valid, dtype=compute_dtype, device=device)
+        prob_CV = torch.empty(chunk, num_valid, dtype=compute_dtype, device=device)
+        coef_CV = torch.empty(chunk, num_valid, dtype=compute_dtype, device=device) if coef_slope_T is not None \
+            else None
         for start in range(0, num_tokens, chunk):
             stop = min(start + chunk, num_tokens)
             n = stop - start
-            z_CV = _scaled_chunk(logits_TV[start:stop, :num_valid], temperature, z_workspace_CV[:n], compute_dtype)
-            out_CV = grad_logits_TV[start:stop, :num_valid] if writes_in_place else prob_CV[:n]
-            torch.sub(z_CV, log_normalizer_T[start:stop].unsqueeze(-1), out=out_CV)
-            out_CV.exp_()  # p, over the whole vocabulary's normaliser
-            if coef_slope_T is None:
-                out_CV.mul_(coef_const_T[start:stop].unsqueeze(-1))
-            else:
-                coef_CV = z_workspace_CV[:n]
-                torch.sub(z_CV, mean_z_T[start:stop].unsqueeze(-1), out=coef_CV)
-                coef_CV.mul_(coef_slope_T[start:stop].unsqueeze(-1)).add_(coef_const_T[start:stop].unsqueeze(-1))
-                out_CV.mul_(coef_CV)
+            grad_CV = grad_logits_TV[start:stop, :num_valid]
+            p_CV = _shifted_chunk(logits_TV[start:stop, :num_valid], log_normalizer_T[start:stop], temperature,
+                                  prob_CV[:n])  # ls for now
+            coef_C1 = coef_const_T[start:stop].unsqueeze(-1)
+            if coef_slope_T is not None:
+                coef_C1 = torch.addcmul(coef_C1, p_CV, coef_slope_T[start:stop].unsqueeze(-1), out=coef_CV[:n])
+            p_CV.exp_()
+            # fp32 results go straight into the gradient; others are finished in fp32 and rounded once.
+            out_CV = torch.mul(p_CV, coef_C1, out=grad_CV if writes_in_place else p_CV)
             if grad_logprobs_T is not None:
                 out_CV.index_put_((row_index_C[:n], target_col_T[start:stop]), target_add_T[start:stop],
                                   accumulate=True)
             if not writes_in_place:
-                grad_logits_TV[start:stop, :num_valid].copy_(out_CV)
+                grad_CV.copy_(out_CV)
         return (grad_logits_TV,) + none_for_args
 
 
@@ -196,10 +207,11 @@ def vocab_parallel_logprobs_and_entropy(logits_local, targets, *, tp_group, voca
         vocab_size: the true vocabulary size; ids >= vocab_size are padding and are excluded exactly (they get
             zero probability and zero gradient). Default V_local * TP (no padding).
         temperature: z = logits / temperature, applied to both outputs (> 0).
-        chunk_size: tokens processed at a time. None processes all tokens at once. With a chunk of C tokens the
+        chunk_size: tokens processed at a time; None processes all tokens at once. With a chunk of C tokens the
             extra memory beyond the input shard is two [C, V_local] compute-dtype workspaces in forward and in
-            backward (plus the returned gradient and O(T) per-token scalars). Small chunks (4-16) are also the
-            fastest on CPU, because each chunk's passes stay in cache.
+            backward, plus O(T) per-token scalars (and the gradient backward returns). On CPU small chunks (4-16)
+            are also the fastest, because each chunk's passes stay in cache; on a GPU pick the largest chunk the
+            memory budget allows (each chunk costs a handful of kernel launches).
         check_targets: raise ValueError unless 0 <= targets < vocab_size. The check is a min/max over the [T]
             target ids on this rank (no communication) but on an accelerator it is one host synchronisation, so
             hot paths whose ids come from the tokenizer may pass False; out-of-range targets then yield NaN

@@ -1,0 +1,72 @@
+"""The typed config: YAML + --set overrides, errors that name the key, example configs load."""
+import glob
+import os
+
+import pytest
+
+from megatron_gtpo.config import ConfigError, TrainConfig, load_config, save_config, validate
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BASE = "model: {tiny_synthetic: true}\ndata: {source: synthetic}\n"
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    cfg = load_config(_write(tmp_path, BASE), ["optim.lr=3e-4", "parallel.tensor=2", "algorithm.entropy_clip=[0.2, 2]",
+                                               "algorithm.name=grpo_s", "logging.wandb_project=null"])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.optim.lr == 3e-4 and cfg.parallel.tensor == 2 and cfg.algorithm.entropy_clip == (0.2, 2.0)
+    assert cfg.algorithm.name == "grpo_s" and cfg.logging.wandb_project is None
+
+
+@pytest.mark.parametrize("text,overrides,message", [
+    (BASE + "optim: {lrr: 1}\n", [], "unknown config key optim.lrr"),
+    (BASE, ["rollout.bogus=1"], "unknown config key rollout.bogus"),
+    (BASE, ["optim.lr=fast"], "optim.lr: expected a number, got 'fast'"),
+    (BASE, ["parallel.tensor=1.5"], "parallel.tensor: expected an integer"),
+    (BASE, ["algorithm.name=ppo"], "algorithm.name: 'ppo' is not one of gtpo, grpo_s, grpo, dapo"),
+    (BASE, ["rollout.num_responses_per_prompt=1"], "group size must be >= 2"),
+    (BASE, ["data.prompts_per_step=6", "data.mini_batches_per_step=4"], "must be divisible by"),
+    ("data: {source: synthetic}\n", [], "set exactly one of model.hf_dir"),
+    (BASE, ["algorithm.entropy_clip=[3, 1]"], "low must be <= high"),
+    (BASE, ["parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),
+    (BASE, ["optim.lr"], "expected key=value"),
+])
+def test_errors_name_the_key(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_config(_write(tmp_path, text), overrides)
+
+
+def test_layout_dependent_checks():
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "parallel.tensor=2",
+                             "data.prompts_per_step=6"])
+    validate(cfg, world_size=4)  # DP = 2 divides 6
+    with pytest.raises(ConfigError, match="world size 5 is not divisible by tensor x pipeline = 2 x 1"):
+        validate(cfg, world_size=5)
+    with pytest.raises(ConfigError, match="data-parallel size x mini_batches_per_step = 4 x 1"):
+        validate(cfg, world_size=8)
+
+
+def test_missing_file_is_named():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent.yaml")
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(_write(tmp_path, BASE), ["algorithm.entropy_clip=[0.1, 3.0]", "optim.lr=0.5"])
+    save_config(cfg, str(tmp_path / "saved.yaml"))
+    assert load_config(str(tmp_path / "saved.yaml")) == cfg
+
+
+def test_example_configs_load():
+    paths = sorted(glob.glob(os.path.join(EXAMPLES, "*.yaml")))
+    assert paths
+    for path in paths:
+        load_config(path)

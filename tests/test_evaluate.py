@@ -1,0 +1,192 @@
+"""Evaluation: Pass@k / Mean@k estimators, the atomic JSON/CSV report, and the CLI end to end with a test engine."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from fractions import Fraction
+
+import pytest
+
+from megatron_gtpo import evaluate
+from megatron_gtpo.data import BOXED_SUFFIX, load_dataset, load_tokenizer
+from megatron_gtpo.evaluate import ProblemResult, mean_at_k, pass_at_k, write_report
+from test_tokenizers import QWEN_DEFAULT_SYSTEM, build_hf_tokenizer_dir
+
+
+def _closed_form_pass_at_k(n: int, c: int, k: int) -> Fraction:
+    return 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+
+
+def test_pass_at_k_matches_the_closed_form_exhaustively():
+    for n in range(1, 16):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(float(_closed_form_pass_at_k(n, c, k)), rel=1e-12, abs=1e-15)
+
+
+def test_pass_at_k_hand_cases_and_large_n():
+    assert pass_at_k(1, 1, 1) == 1.0 and pass_at_k(1, 0, 1) == 0.0
+    assert pass_at_k(2, 1, 1) == 0.5
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert pass_at_k(10, 0, 10) == 0.0 and pass_at_k(10, 1, 10) == 1.0
+    # C(1000, 500) has ~300 digits: the product form must still be exact to rounding
+    assert pass_at_k(1000, 1, 500) == pytest.approx(0.5, rel=1e-12)
+    assert pass_at_k(1000, 7, 100) == pytest.approx(float(_closed_form_pass_at_k(1000, 7, 100)), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "n, c, k, message",
+    [(4, 1, 5, r"k must be in \[1, num_samples=4\]"), (4, 1, 0, "k must be in"), (4, 5, 1, "num_correct must be in"),
+     (4, -1, 1, "num_correct must be in"), (0, 0, 1, "num_samples must be >= 1"), (4, 1, 1.0, "k must be an int"),
+     (4, True, 1, "num_correct must be an int")],
+)
+def test_pass_at_k_and_mean_at_k_reject_bad_counts(n, c, k, message):
+    with pytest.raises(ValueError, match=message):
+        pass_at_k(n, c, k)
+    with pytest.raises(ValueError, match=message):
+        mean_at_k(n, c, k)
+
+
+def test_mean_at_k_is_the_fraction_correct():
+    assert mean_at_k(8, 3, 1) == mean_at_k(8, 3, 8) == 3 / 8
+    assert mean_at_k(5, 0, 2) == 0.0 and mean_at_k(5, 5, 5) == 1.0
+
+
+def _result(problem_id: str, correct: list[bool]) -> ProblemResult:
+    return ProblemResult(problem_id, "7", tuple(correct), tuple("7" if ok else "1" for ok in correct))
+
+
+def test_report_metrics_json_and_csv(tmp_path):
+    results = {
+        "setA": [_result("a1", [True, False, False, False]), _result("a2", [True, True, False, True])],
+        "setB": [_result("b1", [False] * 4)],
+    }
+    summary = write_report(results, str(tmp_path), ks=[1, 2, 4], settings={"model": "m"})
+    # setA: c = 1 and 3 of n = 4. pass@2: 1 - C(3,2)/C(4,2) = 1/2 and 1 - 0 = 1.
+    assert summary["setA"] == pytest.approx({"num_problems": 2, "num_samples": 4, "mean@4": (1 / 4 + 3 / 4) / 2,
+                                             "pass@1": 0.5, "pass@2": (0.5 + 1.0) / 2, "pass@4": 1.0})
+    assert summary["setB"] == {"num_problems": 1, "num_samples": 4, "mean@4": 0.0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0}
+
+    with open(tmp_path / evaluate.RESULTS_JSON, encoding="utf-8") as f:
+        report = json.load(f)
+    assert report["settings"] == {"model": "m"} and report["summary"] == json.loads(json.dumps(summary))
+    assert [(p["dataset"], p["problem_id"], p["num_correct"], p["correct"]) for p in report["problems"]] == [
+        ("setA", "a1", 1, [True, False, False, False]), ("setA", "a2", 3, [True, True, False, True]),
+        ("setB", "b1", 0, [False] * 4),
+    ]
+    assert report["problems"][0]["predicted_answers"] == ["7", "1", "1", "1"]
+    with open(tmp_path / evaluate.RESULTS_CSV, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["dataset"], r["problem_id"], r["num_correct"]) for r in rows] == [("setA", "a1", "1"), ("setA", "a2", "3"), ("setB", "b1", "0")]
+    assert float(rows[1]["accuracy"]) == 0.75 and float(rows[0]["pass@2"]) == pytest.approx(0.5)
+    assert sorted(os.listdir(tmp_path)) == [evaluate.RESULTS_CSV, evaluate.RESULTS_JSON]  # no temporary files left
+
+    with pytest.raises(ValueError, match="same number of samples"):
+        write_report({"bad": [_result("x", [True]), _result("y", [True, False])]}, str(tmp_path), ks=[1])
+    with pytest.raises(ValueError, match=r"k must be in \[1, num_samples=4\]"):
+        write_report(results, str(tmp_path), ks=[8])
+
+
+def test_report_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
+    write_report({"s": [_result("a", [True])]}, str(tmp_path), ks=[1])
+    before = (tmp_path / evaluate.RESULTS_JSON).read_text()
+
+    def failing_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        write_report({"s": [_result("a", [False])]}, str(tmp_path), ks=[1])
+    assert (tmp_path / evaluate.RESULTS_JSON).read_text() == before
+    assert sorted(os.listdir(tmp_path)) == [evaluate.RESULTS_CSV, evaluate.RESULTS_JSON]
+
+
+class CannedEngine:
+    """Test double of the rollout engine: answers problem p (found by its text in the decoded prompt) with
+    `num_correct[p]` correct responses, then wrong ones; records every call."""
+
+    def __init__(self, tokenizer, records, num_correct):
+        self.tokenizer = tokenizer
+        self.records = records
+        self.num_correct = num_correct
+        self.calls = []
+
+    def generate(self, prompts_token_ids, *, n, temperature, top_p, max_new_tokens, seed):
+        self.calls.append({"num_prompts": len(prompts_token_ids), "n": n, "temperature": temperature,
+                           "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
+                           "prompts": [self.tokenizer.decode(ids) for ids in prompts_token_ids]})
+        outputs = []
+        for prompt_text in self.calls[-1]["prompts"]:
+            (record,) = [r for r in self.records if f"user\n{r.problem}\n" in prompt_text]
+            responses = []
+            for sample in range(n):
+                if sample < self.num_correct[record.id]:
+                    text = f"Adding up, we get $\\boxed{{{record.answer}}}$."
+                else:
+                    text = f"So the answer is \\boxed{{{int(record.answer) + 1}}}" if sample % 2 else "I give up."
+                responses.append(self.tokenizer.encode(text) + [self.tokenizer.eos_token_id])
+            outputs.append(responses)
+        return outputs
+
+
+def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tokenizer"))
+    tokenizer = load_tokenizer(tokenizer_dir)
+    custom_path = tmp_path / "custom.jsonl"
+    custom_path.write_text("".join(json.dumps({"id": f"c{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                                   for i in range(5)))
+    datasets = {"aime25": load_dataset("aime25"), "custom": load_dataset(str(custom_path))}
+    n = 4
+    num_correct = {r.id: position % (n + 1) for records in datasets.values() for position, r in enumerate(records)}
+    engine = CannedEngine(tokenizer, [r for records in datasets.values() for r in records], num_correct)
+    created = []
+
+    def engine_factory(args, tok):
+        created.append((args.model, tok.vocab_size))
+        return engine
+
+    output_dir = tmp_path / "eval"
+    summary = evaluate.main(
+        ["--model", tokenizer_dir, "--datasets", "aime25", f"custom={custom_path}", "--output-dir", str(output_dir),
+         "--num-samples", str(n), "--temperature", "0.6", "--top-p", "0.95", "--max-new-tokens", "512",
+         "--seed", "10", "--prompts-per-call", "8", "--num-reward-workers", "1"],
+        engine_factory=engine_factory,
+    )
+    assert created == [(tokenizer_dir, tokenizer.vocab_size)]
+    # aime25 in calls of 8, 8, 8, 6 prompts, then custom in one call of 5; seeds offset by the first prompt index
+    assert [(c["num_prompts"], c["seed"]) for c in engine.calls] == [(8, 10), (8, 18), (8, 26), (6, 34), (5, 10)]
+    assert {(c["n"], c["temperature"], c["top_p"], c["max_new_tokens"]) for c in engine.calls} == {(n, 0.6, 0.95, 512)}
+    first_problem = datasets["aime25"][0].problem
+    assert engine.calls[0]["prompts"][0] == (
+        f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\n{first_problem}{BOXED_SUFFIX}"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+    for name, records in datasets.items():
+        counts = [num_correct[r.id] for r in records]
+        expected = {"num_problems": len(records), "num_samples": n, f"mean@{n}": sum(c / n for c in counts) / len(counts)}
+        for k in (1, 2, 4):  # the default ks for n = 4
+            expected[f"pass@{k}"] = sum(float(_closed_form_pass_at_k(n, c, k)) for c in counts) / len(counts)
+        assert summary[name] == pytest.approx(expected)
+    with open(output_dir / evaluate.RESULTS_JSON, encoding="utf-8") as f:
+        report = json.load(f)
+    assert report["settings"]["seed"] == 10 and report["settings"]["template"]["suffix"] == BOXED_SUFFIX
+    problems = {(p["dataset"], p["problem_id"]): p for p in report["problems"]}
+    assert len(problems) == 35
+    c2 = problems[("custom", "c2")]  # 2 correct of 4: "4", "4", then no answer (sample 2), "5" (sample 3)
+    assert c2["correct"] == [True, True, False, False] and c2["predicted_answers"] == ["4", "4", None, "5"]
+    with open(output_dir / evaluate.RESULTS_CSV, encoding="utf-8", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 35
+
+
+def test_cli_argument_errors_and_unconnected_engine(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--model", "m", "--output-dir", "o", "--num-samples", "4", "--ks", "1,8"])
+    assert "every k in --ks must be in [1, --num-samples=4]" in capsys.readouterr().err
+    assert evaluate.parse_args(["--model", "m", "--output-dir", "o", "--num-samples", "6"]).ks == [1, 2, 4, 6]
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tokenizer"))
+    with pytest.raises(RuntimeError, match="no rollout engine is connected"):
+        evaluate.main(["--model", tokenizer_dir, "--datasets", "aime24", "--output-dir", str(tmp_path / "o")])

@@ -1,0 +1,157 @@
+"""Tokenizer wrapper over a HF BPE tokenizer and a SentencePiece model, both trained here (nothing downloaded).
+
+`build_hf_tokenizer_dir` is also used by tests/test_evaluate.py and tests/test_data_records.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_gtpo.data import HFTokenizer, SentencePieceTokenizer, load_tokenizer, render_plain_chat
+
+# Qwen2.5's chat template, without its tool-calling branches.
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role != 'system' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "Solve the following math problem step by step. What is $1 + 1$? The answer is $\\boxed{2}$.",
+    "Let $x$ be a real number with $x^2 = 4$. Then $x = \\pm 2$, so Answer: 2",
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+    "The sum of the first $n$ odd numbers is $n^2$, and $\\frac{1}{2} + \\frac{1}{3} = \\frac{5}{6}$.",
+]
+SAMPLE_TEXTS = [
+    "What is $\\frac{3}{4} + 0.25$? Answer: 1",
+    "  leading and trailing spaces, double  spaces\tand a tab\n",
+    "Unicode: héllo wörld, 日本語, ∑_{i=1}^n i² = n(n+1)/2 — done.",
+]
+
+
+def build_hf_tokenizer_dir(directory: str, *, with_pad: bool = True, with_chat_template: bool = True) -> str:
+    """A byte-level BPE tokenizer (vocab 400) saved as a HF tokenizer directory with Qwen2.5 chat markup."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "model_max_length": 32768}
+    if with_pad:
+        config["pad_token"] = "<|endoftext|>"
+    if with_chat_template:
+        config["chat_template"] = QWEN25_CHAT_TEMPLATE
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return directory
+
+
+def build_sentencepiece_model(directory: str) -> str:
+    """A small BPE SentencePiece model trained on a corpus file written here; byte fallback, no normalization."""
+    import sentencepiece
+
+    os.makedirs(directory, exist_ok=True)
+    corpus_path = os.path.join(directory, "corpus.txt")
+    with open(corpus_path, "w", encoding="utf-8") as f:
+        f.write("\n".join(CORPUS * 20) + "\n")
+    prefix = os.path.join(directory, "spm")
+    sentencepiece.SentencePieceTrainer.train(
+        input=corpus_path, model_prefix=prefix, model_type="bpe", vocab_size=400, character_coverage=1.0,
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2,
+    )
+    return prefix + ".model"
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory):
+    return build_hf_tokenizer_dir(str(tmp_path_factory.mktemp("hf_tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(hf_tokenizer_dir):
+    return load_tokenizer(hf_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def sp_tokenizer(tmp_path_factory):
+    return load_tokenizer(build_sentencepiece_model(str(tmp_path_factory.mktemp("spm"))))
+
+
+def test_hf_tokenizer_round_trips_and_reports_special_ids(hf_tokenizer, hf_tokenizer_dir):
+    assert isinstance(hf_tokenizer, HFTokenizer)
+    for text in SAMPLE_TEXTS:
+        token_ids = hf_tokenizer.encode(text)
+        assert all(isinstance(i, int) and 0 <= i < hf_tokenizer.vocab_size for i in token_ids)
+        assert hf_tokenizer.decode(token_ids) == text
+    # special tokens were registered first by the trainer, in this order
+    assert hf_tokenizer.encode("<|im_end|>") == [2] and hf_tokenizer.eos_token_id == 2
+    assert hf_tokenizer.pad_token_id == 0
+    from tokenizers import Tokenizer
+
+    trained = Tokenizer.from_file(os.path.join(hf_tokenizer_dir, "tokenizer.json"))
+    assert hf_tokenizer.vocab_size == trained.get_vocab_size(with_added_tokens=True) > 256
+    assert hf_tokenizer.decode(hf_tokenizer.encode("x = 1<|im_end|>"), skip_special_tokens=True) == "x = 1"
+
+
+def test_hf_chat_template_is_applied(hf_tokenizer):
+    user_only = hf_tokenizer.apply_chat_template([{"role": "user", "content": "What is 1+1?"}])
+    assert user_only == (
+        f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with_system = hf_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], add_generation_prompt=False
+    )
+    assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    token_ids = hf_tokenizer.encode(user_only)
+    assert token_ids[0] == 1 and token_ids.count(2) == 2  # <|im_start|>, and two <|im_end|> as single tokens
+    assert hf_tokenizer.decode(token_ids) == user_only
+
+
+def test_hf_tokenizer_without_pad_or_chat_template(tmp_path):
+    tokenizer = load_tokenizer(build_hf_tokenizer_dir(str(tmp_path), with_pad=False, with_chat_template=False))
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == 2
+    with pytest.raises(ValueError, match="has no chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_sentencepiece_round_trips_and_uses_the_plain_chat_template(sp_tokenizer):
+    assert isinstance(sp_tokenizer, SentencePieceTokenizer)
+    for text in SAMPLE_TEXTS:
+        token_ids = sp_tokenizer.encode(text)
+        assert all(0 <= i < sp_tokenizer.vocab_size for i in token_ids)
+        assert sp_tokenizer.decode(token_ids) == text
+    assert (sp_tokenizer.eos_token_id, sp_tokenizer.pad_token_id, sp_tokenizer.vocab_size) == (2, 3, 400)
+    assert sp_tokenizer.decode(sp_tokenizer.encode("x = 1") + [sp_tokenizer.eos_token_id]) == "x = 1"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1+1?"}]
+    expected = "System: Be brief.\n\nUser: What is 1+1?\n\nAssistant:"
+    assert sp_tokenizer.apply_chat_template(messages) == expected == render_plain_chat(messages)
+    assert sp_tokenizer.apply_chat_template(messages[1:], add_generation_prompt=False) == "User: What is 1+1?"
+
+
+def test_bad_tokenizer_paths(tmp_path):
+    with pytest.raises(ValueError, match="model directory or a SentencePiece .model file"):
+        load_tokenizer(str(tmp_path / "missing.model"))
+    with pytest.raises(ValueError, match="model_file must be an existing"):
+        SentencePieceTokenizer(str(tmp_path / "missing.model"))
+    with pytest.raises(ValueError, match="model_dir must be a local directory"):
+        HFTokenizer(str(tmp_path / "nowhere"))

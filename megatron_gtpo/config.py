@@ -182,6 +182,11 @@ def _coerce(value, annotation, key: str):
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if annotation is str:
         if isinstance(value, str):
@@ -211,7 +216,7 @@ def _build(cls, data: dict, prefix: str):
             kwargs[name] = _build(annotation, value, key + ".")
         else:
             kwargs[name] = _coerce(value, annotation, key)
-            if key in _CHOICES and kwargs[name] not in _CHOICES[key]:
+            if key in _CHOICES and kwargs[name] is not None and kwargs[name] not in _CHOICES[key]:
                 raise ConfigError(f"{key}: {kwargs[name]!r} is not one of {', '.join(_CHOICES[key])}")
     return cls(**kwargs)
 

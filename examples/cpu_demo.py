@@ -15,42 +15,11 @@ import os
 import subprocess
 import sys
 
+from megatron_gtpo.reporting import plot_runs, read_rl_metrics, window_means
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "cpu_demo.yaml")
 WINDOW = 10  # steps averaged at the start and end of RL when measuring the rise
-
-
-def read_metrics(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [row for row in map(json.loads, f) if row["step"] >= 0]
-
-
-def reward_rise(rows: list[dict], window: int = WINDOW) -> tuple[float, float]:
-    """Mean reward over the first and the last `window` RL steps."""
-    rewards = [r["reward_mean"] for r in rows]
-    window = max(1, min(window, len(rewards) // 2))
-    return sum(rewards[:window]) / window, sum(rewards[-window:]) / window
-
-
-def plot(rows: list[dict], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, label in zip(axes, ("reward_mean", "entropy_mean", "response_length_mean"),
-                              ("mean reward", "mean token entropy (nats)", "mean response length (tokens)")):
-        ax.plot(steps, [r[key] for r in rows], lw=1.2)
-        ax.set_xlabel("RL step")
-        ax.set_title(label)
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -77,10 +46,10 @@ def main(argv=None) -> int:
         print("demo: training failed", file=sys.stderr)
         return 1
 
-    rows = read_metrics(metrics_path)
-    start, end = reward_rise(rows)
+    rows = read_rl_metrics(out)
+    start, end = window_means([r["reward_mean"] for r in rows], WINDOW)
     png = os.path.join(out, "demo.png")
-    plot(rows, png, f"{args.algorithm.upper()} on the synthetic addition task (TP=2, CPU)")
+    plot_runs({args.algorithm: rows}, png, f"{args.algorithm.upper()} on the synthetic addition task (CPU)")
     with open(metrics_path, encoding="utf-8") as f:
         warm = [r for r in map(json.loads, f) if r["step"] < 0]
     if warm:

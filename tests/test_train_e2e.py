@@ -103,3 +103,14 @@ def test_bad_config_exits_with_named_key(tmp_path):
                           os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.yaml"),
                           "--set", "optim.learning_rate=1"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "unknown config key optim.learning_rate" in res.stderr
+
+
+def test_demo_reward_rises(tmp_path):
+    """The README's demo, as `make demo` runs it: the mean reward must rise by at least 0.3 (the script's own
+    check), and it must leave its plot behind."""
+    demo = os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.py")
+    res = subprocess.run([sys.executable, demo, "--output-dir", str(tmp_path)], capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-3000:])
+    assert "rise +" in res.stdout
+    assert (tmp_path / "demo.png").stat().st_size > 10_000

@@ -18,6 +18,8 @@ run before megatron-core builds anything (it is called by `megatron_gtpo.distrib
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -87,6 +89,12 @@ def activate_cpu_platform() -> bool:
         return False
     if _mode is not None:
         return True
+
+    # Expected on a CPU machine, and printed by every rank on every step otherwise.
+    for message in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
+                    ".*all_gather_into_tensor` is deprecated.*", ".*reduce_scatter_tensor` is deprecated.*",
+                    ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=message)
 
     cuda = torch.cuda
     cuda.current_device = lambda: 0

@@ -94,9 +94,10 @@ def save_checkpoint(run, step: int) -> str:
     if groups.world_rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(run, is_loading=False), tmp)
+    dist_checkpointing.save(_sharded_state(run, is_loading=False), tmp)  # wants an empty directory
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{groups.world_rank:05d}.pt"))
     if groups.world_rank == 0:
         state = {"step": step, "loader": run.loader.state_dict(), "scheduler": run.policy.scheduler.state_dict(),

@@ -74,7 +74,7 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
-        if self._bar is not None:
+        if self._bar is not None and step >= 0:  # step -1 is the warm-start's summary, not an RL step
             self._bar.update(1)
             self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "entropy_mean",
                                                                    "response_length_mean") if k in metrics})

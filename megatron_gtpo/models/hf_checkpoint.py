@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import ExitStack
 
 import torch
 
@@ -16,7 +15,11 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class HFCheckpoint:
-    """A HF model directory's safetensors, read lazily: `get(name)` reads one tensor from disk (memory-mapped)."""
+    """A HF model directory's safetensors, read lazily: `get(name)` reads one tensor from disk (memory-mapped).
+
+    Each `get` opens its file anew: pages read through a memory map stay resident for as long as the map is open,
+    so a handle kept open for the whole checkpoint would end up holding all of it in memory. A returned tensor keeps
+    only its own pages mapped, until it is freed."""
 
     def __init__(self, model_dir: str):
         from safetensors import safe_open
@@ -33,20 +36,20 @@ class HFCheckpoint:
         else:
             raise FileNotFoundError(f"{model_dir!r} has neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors "
                                     f"checkpoints are supported)")
-        self._stack = ExitStack()
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
-        self._handles = {}
+        self._paths = {}
         for fname in files:
             path = os.path.join(model_dir, fname)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"shard {fname!r} listed in {INDEX_FILE} is missing from {model_dir!r}")
-            self._handles[fname] = self._stack.enter_context(safe_open(path, framework="pt"))
+            self._paths[fname] = path
         if weight_map is None:
-            weight_map = {k: SINGLE_FILE for k in self._handles[SINGLE_FILE].keys()}
+            with safe_open(self._paths[SINGLE_FILE], framework="pt") as f:
+                weight_map = {k: SINGLE_FILE for k in f.keys()}
         self.weight_map = weight_map
 
     def close(self) -> None:
-        self._stack.close()
+        """Nothing stays open between reads; kept so that `with HFCheckpoint(...)` reads naturally."""
 
     def __enter__(self):
         return self
@@ -57,7 +60,10 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir!r}")
-        tensor = self._handles[self.weight_map[name]].get_tensor(name)
+        from safetensors import safe_open
+
+        with safe_open(self._paths[self.weight_map[name]], framework="pt") as f:
+            tensor = f.get_tensor(name)
         expected = hf_tensor_shape(name, self.shape)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} in the checkpoint does not match {expected} "

@@ -90,6 +90,8 @@ _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+# megatron-core's distributed-checkpoint keys use the Transformer Engine names for both layer specs.
+LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
 
 

@@ -52,11 +52,52 @@ class StopSignal:
 
 def _sharded_state(run, *, is_loading: bool) -> dict:
     chunks = run.policy.chunks
+    if is_loading:
+        # A fresh torch Adam has no per-parameter state (no 'step'), and the DistributedOptimizer's state_dict
+        # needs one; megatron-core's own loader fills it with placeholder values that the load then overwrites.
+        for optimizer in getattr(run.policy.optimizer, "chained_optimizers", [run.policy.optimizer]):
+            optimizer._init_optimizer_states_with_dummy_values()
     model = {f"model{i}" if len(chunks) > 1 else "model": c.sharded_state_dict() for i, c in enumerate(chunks)}
     optimizer = run.policy.optimizer.sharded_state_dict(
         {k: v for sd in model.values() for k, v in sd.items()} if len(chunks) > 1 else model["model"],
         is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
     return {**model, "optimizer": optimizer}
+
+
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, working around megatron-core 0.16 with torch's Adam (no Apex / Transformer
+    Engine, e.g. on CPU): the fully reshardable parameter state carries no per-parameter 'step' (megatron restores it
+    from the param groups first), yet `_set_main_param_and_optimizer_states` copies every key the live state has.
+    We hand it the live 'step' back, so that copy is a no-op."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            live = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in live and "step" not in tensors:
+                tensors = {**tensors, "step": live["step"]}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+    # megatron-core hands every parameter the SAME 'step' tensor, and torch's Adam increments each parameter's step
+    # in place: without separate copies the step (and with it Adam's bias correction) races ahead after a resume.
+    for opt in patched:
+        for param_state in opt.optimizer.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = param_state["step"].clone()
+
+
+def _sharded_keys(run) -> list[str]:
+    chunks = run.policy.chunks
+    return [f"model{i}" if len(chunks) > 1 else "model" for i in range(len(chunks))] + ["optimizer"]
 
 
 def _rng_state() -> dict:
@@ -106,6 +147,19 @@ def save_checkpoint(run, step: int) -> str:
         with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
             json.dump(state, f, indent=1)
         save_config(cfg, os.path.join(tmp, "config.yaml"))
+        # The converter's metadata: makes the checkpoint readable by `score --load`, `model.load` and
+        # tools/convert_megatron_to_hf.py like any converted one.
+        from megatron_gtpo.checkpoint.megatron_checkpoint import (HF_FILES_DIR, CheckpointMetadata,
+                                                                  copy_hf_side_files, write_checkpoint_metadata)
+
+        write_checkpoint_metadata(tmp, CheckpointMetadata(
+            hf_config=run.task.hf_config, dtype=cfg.model.dtype, tensor_parallel=groups.tp_size,
+            pipeline_parallel=groups.pp_size, contents=tuple(_sharded_keys(run)),
+            extra={"step": step}))
+        if cfg.model.hf_dir:
+            copy_hf_side_files(cfg.model.hf_dir, os.path.join(tmp, HF_FILES_DIR))
+        elif cfg.model.load:
+            copy_hf_side_files(os.path.join(cfg.model.load, HF_FILES_DIR), os.path.join(tmp, HF_FILES_DIR))
     dist.barrier()
     if groups.world_rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -154,7 +208,7 @@ def restore_if_any(run) -> int:
     chunks = run.policy.chunks
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"model{i}" if len(chunks) > 1 else "model"])
-    run.policy.optimizer.load_state_dict(loaded["optimizer"])
+    _load_optimizer_state(run.policy.optimizer, loaded["optimizer"])
     run.policy.scheduler.load_state_dict(state["scheduler"])
     run.loader.load_state_dict(state["loader"])
     rng_file = os.path.join(directory, "rng", f"rank_{groups.world_rank:05d}.pt")

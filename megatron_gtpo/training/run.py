@@ -294,4 +294,5 @@ def warm_start(run: Run) -> dict:
         dist.all_reduce(tokens, group=groups.dp_group)
         results.append(run_train_step(run.policy, micro_batches, groups, supervised_loss_fn(float(tokens)),
                                       vocab_size=run.vocab_size, lr=cfg.warm_start.lr))
+    run.policy.scheduler.step(increment=0)  # back to the schedule's learning rate for RL
     return combine_update_metrics(results, groups) if results else {}

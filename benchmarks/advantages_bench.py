@@ -1,0 +1,123 @@
+"""Cost of GTPO / GRPO-S advantages against GRPO's, and against one policy-loss forward+backward.
+
+    .venv/bin/python benchmarks/advantages_bench.py [--N 128 --G 16 --T 4096 --threads 1 --rounds 12]
+
+Shape N prompts x G responses x T positions, float32, CPU, response lengths uniform in [1, T], rewards
+Bernoulli(0.5), entropies uniform in [0, 3) (NaN at padding, which must never be read). Every candidate
+runs once per round, in an order that rotates every round, for `rounds` rounds after one warm-up round.
+The tables give the median and the minimum over rounds and ratios of medians against the baselines, all
+from the same run, once in process CPU time (robust on a machine shared with other jobs: time spent
+descheduled is not counted) and once in wall-clock time, with the minor page faults per call (a fresh
+[N, G, T] float32 tensor is 8192 pages of 4 KiB). Candidates:
+
+- grpo_advantages: the [N, G] advantages alone (what GRPO computes).
+- grpo per-token: grpo_advantages broadcast to a masked [N, G, T] tensor, the per-token advantages a token
+  loss reads (torch.where(mask, A[..., None], 0)); the like-for-like baseline for GTPO, whose output is per
+  token.
+- policy loss fwd+bwd: token_policy_loss (token-mean, clip-higher, GTPO advantages) forward and backward on
+  [N*G, T] log-probs: a stand-in for the cheapest fraction of a training step.
+Prints markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import time
+
+import torch
+
+from megatron_gtpo.algorithms import grpo_advantages, grpo_s_advantages, gtpo_advantages, token_policy_loss
+
+
+def make_batch(N, G, T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rewards_NG = (torch.rand(N, G, generator=gen) < 0.5).float()
+    lengths_NG = torch.randint(1, T + 1, (N, G), generator=gen)
+    mask_NGT = torch.arange(T) < lengths_NG.unsqueeze(-1)
+    entropy_NGT = torch.where(mask_NGT, 3 * torch.rand(N, G, T, generator=gen), float("nan"))
+    old_logprobs_BT = -torch.rand(N * G, T, generator=gen)
+    logprobs_BT = old_logprobs_BT + 0.2 * torch.randn(N * G, T, generator=gen)
+    return rewards_NG, entropy_NGT, mask_NGT, old_logprobs_BT, logprobs_BT
+
+
+def load_average() -> str:
+    """1-minute load average (Linux), to record how busy the machine was."""
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "n/a"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--N", type=int, default=128)
+    parser.add_argument("--G", type=int, default=16)
+    parser.add_argument("--T", type=int, default=4096)
+    # One intra-op thread by default: on a machine shared with other jobs, OpenMP threads that wait at a
+    # barrier for a descheduled sibling make every parallel op cost up to a scheduler tick (see the results).
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    N, G, T = args.N, args.G, args.T
+    rewards_NG, entropy_NGT, mask_NGT, old_logprobs_BT, logprobs_BT = make_batch(N, G, T)
+    mask_BT = mask_NGT.reshape(N * G, T)
+    gtpo_BT = gtpo_advantages(rewards_NG, entropy_NGT, mask_NGT).reshape(N * G, T)
+    num_tokens = int(mask_BT.sum())
+
+    def loss_forward_backward():
+        current = logprobs_BT.detach().requires_grad_()
+        loss, _ = token_policy_loss(current, old_logprobs_BT, gtpo_BT, mask_BT, loss_normalizer=num_tokens,
+                                    eps_low=0.2, eps_high=0.28)
+        loss.backward()
+
+    candidates = {
+        "grpo_advantages [N, G]": lambda: grpo_advantages(rewards_NG),
+        "grpo per-token [N, G, T]": lambda: torch.where(mask_NGT, grpo_advantages(rewards_NG).unsqueeze(-1), 0.0),
+        "gtpo_advantages (batch scope)": lambda: gtpo_advantages(rewards_NG, entropy_NGT, mask_NGT),
+        "gtpo_advantages (group scope)": lambda: gtpo_advantages(rewards_NG, entropy_NGT, mask_NGT, norm_scope="group"),
+        "grpo_s_advantages": lambda: grpo_s_advantages(rewards_NG, entropy_NGT, mask_NGT),
+        "policy loss fwd+bwd [N*G, T]": loss_forward_backward,
+    }
+    load_before = load_average()
+    wall = {name: [] for name in candidates}
+    cpu = {name: [] for name in candidates}
+    faults = {name: [] for name in candidates}
+    names = list(candidates)
+    for round_index in range(args.rounds + 1):
+        # The order rotates every round, so that each candidate follows every other one equally often (what
+        # ran before decides e.g. whether freed memory is still mapped, i.e. how many page faults a fresh
+        # [N, G, T] output costs).
+        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+            faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            wall_start, cpu_start = time.perf_counter(), time.process_time()
+            candidates[name]()
+            if round_index:  # round 0 warms up
+                wall[name].append(time.perf_counter() - wall_start)
+                cpu[name].append(time.process_time() - cpu_start)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start)
+
+    print(f"shape N={N} G={G} T={T} float32 CPU, {num_tokens} valid tokens; torch {torch.__version__}, "
+          f"{args.threads} threads, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+          f"{args.rounds} rounds; 1-min load average {load_before} before, {load_average()} after\n")
+    for title, seconds in (("process CPU time", cpu), ("wall-clock time", wall)):
+        median = {name: statistics.median(s) for name, s in seconds.items()}
+        grpo, grpo_tok, loss = (median[k] for k in ("grpo_advantages [N, G]", "grpo per-token [N, G, T]",
+                                                     "policy loss fwd+bwd [N*G, T]"))
+        print(f"{title}:\n")
+        print("| candidate | median ms | min ms | / grpo_advantages | / grpo per-token | / loss fwd+bwd | "
+              "page faults (median) |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for name, s in seconds.items():
+            print(f"| {name} | {median[name] * 1e3:.2f} | {min(s) * 1e3:.2f} | {median[name] / grpo:.0f}x | "
+                  f"{median[name] / grpo_tok:.2f}x | {median[name] / loss:.3f}x | "
+                  f"{statistics.median(faults[name]):.0f} |")
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Pure tensor functions of the RL algorithms (GRPO, DAPO, GTPO, GRPO-S); see /work/shared/specs/algorithms.md.
+
+Imports no torch.distributed, megatron, vllm or config objects: tensors in, tensors out, scalars as keywords.
+"""
+from megatron_gtpo.algorithms.advantages import (
+    grpo_advantages,
+    grpo_s_advantages,
+    grpo_s_shaped_rewards,
+    gtpo_advantages,
+    gtpo_token_rewards,
+)
+from megatron_gtpo.algorithms.dynamic_sampling import informative_groups
+from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
+from megatron_gtpo.algorithms.losses import local_loss_normalizer, sequence_policy_loss, token_policy_loss
+from megatron_gtpo.algorithms.registry import ALGORITHMS, Algorithm, AlgorithmSpec, resolve_algorithm
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "AlgorithmSpec",
+    "group_relative_overlong_penalty",
+    "grpo_advantages",
+    "grpo_s_advantages",
+    "grpo_s_shaped_rewards",
+    "gtpo_advantages",
+    "gtpo_token_rewards",
+    "informative_groups",
+    "local_loss_normalizer",
+    "overlong_penalty",
+    "resolve_algorithm",
+    "sequence_policy_loss",
+    "token_policy_loss",
+]

@@ -1,0 +1,272 @@
+"""The megatron_gtpo checkpoint: a megatron-core distributed checkpoint (torch_dist format) plus a metadata file.
+
+A checkpoint directory holds
+
+    megatron_gtpo_checkpoint.json  CheckpointMetadata: format version, the HF config.json, true and padded vocabulary
+                                   size, weight dtype, the TP/PP it was written at, what it contains
+    hf_files/                      tokenizer and generation-config files of the HF model it came from (if any)
+    .metadata, *.distcp            torch.distributed.checkpoint data (what megatron.core.dist_checkpointing reads)
+    metadata.json, common.pt       megatron's dist-checkpoint format config and common (non-sharded) state
+
+Model tensors are stored under megatron-core's own sharded keys (`GPTModel.sharded_state_dict()`, no prefix) in
+their global, TP/PP-independent shape: transformer-layer tensors are stacked on a leading layer axis under
+`decoder.layers.<name>` (layer norms under their Transformer Engine names, `dist_checkpoint_key`), linear_fc1 is
+[gate of all TP ranks; up of all TP ranks], linear_qkv is grouped per query group, and the embedding / output layer
+hold the padded vocabulary. This is the layout Megatron-LM writes, so dist_checkpointing reshards it on load to any
+TP/PP. The state dict nests each model chunk under "model" ("model0", "model1", ... with virtual pipeline stages), as
+Megatron-LM does; the trainer adds its own state (optimizer, RNG, data position, step) under other top-level keys
+through `extra_sharded_state`. Loading the model alone reads only the model's keys, so it works on checkpoints with
+or without optimizer state.
+
+`save_checkpoint` and `load_checkpoint` are collective over the default torch.distributed process group (every rank
+calls them; dist_checkpointing coordinates over that group). Tied embeddings: the output layer of the last stage is
+stored under the embedding's key (megatron marks it as a replica), so a tied checkpoint has no `output_layer.weight`.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from megatron_gtpo.models.hf_mapping import LOCAL_TO_TE
+from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+
+from .atomic_dir import begin_output_dir, commit_output_dir
+
+METADATA_FILE = "megatron_gtpo_checkpoint.json"
+FORMAT_NAME = "megatron_gtpo.checkpoint"
+FORMAT_VERSION = 1
+HF_FILES_DIR = "hf_files"
+# Files of a HF model directory that travel with the weights (config.json is kept in the metadata instead).
+HF_SIDE_FILE_PATTERNS = ("tokenizer*", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                         "chat_template.json", "chat_template.jinja", "generation_config.json")
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# What megatron.core.dist_checkpointing.save writes next to the torch_dist data: its format config and the common
+# (non-sharded) part of the state dict, which is empty for model weights.
+MEGATRON_FORMAT_FILE = "metadata.json"
+MEGATRON_FORMAT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}
+MEGATRON_COMMON_FILE = "common.pt"
+
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """What a checkpoint holds besides its tensors. TP/PP are the layout it was written at: it loads at any."""
+
+    hf_config: dict
+    dtype: str  # weight dtype name ("bfloat16", "float32", ...), "mixed" if the weights differ
+    tensor_parallel: int
+    pipeline_parallel: int
+    contents: tuple[str, ...] = ("model",)  # top-level state keys: "model" (or "model0", ...) plus the trainer's
+    extra: dict = field(default_factory=dict)  # anything the writer wants to keep (the trainer's step, config, ...)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def shape(self) -> Qwen2Shape:
+        return Qwen2Shape.from_hf(self.hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.shape.vocab_size, self.tensor_parallel)
+
+    def to_json(self) -> dict:
+        record = {"format": FORMAT_NAME, **asdict(self), "contents": list(self.contents),
+                  "vocab_size": self.vocab_size, "padded_vocab_size": self.padded_vocab_size}
+        return record
+
+
+def write_checkpoint_metadata(directory: str, metadata: CheckpointMetadata) -> None:
+    with open(os.path.join(directory, METADATA_FILE), "w", encoding="utf-8") as f:
+        json.dump(metadata.to_json(), f, indent=2)
+        f.write("\n")
+
+
+def read_checkpoint_metadata(directory: str) -> CheckpointMetadata:
+    """The metadata of a megatron_gtpo checkpoint directory (errors name what is wrong with it)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"megatron checkpoint directory {directory!r} does not exist")
+    path = os.path.join(directory, METADATA_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{directory!r} is not a megatron_gtpo checkpoint: it has no {METADATA_FILE} "
+                                f"(written by tools/convert_hf_to_megatron.py and by the trainer)")
+    with open(path, encoding="utf-8") as f:
+        try:
+            record = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if record.get("format") != FORMAT_NAME:
+        raise ValueError(f"{path}: format {record.get('format')!r} is not {FORMAT_NAME!r}")
+    version = record.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {version!r} is not supported (this code reads 1..{FORMAT_VERSION})")
+    try:
+        metadata = CheckpointMetadata(
+            hf_config=record["hf_config"], dtype=record["dtype"], tensor_parallel=int(record["tensor_parallel"]),
+            pipeline_parallel=int(record["pipeline_parallel"]), contents=tuple(record["contents"]),
+            extra=record.get("extra", {}), format_version=version)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: missing or malformed field {e}") from e
+    if record.get("vocab_size", metadata.vocab_size) != metadata.vocab_size:
+        raise ValueError(f"{path}: vocab_size {record['vocab_size']} disagrees with its hf_config "
+                         f"({metadata.vocab_size})")
+    return metadata
+
+
+def dist_checkpoint_key(megatron_name: str) -> tuple[str, int | None]:
+    """(sharded key, layer index or None) under which megatron-core's dist_checkpointing stores a canonical megatron
+    tensor (hf_mapping names): 'decoder.layers.3.input_layernorm.weight' ->
+    ('decoder.layers.self_attention.linear_qkv.layer_norm_weight', 3), stacked on a leading layer axis."""
+    m = _LAYER_NAME.fullmatch(megatron_name)
+    if m is None:
+        return megatron_name, None
+    return f"decoder.layers.{LOCAL_TO_TE.get(m.group(2), m.group(2))}", int(m.group(1))
+
+
+def stored_keys(directory: str) -> set[str]:
+    """The keys of everything in a checkpoint's torch_dist data (tensors and objects)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise FileNotFoundError(f"{directory!r} has no torch.distributed.checkpoint data (.metadata is missing)")
+    return set(FileSystemReader(directory).read_metadata().state_dict_metadata)
+
+
+def write_megatron_format_files(directory: str) -> None:
+    """The two small files megatron's loader expects next to torch_dist data written without it."""
+    with open(os.path.join(directory, MEGATRON_FORMAT_FILE), "w", encoding="utf-8") as f:
+        json.dump(MEGATRON_FORMAT, f)
+    torch.save({}, os.path.join(directory, MEGATRON_COMMON_FILE))
+
+
+def copy_hf_side_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copy the tokenizer / generation-config files present in `src_dir` (HF_SIDE_FILE_PATTERNS) to `dst_dir`."""
+    names = sorted({os.path.basename(p) for pattern in HF_SIDE_FILE_PATTERNS
+                    for p in glob.glob(os.path.join(glob.escape(src_dir), pattern)) if os.path.isfile(p)})
+    if names:
+        os.makedirs(dst_dir, exist_ok=True)
+    for name in names:
+        shutil.copyfile(os.path.join(src_dir, name), os.path.join(dst_dir, name))
+    return names
+
+
+def model_state_keys(num_chunks: int) -> list[str]:
+    return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
+
+
+def _unwrapped(model_chunks: list) -> list:
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(model_chunks))
+
+
+def model_sharded_state_dict(model_chunks: list) -> dict:
+    """{"model": sharded state of chunk 0} (or "model0", "model1", ... for virtual pipeline stages)."""
+    chunks = _unwrapped(model_chunks)
+    return {key: chunk.sharded_state_dict() for key, chunk in zip(model_state_keys(len(chunks)), chunks)}
+
+
+def _weights_dtype(model_chunks: list) -> str:
+    dtypes = {p.dtype for chunk in model_chunks for p in chunk.parameters()}
+    return dtype_name(dtypes.pop()) if len(dtypes) == 1 else "mixed"
+
+
+def save_checkpoint(directory: str, model_chunks: list, *, hf_config: dict, extra_sharded_state: dict | None = None,
+                    extra_metadata: dict | None = None, hf_files_from: str | None = None, force: bool = False) -> None:
+    """Write this rank's model chunks (and `extra_sharded_state`: the trainer's optimizer / RNG / data state, as
+    megatron sharded state dicts or plain objects) to `directory`. Collective: every rank of the default process
+    group calls it. The directory appears only when complete (written to `<directory>.tmp-...`, then renamed by rank
+    0); an existing one is refused unless `force`. `hf_files_from`: a HF model directory whose tokenizer and
+    generation-config files are copied in, so that the checkpoint exports to a complete HF model."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    state = model_sharded_state_dict(model_chunks)
+    extra = dict(extra_sharded_state or {})
+    clashing = sorted(k for k in extra if re.fullmatch(r"model\d*", k))
+    if clashing:
+        raise ValueError(f"extra_sharded_state keys {clashing} clash with the model's keys (model, model<i>)")
+    config = _unwrapped(model_chunks)[0].config
+    metadata = CheckpointMetadata(
+        hf_config=hf_config, dtype=_weights_dtype(model_chunks), tensor_parallel=config.tensor_model_parallel_size,
+        pipeline_parallel=config.pipeline_model_parallel_size, contents=tuple(state) + tuple(extra),
+        extra=dict(extra_metadata or {}))
+    json.dumps(metadata.to_json())  # fail before writing anything if the metadata is not JSON-serialisable
+
+    # Rank 0 decides and every rank learns the outcome, so that a refused overwrite fails on all ranks alike.
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = begin_output_dir(directory, force=force)
+        except OSError as e:
+            outcome[0] = e
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    tmp = outcome[0]
+    dist_checkpointing.save({**state, **extra}, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_checkpoint_metadata(tmp, metadata)
+        if hf_files_from is not None:
+            copy_hf_side_files(hf_files_from, os.path.join(tmp, HF_FILES_DIR))
+        commit_output_dir(tmp, directory, force=force)
+    dist.barrier()
+
+
+def load_checkpoint(directory: str, model_chunks: list, *, extra_sharded_state: dict | None = None) -> dict:
+    """Load the model weights (resharded to this rank's TP/PP layout) into `model_chunks`, plus `extra_sharded_state`
+    (sharded state dicts shaped like the ones saved); returns the loaded extra state. Collective. Keys of the
+    checkpoint that are not asked for (optimizer state, when loading the model alone) are not read.
+
+    Module `_extra_state` entries (Transformer Engine FP8 scaling state; None in the local spec) are restored when
+    the checkpoint has them and otherwise left as they are: converter output holds weights only."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    read_checkpoint_metadata(directory)
+    available = stored_keys(directory)
+    state = model_sharded_state_dict(model_chunks)
+    missing = []
+    for chunk_state in state.values():
+        for name, value in list(chunk_state.items()):
+            if isinstance(value, ShardedObject):
+                if value.unique_key not in available:
+                    if not name.endswith("_extra_state"):
+                        missing.append(value.unique_key)
+                    del chunk_state[name]
+            elif value.key not in available:
+                missing.append(value.key)
+    if missing:
+        raise ValueError(f"checkpoint {directory!r} lacks model tensors {sorted(set(missing))[:8]} (it was written "
+                         f"for a different model, or is incomplete)")
+    extra = dict(extra_sharded_state or {})
+    loaded = dist_checkpointing.load({**state, **extra}, directory)
+    for chunk, key in zip(_unwrapped(model_chunks), state):
+        result = chunk.load_state_dict(loaded[key], strict=False)
+        not_loaded = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if not_loaded or result.unexpected_keys:
+            raise ValueError(f"loading {directory!r} into the model left parameters {not_loaded} unset and "
+                             f"{result.unexpected_keys} unexpected")
+    return {key: loaded[key] for key in extra}
+
+
+def load_model_only(directory: str, model_chunks: list) -> None:
+    """Load just the model weights of a checkpoint (converter or trainer output, with or without optimizer state)
+    into this rank's chunks, at whatever TP/PP they were built with. Collective."""
+    load_checkpoint(directory, model_chunks)

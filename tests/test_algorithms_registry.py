@@ -1,0 +1,113 @@
+"""The algorithm registry (names -> advantage function + loss settings) and the import rules of algorithms/."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import megatron_gtpo.algorithms as algorithms
+from megatron_gtpo.algorithms import (
+    Algorithm,
+    grpo_advantages,
+    grpo_s_advantages,
+    gtpo_advantages,
+    resolve_algorithm,
+    sequence_policy_loss,
+    token_policy_loss,
+)
+
+
+def _batch(seed=0, N=3, G=4, T=6):
+    gen = torch.Generator().manual_seed(seed)
+    rewards = (torch.rand(N, G, generator=gen) < 0.5).double()
+    entropy = 2 * torch.rand(N, G, T, generator=gen, dtype=torch.float64)
+    mask = torch.arange(T) < torch.randint(1, T + 1, (N, G), generator=gen).unsqueeze(-1)
+    return rewards, entropy, mask
+
+
+def test_spec_defaults_follow_the_spec():
+    grpo, dapo, gtpo, grpo_s = (resolve_algorithm(a) for a in Algorithm)
+    assert (grpo.eps_low, grpo.eps_high, grpo.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
+    assert (dapo.eps_low, dapo.eps_high, dapo.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert dapo.dynamic_sampling and dapo.length_penalty == "overlong" and not grpo.dynamic_sampling
+    assert (gtpo.eps_low, gtpo.eps_high, gtpo.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert gtpo.token_advantages and gtpo.uses_entropy and not gtpo.sequence_level_loss
+    assert grpo_s.sequence_level_loss and not grpo_s.token_advantages
+
+
+@pytest.mark.parametrize("name, expected", [("grpo", Algorithm.GRPO), ("DAPO", Algorithm.DAPO),
+                                            ("gtpo", Algorithm.GTPO), ("grpo-s", Algorithm.GRPO_S),
+                                            ("grpo_s", Algorithm.GRPO_S), (Algorithm.GTPO, Algorithm.GTPO)])
+def test_resolve_algorithm_by_name(name, expected):
+    assert resolve_algorithm(name).algorithm is expected
+
+
+def test_resolve_unknown_algorithm_raises():
+    with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
+        resolve_algorithm("ppo")
+
+
+def test_advantages_dispatch_to_the_right_function():
+    rewards, entropy, mask = _batch()
+    torch.testing.assert_close(resolve_algorithm("grpo").advantages(rewards, entropy, mask), grpo_advantages(rewards))
+    torch.testing.assert_close(resolve_algorithm("dapo").advantages(rewards), grpo_advantages(rewards))
+    torch.testing.assert_close(resolve_algorithm("gtpo").advantages(rewards, entropy, mask, norm_scope="group"),
+                               gtpo_advantages(rewards, entropy, mask, norm_scope="group"))
+    torch.testing.assert_close(resolve_algorithm("grpo_s").advantages(rewards, entropy, mask, beta2=0.3),
+                               grpo_s_advantages(rewards, entropy, mask, beta2=0.3))
+    with pytest.raises(ValueError, match="need entropy_NGT and mask_NGT"):
+        resolve_algorithm("gtpo").advantages(rewards)
+
+
+def test_policy_loss_uses_the_spec_settings_and_overrides():
+    rewards, entropy, mask = _batch(1)
+    B, T = mask.shape[0] * mask.shape[1], mask.shape[2]
+    mask_BT = mask.reshape(B, T)
+    gen = torch.Generator().manual_seed(2)
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64)
+    logprobs = old + 0.5 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    adv_B = grpo_advantages(rewards).reshape(B)
+    adv_BT = gtpo_advantages(rewards, entropy, mask).reshape(B, T)
+
+    loss, _ = resolve_algorithm("dapo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0)
+    expected, _ = token_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0, loss_agg_mode="token-mean",
+                                    eps_low=0.2, eps_high=0.28)
+    torch.testing.assert_close(loss, expected)
+    loss, _ = resolve_algorithm("grpo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B)
+    expected, _ = token_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B,
+                                    loss_agg_mode="seq-mean-token-mean", eps_low=0.2, eps_high=0.2)
+    torch.testing.assert_close(loss, expected)
+    loss, _ = resolve_algorithm("gtpo").policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, eps_high=0.4)
+    expected, _ = token_policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, eps_low=0.2, eps_high=0.4)
+    torch.testing.assert_close(loss, expected)
+    loss, _ = resolve_algorithm("grpo_s").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B,
+                                                      sequence_ratio="geometric")
+    expected, _ = sequence_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B, sequence_ratio="geometric",
+                                       eps_low=0.2, eps_high=0.28)
+    torch.testing.assert_close(loss, expected)
+
+
+FORBIDDEN_IMPORTS = ("torch.distributed", "megatron", "vllm", "transformer_engine", "megatron_gtpo.config")
+ALLOWED_TOP_LEVEL = {"__future__", "torch", "typing", "dataclasses", "enum", "megatron_gtpo"}
+
+
+def test_algorithms_import_only_torch_and_the_standard_library():
+    package_dir = pathlib.Path(algorithms.__file__).parent
+    sources = sorted(package_dir.glob("*.py"))
+    assert len(sources) >= 6
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert not any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN_IMPORTS), \
+                    f"{path.name} imports {name}"
+                assert name.split(".")[0] in ALLOWED_TOP_LEVEL, f"{path.name} imports {name}"
+                if name.startswith("megatron_gtpo"):
+                    assert name.startswith("megatron_gtpo.algorithms"), f"{path.name} imports {name}"

@@ -1,0 +1,48 @@
+"""Hugging Face Qwen2 / Qwen2.5 (safetensors) -> megatron_gtpo distributed checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf-dir HF --output-dir MG [--tp N --pp M --dtype bfloat16 --force]
+
+Streams tensor by tensor in one process (no GPUs, no torch.distributed). The checkpoint loads at any TP/PP
+(`python -m megatron_gtpo.score --load MG`, the trainer's --load); --tp/--pp are checked against the model and set
+how the data is chunked on disk. Tokenizer and generation-config files are copied along. The output directory
+appears only when complete; an existing one is replaced only with --force.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_gtpo.checkpoint.megatron_checkpoint import WEIGHT_DTYPES
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--output-dir", required=True, help="megatron_gtpo checkpoint directory to create")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size to write for (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to check against (default 1)")
+    p.add_argument("--dtype", choices=sorted(WEIGHT_DTYPES), default=None,
+                   help="cast the weights (default: keep each tensor's dtype)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_gtpo.checkpoint.hf_import import convert_hf_to_megatron
+
+    try:
+        meta = convert_hf_to_megatron(args.hf_dir, args.output_dir, tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                                      dtype=WEIGHT_DTYPES[args.dtype] if args.dtype else None, force=args.force,
+                                      progress=not args.quiet)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"convert_hf_to_megatron: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output_dir}: {meta.shape.num_layers} layers, vocab {meta.vocab_size} "
+          f"(padded {meta.padded_vocab_size}), {meta.dtype}, chunked for TP={meta.tensor_parallel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -254,17 +254,39 @@ def evaluate_dataset(
     return results
 
 
-def build_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> GenerationEngine:
-    """LEAD: connect the rollout engine (megatron_gtpo/rollout/) here.
+class _RolloutEngineAdapter:
+    """The rollout engine (megatron_gtpo.rollout) behind this module's GenerationEngine call shape."""
 
-    Needs: an object with `generate(prompts_token_ids, *, n, temperature, top_p, max_new_tokens, seed)`
-    returning [prompt][sample][token ids], built from `args.model` (and any engine flags added to
-    `parse_args`), stopping at `tokenizer.eos_token_id`.
-    """
-    raise RuntimeError(
-        "no rollout engine is connected to `python -m megatron_gtpo.evaluate` yet: "
-        "megatron_gtpo.evaluate.build_engine must construct one (see its docstring)"
-    )
+    def __init__(self, engine, eos_token_id: int):
+        self.engine = engine
+        self.eos_token_id = eos_token_id
+
+    def generate(self, prompts_token_ids, *, n, temperature, top_p, max_new_tokens, seed):
+        from megatron_gtpo.rollout.engine import SamplingParams
+
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                stop_token_ids=(self.eos_token_id,), seed=seed)
+        return [[r.token_ids for r in group] for group in self.engine.generate(prompts_token_ids, params)]
+
+
+def build_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> GenerationEngine:
+    """The built-in Megatron engine on `--model` (HF directory or megatron_gtpo checkpoint) at --tp/--pp, under
+    torchrun with world size TP x PP (every rank generates the same batch; rank 0 writes the report)."""
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.qwen2 import Qwen2Shape, build_model
+    from megatron_gtpo.models.sources import ModelSource
+    from megatron_gtpo.rollout.builtin import BuiltinEngine
+
+    source = ModelSource.detect(args.model)
+    hf_config = source.hf_config()
+    groups = initialize_parallel(args.tp, args.pp)
+    if groups.dp_size != 1:
+        raise ValueError(f"evaluation runs one model replica: world size {groups.world_size} must equal "
+                         f"--tp x --pp = {args.tp * args.pp}")
+    chunks = build_model(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp, pp_rank=groups.pp_rank)
+    source.load_into(chunks, groups)
+    engine = BuiltinEngine(chunks, groups, vocab_size=Qwen2Shape.from_hf(hf_config).vocab_size)
+    return _RolloutEngineAdapter(engine, tokenizer.eos_token_id)
 
 
 def _default_ks(num_samples: int) -> list[int]:
@@ -284,7 +306,10 @@ def _dataset_source(spec: str) -> tuple[str, str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_gtpo.evaluate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="model to evaluate (passed to the rollout engine)")
+    parser.add_argument("--model", required=True,
+                        help="Hugging Face directory or megatron_gtpo checkpoint directory to evaluate")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (built-in engine)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size (built-in engine)")
     parser.add_argument("--tokenizer", help="HF tokenizer directory or SentencePiece .model (default: --model)")
     parser.add_argument("--datasets", nargs="+", default=list(EVAL_SET_NAMES),
                         help=f"bundled names {EVAL_SET_NAMES} or NAME=PATH.jsonl|.parquet (default: all bundled)")
@@ -338,6 +363,10 @@ def main(argv: Sequence[str] | None = None, *, engine_factory=build_engine) -> d
             )
     settings = {"model": args.model, "datasets": args.datasets, "template": dataclasses.asdict(template),
                 **dataclasses.asdict(sampling)}
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:  # every rank of the model-parallel group has the results
+        return {name: summarize(rs, args.ks) for name, rs in results.items()}
     summary = write_report(results, args.output_dir, args.ks, settings)
     print(json.dumps(summary, indent=1))
     return summary

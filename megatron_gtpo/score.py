@@ -68,21 +68,18 @@ def parse_args(argv=None):
 
 def _model_source(args):
     """(hf config dict, loader(model_chunks, groups)) for --hf or --load."""
+    from megatron_gtpo.models.sources import ModelSource
+
     if args.hf:
-        from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
         from megatron_gtpo.models.qwen2 import load_hf_config
 
-        def load(chunks, groups):
-            with HFCheckpoint(args.hf) as ckpt:
-                load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
-
-        return load_hf_config(args.hf), load
-    from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_only, read_checkpoint_metadata
-
-    def load(chunks, groups):
-        load_model_only(args.load, chunks)
-
-    return read_checkpoint_metadata(args.load).hf_config, load
+        load_hf_config(args.hf)  # names a missing config.json before anything else
+    source = ModelSource.detect(args.hf or args.load)
+    if source.is_megatron_checkpoint != bool(args.load):
+        flag = "--load" if source.is_megatron_checkpoint else "--hf"
+        raise ValueError(f"{source.path!r} is a {'megatron_gtpo checkpoint' if args.hf else 'Hugging Face directory'}"
+                         f": pass it with {flag}")
+    return source.hf_config(), source.load_into
 
 
 def main(argv=None) -> int:

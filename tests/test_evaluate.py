@@ -182,11 +182,37 @@ def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
         assert len(list(csv.DictReader(f))) == 35
 
 
-def test_cli_argument_errors_and_unconnected_engine(tmp_path, capsys):
+def test_cli_argument_errors_and_model_that_is_not_one(tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate.parse_args(["--model", "m", "--output-dir", "o", "--num-samples", "4", "--ks", "1,8"])
     assert "every k in --ks must be in [1, --num-samples=4]" in capsys.readouterr().err
     assert evaluate.parse_args(["--model", "m", "--output-dir", "o", "--num-samples", "6"]).ks == [1, 2, 4, 6]
     tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tokenizer"))
-    with pytest.raises(RuntimeError, match="no rollout engine is connected"):
+    with pytest.raises(FileNotFoundError, match="neither a Hugging Face model directory"):
         evaluate.main(["--model", tokenizer_dir, "--datasets", "aime24", "--output-dir", str(tmp_path / "o")])
+
+
+def test_cli_end_to_end_with_the_builtin_engine_at_tp2(tmp_path):
+    """torchrun, TP=2, a tiny random Qwen2 with the test tokenizer's vocabulary, 5 problems x 2 samples."""
+    import subprocess
+    import sys
+
+    from distributed_harness import free_port
+    from tiny_models import make_tiny_qwen2
+
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
+    make_tiny_qwen2(tmp_path / "model", vocab_size=400, num_layers=2)
+    data = tmp_path / "five.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(5)))
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "megatron_gtpo.evaluate", "--model", str(tmp_path / "model"), "--tokenizer", tokenizer_dir,
+           "--tp", "2", "--datasets", f"five={data}", "--output-dir", str(out), "--num-samples", "2",
+           "--max-new-tokens", "6", "--num-reward-workers", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((out / "eval_results.json").read_text())
+    assert report["summary"]["five"]["num_problems"] == 5 and report["summary"]["five"]["num_samples"] == 2
+    assert len(report["problems"]) == 5
+    assert all(len(p["correct"]) == 2 and len(p["predicted_answers"]) == 2 for p in report["problems"])

@@ -37,15 +37,10 @@ def build_chunks(cfg: TrainConfig, hf_config: dict, groups: ParallelGroups) -> l
 
 def load_initial_weights(cfg: TrainConfig, chunks: list, groups: ParallelGroups) -> None:
     """HF directory or converter/trainer checkpoint; a tiny synthetic model keeps megatron's seeded random init."""
-    if cfg.model.hf_dir:
-        from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+    from megatron_gtpo.models.sources import ModelSource
 
-        with HFCheckpoint(cfg.model.hf_dir) as ckpt:
-            load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
-    elif cfg.model.load:
-        from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_only
-
-        load_model_only(cfg.model.load, chunks)
+    if cfg.model.hf_dir or cfg.model.load:
+        ModelSource.detect(cfg.model.hf_dir or cfg.model.load).load_into(chunks, groups)
 
 
 def wrap_for_training(cfg: TrainConfig, chunks: list, *, train_steps: int) -> PolicyModel:

@@ -37,8 +37,6 @@ class Task:
 
 
 def build_task(cfg: TrainConfig) -> Task:
-    from megatron_gtpo.models.qwen2 import load_hf_config
-
     if cfg.data.source == "synthetic":
         from megatron_gtpo.data import synthetic
 
@@ -51,23 +49,19 @@ def build_task(cfg: TrainConfig) -> Task:
     from megatron_gtpo.data.tokenizer import load_tokenizer
     from megatron_gtpo.rewards import math_reward
 
-    model_dir = cfg.model.hf_dir or cfg.model.load
-    tokenizer = load_tokenizer(model_dir)
+    from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR
+
+    tokenizer = load_tokenizer(cfg.model.hf_dir or os.path.join(cfg.model.load, HF_FILES_DIR))
     records = load_dataset(cfg.data.path, FieldMapping(problem=cfg.data.prompt_field, answer=cfg.data.answer_field))
     template = PROMPT_STYLES["dapo" if cfg.data.template == "dapo" else "boxed"]
     samples = tokenize_prompts(records, tokenizer, template, max_prompt_tokens=cfg.data.max_prompt_tokens)
-    return Task(samples, tokenizer, math_reward, load_hf_config(model_dir) if cfg.model.hf_dir
-                else _model_hf_config(cfg))
+    return Task(samples, tokenizer, math_reward, _model_hf_config(cfg))
 
 
 def _model_hf_config(cfg: TrainConfig) -> dict:
-    if cfg.model.hf_dir:
-        from megatron_gtpo.models.qwen2 import load_hf_config
+    from megatron_gtpo.models.sources import ModelSource
 
-        return load_hf_config(cfg.model.hf_dir)
-    from megatron_gtpo.checkpoint.megatron_checkpoint import read_checkpoint_metadata
-
-    return read_checkpoint_metadata(cfg.model.load).hf_config
+    return ModelSource.detect(cfg.model.hf_dir or cfg.model.load).hf_config()
 
 
 def _accepted_kwargs(fn, candidates: dict) -> dict:

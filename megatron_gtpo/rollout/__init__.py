@@ -1,0 +1,11 @@
+"""Rollouts: the engine protocol, built-in Megatron generation, the vLLM engine and the weight sync to it.
+
+Importing this package imports neither megatron nor vllm; `megatron_gtpo.rollout.vllm_engine` is the only module
+that imports vllm.
+"""
+from .builtin import BuiltinEngine
+from .engine import FINISH_LENGTH, FINISH_STOP, Response, RolloutEngine, SamplingParams
+from .sampling import filter_top_k_top_p, sample_next_tokens
+
+__all__ = ["BuiltinEngine", "FINISH_LENGTH", "FINISH_STOP", "Response", "RolloutEngine", "SamplingParams",
+           "filter_top_k_top_p", "sample_next_tokens"]

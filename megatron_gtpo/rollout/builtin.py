@@ -1,0 +1,264 @@
+"""Built-in generation on the training model itself (any TP/PP/VPP), with megatron-core's static KV cache.
+
+How a batch is generated:
+
+- rows = prompts x n (row i * n + j is sample j of prompt i), processed in batches of at most `max_batch_size`;
+  the KV cache is a `megatron.core.inference.contexts.StaticInferenceContext` (one cache offset for all rows);
+- prompts of different lengths, two schemes (`prompt_alignment`):
+  "left_pad" (the default where it is exact, see below): prompts are left-padded to the longest and prefilled in one
+  forward pass with an explicit boolean attention mask (causal, and padding keys masked out) that is also passed at
+  every decode step. RoPE is applied from the cache offset, so a row with p pads sees its tokens at positions
+  shifted by p; attention scores depend only on position differences, so this is the unpadded computation (up to
+  float rounding). It needs attention that honours an explicit mask: megatron's DotProductAttention with the
+  unfused softmax (the CPU path). Transformer Engine's attention and megatron's fused causal softmax kernel apply
+  their own causal mask and ignore a padding mask;
+  "teacher_force" (the scheme of megatron-core's own static-batch generation controller; exact with every
+  attention backend, and the automatic choice where left padding is not): the first min(prompt lengths) tokens are
+  prefilled with the plain causal mask, then all rows advance one position per step; rows still inside their prompt
+  are fed their next prompt token (the model's prediction is discarded). No padding and no masks, at the price of
+  (longest - shortest prompt) extra decode steps;
+- a row that samples a stop token, or reaches max_new_tokens, leaves the batch: its KV-cache rows are dropped (the
+  cache is compacted), so finished sequences cost nothing more. The loop ends when no row is left.
+
+Pipeline parallelism: each forward step walks the virtual pipeline stages in order; a stage receives the hidden
+states [s, b, h] of the previous one from its pipeline peer (torch.distributed send/recv on the pipeline group) and
+sends its own output to the next one, each stage keeping the KV cache of its own layers. The last stage samples; the
+sampled tokens and log-probs go to every rank of the model-parallel group (a broadcast from TP rank 0 within the last
+stage's TP group, then from the last stage along each pipeline group), so all ranks follow the same control flow and
+return the same responses. Host synchronisation: one small [2, b] read per decoded position (needed for the
+per-sequence early exit).
+
+Sampling and the log-prob convention are in sampling.py and engine.py. Sequence parallelism is switched off for the
+duration of a call (decode steps have one token, which cannot be split over TP ranks) with megatron's own
+`set_model_to_sequence_parallel`, and restored afterwards, as are the modules' train/eval modes.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .engine import FINISH_LENGTH, FINISH_STOP, Response, SamplingParams, check_prompts
+from .sampling import sample_next_tokens
+
+
+def unwrap_chunk(model_chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model_chunk)
+
+
+class BuiltinEngine:
+    """Megatron-native rollout engine (rollout/engine.RolloutEngine) on this rank's model chunks.
+
+    `generate` is collective over the model-parallel group (TP x PP): every rank calls it with the same prompts and
+    params and gets the same result. Data-parallel replicas call it independently with their own prompts.
+    """
+
+    def __init__(self, model_chunks: list, groups, vocab_size: int, *, max_batch_size: int | None = None,
+                 prompt_alignment: str = "auto"):
+        """`prompt_alignment`: "left_pad", "teacher_force" or "auto" (left_pad where the attention honours explicit
+        masks, else teacher_force); see the module doc."""
+        if not model_chunks:
+            raise ValueError("model_chunks is empty")
+        if prompt_alignment not in ("auto", "left_pad", "teacher_force"):
+            raise ValueError(f"prompt_alignment must be 'auto', 'left_pad' or 'teacher_force', got "
+                             f"{prompt_alignment!r}")
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
+                                           or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be None or an int >= 1, got {max_batch_size!r}")
+        self.model_chunks = model_chunks
+        self.models = [unwrap_chunk(c) for c in model_chunks]
+        self.groups = groups
+        self.max_batch_size = max_batch_size
+        config = self.models[0].config
+        padded_vocab = self.models[0].vocab_size
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded_vocab:
+            raise ValueError(f"vocab_size must be an int in [1, {padded_vocab}] (the model's padded vocabulary), "
+                             f"got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.max_positions = self.models[0].max_sequence_length
+        self.hidden_size = config.hidden_size
+        self.pipeline_dtype = config.pipeline_dtype or config.params_dtype
+        self.num_virtual_stages = groups.pp_size * len(self.models)
+        # Every rank decides from its own layers; all layers share one layer spec, so the ranks agree.
+        honours_masks = all(_attention_honours_masks(m) for m in self.models)
+        if prompt_alignment == "left_pad" and not honours_masks:
+            raise ValueError("prompt_alignment='left_pad' needs attention that applies explicit masks (megatron's "
+                             "DotProductAttention without the fused softmax); use 'teacher_force' or 'auto'")
+        self.left_pad = prompt_alignment == "left_pad" or (prompt_alignment == "auto" and honours_masks)
+
+    def sync_weights(self, model_chunks: list, groups) -> None:
+        """Nothing to copy: generation runs on the training model. Refuses other models, which would be ignored."""
+        if [unwrap_chunk(c) for c in model_chunks] != self.models:
+            raise ValueError("the built-in engine generates with the model chunks it was built with; "
+                             "sync_weights was given different ones")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_prompts(prompts, vocab_size=self.vocab_size, max_positions=self.max_positions,
+                      max_new_tokens=params.max_new_tokens)
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        batch = self.max_batch_size or len(rows)
+        generator = torch.Generator(device=self.groups.device).manual_seed(params.seed)
+        responses: list[Response] = []
+        with self._inference_mode():
+            for start in range(0, len(rows), batch):
+                responses += self._generate_batch(rows[start:start + batch], params, generator)
+        return [responses[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    @contextlib.contextmanager
+    def _inference_mode(self):
+        """Eval mode and no sequence parallelism for the duration; previous states restored on exit."""
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+        was_training = [m.training for m in self.models]
+        had_sequence_parallel = [m.config.sequence_parallel for m in self.models]
+        try:
+            for model, sp in zip(self.models, had_sequence_parallel):
+                model.eval()
+                if sp:
+                    set_model_to_sequence_parallel(model, False)
+            yield
+        finally:
+            for model, training, sp in zip(self.models, was_training, had_sequence_parallel):
+                model.train(training)
+                if sp:
+                    set_model_to_sequence_parallel(model, True)
+                if not model.pre_process:
+                    model.set_input_tensor(None)
+
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[Response]:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        device = self.groups.device
+        width = max(len(r) for r in rows)
+        context = StaticInferenceContext(max_batch_size=len(rows), max_sequence_length=width + params.max_new_tokens)
+        stop_ids = set(params.stop_token_ids)
+        out_tokens: list[list[int]] = [[] for _ in rows]
+        out_logprobs: list[list[float]] = [[] for _ in rows]
+        finish: list[str | None] = [None] * len(rows)
+
+        if self.left_pad:
+            # Prompts right-aligned at `width`; key_is_pad_BK marks the pads (generated positions are never pads).
+            position = width  # the position the next logits predict
+            prompt_end = [width] * len(rows)
+            feed_BS = torch.tensor([[0] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
+            key_is_pad_BK = torch.zeros(len(rows), context.max_sequence_length, dtype=torch.bool, device=device)
+            for b, r in enumerate(rows):
+                key_is_pad_BK[b, :width - len(r)] = True
+        else:
+            position = min(len(r) for r in rows)
+            prompt_end = [len(r) for r in rows]
+            feed_BS = torch.tensor([r[:position] for r in rows], dtype=torch.long, device=device)
+            key_is_pad_BK = None
+        active = list(range(len(rows)))  # original row of each batch row, in KV-cache order
+        while active:
+            logits_BV = self._forward(feed_BS, context, _attention_mask(key_is_pad_BK, feed_BS.shape[1], position))
+            context.enable_decode_mode()
+            tokens, logprobs = self._sample_and_share(logits_BV, len(active), params, generator)
+            keep, next_tokens = [], []
+            for b, row in enumerate(active):
+                if position < prompt_end[row]:  # teacher forcing: still inside its prompt, feed the prompt token
+                    keep.append(b)
+                    next_tokens.append(rows[row][position])
+                    continue
+                token = tokens[b]
+                out_tokens[row].append(token)
+                out_logprobs[row].append(logprobs[b])
+                if token in stop_ids:
+                    finish[row] = FINISH_STOP
+                elif len(out_tokens[row]) == params.max_new_tokens:
+                    finish[row] = FINISH_LENGTH
+                else:
+                    keep.append(b)
+                    next_tokens.append(token)
+            if len(keep) < len(active):
+                keep_B = torch.tensor(keep, dtype=torch.long, device=device)
+                _keep_cache_rows(context, keep_B)
+                if key_is_pad_BK is not None:
+                    key_is_pad_BK = key_is_pad_BK.index_select(0, keep_B)
+                active = [active[b] for b in keep]
+            feed_BS = torch.tensor(next_tokens, dtype=torch.long, device=device).unsqueeze(1)
+            position += 1
+        return [Response(t, lp, f) for t, lp, f in zip(out_tokens, out_logprobs, finish)]
+
+    def _forward(self, tokens_BS: torch.Tensor, context, attention_mask) -> torch.Tensor | None:
+        """One forward step of `tokens_BS` (positions from the cache offset on) through all pipeline stages, with
+        `attention_mask` (None: megatron's causal default). Returns the last-position logits [B, V_padded] on the
+        last stage, None elsewhere."""
+        groups = self.groups
+        batch, seq = tokens_BS.shape
+        offset = context.sequence_len_offset
+        position_ids_BS = torch.arange(offset, offset + seq, device=tokens_BS.device).expand(batch, seq)
+        logits_BV = None
+        for virtual_stage in range(self.num_virtual_stages):
+            owner = virtual_stage % groups.pp_size
+            if owner != groups.pp_rank:
+                continue
+            model = self.models[virtual_stage // groups.pp_size]
+            if virtual_stage > 0:
+                hidden_SBH = torch.empty(seq, batch, self.hidden_size, dtype=self.pipeline_dtype, device=groups.device)
+                dist.recv(hidden_SBH, src=dist.get_global_rank(groups.pp_group, (owner - 1) % groups.pp_size),
+                          group=groups.pp_group)
+                model.set_input_tensor(hidden_SBH)
+            output = model(tokens_BS, position_ids_BS, attention_mask=attention_mask, inference_context=context,
+                           runtime_gather_output=True)
+            if virtual_stage < self.num_virtual_stages - 1:
+                dist.send(output.contiguous(), dst=dist.get_global_rank(groups.pp_group, (owner + 1) % groups.pp_size),
+                          group=groups.pp_group)
+            else:
+                logits_BV = output[:, -1, :]  # [B, 1, V]: the static context materialises the last position only
+        context.increment_sequence_len_offset(seq)
+        return logits_BV
+
+    def _sample_and_share(self, logits_BV, batch: int, params: SamplingParams, generator):
+        """Sample on the last stage; every rank of the model-parallel group gets (token ids, log-probs) as lists."""
+        groups = self.groups
+        if groups.is_last_stage:
+            tokens_B, logprobs_B = sample_next_tokens(
+                logits_BV, vocab_size=self.vocab_size, temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, generator=generator)
+            # float64 carries token ids exactly (< 2**53) and the float32 log-probs unchanged: one message.
+            shared_2B = torch.stack([tokens_B.double(), logprobs_B.double()])
+            if groups.tp_size > 1:
+                dist.broadcast(shared_2B, src=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
+        else:
+            shared_2B = torch.empty(2, batch, dtype=torch.float64, device=groups.device)
+        if groups.pp_size > 1:
+            dist.broadcast(shared_2B, src=groups.last_stage_global_rank, group=groups.pp_group)
+        tokens, logprobs = shared_2B.cpu().tolist()
+        return [int(t) for t in tokens], logprobs
+
+
+def _attention_honours_masks(model) -> bool:
+    """True if every layer's core attention applies an explicit attention mask as given: megatron's
+    DotProductAttention with the unfused softmax. (TE attention and the fused causal softmax kernel impose their own
+    causal mask and drop a padding mask.)"""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    layers = model.decoder.layers if model.decoder is not None else []
+    return all(isinstance(layer.self_attention.core_attention, DotProductAttention)
+               and not layer.config.masked_softmax_fusion for layer in layers)
+
+
+def _attention_mask(key_is_pad_BK: torch.Tensor | None, seq: int, kv_len: int) -> torch.Tensor | None:
+    """Boolean mask [B, 1, seq, kv_len], True = masked, for `seq` new queries at the end of `kv_len` keys: causal
+    and padding keys. None without padding (megatron's default causal mask then applies)."""
+    if key_is_pad_BK is None:
+        return None
+    masked_BSK = key_is_pad_BK[:, None, None, :kv_len]
+    if seq > 1:
+        query_position_S1 = torch.arange(kv_len - seq, kv_len, device=key_is_pad_BK.device)[:, None]
+        masked_BSK = masked_BSK | (torch.arange(kv_len, device=key_is_pad_BK.device)[None, :] > query_position_S1)
+    return masked_BSK
+
+
+def _keep_cache_rows(context, keep_B: torch.Tensor) -> None:
+    """Drop finished rows from the static KV cache: keep batch rows `keep_B` (in that order) of every layer."""
+    for layer, (keys, values) in context.key_value_memory_dict.items():
+        context.key_value_memory_dict[layer] = (keys.index_select(1, keep_B), values.index_select(1, keep_B))

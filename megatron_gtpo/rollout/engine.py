@@ -1,0 +1,96 @@
+"""The rollout engine contract shared by the built-in Megatron generation and the vLLM engine.
+
+Log-prob convention: `Response.logprobs[k]` is the log-probability of `token_ids[k]` under the
+temperature-scaled FULL next-token distribution, log softmax(logits / temperature) over the true vocabulary, i.e.
+exactly what the scoring path (`training.forward.next_token_logprobs_and_entropy`) gives for the same tokens at
+the same temperature. top-k / top-p decide which tokens may be sampled but are NOT folded into the reported
+log-probs (the log-prob under the truncated, renormalised distribution would be logprob - log(kept mass)); this way
+the trainer's rollout-vs-training mismatch compares like with like. Greedy decoding is `temperature == 0`: the
+argmax of the logits (ties go to the lowest token id), and its log-probs are those of the untempered (T = 1)
+distribution. (`top_k == 1` is also greedy in which token it picks, with log-probs at the given temperature.)
+The built-in engine follows this convention in every case; the vLLM engine does whenever top_k = 0 and top_p = 1
+(with top-k/top-p it reports vLLM's log-probs of the truncated distribution; see rollout/vllm_engine.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+FINISH_STOP, FINISH_LENGTH = "stop", "length"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `seed` seeds the engine's torch.Generator: a fixed seed, the same prompts and the same TP/PP
+    give the same responses. Callers that want different samples per step or per data-parallel replica vary it."""
+
+    n: int = 1  # responses per prompt
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus: keep the smallest set of most likely tokens with mass >= top_p (1 = off)
+    top_k: int = 0  # keep the k most likely tokens (0 = off)
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a tuple of non-negative ints, got {self.stop_token_ids!r}")
+        if not is_int(self.seed):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Response:
+    """One sampled continuation. `token_ids` ends with the stop token when finish_reason is "stop"; "length" means
+    max_new_tokens were generated without a stop token. `logprobs[k]` belongs to `token_ids[k]` (module doc)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+        """[prompt][n] responses. Called collectively by every rank of a model-parallel group with the same
+        prompts (each data-parallel replica with its own); every rank of the group gets the same result."""
+        ...
+
+    def sync_weights(self, model_chunks: list, groups) -> None:
+        """Make the engine's weights those of `model_chunks` (collective over the model-parallel group)."""
+        ...
+
+
+def check_prompts(prompts, *, vocab_size: int, max_positions: int, max_new_tokens: int) -> None:
+    """ValueError naming the first bad prompt: each must be a non-empty list of ids in [0, vocab_size) that leaves
+    room for max_new_tokens within max_positions."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token id lists, got {type(prompts).__name__} "
+                         f"of length {len(prompts) if hasattr(prompts, '__len__') else '?'}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {prompt!r}")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] holds ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        if len(prompt) + max_new_tokens > max_positions:
+            raise ValueError(f"prompts[{i}] has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} that "
+                             f"exceeds the model's {max_positions} positions")

@@ -1,0 +1,82 @@
+"""Next-token sampling from last-position logits: temperature, top-k, top-p, greedy; with the sampled tokens'
+log-probs under the temperature-scaled full distribution (the convention of rollout/engine.py).
+
+Why this takes the FULL vocabulary [B, V] and not a vocab-parallel shard: top-p needs the global order of the
+probabilities (a sort over the whole vocabulary), so a shard-local top-p would need either the full row anyway or a
+distributed search with several collectives per step. The built-in engine therefore lets megatron's output layer
+all-gather the logits of the LAST position only (`runtime_gather_output=True`, which megatron's inference path
+requires anyway): B x V floats per decoded token, small next to the forward pass that reads every weight once per
+step. vLLM makes the same choice (its logits processor gathers the vocab shards before sampling). Every TP rank
+then holds bit-identical logits; the engine still broadcasts the chosen tokens from one rank so that no two ranks can
+disagree (e.g. on how a sort breaks ties).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def filter_top_k_top_p(scaled_logits_BV: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
+    """The logits with every token outside the top-k and then outside the top-p nucleus set to -inf (a new tensor;
+    the input is not modified). top_k = 0 and top_p = 1 are off. Top-k keeps all tokens tied with the k-th value.
+    Top-p is applied to the distribution renormalised over the top-k survivors and keeps the smallest prefix of the
+    descending order whose mass reaches top_p (always at least the most likely token)."""
+    filtered_BV = scaled_logits_BV.clone()
+    vocab = filtered_BV.shape[-1]
+    if 0 < top_k < vocab:
+        kth_value_B1 = torch.topk(filtered_BV, top_k, dim=-1).values[:, -1:]
+        filtered_BV.masked_fill_(filtered_BV < kth_value_B1, -torch.inf)
+    if top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(filtered_BV, dim=-1, descending=True)
+        sorted_probs_BV = torch.softmax(sorted_BV, dim=-1)
+        mass_before_BV = torch.cumsum(sorted_probs_BV, dim=-1) - sorted_probs_BV
+        drop_sorted_BV = mass_before_BV >= top_p  # the nucleus was already complete before this token
+        drop_sorted_BV[:, 0] = False
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter_(-1, order_BV, drop_sorted_BV)
+        filtered_BV.masked_fill_(drop_BV, -torch.inf)
+    return filtered_BV
+
+
+def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
+                       top_p: float = 1.0, generator: torch.Generator | None = None):
+    """Sample one token per row.
+
+    Args:
+        logits_BV: [B, V_padded] last-position logits over the whole (possibly padded) vocabulary, any float dtype.
+        vocab_size: the true vocabulary; columns >= vocab_size are padding and are never sampled.
+        temperature: > 0 samples from softmax(logits / temperature) restricted by top_k / top_p; 0 is greedy
+            (argmax, ties to the lowest id).
+        generator: the torch.Generator to draw from (on logits_BV's device). Same generator state and same logits
+            give the same tokens.
+
+    Returns:
+        (tokens_B int64, logprobs_B float32 (float64 for float64 logits)): logprobs_B[b] = log softmax(logits[b] /
+        T)[tokens_B[b]] over the true vocabulary with T = temperature, or T = 1 when greedy; top-k / top-p do not
+        enter it.
+    """
+    if logits_BV.dim() != 2:
+        raise ValueError(f"logits_BV must be [B, V], got shape {tuple(logits_BV.shape)}")
+    if not 0 < vocab_size <= logits_BV.shape[-1]:
+        raise ValueError(f"vocab_size must be in [1, {logits_BV.shape[-1]}] (the logits' width), got {vocab_size}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    logits_BV = logits_BV[:, :vocab_size].to(_compute_dtype(logits_BV.dtype))
+    if temperature == 0:
+        tokens_B = torch.argmax(logits_BV, dim=-1)
+        scaled_BV = logits_BV
+    else:
+        scaled_BV = logits_BV / temperature
+        filtered_BV = filter_top_k_top_p(scaled_BV, top_k=top_k, top_p=top_p)
+        probs_BV = torch.softmax(filtered_BV, dim=-1)
+        # argmax p / E with E ~ Exp(1) i.i.d. draws token v with probability p_v (the exponential race); one
+        # generator draw per row and token, and no host synchronisation (torch.multinomial would need none either,
+        # but this makes the draw a plain function of the generator's stream).
+        # E is clamped away from 0 so that p / E stays finite (and 0 / E = 0 for filtered-out tokens, never NaN).
+        race_BV = torch.empty_like(probs_BV).exponential_(generator=generator)
+        race_BV.clamp_(min=torch.finfo(race_BV.dtype).tiny)
+        tokens_B = torch.argmax(probs_BV / race_BV, dim=-1)
+    logprobs_B = torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
+    return tokens_B, logprobs_B

@@ -46,6 +46,8 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 64
     vllm_gpu_memory_utilization: float = 0.5
+    vllm_hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced
+    vllm_tensor_parallel: int = 1
 
 
 @dataclass
@@ -266,6 +268,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
     need(r.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
     need(d.source != "jsonl" or d.path, "data.path: required when data.source is jsonl")
+    need(r.engine != "vllm" or r.vllm_hf_dir or m.hf_dir,
+         "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)")
     need(d.source != "synthetic" or m.tiny_synthetic or m.hf_dir or m.load, "data.source: synthetic needs a model")
     need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
          and d.epochs_per_step >= 1, "data: prompts_per_step, micro_batch_size, mini_batches_per_step and "

@@ -173,6 +173,7 @@ def build_run(cfg: TrainConfig) -> Run:
     from .checkpointing import restore_if_any
 
     run.start_step = restore_if_any(run)
+    engine.sync_weights(policy.chunks, groups)  # an external engine starts from the (restored) policy
     os.makedirs(cfg.logging.output_dir, exist_ok=True)
     run.logger = MetricsLogger(cfg.logging.output_dir, enabled=run.is_logging_rank, start_step=run.start_step,
                                total_steps=cfg.steps, tensorboard=cfg.logging.tensorboard,
@@ -184,7 +185,10 @@ def build_run(cfg: TrainConfig) -> Run:
 def _vllm_engine(cfg: TrainConfig, task: Task, groups: ParallelGroups):
     from megatron_gtpo.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine.from_config(cfg, task.hf_config, groups)
+    r = cfg.rollout
+    return VLLMEngine.create(r.vllm_hf_dir or cfg.model.hf_dir, groups, dtype=cfg.model.dtype,
+                             gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                             tensor_parallel_size=r.vllm_tensor_parallel, seed=cfg.seed)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

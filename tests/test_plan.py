@@ -1,0 +1,326 @@
+"""The planner (megatron_gtpo.planning, tools/plan.py) against real measurements:
+
+- parameter counts per rank equal megatron-core GPTModels built on the meta device, exactly, for tied and untied
+  Qwen2.5 sizes at TP 1/2/4, PP 1/2 and an interleaved (VPP) layout;
+- parameter, gradient and optimizer-state bytes equal the tensors megatron-core's DDP + Adam allocate on CPU after a
+  training step (trainer's wrap_for_training: distributed optimizer, DP=4; and megatron's replicated optimizer);
+- per-layer activation bytes of the "local" kernel profile equal the tensors autograd saves on CPU (TP 1/2, with and
+  without full recompute);
+- forward FLOPs equal torch's FLOP counter on a megatron-core forward minus the upper attention triangle;
+- the CLI's JSON contract and exit codes; the recipes in examples/ fit the GPUs their sbatch scripts ask for.
+All measurements come from one spawn of WORLD gloo ranks (the `measurements` fixture).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed_harness import run_distributed
+from megatron_gtpo.models.qwen2 import Qwen2Shape
+from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+from megatron_gtpo.planning import (Layout, Settings, Workload, forward_flops, layer_activation_bytes,
+                                    parameter_count, plan, workload_from_config)
+
+REPO = os.path.join(os.path.dirname(__file__), "..")
+WORLD = 4  # ranks of the one spawn that measures everything (TP=4 and TP=2 x PP=2 need four)
+
+# (model, TP, PP, VPP): tied (0.5B, 1.5B) and untied (7B, 32B) embeddings, TP 1/2/4, PP 1/2, interleaved.
+META_LAYOUTS = [("qwen2.5-0.5b", 1, 1, None), ("qwen2.5-0.5b", 2, 2, None), ("qwen2.5-1.5b", 1, 2, None),
+                ("qwen2.5-7b", 4, 1, None), ("qwen2.5-7b", 1, 2, 2), ("qwen2.5-32b", 2, 2, None)]
+
+
+def _measure_all(rank, world_size):
+    """On WORLD ranks: parameter counts of META_LAYOUTS on the meta device; the training-state bytes of every
+    TRAINING_STATE_CASES entry (DP=WORLD); the saved bytes of a 2-layer model minus a 1-layer one (= one decoder
+    layer) at TP=1 and TP=2, with and without recompute; and, at TP=1, torch's FLOP count of a forward. One spawn
+    for all: starting ranks is the expensive part on CPU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.qwen2 import build_model
+
+    out = {"meta_counts": _meta_parameter_counts(META_LAYOUTS),
+           "training_state": {case: _measured_training_state(*case) for case in TRAINING_STATE_CASES}}
+    for tp in (1, 2):
+        initialize_parallel(tp, 1)
+        for recompute in (False, True):
+            saved = []
+            for layers in (1, 2):
+                model = build_model(dict(LAYER_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
+                                    pipeline_parallel=1, pp_rank=0, recompute_activations=recompute)[0]
+                saved.append(_saved_activation_bytes(model, seq_len=PROBE_SEQ, batch=PROBE_BATCH))
+            out[(tp, recompute)] = saved[1] - saved[0]
+        if tp == 1:
+            model = build_model(dict(LAYER_PROBE, num_hidden_layers=2), tensor_parallel=1, pipeline_parallel=1,
+                                pp_rank=0)[0]
+            tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (PROBE_BATCH, PROBE_SEQ))
+            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                model(tokens, torch.arange(PROBE_SEQ).expand(PROBE_BATCH, PROBE_SEQ),
+                      torch.triu(torch.ones(1, 1, PROBE_SEQ, PROBE_SEQ, dtype=torch.bool), 1))
+            out["flops"] = counter.get_total_flops()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measurements():
+    return run_distributed(_measure_all, WORLD, timeout_s=400)
+
+
+def _meta_parameter_counts(layouts):
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.qwen2 import build_model
+
+    counts = []
+    for name, tp, pp, vpp in layouts:
+        groups = initialize_parallel(tp, pp, virtual_pipeline_parallel=vpp)
+        chunks = build_model(qwen25_hf_config(name), tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
+                             virtual_pipeline_parallel=vpp, meta_device=True)
+        counts.append((groups.pp_rank, groups.tp_rank, sum(p.numel() for c in chunks for p in c.parameters())))
+    return counts
+
+
+def test_parameter_counts_equal_meta_device_models(measurements):
+    per_rank = [rank["meta_counts"] for rank in measurements]
+    for i, (name, tp, pp, vpp) in enumerate(META_LAYOUTS):
+        shape = Qwen2Shape.from_hf(qwen25_hf_config(name))
+        layout = Layout(tensor=tp, pipeline=pp, data=WORLD // (tp * pp), virtual_pipeline=vpp)
+        seen = set()
+        for rank_counts in per_rank:
+            pp_rank, tp_rank, count = rank_counts[i]
+            assert count == parameter_count(shape, layout, pp_rank), (name, tp, pp, vpp, pp_rank, tp_rank)
+            seen.add((pp_rank, tp_rank))
+        assert {r for r, _ in seen} == set(range(pp))  # every stage was compared
+        result = plan(shape, layout, settings=Settings(vllm_memory_fraction=None))
+        assert result.params_per_gpu == max(c for c in (rc[i][2] for rc in per_rank))
+
+
+SMALL = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 704,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 5000,
+         "tie_word_embeddings": False, "max_position_embeddings": 512}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once, padding included)."""
+    storages = {}
+    for t in tensors:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _measured_training_state(dtype_name, distributed_optimizer):
+    """Build SMALL at TP=1 (DP = WORLD), run one Adam step through megatron-core's DDP, and measure the bytes
+    of the parameter, gradient and optimizer-state tensors that exist afterwards."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_gtpo.config import TrainConfig
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.training.model_setup import wrap_for_training
+
+    initialize_parallel(1, 1)
+    dtype = getattr(torch, dtype_name)
+    chunks = build_model(SMALL, tensor_parallel=1, pipeline_parallel=1, pp_rank=0, params_dtype=dtype)
+    if distributed_optimizer:  # the trainer's own set-up
+        cfg = TrainConfig()
+        cfg.model.dtype = dtype_name
+        policy = wrap_for_training(cfg, chunks, train_steps=1)
+        ddp, optimizer = policy.ddp_chunks[0], policy.optimizer
+    else:
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+        ddp = DistributedDataParallel(config=chunks[0].config, module=chunks[0], ddp_config=ddp_config)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=dtype == torch.bfloat16,
+                                                           params_dtype=dtype, use_distributed_optimizer=False), [ddp])
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 32))
+    positions = torch.arange(32).expand(2, 32)
+    mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    ddp(tokens, positions, mask).float().pow(2).mean().backward()
+    ddp.finish_grad_sync()
+    assert optimizer.step()[0]
+    params = list(chunks[0].parameters())
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
+    masters = [p for g in optimizer.optimizer.param_groups for p in g["params"]
+               if p.untyped_storage().data_ptr() not in param_storages]
+    return {"parameters": _storage_bytes(params), "gradients": _storage_bytes(p.main_grad for p in params),
+            "optimizer": _storage_bytes(state) + _storage_bytes(masters)}
+
+
+TRAINING_STATE_CASES = [("float32", True), ("bfloat16", True), ("bfloat16", False)]
+
+
+@pytest.mark.parametrize("dtype,distributed_optimizer", TRAINING_STATE_CASES)
+def test_training_state_bytes_equal_measured_tensors(measurements, dtype, distributed_optimizer):
+    measured = [rank["training_state"][(dtype, distributed_optimizer)] for rank in measurements]
+    shape = Qwen2Shape.from_hf(SMALL)
+    result = plan(shape, Layout(tensor=1, pipeline=1, data=WORLD),
+                  Workload(prompts_per_step=WORLD, num_responses_per_prompt=2, max_prompt_tokens=16,
+                           max_response_tokens=16),
+                  Settings(params_dtype=dtype, distributed_optimizer=distributed_optimizer,
+                           vllm_memory_fraction=None, kernels="local"))
+    stage = result.stages[0]
+    # fp32: exact. bf16: megatron's local spec keeps the RMSNorm weights (2,304 of 5.6M parameters) in fp32 and
+    # gives them no fp32 master copy; the planner counts every parameter in the model dtype (as Transformer
+    # Engine's norms are): 0.04% apart here.
+    rel = 0.0 if dtype == "float32" else 1e-3
+    for rank in measured:
+        for key in ("parameters", "gradients", "optimizer"):
+            assert rank[key] == pytest.approx(getattr(stage, key), rel=rel, abs=0), key
+
+
+LAYER_PROBE = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
+               "intermediate_size": 320, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48,
+               "vocab_size": 1000, "tie_word_embeddings": False, "max_position_embeddings": 512}
+PROBE_SEQ, PROBE_BATCH = 40, 3
+
+
+def _saved_activation_bytes(model, *, seq_len, batch) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves during one forward."""
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (batch, seq_len))
+    positions = torch.arange(seq_len).expand(batch, seq_len)
+    mask = torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), 1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, positions, mask)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_local_profile_layer_activations_equal_saved_tensors(measurements, tp, recompute):
+    shape = Qwen2Shape.from_hf(dict(LAYER_PROBE, num_hidden_layers=1))
+    expected = layer_activation_bytes(shape, seq_len=PROBE_SEQ, micro_batch_size=PROBE_BATCH, tensor_parallel=tp,
+                                      sequence_parallel=False, kernels="local", bytes_per_element=4,
+                                      recompute=recompute)
+    assert all(rank[(tp, recompute)] == expected for rank in measurements)
+
+
+def test_forward_flops_equal_torch_flop_counter_on_a_megatron_forward(measurements):
+    shape = Qwen2Shape.from_hf(dict(LAYER_PROBE, num_hidden_layers=2))
+    tokens, s = PROBE_BATCH * PROBE_SEQ, PROBE_SEQ
+    planned = forward_flops(shape, num_tokens=tokens, sum_squared_lengths=PROBE_BATCH * s * s)
+    # megatron's unfused attention multiplies the full s x s score matrix (QK^T and AV: 2 x 2 a d s^2 per layer and
+    # sequence); the planner counts the causal lower triangle only, half of that.
+    full_square = 2 * 2 * shape.num_attention_heads * shape.head_dim * s * s * PROBE_BATCH * shape.num_layers
+    assert planned == measurements[0]["flops"] - full_square / 2
+
+
+def _load_plan_cli():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(REPO, "tools", "plan.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan_cli(capsys, *args):
+    """tools/plan.py's main in this process: (exit status, stdout, stderr)."""
+    status = _load_plan_cli().main(list(args))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_cli_json_contract_for_the_design_example():
+    # The documented command, as a real subprocess.
+    res = subprocess.run([sys.executable, os.path.join(REPO, "tools", "plan.py"), "--model", "qwen2.5-32b", "--tp", "8",
+                          "--pp", "2", "--dp", "4", "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-32b"))
+    layout = Layout(tensor=8, pipeline=2, data=4)
+    assert out["params_per_gpu"] == max(parameter_count(shape, layout, r) for r in range(2))
+    assert out["fits"] is True and out["reasons"] == []
+    mem = out["memory_gib"]
+    for key in ("parameters", "gradients", "optimizer", "activations", "training_peak", "vllm_kv_cache",
+                "generation_peak"):
+        assert isinstance(mem[key], float) and mem[key] >= 0, key
+    # bf16 weights, fp32 gradients, fp32 Adam moments + master weights sharded over DP=4
+    assert mem["gradients"] == pytest.approx(2 * mem["parameters"])
+    assert mem["optimizer"] == pytest.approx(mem["parameters"] * 12 / 2 / 4)
+    assert out["flops_per_step"]["update"] == pytest.approx(3 * out["flops_per_step"]["old_logprob"])
+    assert set(out["variants_gib"]) == {"distopt_no_recompute", "distopt_recompute", "no_distopt_no_recompute",
+                                        "no_distopt_recompute"}
+
+
+def test_cli_refuses_invalid_and_oversized_layouts(capsys):
+    status, out, err = _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "8", "--dp", "1")
+    assert status == 2 and "28 attention heads are not divisible by TP=8" in err
+    status, out, err = _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "7")
+    assert status == 2 and "4 query groups (num_key_value_heads) are not divisible by TP=7" in err
+    status, out, err = _plan_cli(capsys, "--model", "qwen2.5-7b", "--pp", "3")
+    assert status == 2 and "28 layers are not divisible by PP=3" in err
+    status, out, err = _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "4", "--nodes", "1", "--dp", "4")
+    assert status == 2 and "--dp 4 contradicts --nodes 1 (DP = 2)" in err
+    status, out, err = _plan_cli(capsys, "--model", "qwen2.5-32b", "--tp", "1", "--pp", "1", "--dp", "8", "--json")
+    assert status == 1
+    result = json.loads(out)
+    assert result["fits"] is False and any("more than the 80 GiB GPU" in r for r in result["reasons"])
+    assert "does not fit" in err
+    # A smaller GPU flips a fitting layout, and the readable table says why.
+    assert _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "4", "--dp", "2")[0] == 0
+    status, out, err = _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "4", "--dp", "2", "--gpu-memory-gib", "40")
+    assert status == 1 and "DOES NOT FIT" in out
+
+
+def test_cli_distributed_optimizer_and_recompute_variants(capsys):
+    status, out, _ = _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "4", "--dp", "2", "--json")
+    assert status == 0
+    base = json.loads(out)
+    status, out, _ = _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "4", "--dp", "2", "--json",
+                               "--no-distributed-optimizer", "--recompute")
+    assert status == 0
+    other = json.loads(out)
+    v = base["variants_gib"]
+    assert other["variants_gib"] == v  # the 2 x 2 table does not depend on the chosen variant
+    assert base["memory_gib"]["training_peak"] == pytest.approx(v["distopt_no_recompute"])
+    assert other["memory_gib"]["training_peak"] == pytest.approx(v["no_distopt_recompute"])
+    # replicating the optimizer costs the other (DP-1)/DP of its state; recompute only ever saves memory
+    assert other["memory_gib"]["optimizer"] == pytest.approx(2 * base["memory_gib"]["optimizer"])
+    assert v["distopt_recompute"] < v["distopt_no_recompute"]
+
+
+def test_cli_takes_a_config_json_or_model_directory(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(qwen25_hf_config("qwen2.5-1.5b")))
+    by_dir = _plan_cli(capsys, "--model", str(tmp_path), "--json", "--tp", "2")
+    by_file = _plan_cli(capsys, "--model", str(tmp_path / "config.json"), "--json", "--tp", "2")
+    by_name = _plan_cli(capsys, "--model", "qwen2.5-1.5b", "--json", "--tp", "2")
+    assert by_dir[0] == by_file[0] == by_name[0] == 0
+    assert json.loads(by_dir[1])["memory_gib"] == json.loads(by_file[1])["memory_gib"] \
+        == json.loads(by_name[1])["memory_gib"]
+    assert _plan_cli(capsys, "--model", str(tmp_path / "nope"))[0] == 2
+
+
+# The GPUs each sbatch script in examples/slurm asks for (see examples/slurm/README.md).
+RECIPE_GPUS = {"qwen2.5-0.5b": (1,), "qwen2.5-1.5b": (1,), "qwen2.5-7b": (8, 16), "qwen2.5-32b": (32, 64)}
+
+
+@pytest.mark.parametrize("path", sorted(p for p in os.listdir(os.path.join(REPO, "examples"))
+                                        if p.startswith("qwen2.5-") and p.endswith(".yaml")))
+def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
+    from megatron_gtpo.config import load_config
+
+    cfg = load_config(os.path.join(REPO, "examples", path))
+    model = next(m for m in RECIPE_GPUS if path.startswith(m + "-"))
+    shape = Qwen2Shape.from_hf(qwen25_hf_config(model))
+    for gpus in RECIPE_GPUS[model]:
+        tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
+        layout = Layout(tensor=tp, pipeline=pp, data=gpus // (tp * pp), virtual_pipeline=cfg.parallel.virtual_pipeline,
+                        sequence_parallel=cfg.parallel.sequence_parallel)
+        settings = Settings(params_dtype=cfg.model.dtype, recompute_activations=cfg.model.recompute_activations,
+                            vllm_memory_fraction=cfg.rollout.vllm_gpu_memory_utilization)
+        result = plan(shape, layout, workload_from_config(cfg), settings)
+        assert result.fits, (path, gpus, result.reasons)

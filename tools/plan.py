@@ -1,0 +1,168 @@
+"""Memory and FLOPs plan of a Qwen2.5 model under a TP/PP/DP layout, for one RL step (megatron_gtpo.planning).
+
+    python tools/plan.py --model qwen2.5-32b --tp 8 --pp 2 --dp 4 [--json]
+    python tools/plan.py --model qwen2.5-7b --config examples/qwen2.5-7b-gtpo.yaml --nodes 1
+
+--model is a name (qwen2.5-0.5b ... qwen2.5-72b), a config.json, or a Hugging Face model directory. --config takes
+the layout, workload, dtype, recompute and vLLM memory fraction from a trainer config; explicit flags win.
+Exit status: 0 the layout fits, 1 it does not (the reasons are printed), 2 it is invalid (TP must divide the heads
+and query groups, PP the layers, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+from megatron_gtpo.planning import KERNEL_PROFILES, Layout, Settings, Workload, plan, workload_from_config
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="qwen2.5-<size>, a config.json, or a HF model directory")
+    p.add_argument("--config", help="a megatron_gtpo trainer config (YAML): layout, workload and settings from it")
+    layout = p.add_argument_group("layout")
+    layout.add_argument("--tp", type=int, help="tensor parallel size (default 1, or the config's)")
+    layout.add_argument("--pp", type=int, help="pipeline parallel size (default 1, or the config's)")
+    layout.add_argument("--dp", type=int, help="data parallel size (default: from --nodes, else 1)")
+    layout.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs: DP = nodes x GPUs / (TP x PP)")
+    layout.add_argument("--vpp", type=int, help="virtual pipeline size (interleaved schedule)")
+    layout.add_argument("--sp", action="store_true", default=None, help="sequence parallelism")
+    work = p.add_argument_group("workload (defaults: the paper's 128 prompts x 16, 2048 + 4096 tokens)")
+    work.add_argument("--prompts-per-step", type=int)
+    work.add_argument("--responses-per-prompt", type=int, help="G, the group size")
+    work.add_argument("--max-prompt-tokens", type=int)
+    work.add_argument("--max-response-tokens", type=int)
+    work.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (default 1)")
+    work.add_argument("--mini-batches", type=int, help="optimizer steps per RL step")
+    work.add_argument("--epochs", type=int, help="passes over each step's data")
+    mem = p.add_argument_group("memory")
+    mem.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80, H100)")
+    mem.add_argument("--gpus-per-node", type=int, default=8)
+    mem.add_argument("--dtype", choices=("bfloat16", "float32"), help="model dtype (default bfloat16)")
+    mem.add_argument("--no-distributed-optimizer", action="store_true",
+                     help="optimizer state replicated on every DP rank (the trainer always shards it)")
+    mem.add_argument("--recompute", action="store_true", default=None, help="full activation recompute")
+    mem.add_argument("--kernels", choices=KERNEL_PROFILES, default="te",
+                     help="activation profile: te (Transformer Engine, flash attention; GPUs) or local (CPU path)")
+    mem.add_argument("--vllm-memory-fraction", type=float, help="vLLM's share of each GPU (default 0.5)")
+    mem.add_argument("--no-vllm", action="store_true", help="no colocated vLLM engine")
+    mem.add_argument("--vllm-tp", type=int, help="vLLM tensor parallel size (default: the largest divisor of the "
+                                                 "attention heads <= min(TP x PP, GPUs per node))")
+    mem.add_argument("--vllm-overhead-gib", type=float, default=Settings.vllm_overhead_gib)
+    mem.add_argument("--framework-overhead-gib", type=float, default=Settings.framework_overhead_gib)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def load_model(model: str) -> tuple[str, dict]:
+    from megatron_gtpo.models.qwen25_sizes import QWEN25_MODEL_NAMES, qwen25_hf_config
+
+    if model.lower() in QWEN25_MODEL_NAMES:
+        return model.lower(), qwen25_hf_config(model)
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise ValueError(f"--model {model!r} is neither a known name ({', '.join(QWEN25_MODEL_NAMES)}) nor a "
+                         f"config.json / model directory")
+    with open(path, encoding="utf-8") as f:
+        return model, json.load(f)
+
+
+def build_inputs(args) -> tuple[Layout, Workload, Settings]:
+    workload, settings, layout = Workload(), Settings(), Layout()
+    if args.config:
+        from megatron_gtpo.config import load_config
+
+        cfg = load_config(args.config)
+        workload = workload_from_config(cfg)
+        settings = replace(settings, params_dtype=cfg.model.dtype,
+                           recompute_activations=cfg.model.recompute_activations,
+                           vllm_memory_fraction=cfg.rollout.vllm_gpu_memory_utilization
+                           if cfg.rollout.engine == "vllm" else None)
+        layout = Layout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
+                        virtual_pipeline=cfg.parallel.virtual_pipeline,
+                        sequence_parallel=cfg.parallel.sequence_parallel)
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    tp, pp = pick(args.tp, layout.tensor), pick(args.pp, layout.pipeline)
+    if args.nodes is not None:
+        gpus = args.nodes * args.gpus_per_node
+        if gpus % (tp * pp):
+            raise ValueError(f"{args.nodes} nodes x {args.gpus_per_node} GPUs are not divisible by TP x PP = "
+                             f"{tp} x {pp}")
+        if args.dp is not None and args.dp != gpus // (tp * pp):
+            raise ValueError(f"--dp {args.dp} contradicts --nodes {args.nodes} (DP = {gpus // (tp * pp)})")
+        dp = gpus // (tp * pp)
+    else:
+        dp = pick(args.dp, 1)
+    layout = Layout(tensor=tp, pipeline=pp, data=dp, virtual_pipeline=pick(args.vpp, layout.virtual_pipeline),
+                    sequence_parallel=pick(args.sp, layout.sequence_parallel))
+    workload = Workload(
+        prompts_per_step=pick(args.prompts_per_step, workload.prompts_per_step),
+        num_responses_per_prompt=pick(args.responses_per_prompt, workload.num_responses_per_prompt),
+        max_prompt_tokens=pick(args.max_prompt_tokens, workload.max_prompt_tokens),
+        max_response_tokens=pick(args.max_response_tokens, workload.max_response_tokens),
+        micro_batch_size=pick(args.micro_batch_size, workload.micro_batch_size),
+        mini_batches_per_step=pick(args.mini_batches, workload.mini_batches_per_step),
+        epochs_per_step=pick(args.epochs, workload.epochs_per_step))
+    fraction = None if args.no_vllm else pick(args.vllm_memory_fraction, settings.vllm_memory_fraction
+                                              if args.config else Settings.vllm_memory_fraction)
+    settings = replace(settings, gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
+                       params_dtype=pick(args.dtype, settings.params_dtype),
+                       distributed_optimizer=not args.no_distributed_optimizer,
+                       recompute_activations=pick(args.recompute, settings.recompute_activations),
+                       kernels=args.kernels, vllm_memory_fraction=fraction, vllm_tensor_parallel=args.vllm_tp,
+                       vllm_overhead_gib=args.vllm_overhead_gib, framework_overhead_gib=args.framework_overhead_gib)
+    return layout, workload, settings
+
+
+def format_table(result: dict) -> str:
+    lay, mem, kv, fl = result["layout"], result["memory_gib"], result["kv_cache"], result["flops_per_step"]
+    lines = [
+        f"{result['model']}: TP={lay['tensor']} PP={lay['pipeline']} DP={lay['data']} "
+        f"(VPP={lay['virtual_pipeline']}, SP={lay['sequence_parallel']}), {lay['world_size']} GPUs of "
+        f"{mem['gpu']:g} GiB",
+        f"parameters: {result['params_total']:,} total, {result['params_per_gpu']:,} on the largest rank "
+        f"(per stage: {', '.join(f'{n:,}' for n in result['params_per_stage'])})",
+        "",
+        f"memory per GPU, GiB (worst pipeline stage: {result['worst_stage']})",
+    ]
+    for key in ("parameters", "gradients", "optimizer", "activations", "logits", "framework_overhead", "vllm_asleep",
+                "training_peak", "vllm_budget", "vllm_weights", "vllm_kv_cache", "generation_peak"):
+        lines.append(f"  {key:<20} {mem[key]:9.2f}")
+    lines += ["", "training peak, GiB        no recompute   recompute"]
+    for name, label in (("distopt", "distributed optimizer"), ("no_distopt", "replicated optimizer")):
+        v = result["variants_gib"]
+        lines.append(f"  {label:<24} {v[name + '_no_recompute']:9.2f}   {v[name + '_recompute']:9.2f}")
+    if kv["vllm_tensor_parallel"] is not None:
+        lines += ["", f"vLLM (TP={kv['vllm_tensor_parallel']}): KV cache {kv['tokens']:,} tokens "
+                      f"({kv['bytes_per_token']:,} B/token) = {kv['full_length_sequences']} full-length sequences at "
+                      f"once; {kv['sequences_per_engine']} sequences per engine per step "
+                      f"({kv['waves_at_full_length']} waves at full length)"]
+    lines += ["", "FLOPs per step (" + fl["note"] + ")"]
+    for key in ("generate", "old_logprob", "update", "total"):
+        lines.append(f"  {key:<12} {fl[key]:.3e}")
+    lines += ["", "FITS" if result["fits"] else "DOES NOT FIT:"] + [f"  - {r}" for r in result["reasons"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_gtpo.models.qwen2 import Qwen2Shape
+
+    try:
+        name, hf_config = load_model(args.model)
+        layout, workload, settings = build_inputs(args)
+        result = plan(Qwen2Shape.from_hf(hf_config), layout, workload, settings, model_name=name).to_json()
+    except (ValueError, OSError) as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else format_table(result))
+    if not result["fits"] and args.json:
+        print("plan: does not fit: " + "; ".join(result["reasons"]), file=sys.stderr)
+    return 0 if result["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

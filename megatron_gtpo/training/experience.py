@@ -51,12 +51,13 @@ class Experience:
         return torch.arange(T) < lengths[..., None]
 
 
-def collect_experience(engine, next_prompts: Callable[[], list], reward_fn: Callable[[list[int], str], float],
+def collect_experience(generate: Callable[[list[list[int]], int], list[list[Response]]],
+                       next_prompts: Callable[[], list], reward_fn: Callable[[list[int], str], float],
                        params: SamplingParams, groups: ParallelGroups, *, target_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
                        length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                        informative: Callable[[torch.Tensor], torch.Tensor]) -> Experience:
-    """Sample G responses per prompt and score them. With dynamic sampling, groups whose rewards are all equal
+    """Sample G responses per prompt (`generate(prompts, round_index)`) and score them. With dynamic sampling, groups whose rewards are all equal
     are dropped and more prompts are drawn (at most `max_extra_rounds` more rounds, the same number on every DP
     rank so data loaders stay aligned) until `target_groups` informative groups are kept; then train on what
     there is. `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards."""
@@ -66,7 +67,7 @@ def collect_experience(engine, next_prompts: Callable[[], list], reward_fn: Call
     while True:
         prompts = next_prompts()
         if len(kept_prompts) < target_groups:
-            responses = engine.generate([list(p.prompt_token_ids) for p in prompts], params)
+            responses = generate([list(p.prompt_token_ids) for p in prompts], rounds)
             correct_NG = torch.tensor([[reward_fn(r.token_ids, p.answer) for r in grp]
                                        for p, grp in zip(prompts, responses)], dtype=torch.float32)
             lengths_NG = torch.tensor([[len(r.token_ids) for r in grp] for grp in responses], dtype=torch.float32)

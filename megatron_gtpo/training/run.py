@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -86,7 +86,6 @@ class Run:
     logger: MetricsLogger
     start_step: int = 0
     is_logging_rank: bool = False
-    extra: dict = field(default_factory=dict)
 
     def sampling_params(self, step: int, round_index: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -158,13 +157,10 @@ def build_run(cfg: TrainConfig) -> Run:
     target_groups = cfg.data.prompts_per_step // groups.dp_size
 
     def collect(step: int) -> Experience:
-        rounds = iter(range(1_000_000))
+        def generate(prompts, round_index):  # a new seed per step, sampling round and DP replica
+            return engine.generate(prompts, run.sampling_params(step, round_index))
 
-        def generate(prompts, params):
-            return engine.generate(prompts, run.sampling_params(step, next(rounds)))
-
-        sampler = type("Sampler", (), {"generate": staticmethod(generate)})
-        return collect_experience(sampler, lambda: loader.next_batch().items, reward_fn,
+        return collect_experience(generate, lambda: loader.next_batch().items, reward_fn,
                                   run.sampling_params(step, 0), groups, target_groups=target_groups,
                                   dynamic_sampling=dynamic_sampling, max_extra_rounds=a.max_resample_rounds,
                                   length_penalty=length_penalty, informative=informative_groups)

@@ -280,6 +280,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(a.entropy_clip is None or a.entropy_clip[0] <= a.entropy_clip[1],
          f"algorithm.entropy_clip: low must be <= high, got {a.entropy_clip}")
     need(cfg.optim.lr > 0, f"optim.lr: must be > 0, got {cfg.optim.lr}")
+    need(a.kl_coef == 0, "algorithm.kl_coef: the KL term to a reference policy needs a reference model, which the "
+                         "trainer does not build yet; the k3 estimator exists in algorithms/losses.py")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")
     need(not cfg.parallel.sequence_parallel or cfg.parallel.tensor > 1,
          "parallel.sequence_parallel: needs parallel.tensor > 1")

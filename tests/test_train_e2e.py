@@ -15,7 +15,7 @@ from trainer_runs import checkpoint_tensors, read_metrics, run_train, train_comm
 REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip_frac_low", "clip_frac_high",
             "grad_norm", "tokens_per_s", "accuracy", "response_length_max", "response_clip_ratio",
             "entropy_correct_mean", "entropy_failed_mean", "approx_kl", "groups_kept", "rollout_logprob_mismatch",
-            "time_generate_s", "time_old_logprob_s", "time_update_s", "time_sync_s")
+            "time_generate_s", "time_old_logprob_s", "time_update_s", "time_sync_s", "padding_fraction")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 
@@ -36,6 +36,7 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm):
         assert -1.0 <= row["reward_mean"] <= row["accuracy"] + 1e-6  # length penalties only subtract
         # the engine's sampling log-probs and the training pass's old log-probs agree (same weights, fp32)
         assert row["rollout_logprob_mismatch"] < 1e-4
+        assert 0.0 <= row["padding_fraction"] < 0.5
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
 
 

@@ -208,9 +208,12 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
     group_ids = split_evenly(list(range(exp.num_groups)), cfg.data.mini_batches_per_step)
     pad = groups.tp_size if groups.sequence_parallel else 1
     results = []
+    padded_tokens = real_tokens = 0
     for _epoch in range(cfg.data.epochs_per_step):
         for mb_groups in group_ids:
-            seq_ids = [g * G + j for g in mb_groups for j in range(G)]
+            # Length-bucketed micro-batches: sequences sorted by length, so each micro-batch (padded to its own
+            # longest sequence) holds sequences of similar length. The loss contract makes the order irrelevant.
+            seq_ids = sorted((g * G + j for g in mb_groups for j in range(G)), key=lambda i: -len(sequences[i]))
             micro_batches = []
             for chunk in split_evenly(seq_ids, max(1, math.ceil(len(seq_ids) / cfg.data.micro_batch_size))):
                 if not chunk:  # a rank without groups still takes part in the collective step, with no loss terms
@@ -231,9 +234,13 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
                 return run.policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
                                        loss_normalizer=normalizer, entropy_BT=entropy_BL)
 
+            padded_tokens += sum(m.inputs.tokens_BL.numel() for m in micro_batches)
+            real_tokens += sum(int(m.inputs.lengths_B.sum()) for m in micro_batches)
             results.append(run_train_step(run.policy, micro_batches, groups, loss_fn, vocab_size=run.vocab_size,
                                           temperature=cfg.rollout.temperature))
-    return combine_update_metrics(results, groups)
+    metrics = combine_update_metrics(results, groups)
+    metrics["padding_fraction"] = 1.0 - real_tokens / padded_tokens if padded_tokens else 0.0  # this DP rank's
+    return metrics
 
 
 _SUMMED, _MAXED, _MINNED = ("pg_loss", "sft_loss", "num_tokens", "num_sequences"), ("ratio_max",), ("ratio_min",)

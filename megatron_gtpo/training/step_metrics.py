@@ -48,6 +48,7 @@ def step_metrics(run, exp: Experience, update: dict, timer: PhaseTimer) -> dict:
                clip_frac_high=update.get("clip_frac_high", float("nan")),
                approx_kl=update.get("approx_kl", float("nan")), grad_norm=update["grad_norm"],
                pg_loss=update.get("pg_loss", float("nan")), ratio_max=update.get("ratio_max", float("nan")),
+               padding_fraction=update.get("padding_fraction", float("nan")),
                lr=run.policy.optimizer.param_groups[0]["lr"])
     response_tokens = out["response_length_mean"] * weights * exp.group_size
     step_time = sum(timer.seconds.values())

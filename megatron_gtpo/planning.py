@@ -124,10 +124,13 @@ def check_layout(shape: Qwen2Shape, layout: Layout, workload: Workload | None = 
         if settings.vllm_memory_fraction is not None and not 0 < settings.vllm_memory_fraction < 1:
             raise ValueError(f"vllm_memory_fraction must be in (0, 1), got {settings.vllm_memory_fraction}")
         vllm_tp = settings.vllm_tensor_parallel
-        if settings.vllm_memory_fraction is not None and vllm_tp is not None \
-                and (vllm_tp < 1 or shape.num_attention_heads % vllm_tp):
-            raise ValueError(f"vLLM tensor parallel size {vllm_tp} must divide the {shape.num_attention_heads} "
-                             f"attention heads")
+        if settings.vllm_memory_fraction is not None and vllm_tp is not None:
+            if vllm_tp < 1 or shape.num_attention_heads % vllm_tp:
+                raise ValueError(f"vLLM tensor parallel size {vllm_tp} must divide the {shape.num_attention_heads} "
+                                 f"attention heads")
+            if vllm_tp > settings.gpus_per_node:
+                raise ValueError(f"vLLM tensor parallel size {vllm_tp} exceeds the {settings.gpus_per_node} GPUs of "
+                                 f"a node (one engine runs on one node)")
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -415,6 +418,14 @@ def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), set
                 params_per_stage=[parameter_count(shape, layout, r) for r in range(layout.pipeline)],
                 stages=chosen, worst_stage=worst.pp_rank, memory_gib=memory, variants_gib=variants,
                 kv_cache=kv_cache, flops_per_step=flops, fits=not reasons, reasons=reasons)
+
+
+def settings_from_config(cfg, **overrides) -> Settings:
+    """The planner's settings of a megatron_gtpo TrainConfig (dtype, recompute, colocated vLLM), plus overrides."""
+    vllm = cfg.rollout.engine == "vllm"
+    return Settings(**{"params_dtype": cfg.model.dtype, "recompute_activations": cfg.model.recompute_activations,
+                       "vllm_memory_fraction": cfg.rollout.vllm_gpu_memory_utilization if vllm else None,
+                       "vllm_tensor_parallel": cfg.rollout.vllm_tensor_parallel if vllm else None, **overrides})
 
 
 def workload_from_config(cfg) -> Workload:

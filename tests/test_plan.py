@@ -22,7 +22,7 @@ from distributed_harness import run_distributed
 from megatron_gtpo.models.qwen2 import Qwen2Shape
 from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
 from megatron_gtpo.planning import (Layout, Settings, Workload, forward_flops, layer_activation_bytes,
-                                    parameter_count, plan, workload_from_config)
+                                    parameter_count, plan, settings_from_config, workload_from_config)
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 WORLD = 4  # ranks of the one spawn that measures everything (TP=4 and TP=2 x PP=2 need four)
@@ -320,7 +320,5 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
         tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
         layout = Layout(tensor=tp, pipeline=pp, data=gpus // (tp * pp), virtual_pipeline=cfg.parallel.virtual_pipeline,
                         sequence_parallel=cfg.parallel.sequence_parallel)
-        settings = Settings(params_dtype=cfg.model.dtype, recompute_activations=cfg.model.recompute_activations,
-                            vllm_memory_fraction=cfg.rollout.vllm_gpu_memory_utilization)
-        result = plan(shape, layout, workload_from_config(cfg), settings)
+        result = plan(shape, layout, workload_from_config(cfg), settings_from_config(cfg))
         assert result.fits, (path, gpus, result.reasons)

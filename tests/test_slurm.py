@@ -1,6 +1,7 @@
 """The SLURM launcher (examples/slurm/launch.sh + node.sh) on the tiny CPU config.
 
-- node.sh composes torchrun's static rendezvous from SLURM's variables (dry run; no processes started).
+- node.sh composes torchrun's static rendezvous from SLURM's variables (dry run; no processes started), and the
+  per-model sbatch scripts pick the recipe of ALGORITHM and turn the launcher's knobs into trainer arguments.
 - launch.sh end to end with a stand-in `srun` (runs the task as node 0 of 1) and `scontrol` (records its
   arguments): the real torchrun + trainer start, SIGUSR1 to the batch script makes the trainer checkpoint after the
   current step and exit 0, and the script asks SLURM to requeue the job.
@@ -63,6 +64,28 @@ def _stand_in_slurm_commands(bin_dir, record):
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {record}\n')
     for name in ("srun", "scontrol"):
         (bin_dir / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("script,algorithm", [("qwen2.5-7b.sbatch", "gtpo"), ("qwen2.5-7b.sbatch", "grpo_s"),
+                                              ("qwen2.5-7b.sbatch", "dapo"), ("qwen2.5-32b.sbatch", "gtpo"),
+                                              ("qwen2.5-32b.sbatch", "grpo_s"), ("qwen2.5-32b.sbatch", "dapo")])
+def test_per_model_scripts_pick_the_recipe_and_pass_the_knobs(tmp_path, script, algorithm):
+    _stand_in_slurm_commands(tmp_path / "bin", tmp_path / "scontrol.log")
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NAME="t",
+               SLURM_JOB_NODELIST="n[3-4]", SLURM_SUBMIT_DIR=REPO, PYTHON=sys.executable, DRY_RUN="1",
+               ALGORITHM=algorithm, MODEL_DIR="/ckpt/mg", DATA_PATH="/data/x.jsonl", RUN_DIR="/runs/r",
+               EXTRA_ARGS="--set steps=3 --set optim.lr=2e-6")
+    res = subprocess.run(["bash", os.path.join(REPO, "examples", "slurm", script)], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    config = f"examples/{script.removesuffix('.sbatch')}-{algorithm}.yaml"
+    assert os.path.isfile(os.path.join(REPO, config))
+    command = res.stdout.strip().splitlines()[-1]
+    for part in ("--nproc_per_node=8", "--master_addr=n3", "--master_port=20077", f"--config {config}",
+                 "--set logging.output_dir=/runs/r", "--set model.load=/ckpt/mg --set model.hf_dir=null",
+                 "--set data.path=/data/x.jsonl", "--set steps=3 --set optim.lr=2e-6"):
+        assert part in command, (part, command)
+    assert not (tmp_path / "scontrol.log").exists()  # no stop was requested: no requeue
 
 
 def _wait_for_metrics(path, rows: int, proc=None, timeout_s: float = 300.0, log_path=None) -> list[dict]:
@@ -239,18 +262,20 @@ def test_real_slurm_job_preempts_requeues_and_resumes(tmp_path):
         job_id = res.stdout.strip().split(";")[0]
         _wait_for_metrics(run_dir / "metrics.jsonl", 1, timeout_s=300)
         assert cluster.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
-        # launch.sh requeues the job once the trainer has checkpointed; SLURM holds a requeued job for ~2 minutes
-        # (its BeginTime): release it now, as an administrator would.
+        # launch.sh requeues the job once the trainer has checkpointed. While the first run is being torn down the job
+        # passes through transient states; once it is PENDING again (Restarts=1), SLURM holds it for ~2 minutes
+        # (its BeginTime): release it now, as an administrator would, and follow the second run to its end.
         deadline = time.monotonic() + 300
-        while cluster.job_field(job_id, "Restarts") != "1":
-            assert time.monotonic() < deadline, cluster.logs()
-            time.sleep(1.0)
-        _wait_for_state(cluster, job_id, {"PENDING", "RUNNING"}, 120)
-        cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        while (cluster.job_field(job_id, "Restarts"), cluster.job_field(job_id, "JobState")) != ("1", "PENDING"):
+            assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.logs()}"
+            time.sleep(0.5)
+        released = cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        assert released.returncode == 0, released.stderr
+        _wait_for_state(cluster, job_id, {"RUNNING"}, 120)
         state = _wait_for_state(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 400)
         with open(tmp_path / f"megatron-gtpo-{job_id}.out", encoding="utf-8", errors="replace") as f:
             log = f.read()
-        assert state == "COMPLETED", log[-4000:]
+        assert state == "COMPLETED", f"{state}:\n{log[-6000:]}\n{cluster.logs()}"
     finally:
         cluster.stop()
     assert "received signal 10: will checkpoint after this step and exit" in log

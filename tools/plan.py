@@ -4,7 +4,7 @@
     python tools/plan.py --model qwen2.5-7b --config examples/qwen2.5-7b-gtpo.yaml --nodes 1
 
 --model is a name (qwen2.5-0.5b ... qwen2.5-72b), a config.json, or a Hugging Face model directory. --config takes
-the layout, workload, dtype, recompute and vLLM memory fraction from a trainer config; explicit flags win.
+the layout, workload, dtype, recompute and vLLM settings from a trainer config; explicit flags win.
 Exit status: 0 the layout fits, 1 it does not (the reasons are printed), 2 it is invalid (TP must divide the heads
 and query groups, PP the layers, ...).
 """
@@ -16,7 +16,8 @@ import os
 import sys
 from dataclasses import replace
 
-from megatron_gtpo.planning import KERNEL_PROFILES, Layout, Settings, Workload, plan, workload_from_config
+from megatron_gtpo.planning import (KERNEL_PROFILES, Layout, Settings, Workload, plan, settings_from_config,
+                                    workload_from_config)
 
 
 def parse_args(argv=None):
@@ -49,7 +50,8 @@ def parse_args(argv=None):
                      help="activation profile: te (Transformer Engine, flash attention; GPUs) or local (CPU path)")
     mem.add_argument("--vllm-memory-fraction", type=float, help="vLLM's share of each GPU (default 0.5)")
     mem.add_argument("--no-vllm", action="store_true", help="no colocated vLLM engine")
-    mem.add_argument("--vllm-tp", type=int, help="vLLM tensor parallel size (default: the largest divisor of the "
+    mem.add_argument("--vllm-tp", type=int, help="vLLM tensor parallel size (default: the config's "
+                                                 "rollout.vllm_tensor_parallel, else the largest divisor of the "
                                                  "attention heads <= min(TP x PP, GPUs per node))")
     mem.add_argument("--vllm-overhead-gib", type=float, default=Settings.vllm_overhead_gib)
     mem.add_argument("--framework-overhead-gib", type=float, default=Settings.framework_overhead_gib)
@@ -77,10 +79,7 @@ def build_inputs(args) -> tuple[Layout, Workload, Settings]:
 
         cfg = load_config(args.config)
         workload = workload_from_config(cfg)
-        settings = replace(settings, params_dtype=cfg.model.dtype,
-                           recompute_activations=cfg.model.recompute_activations,
-                           vllm_memory_fraction=cfg.rollout.vllm_gpu_memory_utilization
-                           if cfg.rollout.engine == "vllm" else None)
+        settings = settings_from_config(cfg)
         layout = Layout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                         virtual_pipeline=cfg.parallel.virtual_pipeline,
                         sequence_parallel=cfg.parallel.sequence_parallel)
@@ -112,7 +111,8 @@ def build_inputs(args) -> tuple[Layout, Workload, Settings]:
                        params_dtype=pick(args.dtype, settings.params_dtype),
                        distributed_optimizer=not args.no_distributed_optimizer,
                        recompute_activations=pick(args.recompute, settings.recompute_activations),
-                       kernels=args.kernels, vllm_memory_fraction=fraction, vllm_tensor_parallel=args.vllm_tp,
+                       kernels=args.kernels, vllm_memory_fraction=fraction,
+                       vllm_tensor_parallel=pick(args.vllm_tp, settings.vllm_tensor_parallel),
                        vllm_overhead_gib=args.vllm_overhead_gib, framework_overhead_gib=args.framework_overhead_gib)
     return layout, workload, settings
 

@@ -128,6 +128,9 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     shape = Qwen2Shape.from_hf(hf_config)
     shape.check_parallel(tensor_parallel, pipeline_parallel, layers_per_stage)
     on_gpu = torch.cuda.is_available()
+    if sequence_parallel and not on_gpu:
+        raise ValueError("sequence parallelism needs CUDA (Transformer Engine or apex norms): megatron-core's torch "
+                         "norm, the only one on CPU, refuses it")
     uneven = {}
     if layers_per_stage is not None and pipeline_parallel > 1:
         uneven = dict(num_layers_in_first_pipeline_stage=layers_per_stage[0],

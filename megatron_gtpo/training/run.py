@@ -243,7 +243,10 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
     return metrics
 
 
-_SUMMED, _MAXED, _MINNED = ("pg_loss", "sft_loss", "num_tokens", "num_sequences"), ("ratio_max",), ("ratio_min",)
+# Losses: each micro-batch holds its share of its optimizer step's loss, so the sum over micro-batches and DP ranks
+# is the steps' total, reported per step. Counts: summed. Extremes: max / min. Everything else: token-weighted mean.
+_PER_STEP_LOSSES, _COUNTS = ("pg_loss", "sft_loss"), ("num_tokens", "num_sequences")
+_MAXED, _MINNED = ("ratio_max",), ("ratio_min",)
 
 
 def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
@@ -264,8 +267,10 @@ def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
     out = {}
     for k, vs in merged.items():
         values = [v for v, _ in vs]
-        if k in _SUMMED:
-            out[k] = sum(values) / max(1, len(results) if k in ("pg_loss", "sft_loss") else 1)
+        if k in _PER_STEP_LOSSES:
+            out[k] = sum(values) / max(1, len(results))
+        elif k in _COUNTS:
+            out[k] = sum(values)
         elif k in _MAXED:
             out[k] = max(values)
         elif k in _MINNED:

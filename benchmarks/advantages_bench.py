@@ -16,11 +16,21 @@ descheduled is not counted) and once in wall-clock time, with the minor page fau
   token.
 - policy loss fwd+bwd: token_policy_loss (token-mean, clip-higher, GTPO advantages) forward and backward on
   [N*G, T] log-probs: a stand-in for the cheapest fraction of a training step.
+
+A real training step is bounded below, in the same run, by the matmul FLOPs of Qwen2.5-0.5B's forward and
+backward passes over the batch's valid response tokens (3 x planning.forward_flops; prompts, optimizer and
+everything else left out) divided by this machine's measured float32 matmul rate with the same threads.
+
+Allocator: by default glibc is told (mallopt) to keep freed memory mapped, as PyTorch's caching allocator does
+on GPUs, so that no candidate pays first-touch page faults for a fresh [N, G, T] output (on this VM ~8,200
+faults, ~20 ms of system time, paid or not depending on what ran before). `--allocator default` leaves glibc
+as it is. The page-fault column shows which regime a run was in.
 Prints markdown tables.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import resource
@@ -30,6 +40,11 @@ import time
 import torch
 
 from megatron_gtpo.algorithms import grpo_advantages, grpo_s_advantages, gtpo_advantages, token_policy_loss
+from megatron_gtpo.models.qwen2 import Qwen2Shape
+from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+from megatron_gtpo.planning import forward_flops
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
 def make_batch(N, G, T, seed=0):
@@ -41,6 +56,33 @@ def make_batch(N, G, T, seed=0):
     old_logprobs_BT = -torch.rand(N * G, T, generator=gen)
     logprobs_BT = old_logprobs_BT + 0.2 * torch.randn(N * G, T, generator=gen)
     return rewards_NG, entropy_NGT, mask_NGT, old_logprobs_BT, logprobs_BT
+
+
+def keep_freed_memory_mapped() -> None:
+    """glibc: serve every allocation from the heap and never give freed memory back to the OS."""
+    libc = ctypes.CDLL("libc.so.6")
+    for param, value in ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, 2**31 - 1)):
+        if libc.mallopt(param, ctypes.c_int(value)) != 1:
+            raise RuntimeError(f"mallopt({param}, {value}) failed; run with --allocator default")
+
+
+def matmul_flops_per_s(size: int = 1024, repeats: int = 20) -> float:
+    """Best float32 [size, size] x [size, size] matmul rate over `repeats` calls, current thread settings."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def training_step_lower_bound_s(mask_NGT: torch.Tensor, flops_per_s: float, model: str = "qwen2.5-0.5b") -> float:
+    """Seconds for the matmul FLOPs alone of one forward + backward (3x forward) over the valid tokens."""
+    lengths = mask_NGT.sum(dim=-1).flatten().double()
+    shape = Qwen2Shape.from_hf(qwen25_hf_config(model))
+    flops = 3 * forward_flops(shape, num_tokens=int(lengths.sum()), sum_squared_lengths=int(lengths.square().sum()))
+    return flops / flops_per_s
 
 
 def load_average() -> str:
@@ -61,7 +103,10 @@ def main() -> None:
     # barrier for a descheduled sibling make every parallel op cost up to a scheduler tick (see the results).
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--allocator", choices=("cached", "default"), default="cached")
     args = parser.parse_args()
+    if args.allocator == "cached":
+        keep_freed_memory_mapped()
     torch.set_num_threads(args.threads)
     N, G, T = args.N, args.G, args.T
     rewards_NG, entropy_NGT, mask_NGT, old_logprobs_BT, logprobs_BT = make_batch(N, G, T)
@@ -101,20 +146,25 @@ def main() -> None:
                 cpu[name].append(time.process_time() - cpu_start)
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start)
 
+    flops_per_s = matmul_flops_per_s()
+    step_s = training_step_lower_bound_s(mask_NGT, flops_per_s)
     print(f"shape N={N} G={G} T={T} float32 CPU, {num_tokens} valid tokens; torch {torch.__version__}, "
           f"{args.threads} threads, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"{args.rounds} rounds; 1-min load average {load_before} before, {load_average()} after\n")
+          f"{args.rounds} rounds; allocator {args.allocator}; "
+          f"1-min load average {load_before} before, {load_average()} after\n")
+    print(f"training step lower bound (Qwen2.5-0.5B matmul FLOPs, fwd+bwd, valid tokens only) at the measured "
+          f"{flops_per_s / 1e9:.1f} GFLOP/s: {step_s:.0f} s\n")
     for title, seconds in (("process CPU time", cpu), ("wall-clock time", wall)):
         median = {name: statistics.median(s) for name, s in seconds.items()}
         grpo, grpo_tok, loss = (median[k] for k in ("grpo_advantages [N, G]", "grpo per-token [N, G, T]",
                                                      "policy loss fwd+bwd [N*G, T]"))
         print(f"{title}:\n")
         print("| candidate | median ms | min ms | / grpo_advantages | / grpo per-token | / loss fwd+bwd | "
-              "page faults (median) |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+              "/ step lower bound | page faults (median) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, s in seconds.items():
             print(f"| {name} | {median[name] * 1e3:.2f} | {min(s) * 1e3:.2f} | {median[name] / grpo:.0f}x | "
-                  f"{median[name] / grpo_tok:.2f}x | {median[name] / loss:.3f}x | "
+                  f"{median[name] / grpo_tok:.2f}x | {median[name] / loss:.3f}x | {median[name] / step_s:.1e} | "
                   f"{statistics.median(faults[name]):.0f} |")
         print()
 

@@ -342,6 +342,24 @@ def test_advantages_are_zero_exactly_on_padding():
         assert (gtpo_token_rewards(rewards, entropy, mask)[~mask] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_padding_contents_are_never_read_and_valid_nan_is_not_hidden(dtype):
+    rewards, entropy, mask, _ = _random_batch(650, N=4, G=6, T=9, dtype=dtype)
+    zero_padded = torch.where(mask, entropy, torch.zeros_like(entropy))
+    garbage = torch.tensor([float("inf"), -float("inf"), NAN, 1e30, -5.0, 0.0], dtype=dtype)
+    garbage_padded = torch.where(mask, entropy, garbage[torch.arange(mask.numel()) % 6].view(mask.shape))
+    for fn in (gtpo_advantages, gtpo_token_rewards, grpo_s_advantages):
+        expected = fn(rewards, zero_padded, mask)
+        assert torch.isfinite(expected).all()
+        assert torch.equal(fn(rewards, garbage_padded, mask), expected), fn.__name__
+    # A NaN at a VALID token is an upstream bug: it must show in the result, not be cleared like padding.
+    poisoned = zero_padded.clone()
+    poisoned[0, 0, 0] = NAN
+    assert mask[0, 0, 0]
+    assert torch.isnan(gtpo_advantages(rewards, poisoned, mask)).any()
+    assert torch.isnan(grpo_s_advantages(rewards, poisoned, mask)).any()
+
+
 def _sign_condition_holds(rewards, mask, scope_dims, alpha1, alpha2):
     """Per scope: (alpha2 * P <= alpha1 * F, alpha2 * F <= alpha1 * P) with P / F successful / failed tokens."""
     correct = (rewards == 1).unsqueeze(-1) & mask

@@ -79,8 +79,10 @@ def _compute_dtype(entropy_NGT: torch.Tensor) -> torch.dtype:
 # - the work runs in blocks of prompts (_prompt_blocks) whose intermediates fit in cache, each block fully
 #   vectorised; the only full-size tensor allocated is the [N, G, T] output (none for GRPO-S);
 # - intermediates go to block-sized scratch buffers through `out=` and in-place ops;
-# - the bool mask becomes a float factor through a uint8 view (bool -> float directly is ~6x slower), and
-#   torch.where runs once per element, to clear padding that may hold NaN.
+# - the bool mask becomes a float factor through a uint8 view (bool -> float directly is ~6x slower);
+# - no torch.where on [N, G, T] (its bool-conditioned CPU kernel is not vectorised: 5-30x a multiply): padding
+#   that may hold NaN is cleared bitwise (_write_masked_entropy), rows are selected by exact arithmetic.
+# benchmarks/results/advantages.md has the figures.
 # Other devices get a single block.
 _CPU_BLOCK_ELEMENTS = 1 << 19  # 2 MiB of float32 per scratch buffer
 
@@ -102,17 +104,26 @@ def _write_float_mask(scratch_nGT: torch.Tensor, mask_nGT: torch.Tensor) -> torc
     return scratch_nGT.copy_(mask_nGT.view(torch.uint8))
 
 
-def _write_masked_entropy(buffer_nGT, entropy_nGT, mask_nGT, entropy_clip) -> torch.Tensor:
+_SAME_WIDTH_INT = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+def _write_masked_entropy(buffer_nGT, entropy_nGT, mask_nGT, entropy_clip, bits_scratch_nGT) -> torch.Tensor:
     """buffer <- old-policy entropy, clamped to entropy_clip if given, exactly 0 at padding (whatever it held,
     NaN included). Entropy is >= 0 by definition; rounding can leave tiny negative values, which are clamped
-    to 0 so that 1/(H + eps) stays finite."""
+    to 0 so that 1/(H + eps) stays finite.
+
+    Padding is cleared with a bitwise AND against an all-ones / all-zeros word per element (bits_scratch_nGT,
+    the integer type of the buffer's width): exact, and several times faster on CPU than torch.where, whose
+    bool-conditioned kernel is not vectorised. A NaN at a valid token stays NaN (and poisons the result)."""
     low, high = (0.0, None) if entropy_clip is None else entropy_clip
     if entropy_nGT.dtype == buffer_nGT.dtype:
         torch.clamp(entropy_nGT, min=low, max=high, out=buffer_nGT)
     else:  # e.g. bf16 entropies into a float32 buffer: clamp's out= does not convert
         buffer_nGT.copy_(entropy_nGT).clamp_(min=low, max=high)
-    zero = torch.zeros((), dtype=buffer_nGT.dtype, device=buffer_nGT.device)
-    return torch.where(mask_nGT, buffer_nGT, zero, out=buffer_nGT)
+    all_ones_where_valid = bits_scratch_nGT.copy_(mask_nGT.view(torch.uint8)).neg_()  # -1 = every bit set
+    bits_nGT = buffer_nGT.view(bits_scratch_nGT.dtype)
+    torch.bitwise_and(bits_nGT, all_ones_where_valid, out=bits_nGT)
+    return buffer_nGT
 
 
 # ---------------------------------------------------------------------------------------------- GRPO-S
@@ -143,11 +154,14 @@ def grpo_s_shaped_rewards(
     entropy_sum_NG = torch.empty_like(lengths_NG)
     blocks = _prompt_blocks(N, G * T, entropy_NGT.device)
     scratch_nGT = _scratch(blocks, (G, T), dtype, entropy_NGT.device)
+    bits_scratch_nGT = _scratch(blocks, (G, T), _SAME_WIDTH_INT[dtype], entropy_NGT.device)
     for block in blocks:
-        buffer_nGT = scratch_nGT[:block.stop - block.start]
+        size = block.stop - block.start
+        buffer_nGT = scratch_nGT[:size]
         torch.sum(_write_float_mask(buffer_nGT, mask_NGT[block]), dim=-1, out=lengths_NG[block])
-        torch.sum(_write_masked_entropy(buffer_nGT, entropy_NGT[block], mask_NGT[block], entropy_clip), dim=-1,
-                  out=entropy_sum_NG[block])
+        masked_entropy_nGT = _write_masked_entropy(buffer_nGT, entropy_NGT[block], mask_NGT[block], entropy_clip,
+                                                   bits_scratch_nGT[:size])
+        torch.sum(masked_entropy_nGT, dim=-1, out=entropy_sum_NG[block])
     mean_entropy_NG = entropy_sum_NG / lengths_NG.clamp(min=1)
 
     rewards_NG = rewards_NG.to(dtype)
@@ -215,40 +229,43 @@ def _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, *, alpha2, entropy_clip, ep
     bonus_NGT = torch.empty((N, G, T), dtype=dtype, device=device)
     moments_N32 = torch.empty((N, 3, 2), dtype=dtype, device=device)
     blocks = _prompt_blocks(N, G * T, device)
-    scratch_a, scratch_b = _scratch(blocks, (G, T), dtype, device), _scratch(blocks, (G, T), dtype, device)
+    float_mask_scratch, inverse_scratch = _scratch(blocks, (G, T), dtype, device), _scratch(blocks, (G, T), dtype, device)
+    bits_scratch = _scratch(blocks, (G, T), _SAME_WIDTH_INT[dtype], device)
     for block in blocks:
         size = block.stop - block.start
-        onehot_n2G, correct_nG1, failed_nG1 = type_onehot_N2G[block], correct_NG1[block], failed_NG1[block]
-        float_mask_nGT = _write_float_mask(scratch_a[:size], mask_NGT[block])
+        onehot_n2G, onehot_nG2 = type_onehot_N2G[block], type_onehot_NG2[block]
+        float_mask_nGT = _write_float_mask(float_mask_scratch[:size], mask_NGT[block])
         # Sums over the G responses of one type at each position are [n, 2, G] x [n, G, T] batched products.
         active_count_n2T = torch.bmm(onehot_n2G, float_mask_nGT)  # d_t and h_t
         # Successful tokens weigh their entropy, failed ones its inverse (confident mistakes weigh more);
         # padding weighs 0, so a response shorter than t adds 0 to every sum at position t.
-        weight_nGT = _write_masked_entropy(bonus_NGT[block], entropy_NGT[block], mask_NGT[block], entropy_clip)
-        inverse_nGT = torch.add(weight_nGT, eps, out=scratch_b[:size]).reciprocal_().mul_(float_mask_nGT)
-        # Row select by exact arithmetic (x * 1 + y * 0 = x for finite x, y): every input is finite here.
-        weight_nGT.mul_(correct_nG1).addcmul_(inverse_nGT, failed_nG1)
+        weight_nGT = _write_masked_entropy(bonus_NGT[block], entropy_NGT[block], mask_NGT[block], entropy_clip,
+                                           bits_scratch[:size])
+        inverse_nGT = torch.add(weight_nGT, eps, out=inverse_scratch[:size]).reciprocal_().mul_(float_mask_nGT)
+        # Row select by exact arithmetic (x * 1 + y * 0 = x for finite x, y; a NaN entropy stays NaN).
+        weight_nGT.mul_(correct_nG1 := correct_NG1[block]).addcmul_(inverse_nGT, 1 - correct_nG1)
         weight_sum_n2T = torch.bmm(onehot_n2G, weight_nGT)
         bonus_coef_n2T = weight_sum_n2T.add_(eps).reciprocal_().mul_(active_count_n2T).mul_(alpha2)
-        coef_nGT = torch.mul(bonus_coef_n2T[:, :1], correct_nG1, out=scratch_b[:size])
-        bonus_nGT = weight_nGT.mul_(coef_nGT.addcmul_(bonus_coef_n2T[:, 1:], failed_nG1))
-        # Moments per response, then per type: [n, 2, G] x [n, G, 1].
+        # Each row takes its type's coefficient: [n, G, 2] x [n, 2, T] (exact, one of the two terms is 0).
+        bonus_nGT = weight_nGT.mul_(torch.bmm(onehot_nG2, bonus_coef_n2T, out=inverse_scratch[:size]))
+        # Moments per response, then per type: [n, 2, G] x [n, G, 1]. The sum of squares per response is a
+        # batched dot product ([n*G, 1, T] x [n*G, T, 1]), which reads the bonus once.
         torch.sum(active_count_n2T, dim=-1, out=moments_N32[block, 0])
         torch.bmm(onehot_n2G, bonus_nGT.sum(dim=-1, keepdim=True), out=moments_N32[block, 1].unsqueeze(-1))
-        bonus_sq_nG1 = torch.mul(bonus_nGT, bonus_nGT, out=scratch_a[:size]).sum(dim=-1, keepdim=True)
+        rows_R1T = bonus_nGT.view(size * G, 1, T)
+        bonus_sq_nG1 = torch.bmm(rows_R1T, rows_R1T.transpose(1, 2)).view(size, G, 1)
         torch.bmm(onehot_n2G, bonus_sq_nG1, out=moments_N32[block, 2].unsqueeze(-1))
     return _GTPOShaping(bonus_NGT, blocks, type_onehot_NG2, moments_N32)
 
 
 def _affine_in_bonus(shaping: _GTPOShaping, slope_NG1, intercept_NG1, mask_NGT) -> torch.Tensor:
     """Turns shaping.bonus_NGT, in place, into slope[n, g] * bonus[n, g, t] + intercept[n, g] on valid tokens
-    and 0 at padding; returns it."""
+    and 0 at padding (where the bonus is already 0); returns it."""
     bonus_NGT = shaping.bonus_NGT
     float_mask_scratch = _scratch(shaping.blocks, bonus_NGT.shape[1:], bonus_NGT.dtype, bonus_NGT.device)
     for block in shaping.blocks:
-        out_nGT = torch.addcmul(intercept_NG1[block], bonus_NGT[block], slope_NG1[block], out=bonus_NGT[block])
         float_mask_nGT = _write_float_mask(float_mask_scratch[:block.stop - block.start], mask_NGT[block])
-        out_nGT.mul_(float_mask_nGT)  # finite values: exact zeros at padding
+        bonus_NGT[block].mul_(slope_NG1[block]).addcmul_(float_mask_nGT, intercept_NG1[block])
     return bonus_NGT
 
 

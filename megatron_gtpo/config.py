@@ -25,6 +25,9 @@ class ModelConfig:
     hf_dir: str | None = None  # a Hugging Face Qwen2 directory to start from
     load: str | None = None  # or a megatron_gtpo checkpoint directory (converter or trainer output)
     tiny_synthetic: bool = False  # or a tiny random Qwen2 built in code for the synthetic task (the CPU demo)
+    # The KL term's reference policy (built when algorithm.kl_coef > 0 or this is set): a HF directory or checkpoint;
+    # None: the policy as RL starts (after any warm start), saved once to <checkpoint dir>/reference for resumes.
+    reference: str | None = None
     dtype: str = "float32"  # float32 | bfloat16
     recompute_activations: bool = False
 
@@ -99,6 +102,8 @@ class DataConfig:
     epochs_per_step: int = 1
     max_prompt_tokens: int = 2048
     seed: int = 1234
+    reward_workers: int = 4  # math-verify worker processes per model replica (jsonl tasks)
+    reward_timeout_s: float = 5.0  # per response; a verification that runs longer scores 0
 
 
 @dataclass
@@ -280,8 +285,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(a.entropy_clip is None or a.entropy_clip[0] <= a.entropy_clip[1],
          f"algorithm.entropy_clip: low must be <= high, got {a.entropy_clip}")
     need(cfg.optim.lr > 0, f"optim.lr: must be > 0, got {cfg.optim.lr}")
-    need(a.kl_coef == 0, "algorithm.kl_coef: the KL term to a reference policy needs a reference model, which the "
-                         "trainer does not build yet; the k3 estimator exists in algorithms/losses.py")
+    need(d.reward_workers >= 1, f"data.reward_workers: must be >= 1, got {d.reward_workers}")
+    need(d.reward_timeout_s > 0, f"data.reward_timeout_s: must be > 0, got {d.reward_timeout_s}")
+    need(a.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
+    need(m.reference is None or os.path.isdir(m.reference),
+         f"model.reference: {m.reference!r} is not a directory (a HF model directory or a checkpoint)")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")
     need(not cfg.parallel.sequence_parallel or cfg.parallel.tensor > 1,
          "parallel.sequence_parallel: needs parallel.tensor > 1")

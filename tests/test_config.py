@@ -38,7 +38,8 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["algorithm.entropy_clip=[3, 1]"], "low must be <= high"),
     (BASE, ["parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),
     (BASE, ["optim.lr"], "expected key=value"),
-    (BASE, ["algorithm.kl_coef=0.04"], "needs a reference model"),
+    (BASE, ["algorithm.kl_coef=-0.1"], "algorithm.kl_coef: must be >= 0"),
+    (BASE, ["model.reference=/nonexistent/ref"], "model.reference: '/nonexistent/ref' is not a directory"),
 ])
 def test_errors_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):

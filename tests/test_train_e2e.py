@@ -45,8 +45,9 @@ def _comparable(row):
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):
+    # With a KL term: the reference policy (the policy as RL started) must come back unchanged on resume.
     common = ["parallel.tensor=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=2",
-              "data.mini_batches_per_step=2"]
+              "data.mini_batches_per_step=2", "algorithm.kl_coef=0.05"]
     full, part = tmp_path / "full", tmp_path / "part"
     res = run_train(full, 2, [*common, "steps=4"])
     assert res.returncode == 0, res.stderr[-4000:]
@@ -57,6 +58,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert "resumed from" in res.stderr
     full_rows, part_rows = read_metrics(full), read_metrics(part)
     assert [r["step"] for r in part_rows] == [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3]
+    assert all(r["ref_kl"] > 0 for r in full_rows[2:])  # the policy has moved away from the reference
     for a, b in zip(full_rows, part_rows):
         a, b = _comparable(a), _comparable(b)
         assert a.keys() == b.keys()
@@ -68,6 +70,28 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert model_keys and ta.keys() == tb.keys()
     for k in ta:
         assert torch.allclose(ta[k].float(), tb[k].float(), rtol=1e-5, atol=1e-6), k
+
+
+def test_kl_reference_is_the_policy_as_rl_starts(tmp_path):
+    """Without model.reference, the reference is the policy after the warm start: at step 0 (one mini-batch, so
+    the update sees the unchanged policy) KL(policy || reference) is 0 up to rounding, later it grows. The saved
+    reference, given as model.reference to a second identical run, reproduces the first run's metrics."""
+    common = ["parallel.tensor=2", "algorithm.name=grpo", "warm_start.steps=30", "data.prompts_per_step=8",
+              "data.mini_batches_per_step=1",
+              "algorithm.kl_coef=0.1", "optim.lr=0.003", "steps=3"]
+    res = run_train(tmp_path / "a", 2, common)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [r for r in read_metrics(tmp_path / "a") if r["step"] >= 0]
+    assert abs(rows[0]["ref_kl"]) < 1e-6 and rows[0]["approx_kl"] < 1e-6
+    assert rows[2]["ref_kl"] > 1e-4
+    reference = tmp_path / "a" / "checkpoints" / "reference"
+    assert (reference / "megatron_gtpo_checkpoint.json").is_file()
+    res = run_train(tmp_path / "b", 2, [*common, f"model.reference={reference}"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    for a, b in zip(rows, [r for r in read_metrics(tmp_path / "b") if r["step"] >= 0]):
+        a, b = _comparable(a), _comparable(b)
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
 
 
 def test_resume_at_a_different_tensor_parallel_size(tmp_path):
@@ -146,3 +170,37 @@ def test_trainer_checkpoint_exports_to_hf_and_loads_in_transformers(tmp_path):
     expected = ref[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
     got = torch.tensor(json.loads(out.read_text())["logprobs"], dtype=torch.float64)
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_math_jsonl_task_on_a_hf_model_with_pooled_rewards(tmp_path):
+    """The non-demo path: a HF model directory with its tokenizer, a jsonl math dataset, math-verify rewards in a
+    worker pool (one per model replica), GTPO at TP=2."""
+    from test_tokenizers import build_hf_tokenizer_dir
+    from tiny_models import make_tiny_qwen2
+
+    model_dir = tmp_path / "model"
+    make_tiny_qwen2(model_dir, vocab_size=512, seed=3)
+    build_hf_tokenizer_dir(str(model_dir))
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{a}", "problem": f"What is ${a} + {a}$?", "answer": str(2 * a)})
+                            + "\n" for a in range(8)))
+    res = run_train(tmp_path / "run", 2, [
+        "model.tiny_synthetic=false", f"model.hf_dir={model_dir}", "data.source=jsonl", f"data.path={data}",
+        "data.template=chat", "parallel.tensor=2", "steps=2", "warm_start.steps=0", "data.prompts_per_step=4",
+        "rollout.max_new_tokens=6", "rollout.num_responses_per_prompt=4", "data.reward_workers=1",
+        "algorithm.dynamic_sampling=false", "checkpoint.save_every=0"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [r for r in read_metrics(tmp_path / "run") if r["step"] >= 0]
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["groups_kept"] == 4 and 0.0 <= row["accuracy"] <= 1.0 and row["entropy_mean"] > 0
+        assert row["rollout_logprob_mismatch"] < 1e-4
+
+
+def test_math_reward_pool_scores_a_batch():
+    from megatron_gtpo.config import load_config
+    from megatron_gtpo.training.run import _math_reward_pool
+
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "data.reward_workers=1"])
+    score = _math_reward_pool(cfg)
+    assert score(["so the answer is $\\boxed{4}$", "\\boxed{5}", "Answer: 1/2"], ["4", "4", "0.5"]) == [1.0, 0.0, 1.0]

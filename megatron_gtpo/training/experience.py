@@ -3,6 +3,7 @@ entropies from the forward-only pass, and advantages over the GLOBAL batch (all 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -26,6 +27,7 @@ class Experience:
     # Filled by score_old_policy on the last pipeline stage: response-aligned, padded to the longest response.
     old_logprobs_NGT: torch.Tensor | None = None
     entropy_NGT: torch.Tensor | None = None
+    ref_logprobs_NGT: torch.Tensor | None = None  # only with a reference policy (the KL term)
 
     @property
     def num_groups(self) -> int:
@@ -52,12 +54,14 @@ class Experience:
 
 
 def collect_experience(generate: Callable[[list[list[int]], int], list[list[Response]]],
-                       next_prompts: Callable[[], list], reward_fn: Callable[[list[int], str], float],
+                       next_prompts: Callable[[], list],
+                       score_groups: Callable[[list, list[list[Response]]], torch.Tensor],
                        params: SamplingParams, groups: ParallelGroups, *, target_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
                        length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                        informative: Callable[[torch.Tensor], torch.Tensor]) -> Experience:
-    """Sample G responses per prompt (`generate(prompts, round_index)`) and score them. With dynamic sampling, groups whose rewards are all equal
+    """Sample G responses per prompt (`generate(prompts, round_index)`) and score them (`score_groups(prompts,
+    responses) -> [N, G]` verifier rewards in {0, 1}). With dynamic sampling, groups whose rewards are all equal
     are dropped and more prompts are drawn (at most `max_extra_rounds` more rounds, the same number on every DP
     rank so data loaders stay aligned) until `target_groups` informative groups are kept; then train on what
     there is. `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards."""
@@ -68,8 +72,7 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
         prompts = next_prompts()
         if len(kept_prompts) < target_groups:
             responses = generate([list(p.prompt_token_ids) for p in prompts], rounds)
-            correct_NG = torch.tensor([[reward_fn(r.token_ids, p.answer) for r in grp]
-                                       for p, grp in zip(prompts, responses)], dtype=torch.float32)
+            correct_NG = score_groups(prompts, responses)
             lengths_NG = torch.tensor([[len(r.token_ids) for r in grp] for grp in responses], dtype=torch.float32)
             rewards_NG = correct_NG + (length_penalty(lengths_NG, correct_NG) if length_penalty else 0.0)
             # Filter on correctness, before length penalties (DAPO's rule).
@@ -107,31 +110,48 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
 
 
 def score_old_policy(model_chunks: list, exp: Experience, groups: ParallelGroups, *, vocab_size: int,
-                     temperature: float, micro_batch_size: int) -> None:
+                     temperature: float, micro_batch_size: int, reference_chunks: list | None = None) -> None:
     """The forward-only pass: old-policy log-probs and full-vocabulary entropy of every response token, at the
-    training TP/PP. Results land on the last pipeline stage (the only place the loss needs them)."""
+    training TP/PP (and the reference policy's log-probs when `reference_chunks` is given). Results land on the
+    last pipeline stage (the only place the loss needs them); the micro-batches' padding fraction goes to
+    exp.stats["old_logprob_padding_fraction"]."""
     if exp.num_groups == 0:
         return
+    score = partial(_response_logprobs_and_entropy, exp=exp, groups=groups, vocab_size=vocab_size,
+                    temperature=temperature, micro_batch_size=micro_batch_size)
+    exp.old_logprobs_NGT, exp.entropy_NGT, exp.stats["old_logprob_padding_fraction"] = score(model_chunks)
+    if reference_chunks is not None:
+        exp.ref_logprobs_NGT, _, _ = score(reference_chunks)
+
+
+def _response_logprobs_and_entropy(model_chunks, *, exp: Experience, groups: ParallelGroups, vocab_size: int,
+                                   temperature: float, micro_batch_size: int):
+    """Response-aligned [n, G, T] log-probs and entropies (None off the last stage), and the padding fraction of
+    the micro-batches. Length-bucketed: sequences are sorted by length before being cut into micro-batches, so each
+    micro-batch is padded only to the longest of similar-length sequences."""
     sequences, starts = exp.sequences(), exp.response_starts()
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
     pad = groups.tp_size if groups.sequence_parallel else 1
-    outputs = next_token_logprobs_and_entropy(model_chunks, make_micro_batches(sequences, micro_batch_size,
-                                                                               pad_to_multiple=pad),
-                                              groups, vocab_size=vocab_size, temperature=temperature)
+    micro_batches = make_micro_batches([sequences[i] for i in order], micro_batch_size, pad_to_multiple=pad)
+    padded = sum(mb.tokens_BL.numel() for mb in micro_batches)
+    padding_fraction = 1.0 - sum(len(s) for s in sequences) / padded
+    outputs = next_token_logprobs_and_entropy(model_chunks, micro_batches, groups, vocab_size=vocab_size,
+                                              temperature=temperature)
     if not groups.is_last_stage:
-        return
+        return None, None, padding_fraction
     lengths = exp.response_lengths_NG().flatten().tolist()
     T = max(lengths)
     logprobs = torch.zeros(len(sequences), T)
     entropy = torch.zeros(len(sequences), T)
-    row = 0
+    rows = iter(order)
     for logprobs_BL, entropy_BL in outputs:
         for b in range(logprobs_BL.shape[0]):
+            row = next(rows)
             start, n = starts[row] - 1, lengths[row]
             logprobs[row, :n] = logprobs_BL[b, start:start + n]
             entropy[row, :n] = entropy_BL[b, start:start + n]
-            row += 1
     shape = (exp.num_groups, exp.group_size, T)
-    exp.old_logprobs_NGT, exp.entropy_NGT = logprobs.reshape(shape), entropy.reshape(shape)
+    return logprobs.reshape(shape), entropy.reshape(shape), padding_fraction
 
 
 def _all_gather_padded(tensor: torch.Tensor, group) -> list[torch.Tensor]:

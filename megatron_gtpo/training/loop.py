@@ -14,6 +14,8 @@ def train(cfg: TrainConfig) -> None:
     stop = StopSignal.install()  # SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint, then exit
     if run.start_step == 0 and cfg.warm_start.steps:
         run.logger.log(-1, {"warm_start_steps": cfg.warm_start.steps, **warm_start(run)})
+    if run.reference is not None:  # the KL term's reference: the policy as RL starts, or model.reference
+        run.reference.pin(run.policy.chunks, run.groups, resumed=run.start_step > 0)
     for step in range(run.start_step, cfg.steps):
         timer = PhaseTimer()
         with timer("generate"):

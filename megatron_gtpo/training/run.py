@@ -23,17 +23,34 @@ from megatron_gtpo.rollout.engine import SamplingParams
 from .experience import Experience, collect_experience, global_advantages, score_old_policy
 from .metrics import MetricsLogger
 from .model_setup import PolicyModel, build_chunks, load_initial_weights, wrap_for_training
+from .reference import ReferencePolicy
 from .train_step import build_update_micro_batch, run_train_step, supervised_loss_fn
 
 
 @dataclass
 class Task:
-    """Prompts (PromptSample items), a tokenizer and a reward on decoded text."""
+    """Prompts (PromptSample items), a tokenizer and a batched reward on decoded text."""
 
     samples: list
     tokenizer: object
-    reward: Callable[[str, str], float]
+    score: Callable[[list[str], list[str]], list[float]]  # (response texts, reference answers) -> rewards
     hf_config: dict
+
+
+def _math_reward_pool(cfg: TrainConfig) -> Callable[[list[str], list[str]], list[float]]:
+    """math-verify in a pool of worker processes with a per-item time limit (rewards.RewardScorer), started on first
+    use, so only the ranks that score (one per model replica) start workers."""
+    from megatron_gtpo.rewards import RewardScorer, verify_math_answer
+
+    pool = []
+
+    def score(texts: list[str], references: list[str]) -> list[float]:
+        if not pool:
+            pool.append(RewardScorer(verify_math_answer, num_workers=cfg.data.reward_workers,
+                                     timeout_s=cfg.data.reward_timeout_s))
+        return pool[0].score(texts, references)
+
+    return score
 
 
 def build_task(cfg: TrainConfig) -> Task:
@@ -41,21 +58,20 @@ def build_task(cfg: TrainConfig) -> Task:
         from megatron_gtpo.data import synthetic
 
         hf_config = synthetic.tiny_model_hf_config() if cfg.model.tiny_synthetic else None
-        return Task(synthetic.addition_problems(), synthetic.CharTokenizer(), synthetic.exact_match_reward,
+        return Task(synthetic.addition_problems(), synthetic.CharTokenizer(),
+                    lambda texts, refs: [synthetic.exact_match_reward(t, r) for t, r in zip(texts, refs)],
                     hf_config or _model_hf_config(cfg))
     from megatron_gtpo.data.datasets import load_dataset
     from megatron_gtpo.data.records import FieldMapping
     from megatron_gtpo.data.templates import PROMPT_STYLES, tokenize_prompts
     from megatron_gtpo.data.tokenizer import load_tokenizer
-    from megatron_gtpo.rewards import math_reward
-
     from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR
 
     tokenizer = load_tokenizer(cfg.model.hf_dir or os.path.join(cfg.model.load, HF_FILES_DIR))
     records = load_dataset(cfg.data.path, FieldMapping(problem=cfg.data.prompt_field, answer=cfg.data.answer_field))
     template = PROMPT_STYLES["dapo" if cfg.data.template == "dapo" else "boxed"]
     samples = tokenize_prompts(records, tokenizer, template, max_prompt_tokens=cfg.data.max_prompt_tokens)
-    return Task(samples, tokenizer, math_reward, _model_hf_config(cfg))
+    return Task(samples, tokenizer, _math_reward_pool(cfg), _model_hf_config(cfg))
 
 
 def _model_hf_config(cfg: TrainConfig) -> dict:
@@ -84,6 +100,7 @@ class Run:
     loss_agg_mode: str
     collect: Callable[[int], Experience]
     logger: MetricsLogger
+    reference: ReferencePolicy | None = None  # the KL term's frozen reference policy
     start_step: int = 0
     is_logging_rank: bool = False
 
@@ -108,6 +125,7 @@ def build_run(cfg: TrainConfig) -> Run:
     chunks = build_chunks(cfg, task.hf_config, groups)
     load_initial_weights(cfg, chunks, groups)
     policy = wrap_for_training(cfg, chunks, train_steps=cfg.steps)
+    reference = ReferencePolicy.build(cfg, task.hf_config, groups)
 
     from megatron_gtpo.data.loader import PromptLoader
     from megatron_gtpo.rollout.builtin import BuiltinEngine
@@ -140,19 +158,28 @@ def build_run(cfg: TrainConfig) -> Run:
     }[penalty_name]
     dynamic_sampling = spec.dynamic_sampling if a.dynamic_sampling is None else a.dynamic_sampling
 
-    def reward_fn(token_ids: list[int], reference: str) -> float:
-        return task.reward(task.tokenizer.decode(token_ids), reference)
+    def score_groups(prompts: list, responses: list[list]) -> torch.Tensor:
+        """[N, G] rewards, computed once per model replica (its first rank) and broadcast to the replica's ranks."""
+        flat = [r for group in responses for r in group]
+        rewards = torch.empty(len(flat), dtype=torch.float32)
+        if dist.get_rank(groups.mp_group) == 0:
+            references = [p.answer for p, group in zip(prompts, responses) for _ in group]
+            rewards = torch.tensor(task.score([task.tokenizer.decode(r.token_ids) for r in flat], references),
+                                   dtype=torch.float32)
+        dist.broadcast(rewards, src=dist.get_global_rank(groups.mp_group, 0), group=groups.mp_group)
+        return rewards.view(len(responses), -1)
 
     run = Run(cfg=cfg, groups=groups, task=task, policy=policy, engine=engine, loader=loader,
               vocab_size=shape.vocab_size,
               score=lambda exp: score_old_policy(policy.chunks, exp, groups, vocab_size=shape.vocab_size,
                                                  temperature=cfg.rollout.temperature,
-                                                 micro_batch_size=cfg.data.micro_batch_size),
+                                                 micro_batch_size=cfg.data.micro_batch_size,
+                                                 reference_chunks=reference.chunks if reference else None),
               advantages=lambda exp: global_advantages(advantage_fn, spec.uses_entropy, exp, groups)
               if groups.is_last_stage else None,
               policy_loss=policy_loss,
               loss_agg_mode="seq-mean-token-mean" if spec.sequence_level_loss else spec.loss_agg_mode,
-              collect=None, logger=None,
+              collect=None, logger=None, reference=reference,
               is_logging_rank=groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0)
     target_groups = cfg.data.prompts_per_step // groups.dp_size
 
@@ -160,7 +187,7 @@ def build_run(cfg: TrainConfig) -> Run:
         def generate(prompts, round_index):  # a new seed per step, sampling round and DP replica
             return engine.generate(prompts, run.sampling_params(step, round_index))
 
-        return collect_experience(generate, lambda: loader.next_batch().items, reward_fn,
+        return collect_experience(generate, lambda: loader.next_batch().items, score_groups,
                                   run.sampling_params(step, 0), groups, target_groups=target_groups,
                                   dynamic_sampling=dynamic_sampling, max_extra_rounds=a.max_resample_rounds,
                                   length_penalty=length_penalty, informative=informative_groups)
@@ -199,10 +226,14 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
     lengths = exp.response_lengths_NG().flatten().tolist()
     G = exp.group_size
     last = groups.is_last_stage and exp.num_groups > 0
-    old = [exp.old_logprobs_NGT.reshape(-1, exp.old_logprobs_NGT.shape[-1])[i, :n] for i, n in enumerate(lengths)] \
-        if last else None
+
+    def per_sequence(values_NGT):
+        return [values_NGT.reshape(-1, values_NGT.shape[-1])[i, :n] for i, n in enumerate(lengths)]
+
+    old = per_sequence(exp.old_logprobs_NGT) if last else None
+    ref = per_sequence(exp.ref_logprobs_NGT) if last and exp.ref_logprobs_NGT is not None else None
     if last and advantages.ndim == 3:
-        per_seq_adv = [advantages.reshape(-1, advantages.shape[-1])[i, :n] for i, n in enumerate(lengths)]
+        per_seq_adv = per_sequence(advantages)
     elif last:
         per_seq_adv = list(advantages.reshape(-1).unbind())
     group_ids = split_evenly(list(range(exp.num_groups)), cfg.data.mini_batches_per_step)
@@ -222,7 +253,8 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
                 micro_batches.append(build_update_micro_batch(
                     [sequences[i] for i in chunk], [starts[i] for i in chunk], pad_to_multiple=pad,
                     old_logprobs=[old[i] for i in chunk] if last else None,
-                    advantages=[per_seq_adv[i] for i in chunk] if last else None))
+                    advantages=[per_seq_adv[i] for i in chunk] if last else None,
+                    ref_logprobs=[ref[i] for i in chunk] if ref is not None else None))
             normalizer = torch.stack([local_loss_normalizer(m.loss_mask_BL, run.loss_agg_mode)
                                       for m in micro_batches]).sum().double()
             dist.all_reduce(normalizer, group=groups.dp_group)
@@ -232,7 +264,8 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
                     zero = (logprobs_BL * 0).sum()
                     return zero, {}
                 return run.policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
-                                       loss_normalizer=normalizer, entropy_BT=entropy_BL)
+                                       loss_normalizer=normalizer, entropy_BT=entropy_BL,
+                                       ref_logprobs_BT=mb.ref_logprobs_BL)
 
             padded_tokens += sum(m.inputs.tokens_BL.numel() for m in micro_batches)
             real_tokens += sum(int(m.inputs.lengths_B.sum()) for m in micro_batches)

@@ -40,6 +40,9 @@ def step_metrics(run, exp: Experience, update: dict, timer: PhaseTimer) -> dict:
     out["groups_kept"] = sum(p["rollout"][0]["groups_kept"] for p in gathered)
     out["groups_generated"] = sum(p["rollout"][0]["groups_generated"] for p in gathered)
     out["sampling_rounds"] = max(p["rollout"][0]["sampling_rounds"] for p in gathered)
+    scored = [p["rollout"][0]["old_logprob_padding_fraction"] for p in gathered
+              if "old_logprob_padding_fraction" in p["rollout"][0]]
+    out["old_logprob_padding_fraction"] = sum(scored) / len(scored) if scored else float("nan")
     for key, name in (("entropy", "entropy_mean"), ("entropy_correct", "entropy_correct_mean"),
                       ("entropy_failed", "entropy_failed_mean"), ("logprob_mismatch", "rollout_logprob_mismatch")):
         total, count = (sum(p["token"].get(key, (0.0, 0))[i] for p in gathered) for i in (0, 1))
@@ -49,6 +52,7 @@ def step_metrics(run, exp: Experience, update: dict, timer: PhaseTimer) -> dict:
                approx_kl=update.get("approx_kl", float("nan")), grad_norm=update["grad_norm"],
                pg_loss=update.get("pg_loss", float("nan")), ratio_max=update.get("ratio_max", float("nan")),
                padding_fraction=update.get("padding_fraction", float("nan")),
+               **({"ref_kl": update["ref_kl"]} if "ref_kl" in update else {}),
                lr=run.policy.optimizer.param_groups[0]["lr"])
     response_tokens = out["response_length_mean"] * weights * exp.group_size
     step_time = sum(timer.seconds.values())

@@ -42,7 +42,7 @@ class ParallelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "builtin"  # builtin | vllm
+    engine: str = "builtin"  # builtin | vllm (colocated) | vllm_remote (vLLM servers on other nodes)
     num_responses_per_prompt: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -51,6 +51,10 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.5
     vllm_hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced
     vllm_tensor_parallel: int = 1
+    # vllm_remote: one `python -m megatron_gtpo.rollout.vllm_remote` server (HOST:PORT) per data-parallel replica
+    vllm_remote_addresses: list[str] = field(default_factory=list)
+    vllm_remote_connect_timeout_s: float = 600.0
+    vllm_remote_request_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -150,7 +154,7 @@ class TrainConfig:
 
 
 _CHOICES = {
-    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm"), "algorithm.name": ALGORITHMS,
+    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", "vllm_remote"), "algorithm.name": ALGORITHMS,
     "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
@@ -174,6 +178,11 @@ def _coerce(value, annotation, key: str):
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_type,) = typing.get_args(annotation)
+        return [_coerce(v, item_type, key) for v in value]
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(typing.get_args(annotation)):
             raise ConfigError(f"{key}: expected a list of {len(typing.get_args(annotation))} values, got {value!r}")
@@ -275,6 +284,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(d.source != "jsonl" or d.path, "data.path: required when data.source is jsonl")
     need(r.engine != "vllm" or r.vllm_hf_dir or m.hf_dir,
          "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)")
+    need(r.engine != "vllm_remote" or r.vllm_remote_addresses,
+         "rollout.vllm_remote_addresses: the vllm_remote engine needs one server address (HOST:PORT) per "
+         "data-parallel replica")
     need(d.source != "synthetic" or m.tiny_synthetic or m.hf_dir or m.load, "data.source: synthetic needs a model")
     need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
          and d.epochs_per_step >= 1, "data: prompts_per_step, micro_batch_size, mini_batches_per_step and "
@@ -298,6 +310,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         need(world_size % (tp * pp) == 0,
              f"parallel: world size {world_size} is not divisible by tensor x pipeline = {tp} x {pp}")
         dp = world_size // (tp * pp)
+        need(r.engine != "vllm_remote" or len(r.vllm_remote_addresses) == dp,
+             f"rollout.vllm_remote_addresses: {len(r.vllm_remote_addresses)} given, but there are {dp} data-parallel "
+             f"replicas (one vLLM server each)")
         need(d.prompts_per_step % (dp * d.mini_batches_per_step) == 0,
              f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data-parallel size x "
              f"mini_batches_per_step = {dp} x {d.mini_batches_per_step}")

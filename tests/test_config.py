@@ -39,11 +39,22 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),
     (BASE, ["optim.lr"], "expected key=value"),
     (BASE, ["algorithm.kl_coef=-0.1"], "algorithm.kl_coef: must be >= 0"),
+    (BASE, ["rollout.engine=vllm_remote"], "rollout.vllm_remote_addresses: the vllm_remote engine needs"),
+    (BASE, ["rollout.vllm_remote_addresses=host:1"], "rollout.vllm_remote_addresses: expected a list"),
     (BASE, ["model.reference=/nonexistent/ref"], "model.reference: '/nonexistent/ref' is not a directory"),
 ])
 def test_errors_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config(_write(tmp_path, text), overrides)
+
+
+def test_remote_vllm_needs_one_server_per_data_parallel_replica():
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.engine=vllm_remote",
+                             "rollout.vllm_remote_addresses=[node1:5000, node2:5000]", "data.prompts_per_step=8"])
+    assert cfg.rollout.vllm_remote_addresses == ["node1:5000", "node2:5000"]
+    validate(cfg, world_size=2)  # TP 1 x PP 1: one server per replica
+    with pytest.raises(ConfigError, match="2 given, but there are 4 data-parallel replicas"):
+        validate(cfg, world_size=4)
 
 
 def test_layout_dependent_checks():

@@ -24,6 +24,18 @@ BUCKET_BYTES = 1_500_000  # a bit more than one decoder layer (1.3 MB): 4-5 buck
 LOGPROB_ATOL = 1e-4
 
 
+def _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out: dict) -> None:
+    """Flip every TP shard of the MLP output projections, sync, and record both engines' greedy outputs."""
+    with torch.no_grad():
+        for name, p in chunks[0].named_parameters():
+            if name.endswith("mlp.linear_fc2.weight"):
+                p.mul_(-1.0)
+    engine.sync_weights(chunks, groups)
+    out["version_2"] = engine.policy_version
+    out["vllm_greedy_changed"] = engine.generate(PROMPTS, greedy)
+    out["builtin_greedy_changed"] = builtin.generate(PROMPTS, greedy)
+
+
 def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
@@ -67,14 +79,7 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
             out["scored"] = [row for logprobs_BL1, _ in scored for row in logprobs_BL1] or None
 
             # A changed weight (layer 1's MLP output projection, on every TP shard) must change vLLM's output.
-            with torch.no_grad():
-                for name, p in chunks[0].named_parameters():
-                    if name.endswith("mlp.linear_fc2.weight"):
-                        p.mul_(-1.0)
-            engine.sync_weights(chunks, groups)
-            out["version_2"] = engine.policy_version
-            out["vllm_greedy_changed"] = engine.generate(PROMPTS, greedy)
-            out["builtin_greedy_changed"] = builtin.generate(PROMPTS, greedy)
+            _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out)
             results.append(out)
     finally:
         if server is not None:
@@ -140,3 +145,131 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints):
             ref_lp = row[plen - 1:plen - 1 + 8].double()
             err = (torch.tensor(r.logprobs, dtype=torch.float64) - ref_lp).abs().max().item()
             assert err < LOGPROB_ATOL, f"{layout}: vLLM sampling log-probs differ from the scoring path by {err:.2e}"
+
+
+# --- Remote mode (rollout/vllm_remote.py): the vLLM server in an OS process of its own (a "rollout node"); a 2-rank
+# gloo trainer at TP=2 connects to it, broadcasts its weights, and checks what comes back. One server process serves
+# four trainer sessions; at the end the trainer kills it (process group) to see the "server died" error.
+REMOTE_TIMEOUT_S = 10.0  # how fast an unreachable or dead server must be reported (connect timeout: 2 s)
+
+
+def _error_text(fn) -> tuple[str, float]:
+    import time
+
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects the message
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_port):
+    import os
+    import signal
+
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
+    from megatron_gtpo.rollout.vllm_remote import RemoteVLLMClient, VLLMRemoteEngine
+
+    groups = initialize_parallel(2, 1)
+    with HFCheckpoint(megatron_dir) as ckpt:
+        shape = ckpt.shape
+        chunks = build_model(ckpt.config, tensor_parallel=2, pipeline_parallel=1, pp_rank=0)
+        load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=2)
+    builtin = BuiltinEngine(chunks, groups, VOCAB)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    out = {}
+
+    def connect(addr, timeout_s=300.0):
+        return VLLMRemoteEngine.connect(addr, groups, shape, bucket_bytes=BUCKET_BYTES, connect_timeout_s=timeout_s)
+
+    out["unreachable"] = _error_text(lambda: connect(f"127.0.0.1:{unused_port}", timeout_s=2.0))
+    if rank == 0:  # a newer session replaces an older one (a restarted trainer need not wait for its dead self)
+        older = RemoteVLLMClient(address, shape, groups.device)  # waits for the server's vLLM to come up
+        RemoteVLLMClient(address, shape, groups.device).close()
+        out["replaced"] = _error_text(lambda: older.generate(PROMPTS, greedy))[0]
+    engine = connect(address)
+    out["version_0"] = engine.policy_version
+    out["before_sync"] = engine.generate(PROMPTS, greedy)
+    engine.sync_weights(chunks, groups)
+    out["version_1"] = engine.policy_version
+    out["vllm_greedy"] = engine.generate(PROMPTS, greedy)
+    out["builtin_greedy"] = builtin.generate(PROMPTS, greedy)
+
+    _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out)
+
+    # Corrupt the final norm weight on the wire (after its checksum was taken): the server must refuse the sync.
+    honest_load = RemoteVLLMClient.load_bucket
+    RemoteVLLMClient.load_bucket = lambda self, bucket: honest_load(
+        self, [(n, t + 1e-3 if n == "model.norm.weight" else t) for n, t in bucket])
+    out["corrupt"] = _error_text(lambda: engine.sync_weights(chunks, groups))[0]
+    RemoteVLLMClient.load_bucket = honest_load
+    out["version_after_corrupt"] = engine.policy_version
+    engine.sync_weights(chunks, groups)  # a clean sync repairs it
+    out["version_3"] = engine.policy_version
+    engine.close()
+
+    engine = connect(address)  # a second session: the server kept its weights and version
+    out["session_2_version"] = engine.policy_version
+    out["session_2_greedy"] = engine.generate(PROMPTS, greedy)
+    if rank == 0:
+        os.killpg(server_pgid, signal.SIGKILL)
+    out["dead"] = _error_text(lambda: engine.generate(PROMPTS, greedy))
+    return out
+
+
+def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from distributed_harness import free_port
+
+    vllm_dir, megatron_dir = checkpoints
+    address = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "megatron_gtpo.rollout.vllm_remote", "--hf-dir", str(vllm_dir), "--listen",
+             address, "--dtype", "float32", "--gpu-memory-utilization", "0.05", "--max-model-len", "256",
+             "--enforce-eager"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        per_rank = run_distributed(_remote_checks, 2, args=(address, str(megatron_dir), server.pid, free_port()),
+                                   timeout_s=600)
+        assert server.wait(timeout=30) == -signal.SIGKILL
+    except BaseException as e:
+        raise AssertionError(f"remote vLLM checks failed; server log tail:\n{log_path.read_text()[-4000:]}") from e
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    ref, other = per_rank
+    for key in ("before_sync", "vllm_greedy", "vllm_greedy_changed", "session_2_greedy", "version_3", "corrupt"):
+        assert other[key] == ref[key], f"ranks disagree on {key}"
+
+    unreachable, seconds = ref["unreachable"]
+    assert "no vLLM server answered at 127.0.0.1:" in unreachable and seconds < REMOTE_TIMEOUT_S, (unreachable,
+                                                                                                  seconds)
+    assert other["unreachable"][0] == unreachable
+    assert "a newer trainer session replaced it" in ref["replaced"], ref["replaced"]
+    # The weights really went over: vLLM started from checkpoint A and now generates what the Megatron model does.
+    assert _tokens(ref["before_sync"]) != _tokens(ref["vllm_greedy"]), "the sync changed nothing"
+    assert _tokens(ref["vllm_greedy"]) == _tokens(ref["builtin_greedy"])
+    assert _max_logprob_error(ref["vllm_greedy"], ref["builtin_greedy"]) < LOGPROB_ATOL
+    assert _tokens(ref["vllm_greedy_changed"]) == _tokens(ref["builtin_greedy_changed"])
+    assert _tokens(ref["vllm_greedy_changed"]) != _tokens(ref["vllm_greedy"])
+    assert _max_logprob_error(ref["vllm_greedy_changed"], ref["builtin_greedy_changed"]) < LOGPROB_ATOL
+    # Policy versions: counted by the server, verified per sync; a refused sync does not count.
+    assert [ref[k] for k in ("version_0", "version_1", "version_2", "version_after_corrupt", "version_3",
+                             "session_2_version")] == [0, 1, 2, 2, 3, 3]
+    assert "hold other values than were sent" in ref["corrupt"] and "model.norm.weight" in ref["corrupt"], \
+        ref["corrupt"]
+    assert _tokens(ref["session_2_greedy"]) == _tokens(ref["vllm_greedy_changed"])
+    for rank_out in per_rank:
+        dead, seconds = rank_out["dead"]
+        assert f"vLLM server at {address}" in dead and "lost the connection" in dead, dead
+        assert seconds < REMOTE_TIMEOUT_S, seconds

@@ -204,3 +204,18 @@ def test_math_reward_pool_scores_a_batch():
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "data.reward_workers=1"])
     score = _math_reward_pool(cfg)
     assert score(["so the answer is $\\boxed{4}$", "\\boxed{5}", "Answer: 1/2"], ["4", "4", "0.5"]) == [1.0, 0.0, 1.0]
+
+
+def test_unreachable_remote_vllm_server_fails_fast_naming_the_address(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    start = time.monotonic()
+    res = run_train(tmp_path, 2, ["parallel.tensor=2", "steps=1", "warm_start.steps=0", "rollout.engine=vllm_remote",
+                                  f"rollout.vllm_remote_addresses=[{address}]",
+                                  "rollout.vllm_remote_connect_timeout_s=2"], timeout=120)
+    assert res.returncode != 0 and address in res.stderr, res.stderr[-3000:]
+    assert time.monotonic() - start < 90

@@ -6,11 +6,13 @@ default V1 multiprocessing), so vLLM's torch.distributed world never meets the t
 `tensor_parallel_size` is independent of the training TP (vLLM starts its own workers for it).
 
 - `VLLMServer` wraps the `vllm.LLM` on that rank: generation from token ids (no tokenizer), in-place weight reload
-  from buckets of HF-named tensors, policy-version checks, sleep/wake.
-- `VLLMEngine` implements `RolloutEngine` for the whole model-parallel group: `generate` runs on the server and
-  broadcasts the responses to every rank of the group; `sync_weights` streams the Megatron weights through
-  `weight_sync.hf_weight_buckets` (TP gather + pipeline sends through the single HF<->Megatron mapping, buckets of
-  bounded bytes, a decoder layer never split) into vLLM, then verifies the policy version.
+  from buckets of HF-named tensors, policy-version checks, sleep/wake. The remote mode (vllm_remote.py) runs the
+  same class in a server process on a rollout node.
+- `VLLMEngine` (a `server_engine.ServerEngine`) implements `RolloutEngine` for the whole model-parallel group:
+  `generate` runs on the server and broadcasts the responses to every rank of the group; `sync_weights` streams
+  the Megatron weights through `weight_sync.hf_weight_buckets` (TP gather + pipeline sends through the single
+  HF<->Megatron mapping, buckets of bounded bytes, a decoder layer never split) into vLLM, then verifies the policy
+  version.
 
 Weight update path: per bucket, `collective_rpc("gtpo_load_weights", ...)` on every vLLM worker, which calls the
 model runner's `reload_weights(weights_iterator=...)` (vLLM's in-place reload: it re-runs the per-layer post-load
@@ -31,7 +33,9 @@ Sleep/wake (colocated training and generation): when the platform supports vLLM'
 weights offloaded to host memory and KV cache freed; level 2: both discarded, which requires a full
 `sync_weights` before the next `generate`), wakes the weights for a sync and everything for a generation. On CPU,
 vLLM has no sleep mode (its CPU worker ignores sleep with a warning), so it is not used there: `sleep_supported` is
-False and both models stay resident. Not implemented: vLLM on separate nodes with weights broadcast to it.
+False and both models stay resident. vLLM on separate nodes, with the weights broadcast from the trainer straight
+to its workers (their `gtpo_join_weight_group` / `gtpo_receive_bucket` methods below), is the remote mode:
+rollout/vllm_remote.py.
 
 Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and returns the sampled tokens' log-probs. With
 top_k = 0 and top_p = 1 (and for greedy, where vLLM reports the untempered distribution) these follow the project
@@ -68,9 +72,10 @@ from vllm.platforms import current_platform
 
 from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 
-from .engine import Response, SamplingParams, check_prompts
-from .weight_sync import (DEFAULT_BUCKET_BYTES, hf_weight_buckets, is_sync_destination, policy_checksum_names,
-                          tensor_checksum)
+from .engine import Response, SamplingParams
+from .server_engine import ServerEngine
+from .vllm_remote import broadcast_from_trainer, join_weight_group
+from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, tensor_checksum
 
 # vLLM logs a warning for every layer that a partial (bucketed) in-place reload does not touch.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
@@ -98,7 +103,30 @@ class GTPOWorkerExtension:
     def gtpo_load_weights(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
                           payload: bytes) -> None:
         """Load a packed bucket (`pack_bucket`) in place; parameters not in it keep their values."""
-        weights = unpack_bucket(names, dtype_names, shapes, payload)
+        self._gtpo_reload(unpack_bucket(names, dtype_names, shapes, payload))
+
+    def gtpo_join_weight_group(self, host: str, port: int, prefix: str, world_size: int, timeout_s: float) -> int:
+        """Join the remote trainer's weight broadcast group (vllm_remote.py) as rank 1 + this worker's rank; returns
+        the probe value the trainer broadcasts first."""
+        self.gtpo_weight_group = join_weight_group(host, port, prefix, 1 + self.rank, world_size, self.device,
+                                                   timeout_s)
+        probe = torch.zeros(1, dtype=torch.int64, device=self.device)
+        broadcast_from_trainer(self.gtpo_weight_group, probe)
+        return int(probe.item())
+
+    def gtpo_leave_weight_group(self) -> None:
+        self.gtpo_weight_group = None
+
+    def gtpo_receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
+        """Receive a bucket broadcast tensor by tensor from the remote trainer onto this worker's device and load it
+        in place."""
+        weights = [(name, torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device))
+                   for name, dtype_name, shape in zip(names, dtype_names, shapes)]
+        for _, tensor in weights:
+            broadcast_from_trainer(self.gtpo_weight_group, tensor)
+        self._gtpo_reload(weights)
+
+    def _gtpo_reload(self, weights: list) -> None:
         with _quiet_partial_reload():
             self.model_runner.reload_weights(weights_iterator=iter(weights))
 
@@ -152,6 +180,8 @@ class VLLMServer:
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
                        worker_extension_cls=f"{__name__}.GTPOWorkerExtension", **llm_kwargs)
         model_config = self.llm.llm_engine.model_config
+        self.num_workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
+        self.device_type = current_platform.device_type
         self.max_model_len = model_config.max_model_len
         self.dtype = model_config.dtype
         self.policy_version = 0
@@ -198,6 +228,18 @@ class VLLMServer:
         self._weights_discarded = False
         return version
 
+    def join_weight_group(self, host: str, port: int, prefix: str, timeout_s: float = 300.0) -> list[int]:
+        """Remote mode: every worker joins the trainer's weight group at the store HOST:PORT; their probe values."""
+        return self.llm.collective_rpc("gtpo_join_weight_group",
+                                       args=(host, port, prefix, 1 + self.num_workers, timeout_s))
+
+    def receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
+        """Remote mode: every worker receives the bucket the trainer broadcasts and loads it in place."""
+        self.llm.collective_rpc("gtpo_receive_bucket", args=(names, dtype_names, shapes))
+
+    def leave_weight_group(self) -> None:
+        self.llm.collective_rpc("gtpo_leave_weight_group")
+
     def close(self) -> None:
         """Stop vLLM's engine process."""
         self.llm.llm_engine.engine_core.shutdown()
@@ -221,87 +263,12 @@ def _response(sample) -> Response:
     return Response(token_ids, logprobs, sample.finish_reason)
 
 
-class VLLMEngine:
-    """`RolloutEngine` backed by one VLLMServer per model-parallel group (on its sync destination rank).
-
-    `generate` and `sync_weights` are collective over the model-parallel group; every rank returns the same
-    responses, and every rank raises if the server failed.
-    """
-
-    def __init__(self, server: VLLMServer | None, groups, shape: Qwen2Shape, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        if (server is not None) != is_sync_destination(groups):
-            raise ValueError("the VLLMServer must live on the weight-sync destination (TP rank 0 of the first "
-                             "pipeline stage) and only there")
-        self.server = server
-        self.groups = groups
-        self.shape = shape
-        self.bucket_bytes = bucket_bytes
-        self.policy_version = 0
+class VLLMEngine(ServerEngine):
+    """`RolloutEngine` backed by one VLLMServer per model-parallel group, on its sync destination rank (the group
+    logic, shared with the remote mode, is `server_engine.ServerEngine`)."""
 
     @classmethod
     def create(cls, hf_model_dir: str, groups, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
         """Start the server on the destination rank (collective only in that every rank must call it)."""
         server = VLLMServer(hf_model_dir, **server_kwargs) if is_sync_destination(groups) else None
         return cls(server, groups, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), bucket_bytes=bucket_bytes)
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
-                      max_new_tokens=params.max_new_tokens)
-        outcome = None
-        if self.server is not None:
-            outcome = _attempt(lambda: self.server.generate(prompts, params))
-        return _unwrap(self._share(outcome))
-
-    def sync_weights(self, model_chunks: list, groups) -> None:
-        checksum_names = set(policy_checksum_names(self.shape))
-        expected: dict[str, tuple[float, float]] = {}
-        failure = None
-        if self.server is not None:
-            failure = _error_of(self.server.begin_weight_update)
-        for bucket in hf_weight_buckets(model_chunks, groups, self.shape, bucket_bytes=self.bucket_bytes):
-            # Only the destination gets buckets. After a failure the stream is still drained: the other ranks are
-            # gathering and sending into it.
-            for name, tensor in bucket:
-                if name in checksum_names:
-                    expected[name] = tensor_checksum(tensor.to(self.server.dtype))
-            if failure is None:
-                failure = _error_of(lambda: self.server.load_bucket(bucket))
-            del bucket
-        outcome = None
-        if self.server is not None:
-            outcome = ("error", failure) if failure else _attempt(lambda: self.server.finish_weight_update(expected))
-        self.policy_version = _unwrap(self._share(outcome))
-
-    def _share(self, outcome):
-        """The destination's (status, payload) on every rank of the model-parallel group: a broadcast within the
-        first stage's TP group, then along each pipeline group."""
-        groups = self.groups
-        box = [outcome]
-        if groups.pp_rank == 0 and groups.tp_size > 1:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
-        if groups.pp_size > 1:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp_group, 0), group=groups.pp_group)
-        return box[0]
-
-
-def _attempt(fn):
-    """("ok", fn()) or ("error", description): failures on the server rank are re-raised on every rank."""
-    try:
-        return "ok", fn()
-    except Exception as e:  # noqa: BLE001 - reported to the whole group, then raised there
-        return "error", f"{type(e).__name__}: {e}"
-
-
-def _error_of(fn) -> str | None:
-    status, payload = _attempt(fn)
-    return payload if status == "error" else None
-
-
-def _unwrap(outcome):
-    status, payload = outcome
-    if status != "ok":
-        raise RuntimeError(f"vLLM engine failed on the weight-sync destination rank: {payload}")
-    return payload

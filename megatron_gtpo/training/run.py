@@ -130,8 +130,9 @@ def build_run(cfg: TrainConfig) -> Run:
     from megatron_gtpo.data.loader import PromptLoader
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
-    engine = BuiltinEngine(policy.chunks, groups, vocab_size=shape.vocab_size) if cfg.rollout.engine == "builtin" \
-        else _vllm_engine(cfg, task, groups)
+    engine = {"builtin": lambda: BuiltinEngine(policy.chunks, groups, vocab_size=shape.vocab_size),
+              "vllm": lambda: _vllm_engine(cfg, task, groups),
+              "vllm_remote": lambda: _vllm_remote_engine(cfg, shape, groups)}[cfg.rollout.engine]()
     loader = PromptLoader(task.samples, prompts_per_step=cfg.data.prompts_per_step, dp_rank=groups.dp_rank,
                           dp_size=groups.dp_size, seed=cfg.data.seed)
 
@@ -212,6 +213,17 @@ def _vllm_engine(cfg: TrainConfig, task: Task, groups: ParallelGroups):
     return VLLMEngine.create(r.vllm_hf_dir or cfg.model.hf_dir, groups, dtype=cfg.model.dtype,
                              gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                              tensor_parallel_size=r.vllm_tensor_parallel, seed=cfg.seed)
+
+
+def _vllm_remote_engine(cfg: TrainConfig, shape, groups: ParallelGroups):
+    from megatron_gtpo.rollout.vllm_remote import VLLMRemoteEngine, parse_address
+
+    r = cfg.rollout
+    for address in r.vllm_remote_addresses:
+        parse_address(address)  # every rank fails alike on a malformed address
+    return VLLMRemoteEngine.connect(r.vllm_remote_addresses[groups.dp_rank], groups, shape,
+                                    connect_timeout_s=r.vllm_remote_connect_timeout_s,
+                                    request_timeout_s=r.vllm_remote_request_timeout_s)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

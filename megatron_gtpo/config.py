@@ -154,7 +154,8 @@ class TrainConfig:
 
 
 _CHOICES = {
-    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", "vllm_remote"), "algorithm.name": ALGORITHMS,
+    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", "vllm_remote"),
+    "algorithm.name": ALGORITHMS,
     "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),

@@ -229,7 +229,8 @@ def _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, *, alpha2, entropy_clip, ep
     bonus_NGT = torch.empty((N, G, T), dtype=dtype, device=device)
     moments_N32 = torch.empty((N, 3, 2), dtype=dtype, device=device)
     blocks = _prompt_blocks(N, G * T, device)
-    float_mask_scratch, inverse_scratch = _scratch(blocks, (G, T), dtype, device), _scratch(blocks, (G, T), dtype, device)
+    float_mask_scratch = _scratch(blocks, (G, T), dtype, device)
+    inverse_scratch = _scratch(blocks, (G, T), dtype, device)
     bits_scratch = _scratch(blocks, (G, T), _SAME_WIDTH_INT[dtype], device)
     for block in blocks:
         size = block.stop - block.start
@@ -243,7 +244,7 @@ def _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, *, alpha2, entropy_clip, ep
                                            bits_scratch[:size])
         inverse_nGT = torch.add(weight_nGT, eps, out=inverse_scratch[:size]).reciprocal_().mul_(float_mask_nGT)
         # Row select by exact arithmetic (x * 1 + y * 0 = x for finite x, y; a NaN entropy stays NaN).
-        weight_nGT.mul_(correct_nG1 := correct_NG1[block]).addcmul_(inverse_nGT, 1 - correct_nG1)
+        weight_nGT.mul_(correct_NG1[block]).addcmul_(inverse_nGT, failed_NG1[block])
         weight_sum_n2T = torch.bmm(onehot_n2G, weight_nGT)
         bonus_coef_n2T = weight_sum_n2T.add_(eps).reciprocal_().mul_(active_count_n2T).mul_(alpha2)
         # Each row takes its type's coefficient: [n, G, 2] x [n, 2, T] (exact, one of the two terms is 0).

@@ -240,27 +240,6 @@ def test_gtpo_matches_loop_reference_float64(norm_scope, entropy_clip):
         torch.testing.assert_close(got, _dense_from_dict(ref, mask.shape), atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("prompts_per_block", [1, 2, 3])
-def test_blocked_cpu_path_matches_the_reference(monkeypatch, prompts_per_block):
-    """On CPU the work runs in blocks of prompts; force several (uneven) blocks on a small batch."""
-    import megatron_gtpo.algorithms.advantages as advantages_module
-
-    N, G, T = 5, 4, 6
-    monkeypatch.setattr(advantages_module, "_CPU_BLOCK_ELEMENTS", prompts_per_block * G * T)
-    assert len(advantages_module._prompt_blocks(N, G * T, torch.device("cpu"))) == -(-N // prompts_per_block)
-    for seed in range(3):
-        rewards, entropy, mask, lengths = _random_batch(1000 + seed, N=N, G=G, T=T)
-        for norm_scope in ("batch", "group"):
-            got = gtpo_advantages(rewards, entropy, mask, norm_scope=norm_scope, entropy_clip=(0.2, 2.5))
-            ref = reference_gtpo(rewards.tolist(), entropy.tolist(), lengths.tolist(), alpha1=1.0, alpha2=0.1,
-                                 norm_scope=norm_scope, entropy_clip=(0.2, 2.5), eps=1e-8)
-            torch.testing.assert_close(got, _dense_from_dict(ref, mask.shape), atol=1e-9, rtol=0)
-        ref_s = reference_grpo_s(rewards.tolist(), entropy.tolist(), lengths.tolist(), beta1=1.0, beta2=0.1,
-                                 entropy_clip=None, eps=1e-8)
-        torch.testing.assert_close(grpo_s_advantages(rewards, entropy, mask), torch.tensor(ref_s, dtype=torch.float64),
-                                   atol=1e-9, rtol=0)
-
-
 def test_gtpo_float32_matches_float64_reference():
     for seed in range(4):
         rewards, entropy, mask, lengths = _random_batch(100 + seed, N=4, G=8, T=33, dtype=torch.float32)

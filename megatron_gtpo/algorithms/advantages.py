@@ -10,8 +10,8 @@ Follows /work/shared/specs/algorithms.md. Conventions shared by every function h
 - `eps` guards a division additively: x / (y + eps).
 - Arithmetic runs in float32 at least (float64 inputs stay float64; bf16/fp16 entropies are upcast); GTPO's
   per-prompt sums are combined over the normalisation scope in float64.
-- Everything is vectorised over [N, G, T]: no Python loop runs over responses or tokens. On CPU the batch is
-  processed in blocks of whole prompts to stay in cache (see _prompt_blocks); elsewhere in one block.
+- Everything is vectorised over [N, G, T]: no Python loop runs over responses or tokens. The passes over
+  [N, G, T] live in token_passes.py (torch ops on any device; native C kernels for float32 on CPU).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_gtpo.algorithms import token_passes
 from megatron_gtpo.algorithms._checks import (
     check_binary_rewards,
     check_bool_mask,
@@ -74,58 +75,6 @@ def _compute_dtype(entropy_NGT: torch.Tensor) -> torch.dtype:
     return torch.promote_types(entropy_NGT.dtype, torch.float32)
 
 
-# Performance of the [N, G, T] work below (it runs once per step on the whole batch). On CPU, memory traffic
-# and first-touch page faults of fresh tensors dominate, so:
-# - the work runs in blocks of prompts (_prompt_blocks) whose intermediates fit in cache, each block fully
-#   vectorised; the only full-size tensor allocated is the [N, G, T] output (none for GRPO-S);
-# - intermediates go to block-sized scratch buffers through `out=` and in-place ops;
-# - the bool mask becomes a float factor through a uint8 view (bool -> float directly is ~6x slower);
-# - no torch.where on [N, G, T] (its bool-conditioned CPU kernel is not vectorised: 5-30x a multiply): padding
-#   that may hold NaN is cleared bitwise (_write_masked_entropy), rows are selected by exact arithmetic.
-# benchmarks/results/advantages.md has the figures.
-# Other devices get a single block.
-_CPU_BLOCK_ELEMENTS = 1 << 19  # 2 MiB of float32 per scratch buffer
-
-
-def _prompt_blocks(num_prompts: int, elements_per_prompt: int, device: torch.device) -> list[slice]:
-    if device.type != "cpu":
-        return [slice(0, num_prompts)]
-    per_block = max(1, _CPU_BLOCK_ELEMENTS // max(elements_per_prompt, 1))
-    return [slice(start, min(start + per_block, num_prompts)) for start in range(0, num_prompts, per_block)]
-
-
-def _scratch(blocks: list[slice], shape_GT, dtype, device) -> torch.Tensor:
-    largest = max((block.stop - block.start for block in blocks), default=0)
-    return torch.empty((largest, *shape_GT), dtype=dtype, device=device)
-
-
-def _write_float_mask(scratch_nGT: torch.Tensor, mask_nGT: torch.Tensor) -> torch.Tensor:
-    """scratch <- 1.0 on valid tokens, 0.0 at padding."""
-    return scratch_nGT.copy_(mask_nGT.view(torch.uint8))
-
-
-_SAME_WIDTH_INT = {torch.float64: torch.int64, torch.float32: torch.int32}
-
-
-def _write_masked_entropy(buffer_nGT, entropy_nGT, mask_nGT, entropy_clip, bits_scratch_nGT) -> torch.Tensor:
-    """buffer <- old-policy entropy, clamped to entropy_clip if given, exactly 0 at padding (whatever it held,
-    NaN included). Entropy is >= 0 by definition; rounding can leave tiny negative values, which are clamped
-    to 0 so that 1/(H + eps) stays finite.
-
-    Padding is cleared with a bitwise AND against an all-ones / all-zeros word per element (bits_scratch_nGT,
-    the integer type of the buffer's width): exact, and several times faster on CPU than torch.where, whose
-    bool-conditioned kernel is not vectorised. A NaN at a valid token stays NaN (and poisons the result)."""
-    low, high = (0.0, None) if entropy_clip is None else entropy_clip
-    if entropy_nGT.dtype == buffer_nGT.dtype:
-        torch.clamp(entropy_nGT, min=low, max=high, out=buffer_nGT)
-    else:  # e.g. bf16 entropies into a float32 buffer: clamp's out= does not convert
-        buffer_nGT.copy_(entropy_nGT).clamp_(min=low, max=high)
-    all_ones_where_valid = bits_scratch_nGT.copy_(mask_nGT.view(torch.uint8)).neg_()  # -1 = every bit set
-    bits_nGT = buffer_nGT.view(bits_scratch_nGT.dtype)
-    torch.bitwise_and(bits_nGT, all_ones_where_valid, out=bits_nGT)
-    return buffer_nGT
-
-
 # ---------------------------------------------------------------------------------------------- GRPO-S
 
 
@@ -149,19 +98,7 @@ def grpo_s_shaped_rewards(
     """
     _check_shaping_inputs(rewards_NG, entropy_NGT, mask_NGT, entropy_clip, eps)
     dtype = _compute_dtype(entropy_NGT)
-    N, G, T = entropy_NGT.shape
-    lengths_NG = torch.empty((N, G), dtype=dtype, device=entropy_NGT.device)
-    entropy_sum_NG = torch.empty_like(lengths_NG)
-    blocks = _prompt_blocks(N, G * T, entropy_NGT.device)
-    scratch_nGT = _scratch(blocks, (G, T), dtype, entropy_NGT.device)
-    bits_scratch_nGT = _scratch(blocks, (G, T), _SAME_WIDTH_INT[dtype], entropy_NGT.device)
-    for block in blocks:
-        size = block.stop - block.start
-        buffer_nGT = scratch_nGT[:size]
-        torch.sum(_write_float_mask(buffer_nGT, mask_NGT[block]), dim=-1, out=lengths_NG[block])
-        masked_entropy_nGT = _write_masked_entropy(buffer_nGT, entropy_NGT[block], mask_NGT[block], entropy_clip,
-                                                   bits_scratch_nGT[:size])
-        torch.sum(masked_entropy_nGT, dim=-1, out=entropy_sum_NG[block])
+    lengths_NG, entropy_sum_NG = token_passes.row_sums(entropy_NGT, mask_NGT, entropy_clip=entropy_clip, dtype=dtype)
     mean_entropy_NG = entropy_sum_NG / lengths_NG.clamp(min=1)
 
     rewards_NG = rewards_NG.to(dtype)
@@ -206,68 +143,31 @@ def grpo_s_advantages(
 
 class _GTPOShaping(NamedTuple):
     """GTPO's token rewards in factored form. A response of type k (0 = successful, O+; 1 = failed, O-;
-    sign_k = +1 / -1) has on each valid token t the shaped reward  sign_k * (alpha1 + bonus_NGT[n, g, t]),
-    with the entropy bonus
-        O+: alpha2 * H_{g,t} / (sum_{O+} H_t + eps) * d_t
-        O-: alpha2 * (1/(H_{g,t} + eps)) / (sum_{O-} 1/(H_t + eps) + eps) * h_t
-    """
+    sign_k = +1 / -1) has on each valid token t the shaped reward  sign_k * (alpha1 + bonus), with the entropy bonus
+        O+: alpha2 * H_{g,t} / (sum_{O+} H_t + eps) * d_t                  = H_{g,t} * coef_N2T[n, 0, t]
+        O-: alpha2 * (1/(H_{g,t} + eps)) / (sum_{O-} 1/(H_t + eps) + eps) * h_t = 1/(H_{g,t} + eps) * coef_N2T[n, 1, t]
+    (token_passes.shaping_moments)."""
 
-    bonus_NGT: torch.Tensor  # 0 at padding; the buffer becomes the caller's output
-    blocks: list[slice]
-    type_onehot_NG2: torch.Tensor  # float one-hot of the type of each response
-    # Per prompt and type: number of valid tokens, sum of the bonus over them, sum of the squared bonus.
+    failed_NG: torch.Tensor  # bool: the response's type
+    coef_N2T: torch.Tensor
+    # Per prompt and type: number of valid tokens, sum of the bonus over them, sum of the squared bonus (float64).
     moments_N32: torch.Tensor
 
 
 def _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, *, alpha2, entropy_clip, eps) -> _GTPOShaping:
-    dtype, device = _compute_dtype(entropy_NGT), entropy_NGT.device
-    N, G, T = entropy_NGT.shape
-    correct_NG1 = (rewards_NG == 1).unsqueeze(-1).to(dtype)
-    failed_NG1 = 1 - correct_NG1
-    type_onehot_NG2 = torch.cat([correct_NG1, failed_NG1], dim=-1)
-    type_onehot_N2G = type_onehot_NG2.transpose(1, 2)
-    bonus_NGT = torch.empty((N, G, T), dtype=dtype, device=device)
-    moments_N32 = torch.empty((N, 3, 2), dtype=dtype, device=device)
-    blocks = _prompt_blocks(N, G * T, device)
-    float_mask_scratch = _scratch(blocks, (G, T), dtype, device)
-    inverse_scratch = _scratch(blocks, (G, T), dtype, device)
-    bits_scratch = _scratch(blocks, (G, T), _SAME_WIDTH_INT[dtype], device)
-    for block in blocks:
-        size = block.stop - block.start
-        onehot_n2G, onehot_nG2 = type_onehot_N2G[block], type_onehot_NG2[block]
-        float_mask_nGT = _write_float_mask(float_mask_scratch[:size], mask_NGT[block])
-        # Sums over the G responses of one type at each position are [n, 2, G] x [n, G, T] batched products.
-        active_count_n2T = torch.bmm(onehot_n2G, float_mask_nGT)  # d_t and h_t
-        # Successful tokens weigh their entropy, failed ones its inverse (confident mistakes weigh more);
-        # padding weighs 0, so a response shorter than t adds 0 to every sum at position t.
-        weight_nGT = _write_masked_entropy(bonus_NGT[block], entropy_NGT[block], mask_NGT[block], entropy_clip,
-                                           bits_scratch[:size])
-        inverse_nGT = torch.add(weight_nGT, eps, out=inverse_scratch[:size]).reciprocal_().mul_(float_mask_nGT)
-        # Row select by exact arithmetic (x * 1 + y * 0 = x for finite x, y; a NaN entropy stays NaN).
-        weight_nGT.mul_(correct_NG1[block]).addcmul_(inverse_nGT, failed_NG1[block])
-        weight_sum_n2T = torch.bmm(onehot_n2G, weight_nGT)
-        bonus_coef_n2T = weight_sum_n2T.add_(eps).reciprocal_().mul_(active_count_n2T).mul_(alpha2)
-        # Each row takes its type's coefficient: [n, G, 2] x [n, 2, T] (exact, one of the two terms is 0).
-        bonus_nGT = weight_nGT.mul_(torch.bmm(onehot_nG2, bonus_coef_n2T, out=inverse_scratch[:size]))
-        # Moments per response, then per type: [n, 2, G] x [n, G, 1]. The sum of squares per response is a
-        # batched dot product ([n*G, 1, T] x [n*G, T, 1]), which reads the bonus once.
-        torch.sum(active_count_n2T, dim=-1, out=moments_N32[block, 0])
-        torch.bmm(onehot_n2G, bonus_nGT.sum(dim=-1, keepdim=True), out=moments_N32[block, 1].unsqueeze(-1))
-        rows_R1T = bonus_nGT.view(size * G, 1, T)
-        bonus_sq_nG1 = torch.bmm(rows_R1T, rows_R1T.transpose(1, 2)).view(size, G, 1)
-        torch.bmm(onehot_n2G, bonus_sq_nG1, out=moments_N32[block, 2].unsqueeze(-1))
-    return _GTPOShaping(bonus_NGT, blocks, type_onehot_NG2, moments_N32)
+    failed_NG = rewards_NG != 1
+    coef_N2T, moments_N32 = token_passes.shaping_moments(entropy_NGT, mask_NGT, failed_NG, alpha2=alpha2,
+                                                         entropy_clip=entropy_clip, eps=eps,
+                                                         dtype=_compute_dtype(entropy_NGT))
+    return _GTPOShaping(failed_NG, coef_N2T, moments_N32)
 
 
-def _affine_in_bonus(shaping: _GTPOShaping, slope_NG1, intercept_NG1, mask_NGT) -> torch.Tensor:
-    """Turns shaping.bonus_NGT, in place, into slope[n, g] * bonus[n, g, t] + intercept[n, g] on valid tokens
-    and 0 at padding (where the bonus is already 0); returns it."""
-    bonus_NGT = shaping.bonus_NGT
-    float_mask_scratch = _scratch(shaping.blocks, bonus_NGT.shape[1:], bonus_NGT.dtype, bonus_NGT.device)
-    for block in shaping.blocks:
-        float_mask_nGT = _write_float_mask(float_mask_scratch[:block.stop - block.start], mask_NGT[block])
-        bonus_NGT[block].mul_(slope_NG1[block]).addcmul_(float_mask_nGT, intercept_NG1[block])
-    return bonus_NGT
+def _affine_in_bonus(shaping: _GTPOShaping, entropy_NGT, mask_NGT, slope_N2, intercept_N2, *, entropy_clip,
+                     eps) -> torch.Tensor:
+    """slope[n, k] * bonus[n, g, t] + intercept[n, k] on valid tokens (k the type of response g), 0 at padding."""
+    return token_passes.apply_affine(entropy_NGT, mask_NGT, shaping.failed_NG, shaping.coef_N2T, slope_N2,
+                                     intercept_N2, entropy_clip=entropy_clip, eps=eps,
+                                     dtype=_compute_dtype(entropy_NGT))
 
 
 _TYPE_SIGN_12 = (1.0, -1.0)  # successful tokens carry +(alpha1 + bonus), failed ones -(alpha1 + bonus)
@@ -294,9 +194,9 @@ def gtpo_token_rewards(
     """
     _check_shaping_inputs(rewards_NG, entropy_NGT, mask_NGT, entropy_clip, eps)
     shaping = _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, alpha2=alpha2, entropy_clip=entropy_clip, eps=eps)
-    sign_21 = torch.tensor(_TYPE_SIGN_12, dtype=shaping.bonus_NGT.dtype, device=rewards_NG.device).view(2, 1)
-    sign_NG1 = shaping.type_onehot_NG2 @ sign_21
-    return _affine_in_bonus(shaping, sign_NG1, alpha1 * sign_NG1, mask_NGT)
+    sign_N2 = torch.tensor(_TYPE_SIGN_12, dtype=torch.float64, device=rewards_NG.device).expand(len(rewards_NG), 2)
+    return _affine_in_bonus(shaping, entropy_NGT, mask_NGT, sign_N2, alpha1 * sign_N2, entropy_clip=entropy_clip,
+                            eps=eps)
 
 
 def gtpo_advantages(
@@ -334,11 +234,9 @@ def gtpo_advantages(
     _check_shaping_inputs(rewards_NG, entropy_NGT, mask_NGT, entropy_clip, eps)
     check_choice("norm_scope", norm_scope, NORM_SCOPES)
     shaping = _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, alpha2=alpha2, entropy_clip=entropy_clip, eps=eps)
-    dtype = shaping.bonus_NGT.dtype
 
     # Per-type moments over the scope, combined in float64: token count, sum of bonus, sum of squared bonus.
-    moments_N32 = shaping.moments_N32.double()
-    moments_S32 = moments_N32.sum(dim=0, keepdim=True) if norm_scope == "batch" else moments_N32
+    moments_S32 = shaping.moments_N32.sum(dim=0, keepdim=True) if norm_scope == "batch" else shaping.moments_N32
     count_S2, bonus_sum_S2, bonus_sq_sum_S2 = moments_S32.unbind(dim=1)
     sign_12 = torch.tensor(_TYPE_SIGN_12, dtype=torch.float64, device=rewards_NG.device).view(1, 2)
     tokens_S1 = count_S2.sum(dim=1, keepdim=True)  # all valid tokens in scope, both types
@@ -350,8 +248,8 @@ def gtpo_advantages(
                           + (tokens_S1 - count_S2) * mean_S2.square())
     scale_S2 = sign_12 / (_bessel_std(centered_sum_sq_S2, tokens_S1) + eps)
 
-    # Per token: A = scale_k * bonus + scale_k * offset_k.
-    onehot_NG2 = shaping.type_onehot_NG2.double()
-    slope_NG1 = (onehot_NG2 @ scale_S2.unsqueeze(-1)).to(dtype)
-    intercept_NG1 = (onehot_NG2 @ (scale_S2 * offset_S2).unsqueeze(-1)).to(dtype)
-    return _affine_in_bonus(shaping, slope_NG1, intercept_NG1, mask_NGT)
+    # Per token: A = scale_k * bonus + scale_k * offset_k (one row of statistics per prompt).
+    slope_N2 = scale_S2.expand(len(rewards_NG), 2)
+    intercept_N2 = (scale_S2 * offset_S2).expand(len(rewards_NG), 2)
+    return _affine_in_bonus(shaping, entropy_NGT, mask_NGT, slope_N2, intercept_N2, entropy_clip=entropy_clip,
+                            eps=eps)

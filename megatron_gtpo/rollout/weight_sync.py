@@ -14,8 +14,9 @@ iterates it). Tensor by tensor, in Hugging Face file order, through the ONE mapp
    engines that post-process weights per layer (vLLM's in-place reload) must see a layer's tensors together.
 
 Memory: the destination holds at most one bucket: max(bucket_bytes, the largest unit) bytes (the caller must drop a
-bucket before asking for the next; the generator keeps no reference to it), plus, transiently, the TP shards of the
-one megatron tensor being converted. Never the whole model. A tied output layer is not sent (it IS the embedding).
+bucket before asking for the next; the generator keeps no reference to it), plus, transiently, one more copy of the
+megatron tensor being converted (its gathered TP shards, while its HF form joins the bucket). Never the whole model
+(tests/test_rollout_weight_sync.py measures the resident set). A tied output layer is not sent (it IS the embedding).
 
 Other ranks' iterations yield nothing; they only take part in the gathers and sends.
 """
@@ -93,12 +94,14 @@ def _owner_stages(local_names: list[str], groups) -> dict[str, int]:
     return owners
 
 
-@torch.no_grad()
 def hf_weight_buckets(model_chunks: list, groups, shape, *,
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of (hf_name, full HF tensor) on the destination rank (`is_sync_destination`); yield nothing
     elsewhere. Collective over the model-parallel group: every rank must exhaust the iterator. See the module doc
-    for the protocol and the memory bound."""
+    for the protocol and the memory bound.
+
+    Not decorated with torch.no_grad(): its generator wrapper holds the last yielded bucket while it produces the
+    next one, i.e. two buckets at once (measured); the tensors are detached where they are read instead."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
     local = _local_parameters(model_chunks)
@@ -152,6 +155,7 @@ def _recv_all(mapping, shape, dtype, src: int, groups) -> list[torch.Tensor]:
     return tensors
 
 
+@torch.no_grad()
 def _gather_to_hf(mapping, param: torch.Tensor, groups, shape, tp_root) -> list[torch.Tensor] | None:
     """On the owning stage: the HF tensors on its TP rank 0 (None on the other TP ranks)."""
     if mapping.layout == REPLICATED or groups.tp_size == 1:

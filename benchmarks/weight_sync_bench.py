@@ -1,0 +1,139 @@
+"""Weight-sync throughput (Megatron shards -> full HF tensors in buckets -> engine weights) against a plain copy of
+the same bytes on the destination device, in one run.
+
+    torchrun --nproc_per_node 2 benchmarks/weight_sync_bench.py --model qwen2.5-1.5b --tp 2 [--layers N]
+        [--bucket-mb 512] [--dtype float32|bfloat16] [--rounds 5] [--output benchmarks/results/weight_sync.md]
+
+Model: the shape of a Qwen2.5 preset (megatron_gtpo/models/qwen25_sizes.py) with megatron's random init (no
+checkpoint needed); `--layers` keeps only the first N decoder layers so that a real-shaped model fits a small machine
+(embeddings and layer shapes stay the preset's). The destination rank (TP rank 0 of the first pipeline stage, where
+a colocated engine lives) preallocates "engine weights": one tensor per HF tensor, on its device, as an engine holds
+them. The candidates take turns, one call each per round (round 0 is a warm-up):
+  sync      rollout/weight_sync.hf_weight_buckets (TP gathers through the single HF<->Megatron mapping, pipeline
+            sends, buckets of --bucket-mb) with `copy_` of every received tensor into the engine weights: the
+            project's part of a weight sync. (VLLMEngine adds vLLM's own reload, and, colocated, a host copy of each
+            bucket for vLLM's RPC: see rollout/vllm_engine.py.)
+  copy      one `copy_` of a flat tensor of the same total bytes into another on the destination device: the
+            device-to-device (on CPU: memory-to-memory) bandwidth that bounds any sync.
+  gather    (TP > 1, PP = 1) one `dist.gather` onto the destination of a flat 1/TP share of those bytes from every
+            TP rank: what the transport alone costs (gloo over TCP on CPU, NCCL on GPUs).
+Reported per candidate: median seconds, GB/s (model bytes / median), and the ratio to copy. The issue's target for a
+single H100 (TP=1, real 1.5B/7B shape, bf16): sync at least 50% of copy.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-1.5b")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
+    p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--output", help="also append the results as a markdown section to this file")
+    return p.parse_args(argv)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.hf_mapping import hf_tensor_shape
+    from megatron_gtpo.models.qwen2 import Qwen2Shape, build_model
+    from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination, sync_units
+
+    dtype = getattr(torch, args.dtype)
+    groups = initialize_parallel(args.tp, args.pp)
+    hf_config = dict(qwen25_hf_config(args.model))
+    if args.layers is not None:
+        hf_config["num_hidden_layers"] = args.layers
+    shape = Qwen2Shape.from_hf(hf_config)
+    chunks = build_model(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp, pp_rank=groups.pp_rank,
+                         params_dtype=dtype)
+    device = groups.device
+    destination = is_sync_destination(groups)
+    names = [n for unit in sync_units(shape) for m in unit for n in m.hf_names]
+    engine = {n: torch.empty(hf_tensor_shape(n, shape), dtype=dtype, device=device) for n in names} \
+        if destination else {}
+    model_bytes = sum(torch.Size(hf_tensor_shape(n, shape)).numel() for n in names) * dtype.itemsize
+    flat_src = torch.empty(model_bytes, dtype=torch.uint8, device=device) if destination else None
+    flat_dst = torch.empty_like(flat_src) if destination else None
+    bucket_bytes = int(args.bucket_mb * 2**20)
+
+    def sync():
+        for bucket in hf_weight_buckets(chunks, groups, shape, bucket_bytes=bucket_bytes):
+            for name, tensor in bucket:
+                engine[name].copy_(tensor)
+            del bucket
+
+    def copy():
+        if destination:
+            flat_dst.copy_(flat_src)
+
+    share = torch.empty(model_bytes // args.tp, dtype=torch.uint8, device=device)
+    shares = [torch.empty_like(share) for _ in range(args.tp)] if groups.tp_rank == 0 else None
+
+    def gather():
+        dist.gather(share, gather_list=shares, dst=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
+
+    candidates = {"sync": sync, "copy": copy, **({"gather": gather} if args.tp > 1 and args.pp == 1 else {})}
+    seconds = {name: [] for name in candidates}
+    for round_index in range(args.rounds + 1):
+        for name, fn in candidates.items():
+            dist.barrier()
+            _synchronize(device)
+            start = time.perf_counter()
+            fn()
+            _synchronize(device)
+            dist.barrier()
+            if round_index:
+                seconds[name].append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        report(args, groups, shape, model_bytes, seconds, device)
+    dist.destroy_process_group()
+    return 0
+
+
+def report(args, groups, shape, model_bytes, seconds, device) -> None:
+    median = {name: statistics.median(s) for name, s in seconds.items()}
+    rate = {name: model_bytes / median[name] / 1e9 for name in median}
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    lines = [
+        f"## {time.strftime('%Y-%m-%d %H:%M')}", "",
+        f"Command: `torchrun --nproc_per_node {groups.world_size} benchmarks/weight_sync_bench.py "
+        + " ".join(sys.argv[1:]) + "`", "",
+        f"Model: {args.model} shape, {shape.num_layers} decoder layers, {args.dtype}, "
+        f"{model_bytes / 2**30:.2f} GiB of HF tensors; TP={args.tp} PP={args.pp}, buckets of {args.bucket_mb:g} MiB; "
+        f"{args.rounds} timed rounds.",
+        f"Device: {device_name}; torch {torch.__version__}; backend {dist.get_backend()}.", "",
+        "| candidate | median s | GB/s | / copy |", "|---|---:|---:|---:|",
+        *(f"| {name} | {median[name]:.3f} | {rate[name]:.2f} | {rate[name] / rate['copy']:.3f} |" for name in median),
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.output:
+        with open(args.output, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from megatron_gtpo.reporting import plot_runs, read_rl_metrics, window_means
 
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
            "-m", "megatron_gtpo.train", "--config", CONFIG, *sum((["--set", o] for o in overrides), [])]
     print("running:", " ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    started = time.monotonic()
     if subprocess.run(cmd, env=env).returncode != 0:
         print("demo: training failed", file=sys.stderr)
         return 1
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
               f"(mean NLL per answer token {warm[0]['sft_loss']:.3f})")
     print(f"mean reward over the first {WINDOW} RL steps: {start:.3f}; over the last {WINDOW}: {end:.3f} "
           f"(rise {end - start:+.3f}, required {args.min_rise:+.2f})")
+    print(f"wall time: {(time.monotonic() - started) / 60:.1f} min (warm-start, RL and checkpoints)")
     print(f"metrics: {metrics_path}\nplot:    {png}\ncheckpoints: {os.path.join(out, 'checkpoints')}")
     if end - start < args.min_rise:
         print("demo: the mean reward did not rise enough", file=sys.stderr)

@@ -49,6 +49,7 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 64
     vllm_gpu_memory_utilization: float = 0.5
+    vllm_kv_cache_memory_bytes: int | None = None  # a fixed KV-cache size instead of the fraction (use on CPU)
     vllm_hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced
     vllm_tensor_parallel: int = 1
     # vllm_remote: one `python -m megatron_gtpo.rollout.vllm_remote` server (HOST:PORT) per data-parallel replica
@@ -84,13 +85,13 @@ class AlgorithmConfig:
 class OptimConfig:
     lr: float = 1e-6
     min_lr: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # RL steps of linear warm-up (each RL step is mini_batches x epochs optimizer steps)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    lr_decay_style: str = "constant"  # constant | linear | cosine
+    lr_decay_style: str = "constant"  # constant | linear | cosine, from the end of warm-up to `steps`
 
 
 @dataclass
@@ -285,6 +286,10 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(d.source != "jsonl" or d.path, "data.path: required when data.source is jsonl")
     need(r.engine != "vllm" or r.vllm_hf_dir or m.hf_dir,
          "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)")
+    need(0 < r.vllm_gpu_memory_utilization <= 1,
+         f"rollout.vllm_gpu_memory_utilization: must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
+    need(r.vllm_kv_cache_memory_bytes is None or r.vllm_kv_cache_memory_bytes > 0,
+         f"rollout.vllm_kv_cache_memory_bytes: must be > 0 (or unset), got {r.vllm_kv_cache_memory_bytes}")
     need(r.engine != "vllm_remote" or r.vllm_remote_addresses,
          "rollout.vllm_remote_addresses: the vllm_remote engine needs one server address (HOST:PORT) per "
          "data-parallel replica")
@@ -297,15 +302,24 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
          f"({d.mini_batches_per_step})")
     need(a.entropy_clip is None or a.entropy_clip[0] <= a.entropy_clip[1],
          f"algorithm.entropy_clip: low must be <= high, got {a.entropy_clip}")
-    need(cfg.optim.lr > 0, f"optim.lr: must be > 0, got {cfg.optim.lr}")
+    o = cfg.optim
+    need(o.lr > 0, f"optim.lr: must be > 0, got {o.lr}")
+    need(0 <= o.min_lr <= o.lr, f"optim.min_lr: must be in [0, optim.lr = {o.lr}], got {o.min_lr}")
+    need(o.warmup_steps >= 0, f"optim.warmup_steps: must be >= 0, got {o.warmup_steps}")
+    need(o.grad_clip >= 0, f"optim.grad_clip: must be >= 0 (0: no clipping), got {o.grad_clip}")
     need(d.reward_workers >= 1, f"data.reward_workers: must be >= 1, got {d.reward_workers}")
     need(d.reward_timeout_s > 0, f"data.reward_timeout_s: must be > 0, got {d.reward_timeout_s}")
     need(a.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
     need(m.reference is None or os.path.isdir(m.reference),
          f"model.reference: {m.reference!r} is not a directory (a HF model directory or a checkpoint)")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")
-    need(not cfg.parallel.sequence_parallel or cfg.parallel.tensor > 1,
-         "parallel.sequence_parallel: needs parallel.tensor > 1")
+    par = cfg.parallel
+    need(par.tensor >= 1 and par.pipeline >= 1,
+         f"parallel.tensor / parallel.pipeline: must be >= 1, got {par.tensor} / {par.pipeline}")
+    need(par.virtual_pipeline is None or (par.virtual_pipeline >= 1 and par.pipeline >= 2),
+         f"parallel.virtual_pipeline: needs parallel.pipeline >= 2 and a value >= 1, got {par.virtual_pipeline} "
+         f"with pipeline {par.pipeline}")
+    need(not par.sequence_parallel or par.tensor > 1, "parallel.sequence_parallel: needs parallel.tensor > 1")
     if world_size is not None:
         tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
         need(world_size % (tp * pp) == 0,

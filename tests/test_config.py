@@ -41,6 +41,12 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["algorithm.kl_coef=-0.1"], "algorithm.kl_coef: must be >= 0"),
     (BASE, ["rollout.engine=vllm_remote"], "rollout.vllm_remote_addresses: the vllm_remote engine needs"),
     (BASE, ["rollout.vllm_remote_addresses=host:1"], "rollout.vllm_remote_addresses: expected a list"),
+    (BASE, ["rollout.vllm_kv_cache_memory_bytes=0"], "rollout.vllm_kv_cache_memory_bytes: must be > 0"),
+    (BASE, ["rollout.vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization: must be in (0, 1]"),
+    (BASE, ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: must be in [0, optim.lr = 0.1]"),
+    (BASE, ["optim.warmup_steps=-1"], "optim.warmup_steps: must be >= 0"),
+    (BASE, ["parallel.tensor=0"], "parallel.tensor / parallel.pipeline: must be >= 1"),
+    (BASE, ["parallel.virtual_pipeline=2"], "parallel.virtual_pipeline: needs parallel.pipeline >= 2"),
     (BASE, ["model.reference=/nonexistent/ref"], "model.reference: '/nonexistent/ref' is not a directory"),
 ])
 def test_errors_name_the_key(tmp_path, text, overrides, message):

@@ -1,6 +1,7 @@
 """One policy-update step on a fixed batch gives the same loss and the same updated weights at TP=1 vs 2,
 PP=1 vs 2, DP=1 vs 2 and micro-batch size 4 vs 1 (the loss contract, end to end through megatron's schedule,
-DDP and the DistributedOptimizer)."""
+DDP and the DistributedOptimizer), for the token-level loss (GTPO / DAPO / GRPO) and the sequence-level one
+(GRPO-S, one advantage per sequence, mean over sequences)."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from distributed_harness import run_distributed
 from tiny_models import make_tiny_qwen2
 
 NUM_SEQUENCES = 8
+LOSS_LEVELS = ("token", "sequence")
 
 
 def _fixed_batch(seed=0):
@@ -21,7 +23,7 @@ def _fixed_batch(seed=0):
         tokens = torch.randint(0, 1000, (prompt_len + response_len,), generator=g).tolist()
         old = -7.0 + 1.5 * torch.rand(response_len, generator=g)
         adv = torch.randn(response_len, generator=g)
-        batch.append((tokens, prompt_len, old, adv))
+        batch.append((tokens, prompt_len, old, adv, torch.randn((), generator=g)))
     return batch
 
 
@@ -47,7 +49,7 @@ def _gather_hf(chunks, groups, shape):
 def _one_step(rank, world_size, model_dir, tp, pp, micro_batch_sizes):
     import torch.distributed as dist
 
-    from megatron_gtpo.algorithms import local_loss_normalizer, token_policy_loss
+    from megatron_gtpo.algorithms import local_loss_normalizer, sequence_policy_loss, token_policy_loss
     from megatron_gtpo.config import load_config
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
@@ -64,22 +66,25 @@ def _one_step(rank, world_size, model_dir, tp, pp, micro_batch_sizes):
     per_rank = NUM_SEQUENCES // groups.dp_size
     mine = batch[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank]
     results = {}
-    for mbs in micro_batch_sizes:
+    for level, mbs in ((level, mbs) for level in LOSS_LEVELS for mbs in micro_batch_sizes):
+        sequence_level = level == "sequence"
         with HFCheckpoint(model_dir) as ckpt:
             chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank)
             load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks, train_steps=1)
         micro_batches = [build_update_micro_batch([s[0] for s in part], [s[1] for s in part],
-                                                  old_logprobs=[s[2] for s in part], advantages=[s[3] for s in part])
+                                                  old_logprobs=[s[2] for s in part],
+                                                  advantages=[s[4] if sequence_level else s[3] for s in part])
                          for part in (mine[i:i + mbs] for i in range(0, len(mine), mbs))]
-        normalizer = torch.stack([local_loss_normalizer(m.loss_mask_BL, "token-mean")
-                                  for m in micro_batches]).sum().double()
+        mode = "seq-mean-token-mean" if sequence_level else "token-mean"
+        normalizer = torch.stack([local_loss_normalizer(m.loss_mask_BL, mode) for m in micro_batches]).sum().double()
         dist.all_reduce(normalizer, group=groups.dp_group)
+        policy_loss = sequence_policy_loss if sequence_level else token_policy_loss
 
         def loss_fn(mb, logprobs_BL, entropy_BL):
-            return token_policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
-                                     loss_normalizer=normalizer, eps_low=0.2, eps_high=0.28)
+            return policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
+                               loss_normalizer=normalizer, eps_low=0.2, eps_high=0.28)
 
         result = run_train_step(policy, micro_batches, groups, loss_fn, vocab_size=shape.vocab_size, temperature=0.9)
         loss = torch.tensor([sum(float(m["pg_loss"]) for m in result["micro_batch_metrics"])]
@@ -87,18 +92,18 @@ def _one_step(rank, world_size, model_dir, tp, pp, micro_batch_sizes):
         dist.all_reduce(loss, group=groups.dp_group)
         clip = sum(float(m["clip_frac_low"] + m["clip_frac_high"]) for m in result["micro_batch_metrics"])
         weights = _gather_hf(policy.chunks, groups, shape)
-        results[mbs] = {"loss": loss.item() if groups.is_last_stage else None, "grad_norm": result["grad_norm"],
+        results[level, mbs] = {"loss": loss.item() if groups.is_last_stage else None, "grad_norm": result["grad_norm"],
                         "weights": weights if groups.tp_rank == 0 and groups.dp_rank == 0 else {},
                         "clipped": clip > 0 if groups.is_last_stage else None}
     return results
 
 
-def _merge(rank_results, mbs):
-    loss = next(r[mbs]["loss"] for r in rank_results if r[mbs]["loss"] is not None)
+def _merge(rank_results, key):
+    loss = next(r[key]["loss"] for r in rank_results if r[key]["loss"] is not None)
     weights = {}
     for r in rank_results:
-        weights.update(r[mbs]["weights"])
-    return loss, rank_results[0][mbs]["grad_norm"], weights
+        weights.update(r[key]["weights"])
+    return loss, rank_results[0][key]["grad_norm"], weights
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +123,11 @@ def _assert_same(a, b, what):
         assert torch.allclose(w_a[name], w_b[name], rtol=1e-5, atol=1e-5), f"{what}: {name}"
 
 
-def test_micro_batch_size_4_vs_1(reference):
+@pytest.mark.parametrize("level", LOSS_LEVELS)
+def test_micro_batch_size_4_vs_1(reference, level):
     _, results = reference
-    assert results[0][4]["clipped"]  # the batch really exercises the clip
-    _assert_same(_merge(results, 4), _merge(results, 1), "micro-batch 4 vs 1")
+    assert results[0][level, 4]["clipped"]  # the batch really exercises the clip
+    _assert_same(_merge(results, (level, 4)), _merge(results, (level, 1)), f"{level} loss, micro-batch 4 vs 1")
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
@@ -129,4 +135,6 @@ def test_layouts_match_single_process(reference, tp, pp):
     path, base = reference
     world = 2  # (1, 1) on two processes is DP=2
     results = run_distributed(_one_step, world, args=(str(path), tp, pp, [2]), timeout_s=300)
-    _assert_same(_merge(base, 4), _merge(results, 2), f"TP={tp} PP={pp} DP={world // (tp * pp)}")
+    for level in LOSS_LEVELS:
+        _assert_same(_merge(base, (level, 4)), _merge(results, (level, 2)),
+                     f"{level} loss, TP={tp} PP={pp} DP={world // (tp * pp)}")

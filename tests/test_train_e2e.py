@@ -1,6 +1,7 @@
 """The trainer end to end on CPU: every algorithm at TP=2 and PP=2 logs every metric; resume reproduces an
 uninterrupted run; SIGTERM checkpoints before exit; the demo's reward rises."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -10,28 +11,43 @@ import time
 import pytest
 import torch
 
-from trainer_runs import checkpoint_tensors, read_metrics, run_train, train_command
+from megatron_gtpo.config import load_config
+from trainer_runs import DEMO_CONFIG, checkpoint_tensors, read_metrics, run_train, train_command
 
 REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip_frac_low", "clip_frac_high",
             "grad_norm", "tokens_per_s", "accuracy", "response_length_max", "response_clip_ratio",
             "entropy_correct_mean", "entropy_failed_mean", "approx_kl", "groups_kept", "rollout_logprob_mismatch",
-            "time_generate_s", "time_old_logprob_s", "time_update_s", "time_sync_s", "padding_fraction")
+            "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s", "time_sync_s",
+            "padding_fraction", "lr")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 
 @pytest.mark.parametrize("layout,algorithm", [
     ("parallel.tensor=2", "gtpo"), ("parallel.tensor=2", "grpo_s"), ("parallel.tensor=2", "grpo"),
     ("parallel.tensor=2", "dapo"), ("parallel.pipeline=2", "gtpo"), ("parallel.pipeline=2", "grpo_s"),
+    ("parallel.pipeline=2", "grpo"), ("parallel.pipeline=2", "dapo"),
 ])
 def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm):
-    overrides = ["parallel.tensor=1", layout, f"algorithm.name={algorithm}", *SHORT]
+    tensorboard = (layout, algorithm) == ("parallel.tensor=2", "gtpo")  # once is enough
+    overrides = ["parallel.tensor=1", layout, f"algorithm.name={algorithm}", *SHORT,
+                 f"logging.tensorboard={str(tensorboard).lower()}"]
     res = run_train(tmp_path, 2, overrides)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [r for r in read_metrics(tmp_path) if r["step"] >= 0]
+    if tensorboard:  # the same scalars as metrics.jsonl
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        for key in ("reward_mean", "entropy_mean", "clip_frac_high", "grad_norm"):
+            logged = [(e.step, e.value) for e in events.Scalars(key) if e.step >= 0]  # -1: the warm start
+            assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in rows], key
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
         missing = [k for k in REQUIRED if k not in row]
         assert not missing, missing
+        not_finite = [k for k in REQUIRED if not isinstance(row[k], (int, float)) or not math.isfinite(row[k])]
+        assert not not_finite, not_finite  # NaN is written as null
         assert 0.0 <= row["accuracy"] <= 1.0 and row["entropy_mean"] > 0 and row["grad_norm"] >= 0
         assert -1.0 <= row["reward_mean"] <= row["accuracy"] + 1e-6  # length penalties only subtract
         # the engine's sampling log-probs and the training pass's old log-probs agree (same weights, fp32)
@@ -46,11 +62,19 @@ def _comparable(row):
 
 def test_resume_matches_uninterrupted_run(tmp_path):
     # With a KL term: the reference policy (the policy as RL started) must come back unchanged on resume.
+    # Warm-up of 2 RL steps = 4 optimizer steps (2 mini-batches per step).
     common = ["parallel.tensor=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=2",
-              "data.mini_batches_per_step=2", "algorithm.kl_coef=0.05"]
+              "data.mini_batches_per_step=2", "algorithm.kl_coef=0.05", "optim.warmup_steps=2"]
     full, part = tmp_path / "full", tmp_path / "part"
-    res = run_train(full, 2, [*common, "steps=4"])
+    res = run_train(full, 2, [*common, "steps=4", "checkpoint.keep_last=1"])
     assert res.returncode == 0, res.stderr[-4000:]
+    # Only the newest checkpoint is kept, no temporary directory is left, and the resolved config sits beside them.
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["config.yaml", "latest", "reference",
+                                                                         "step_00000004"]
+    saved = load_config(str(full / "checkpoints" / "config.yaml"))
+    assert saved.optim.warmup_steps == 2 and saved.steps == 4 and saved.checkpoint.keep_last == 1
+    lr = load_config(DEMO_CONFIG).optim.lr
+    assert [r["lr"] for r in read_metrics(full) if r["step"] >= 0] == pytest.approx([lr / 2, lr, lr, lr])
     res = run_train(part, 2, [*common, "steps=2"])
     assert res.returncode == 0, res.stderr[-4000:]
     res = run_train(part, 2, [*common, "steps=4"])  # resumes from step 2 automatically
@@ -123,11 +147,16 @@ def test_sigterm_checkpoints_then_exits(tmp_path):
     assert state["step"] == steps[-1] + 1
 
 
-def test_bad_config_exits_with_named_key(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.train", "--config",
-                          os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.yaml"),
-                          "--set", "optim.learning_rate=1"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "unknown config key optim.learning_rate" in res.stderr
+@pytest.mark.parametrize("override,message", [
+    ("optim.learning_rate=1", "unknown config key optim.learning_rate"),
+    # Layout errors too name their keys, before any process group exists (this runs as one process).
+    ("parallel.tensor=2", "parallel: world size 1 is not divisible by tensor x pipeline = 2 x 1"),
+])
+def test_bad_config_exits_with_named_key(tmp_path, override, message):
+    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.train", "--config", DEMO_CONFIG, "--set",
+                          f"logging.output_dir={tmp_path}", "--set", override],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]
 
 
 def test_demo_reward_rises(tmp_path):

@@ -18,8 +18,7 @@ def train(cfg: TrainConfig) -> None:
         run.reference.pin(run.policy.chunks, run.groups, resumed=run.start_step > 0)
     for step in range(run.start_step, cfg.steps):
         timer = PhaseTimer()
-        with timer("generate"):
-            experience = run.collect(step)  # G responses per prompt, rewards, dynamic sampling
+        experience = run.collect(step, timer)  # G responses per prompt, rewards, dynamic sampling (timed inside)
         with timer("old_logprob"):
             run.score(experience)  # old-policy log-probs + token entropy, vocab-parallel, at the training TP/PP
         with timer("advantages"):

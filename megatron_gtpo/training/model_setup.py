@@ -61,11 +61,17 @@ def wrap_for_training(cfg: TrainConfig, chunks: list, *, train_steps: int) -> Po
                         clip_grad=optim.grad_clip, bf16=bf16, params_dtype=_DTYPES[cfg.model.dtype],
                         use_distributed_optimizer=True),
         ddp_chunks)
+    # The schedule counts optimizer steps (one per mini-batch per epoch); the config counts RL steps. On resume the
+    # config's schedule wins (override): a run extended with a larger `steps` decays over the new length, while its
+    # progress (the number of optimizer steps taken) comes from the checkpoint.
+    updates_per_step = cfg.data.mini_batches_per_step * cfg.data.epochs_per_step
+    warmup_updates, total_updates = optim.warmup_steps * updates_per_step, train_steps * updates_per_step
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
-        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(train_steps, optim.warmup_steps + 1),
+        optimizer, init_lr=0.0 if warmup_updates else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=warmup_updates, lr_decay_steps=max(total_updates, warmup_updates + 1),
         lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
-        wd_incr_steps=max(train_steps, 1), wd_incr_style="constant")
+        wd_incr_steps=max(total_updates, 1), wd_incr_style="constant", override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False)
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, tied-embedding grad sync
     config.grad_scale_func = optimizer.scale_loss

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -16,12 +17,12 @@ import torch.distributed as dist
 from megatron_gtpo.algorithms import informative_groups, local_loss_normalizer
 from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
 from megatron_gtpo.algorithms.registry import resolve_algorithm
-from megatron_gtpo.config import TrainConfig, to_dict, validate
-from megatron_gtpo.distributed import ParallelGroups, initialize_parallel
+from megatron_gtpo.config import ConfigError, TrainConfig, to_dict, validate
+from megatron_gtpo.distributed import ParallelGroups, initialize_parallel, read_launch_env
 from megatron_gtpo.rollout.engine import SamplingParams
 
 from .experience import Experience, collect_experience, global_advantages, score_old_policy
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel, build_chunks, load_initial_weights, wrap_for_training
 from .reference import ReferencePolicy
 from .train_step import build_update_micro_batch, run_train_step, supervised_loss_fn
@@ -98,7 +99,7 @@ class Run:
     advantages: Callable[[Experience], torch.Tensor | None]
     policy_loss: Callable  # (logprobs, old, advantages, mask, *, loss_normalizer, ref/entropy) -> loss, metrics
     loss_agg_mode: str
-    collect: Callable[[int], Experience]
+    collect: Callable[[int, PhaseTimer], Experience]  # (step, timer): times its "generate" and "reward" phases
     logger: MetricsLogger
     reference: ReferencePolicy | None = None  # the KL term's frozen reference policy
     start_step: int = 0
@@ -113,15 +114,18 @@ class Run:
 
 
 def build_run(cfg: TrainConfig) -> Run:
+    validate(cfg, world_size=read_launch_env().world_size)  # layout errors name their keys, before any group exists
     groups = initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline,
                                  virtual_pipeline_parallel=cfg.parallel.virtual_pipeline,
                                  sequence_parallel=cfg.parallel.sequence_parallel, seed=cfg.seed)
-    validate(cfg, world_size=groups.world_size)
     task = build_task(cfg)
     from megatron_gtpo.models.qwen2 import Qwen2Shape
 
     shape = Qwen2Shape.from_hf(task.hf_config)
-    shape.check_parallel(groups.tp_size, groups.pp_size)
+    try:
+        shape.check_parallel(groups.tp_size, groups.pp_size)
+    except ValueError as e:
+        raise ConfigError(f"parallel.tensor / parallel.pipeline: the model cannot be split so: {e}") from None
     chunks = build_chunks(cfg, task.hf_config, groups)
     load_initial_weights(cfg, chunks, groups)
     policy = wrap_for_training(cfg, chunks, train_steps=cfg.steps)
@@ -133,6 +137,11 @@ def build_run(cfg: TrainConfig) -> Run:
     engine = {"builtin": lambda: BuiltinEngine(policy.chunks, groups, vocab_size=shape.vocab_size),
               "vllm": lambda: _vllm_engine(cfg, task, groups),
               "vllm_remote": lambda: _vllm_remote_engine(cfg, shape, groups)}[cfg.rollout.engine]()
+    r = cfg.rollout
+    if r.engine != "builtin" and (r.top_k or r.top_p < 1) and groups.world_rank == 0:
+        print("warning: with top_k / top_p, vLLM reports log-probs of the truncated distribution, the builtin engine "
+              "and the old-policy pass those of the full one (rollout/engine.py): rollout_logprob_mismatch then "
+              "includes -log(kept probability mass)", file=sys.stderr)
     loader = PromptLoader(task.samples, prompts_per_step=cfg.data.prompts_per_step, dp_rank=groups.dp_rank,
                           dp_size=groups.dp_size, seed=cfg.data.seed)
 
@@ -184,11 +193,16 @@ def build_run(cfg: TrainConfig) -> Run:
               is_logging_rank=groups.is_last_stage and groups.tp_rank == 0 and groups.dp_rank == 0)
     target_groups = cfg.data.prompts_per_step // groups.dp_size
 
-    def collect(step: int) -> Experience:
+    def collect(step: int, timer: PhaseTimer) -> Experience:
         def generate(prompts, round_index):  # a new seed per step, sampling round and DP replica
-            return engine.generate(prompts, run.sampling_params(step, round_index))
+            with timer("generate"):
+                return engine.generate(prompts, run.sampling_params(step, round_index))
 
-        return collect_experience(generate, lambda: loader.next_batch().items, score_groups,
+        def reward(prompts, responses):
+            with timer("reward"):
+                return score_groups(prompts, responses)
+
+        return collect_experience(generate, lambda: loader.next_batch().items, reward,
                                   run.sampling_params(step, 0), groups, target_groups=target_groups,
                                   dynamic_sampling=dynamic_sampling, max_extra_rounds=a.max_resample_rounds,
                                   length_penalty=length_penalty, informative=informative_groups)
@@ -212,6 +226,7 @@ def _vllm_engine(cfg: TrainConfig, task: Task, groups: ParallelGroups):
     r = cfg.rollout
     return VLLMEngine.create(r.vllm_hf_dir or cfg.model.hf_dir, groups, dtype=cfg.model.dtype,
                              gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                             kv_cache_memory_bytes=r.vllm_kv_cache_memory_bytes,
                              tensor_parallel_size=r.vllm_tensor_parallel, seed=cfg.seed)
 
 

@@ -1,0 +1,87 @@
+"""Experience collection with dynamic sampling (training/experience.collect_experience) on 2 data-parallel gloo
+ranks, with scripted rewards: which groups are kept, how many rounds run (the same on every rank, so their data
+loaders stay aligned), the bound on extra rounds, and length penalties that shape rewards but not the filter."""
+import pytest
+import torch
+
+from distributed_harness import run_distributed
+
+G = 2
+TARGET_GROUPS = 2
+PROMPTS_PER_ROUND = 3
+# Per scenario, rank and round: the verifier's rewards of the round's 3 groups of 2 responses.
+SCRIPTS = {
+    # Rank 0 has 2 informative groups after round 0; rank 1 needs a second round (1 + 2 informative).
+    "fills": {0: [[[1, 0], [1, 1], [0, 1]]],
+              1: [[[1, 1], [0, 0], [1, 0]], [[0, 0], [0, 1], [1, 0]]]},
+    # Rank 1 never sees an informative group: the bound (max_extra_rounds = 2) ends the collection.
+    "bounded": {0: [[[1, 0], [0, 1], [1, 0]]],
+                1: [[[1, 1], [0, 0], [1, 1]]] * 3},
+}
+
+
+def _collect(rank, world_size, scenario, dynamic_sampling):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_gtpo.algorithms import informative_groups
+    from megatron_gtpo.rollout.engine import Response, SamplingParams
+    from megatron_gtpo.training.experience import collect_experience
+
+    script = SCRIPTS[scenario][rank]
+    calls = {"prompts": 0, "generate": []}
+
+    def next_prompts():
+        base = 100 * rank + 10 * calls["prompts"]
+        calls["prompts"] += 1
+        return [SimpleNamespace(prompt_token_ids=(base + i,), answer="") for i in range(PROMPTS_PER_ROUND)]
+
+    def generate(prompts, round_index):
+        calls["generate"].append(round_index)
+        # Response lengths 1 and 3: the length penalty below tells them apart.
+        return [[Response([p[0]] * (1 + 2 * j), [-0.1] * (1 + 2 * j), "stop") for j in range(G)] for p in prompts]
+
+    def score_groups(prompts, responses):
+        return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
+
+    exp = collect_experience(generate, next_prompts, score_groups, SamplingParams(n=G),
+                             SimpleNamespace(dp_group=dist.group.WORLD), target_groups=TARGET_GROUPS,
+                             dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
+                             length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG,
+                             informative=informative_groups)
+    return {"prompts": [p[0] for p in exp.prompt_token_ids], "correct": exp.correct_NG.tolist(),
+            "rewards": exp.rewards_NG.tolist(), "stats": exp.stats, "generate_rounds": calls["generate"],
+            "prompt_draws": calls["prompts"]}
+
+
+def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks():
+    rank0, rank1 = run_distributed(_collect, 2, args=("fills", True), timeout_s=120)
+    # Both ranks run 2 rounds and draw prompts twice; rank 0 generates only in the round it needed.
+    assert rank0["stats"]["sampling_rounds"] == rank1["stats"]["sampling_rounds"] == 2
+    assert rank0["prompt_draws"] == rank1["prompt_draws"] == 2
+    assert rank0["generate_rounds"] == [0] and rank1["generate_rounds"] == [0, 1]
+    # Kept: the informative groups in order, up to the target (rank 1: round 0's third, round 1's second).
+    assert rank0["prompts"] == [0, 2] and rank0["correct"] == [[1, 0], [0, 1]]
+    assert rank1["prompts"] == [102, 111] and rank1["correct"] == [[1, 0], [0, 1]]
+    assert (rank1["stats"]["groups_generated"], rank1["stats"]["groups_kept"]) == (6, 2)
+    # Rewards = correctness + the length penalty (-0.1 x length, lengths 1 and 3).
+    assert torch.allclose(torch.tensor(rank0["rewards"]), torch.tensor([[0.9, -0.3], [-0.1, 0.7]]))
+    # Statistics cover every generated response, kept or not: rank 1 saw 12 responses, 5 correct.
+    assert rank1["stats"]["accuracy"] == pytest.approx(5 / 12) and rank1["stats"]["response_length_mean"] == 2.0
+
+
+def test_dynamic_sampling_stops_after_the_extra_round_bound():
+    rank0, rank1 = run_distributed(_collect, 2, args=("bounded", True), timeout_s=120)
+    assert rank0["stats"]["sampling_rounds"] == rank1["stats"]["sampling_rounds"] == 3  # 1 + max_extra_rounds
+    assert rank1["generate_rounds"] == [0, 1, 2] and rank1["prompts"] == [] and rank1["correct"] == []
+    assert rank1["stats"]["groups_kept"] == 0 and rank1["stats"]["groups_generated"] == 9
+    assert len(rank0["prompts"]) == TARGET_GROUPS
+
+
+def test_without_dynamic_sampling_one_round_keeps_uninformative_groups():
+    rank0, rank1 = run_distributed(_collect, 2, args=("bounded", False), timeout_s=120)
+    for out in (rank0, rank1):
+        assert out["stats"]["sampling_rounds"] == 1 and out["generate_rounds"] == [0]
+        assert len(out["prompts"]) == TARGET_GROUPS
+    assert rank1["correct"] == [[1, 1], [0, 0]]  # kept although they carry no group-relative signal

@@ -251,6 +251,39 @@ def test_gtpo_float32_matches_float64_reference():
             torch.testing.assert_close(got.double(), _dense_from_dict(ref, mask.shape), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("spread", [1e-3, 1e-2])
+@pytest.mark.parametrize("outcome", [1.0, 0.0], ids=["all_correct", "all_failed"])
+@pytest.mark.parametrize("norm_scope", ["group", "batch"])
+def test_gtpo_float32_single_outcome_scope_is_a_z_score(spread, outcome, norm_scope):
+    """A scope holding one outcome only, with entropies in [1, 1 + spread): the advantages are the z-score of the
+    entropy bonus alone, whose variance is ~1e-7 (spread 1e-3) of its mean square, so they must still have mean 0,
+    sample std 1 (eps made negligible) and |A| <= (n - 1) / sqrt(n) < sqrt(n) over the n tokens of the scope.
+    float32 inputs through the default path. Tolerance: each float32 rounding of the final affine map costs up to
+    u sqrt(12) / spread (tests/test_algorithms_token_passes.py derives it), allowed 8 of them: tol = 1.65e-6 / spread
+    per token, hence on the mean. The sample std moves by the relative error of the moments' variance (~1e-7,
+    test_shaping_moments_keep_the_centred_second_moment) plus the per-token errors' correlation with A, about
+    tol / sqrt(n) for roundings independent of A (n >= 600 tokens per scope here): allowed tol / 8, 3x that
+    (measured: below tol / 500). Built from float32 sums of w and w^2 (before the fix) the native kernel's std was off
+    by 4% to 17% at spread 1e-3 and 0.03% to 0.08% at 1e-2 (the torch ops': by factors up to 3e7)."""
+    tol = 8 * 2.0 ** -24 * math.sqrt(12) / spread
+    gen = torch.Generator().manual_seed(77)
+    N, G, T = 3, 8, 203
+    entropy = 1 + spread * torch.rand(N, G, T, generator=gen)
+    mask = torch.arange(T) < torch.randint(T // 2, T + 1, (N, G), generator=gen).unsqueeze(-1)
+    entropy = torch.where(mask, entropy, NAN)
+    rewards = torch.full((N, G), outcome)
+    adv = gtpo_advantages(rewards, entropy, mask, norm_scope=norm_scope, eps=1e-12).double()
+    assert (adv[~mask] == 0).all()
+    scopes = [slice(None)] if norm_scope == "batch" else [slice(n, n + 1) for n in range(N)]
+    for scope in scopes:
+        values = adv[scope][mask[scope]]
+        n = values.numel()
+        assert abs(values.mean().item()) <= tol
+        assert abs(values.std().item() - 1) <= tol / 8
+        assert values.abs().max().item() <= (n - 1) / math.sqrt(n) + tol
+        assert values.abs().max().item() > 1.5  # advantages of order 1, not all 0
+
+
 def test_gtpo_bfloat16_entropy_is_upcast():
     rewards, entropy, mask, _ = _random_batch(7, N=2, G=4, T=9, dtype=torch.float32)
     entropy_bf16 = entropy.to(torch.bfloat16)

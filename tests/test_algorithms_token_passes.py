@@ -167,3 +167,96 @@ def test_native_path_refuses_what_its_raw_pointers_cannot_read():
     with pytest.raises(ValueError, match="coef_N2T must have shape"):
         token_passes.apply_affine(entropy, mask, failed, coef[:, :, :4], torch.ones(2, 2), torch.zeros(2, 2),
                                   entropy_clip=None, eps=EPS, dtype=torch.float32)
+
+
+# ------------------------------------------------------------- single-outcome scopes, nearly equal entropies
+#
+# In a scope holding one outcome only (all responses correct, or all failed, in the group or the whole batch) the
+# variance of the shaped rewards is the entropy bonus' own: ~(alpha2 * spread)^2 / 12 for entropies in
+# [1, 1 + spread), against a squared bonus of ~alpha2^2 per token. shaping_moments' second moment must keep it:
+# built from float32 sums of w and w^2 it lost it entirely (at spread 1e-3: advantages of ~7e3 instead of at most
+# 2.6 through the torch ops, errors up to 0.15 through the native kernel).
+#
+# Tolerance of the advantages (float32 inputs against the float64 loop reference on the same inputs): in such a
+# scope A = bonus * slope + intercept with |bonus * slope| ~ |intercept| ~ mean(w) / std(w) = sqrt(12) / spread,
+# whatever alpha2 (slope = 1 / std(bonus) and bonus = alpha2 * ...), so each float32 rounding on the way (the
+# weight 1 / (H + eps), coef, w * coef, the product with the slope, the slope and the intercept themselves) costs up
+# to u * sqrt(12) / spread, u = 2^-24: six of them make 1.2e-6 / spread. Measured worst over these cases:
+# 7.2e-7 / spread. Allowed: 8 u sqrt(12) / spread = 1.65e-6 / spread (1.7e-3 at spread 1e-3, 1.7e-4 at 1e-2).
+
+SPREADS = [1e-3, 1e-2]
+UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def _single_outcome_batch(seed, spread, outcome, *, N=3, G=8, T=301):
+    """float32 entropies uniform in [1, 1 + spread), lengths in [T/2, T], every reward equal to `outcome`,
+    garbage at padding."""
+    gen = torch.Generator().manual_seed(seed)
+    entropy = 1 + spread * torch.rand(N, G, T, generator=gen)
+    lengths = torch.randint(T // 2, T + 1, (N, G), generator=gen)
+    mask = torch.arange(T) < lengths.unsqueeze(-1)
+    junk = torch.tensor([float("nan"), float("inf"), 1e30, -3.0])
+    entropy = torch.where(mask, entropy, junk[torch.arange(mask.numel()) % 4].view(mask.shape))
+    return torch.full((N, G), float(outcome)), entropy, mask, lengths
+
+
+def _single_outcome_tolerance(spread):
+    return 8 * UNIT_ROUNDOFF * 12 ** 0.5 / spread
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("outcome", [1.0, 0.0], ids=["all_correct", "all_failed"])
+@pytest.mark.parametrize("norm_scope", ["group", "batch"])
+def test_single_outcome_scope_with_nearly_equal_entropies_matches_float64(path, spread, outcome, norm_scope):
+    for seed in range(3):
+        rewards, entropy, mask, lengths = _single_outcome_batch(1000 + seed, spread, outcome)
+        got = gtpo_advantages(rewards, entropy, mask, alpha2=ALPHA2, norm_scope=norm_scope, eps=EPS)
+        assert got.dtype == torch.float32 and (got[~mask] == 0).all()
+        ref = reference_gtpo(rewards.double().tolist(), entropy.double().tolist(), lengths.tolist(), alpha1=1.0,
+                             alpha2=ALPHA2, norm_scope=norm_scope, entropy_clip=None, eps=EPS)
+        expected = _dense_from_dict(ref, mask.shape)
+        torch.testing.assert_close(got.double(), expected, atol=_single_outcome_tolerance(spread), rtol=0)
+        # A z-score over n values never exceeds (n - 1) / sqrt(n) < sqrt(n) in magnitude.
+        tokens = mask.sum() if norm_scope == "batch" else mask.sum(dim=(1, 2), keepdim=True)
+        assert (got.double().abs() <= tokens.double().sqrt()).all()
+        assert expected.abs().max() > 2  # the case is not vacuous: advantages of order 1, not all 0
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+def test_shaping_moments_keep_the_centred_second_moment(path, spread):
+    """moments[2] - moments[1]^2 / moments[0] (what gtpo_advantages' variance of a single-outcome scope reduces to)
+    against the float64 centred sum of squares of the bonus w * coef, with the coefficients shaping_moments returned.
+    The weights are those both implementations compute, 1 / (H + eps) rounded to float32 for failed responses (its
+    rounding alone, u relative on w, moves the centred sum of squares by up to 2 u sqrt(12) / spread relative).
+    Tolerance 1e-5 relative: the per-position sums of deviations carry float32 rounding of ~G u relative, amplified
+    at most a few times by the shift (measured: below 1e-7); the float32 sums of w and w^2 of the old kernels
+    were off by 0.1% (spread 1e-2) to 86% (spread 1e-3)."""
+    for outcome in (1.0, 0.0):
+        rewards, entropy, mask, _ = _single_outcome_batch(2000, spread, outcome, N=2, G=8, T=301)
+        failed = rewards != 1
+        coef, moments = token_passes.shaping_moments(entropy, mask, failed, alpha2=ALPHA2, entropy_clip=None,
+                                                     eps=EPS, dtype=torch.float32)
+        k = 1 if outcome == 0.0 else 0
+        weights = entropy if outcome == 1.0 else 1 / (entropy + EPS)  # float32, as computed by both paths
+        bonus = torch.where(mask, weights.double() * coef[:, k:k + 1].double(), 0.0)
+        count = mask.sum(dim=(1, 2)).double()
+        mean = bonus.sum(dim=(1, 2)) / count
+        expected = torch.where(mask, bonus - mean.view(-1, 1, 1), 0.0).square().sum(dim=(1, 2))  # two passes
+        got = moments[:, 2, k] - moments[:, 1, k].square() / moments[:, 0, k]
+        torch.testing.assert_close(moments[:, 0, k], count, atol=0, rtol=0)
+        torch.testing.assert_close(moments[:, 1, k], bonus.sum(dim=(1, 2)), atol=0, rtol=1e-6)
+        torch.testing.assert_close(got, expected, atol=0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("row", [0, 1, 3], ids=["first_row", "second_row", "last_row"])
+def test_shaping_moments_propagate_a_valid_nan_from_any_row(path, row):
+    """The native kernel's reference value at t is the first valid row's w: a NaN there, or in any later row, must
+    reach the moments of that prompt and type (and never those of another prompt)."""
+    rewards, entropy, mask, _ = _single_outcome_batch(3000, 1e-2, 1.0, N=2, G=4, T=19)
+    entropy = torch.where(mask, entropy, 1.0)  # no NaN but the one set below
+    mask[1] = True
+    entropy[1, row, 7] = float("nan")
+    coef, moments = token_passes.shaping_moments(entropy, mask, rewards != 1, alpha2=ALPHA2, entropy_clip=None,
+                                                 eps=EPS, dtype=torch.float32)
+    assert torch.isnan(moments[1, 1:, 0]).all() and torch.isnan(coef[1, 0, 7])
+    assert torch.isfinite(moments[0]).all() and torch.isfinite(coef[0]).all()

@@ -8,6 +8,18 @@
  * select, three batched sums, ...), the loops below read each entropy twice and write each advantage once, so the
  * cost is that of the memory traffic (benchmarks/results/advantages.md).
  *
+ * Accuracy of the second moment. gtpo_advantages takes each type's variance from (count, sum of bonus, sum of
+ * squared bonus); in a normalisation scope that holds one outcome only, that variance is the sum of squared bonus
+ * minus (sum of bonus)^2 / count, a tiny difference of large numbers when the entropies are nearly equal (entropy
+ * spread 1e-3: the variance is ~1e-7 of the squared-bonus sum). Float32 sums of w and w^2 lost it entirely
+ * (advantages off by 0.14 at spread 1e-3). So the kernel sums shifted data, in one pass: ref[t] = w of the first
+ * valid row of the type at t, d = w - ref (small when the w are close, and exact or nearly so), and it accumulates
+ * count, sum d and sum d^2 in float32, the spread of the w being all that goes through float32. Then, per position
+ * in double: sum w = count * ref + sum d, coef, b = coef * sum w (the position's bonus sum, used by both moments)
+ * and sum w^2 = count * ref^2 + 2 * ref * sum d + sum d^2, so that coef^2 * sum w^2 = coef^2 * SS + b^2 / count
+ * (SS the centred sum of squares of w) to double rounding (~1e-16 relative) without a division. The cost: one more
+ * array (ref) read and written per element than the former sums of w and w^2.
+ *
  * Semantics kept exactly: a NaN entropy at a valid token propagates (comparisons with NaN are false, so the clamp
  * keeps it), padding positions contribute exactly 0 whatever they hold (a select, never a multiply by the mask).
  * Compiled with -fno-trapping-math (the selects become vector blends) and -fassociative-math -fno-signed-zeros (the
@@ -31,44 +43,66 @@ static inline float clamp_keeping_nan(float x, float low, float high) {
     return x > high ? high : x;
 }
 
-/* Entropy weights of one response row, accumulated into its type's per-position sums:
- * count[t] += valid, sum[t] += w, sum_sq[t] += w * w, with w = H (successful) or 1 / (H + eps) (failed), 0 at
- * padding. */
+/* Per-position sums of one type, on data shifted by a reference value (see the top of the file). */
+typedef struct {
+    float *count; /* number of valid rows */
+    float *ref;   /* w of the first valid row seen at t (0 while there is none) */
+    float *sum_d; /* sum of (w - ref) over valid rows */
+    float *sum_d2; /* sum of (w - ref)^2 over valid rows */
+} TypeSums;
+
+/* Entropy weights of one response row, accumulated into its type's per-position sums, with w = H (successful) or
+ * 1 / (H + eps) (failed): the first valid row at t sets ref[t] (a select, no branch), then count[t] += valid,
+ * sum_d[t] += d, sum_d2[t] += d * d with d = w - ref[t] at a valid token and exactly 0 at padding. A NaN w at a
+ * valid token makes d NaN (ref too, if it is the first), so it propagates to the moments. */
 MULTIVERSION
 static void accumulate_row(const float *restrict entropy, const uint8_t *restrict mask, int64_t T, int failed,
-                           float low, float high, float eps, float *restrict count, float *restrict sum,
-                           float *restrict sum_sq) {
+                           float low, float high, float eps, float *restrict count, float *restrict ref,
+                           float *restrict sum_d, float *restrict sum_d2) {
     if (!failed) {
         for (int64_t t = 0; t < T; t++) {
-            float h = clamp_keeping_nan(entropy[t], low, high);
-            float w = mask[t] ? h : 0.0f;
+            float w = clamp_keeping_nan(entropy[t], low, high);
+            float r = (count[t] == 0.0f && mask[t]) ? w : ref[t];
+            float d = mask[t] ? w - r : 0.0f;
+            ref[t] = r;
             count[t] += (float)mask[t];
-            sum[t] += w;
-            sum_sq[t] += w * w;
+            sum_d[t] += d;
+            sum_d2[t] += d * d;
         }
     } else {
         for (int64_t t = 0; t < T; t++) {
-            float inverse = 1.0f / (clamp_keeping_nan(entropy[t], low, high) + eps);
-            float w = mask[t] ? inverse : 0.0f;
+            float w = 1.0f / (clamp_keeping_nan(entropy[t], low, high) + eps);
+            float r = (count[t] == 0.0f && mask[t]) ? w : ref[t];
+            float d = mask[t] ? w - r : 0.0f;
+            ref[t] = r;
             count[t] += (float)mask[t];
-            sum[t] += w;
-            sum_sq[t] += w * w;
+            sum_d[t] += d;
+            sum_d2[t] += d * d;
         }
     }
 }
 
-/* coef[t] = alpha2 * count[t] / (sum[t] + eps); moments = (sum count, sum coef * sum, sum coef^2 * sum_sq). */
+/* Per position, in double from the float sums (see the top of the file): sum = count * ref + sum_d (the sum of w),
+ * coef[t] = alpha2 * count / (sum + eps) rounded once to float (the affine pass uses that float), b = coef * sum,
+ * sum_sq = (count * ref + 2 * sum_d) * ref + sum_d2 (the sum of w^2).
+ * moments = (sum_t count, sum_t b, sum_t coef^2 * sum_sq): numbers of tokens, sum and sum of squares of the bonus. */
 MULTIVERSION
-static void coefficients_and_moments(const float *restrict count, const float *restrict sum,
-                                     const float *restrict sum_sq, int64_t T, float alpha2, float eps,
-                                     float *restrict coef, double moments[3]) {
+static void coefficients_and_moments(TypeSums s, int64_t T, float alpha2, float eps, float *restrict coef,
+                                     double moments[3]) {
+    const float *restrict count = s.count, *restrict ref = s.ref, *restrict sum_d = s.sum_d,
+                *restrict sum_d2 = s.sum_d2;
     double total_count = 0.0, total_bonus = 0.0, total_bonus_sq = 0.0;
     for (int64_t t = 0; t < T; t++) {
-        float c = alpha2 * count[t] / (sum[t] + eps);
+        /* count 0: ref, sum_d and sum_d2 are 0 (memset), so coef, b and the sum of w^2 are 0. */
+        double n = (double)count[t], r = (double)ref[t], d = (double)sum_d[t];
+        double sum = n * r + d;
+        double sum_sq = (n * r + 2.0 * d) * r + (double)sum_d2[t];
+        float c = (float)((double)alpha2 * n / (sum + (double)eps));
+        double c64 = (double)c;
         coef[t] = c;
-        total_count += (double)count[t];
-        total_bonus += (double)(c * sum[t]);
-        total_bonus_sq += (double)(c * c * sum_sq[t]);
+        total_count += n;
+        total_bonus += c64 * sum;
+        total_bonus_sq += c64 * c64 * sum_sq;
     }
     moments[0] = total_count;
     moments[1] = total_bonus;
@@ -77,19 +111,24 @@ static void coefficients_and_moments(const float *restrict count, const float *r
 
 static void shaping_moments(const float *entropy, const uint8_t *mask, const uint8_t *failed, int64_t N, int64_t G,
                             int64_t T, float low, float high, float eps, float alpha2, float *coef_N2T,
-                            double *moments_N32, float *scratch_32T) {
-    float *count_2T = scratch_32T, *sum_2T = scratch_32T + 2 * T, *sum_sq_2T = scratch_32T + 4 * T;
+                            double *moments_N32, float *scratch_42T) {
+    TypeSums sums[2];
+    for (int64_t k = 0; k < 2; k++) {
+        sums[k].count = scratch_42T + (0 + k) * T;
+        sums[k].ref = scratch_42T + (2 + k) * T;
+        sums[k].sum_d = scratch_42T + (4 + k) * T;
+        sums[k].sum_d2 = scratch_42T + (6 + k) * T;
+    }
     for (int64_t n = 0; n < N; n++) {
-        memset(scratch_32T, 0, sizeof(float) * 6 * T);
+        memset(scratch_42T, 0, sizeof(float) * 8 * T);
         for (int64_t g = 0; g < G; g++) {
             int64_t row = n * G + g, k = failed[row] ? 1 : 0;
-            accumulate_row(entropy + row * T, mask + row * T, T, (int)k, low, high, eps, count_2T + k * T,
-                           sum_2T + k * T, sum_sq_2T + k * T);
+            accumulate_row(entropy + row * T, mask + row * T, T, (int)k, low, high, eps, sums[k].count,
+                           sums[k].ref, sums[k].sum_d, sums[k].sum_d2);
         }
         for (int64_t k = 0; k < 2; k++) {
             double moments[3];
-            coefficients_and_moments(count_2T + k * T, sum_2T + k * T, sum_sq_2T + k * T, T, alpha2, eps,
-                                     coef_N2T + (n * 2 + k) * T, moments);
+            coefficients_and_moments(sums[k], T, alpha2, eps, coef_N2T + (n * 2 + k) * T, moments);
             for (int m = 0; m < 3; m++) moments_N32[(n * 3 + m) * 2 + k] = moments[m];
         }
     }
@@ -157,7 +196,7 @@ static PyObject *py_shaping_moments(PyObject *self, PyObject *args) {
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     shaping_moments(PTR(entropy), PTR(mask), PTR(failed), N, G, T, low, high, eps, alpha2, PTR(coef), PTR(moments),
-                    PTR(scratch));
+                    PTR(scratch)); /* scratch: 4 * 2 * T floats */
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -244,6 +244,9 @@ def gtpo_advantages(
     mean_S2 = sign_12 * (alpha1 * count_S2 + bonus_sum_S2) / tokens_S1.clamp(min=1)
     # Deviation of a type-k token from the mean, in units of its magnitude: offset_k + bonus.
     offset_S2 = alpha1 - sign_12 * mean_S2
+    # In a scope holding one outcome only this is bonus_sq_sum - bonus_sum^2 / count, with nearly equal entropies a
+    # tiny fraction of either term (~1e-7 at an entropy spread of 1e-3): float64 keeps it only because
+    # token_passes.shaping_moments forms the two moments from centred per-position sums (its docstring says how).
     centered_sum_sq_S2 = (count_S2 * offset_S2.square() + 2 * offset_S2 * bonus_sum_S2 + bonus_sq_sum_S2
                           + (tokens_S1 - count_S2) * mean_S2.square())
     scale_S2 = sign_12 / (_bessel_std(centered_sum_sq_S2, tokens_S1) + eps)

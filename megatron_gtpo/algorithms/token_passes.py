@@ -89,11 +89,23 @@ def shaping_moments(entropy_NGT: torch.Tensor, mask_NGT: torch.Tensor, failed_NG
     """GTPO's per-position bonus coefficients and per-prompt moments of the bonus.
 
     For prompt n, type k and position t, with count = the number of type-k responses that have a token at t (d_t
-    for k = 0, h_t for k = 1), and sum / sum_sq the sums of w / w^2 over them:
+    for k = 0, h_t for k = 1), sum the sum of w over them and SS the centred sum of squares of those w:
         coef_N2T[n, k, t]  = alpha2 * count / (sum + eps)       (a type-k token's bonus is w * coef)
-        moments_N32[n, :, k] = (sum_t count, sum_t coef * sum, sum_t coef^2 * sum_sq)
+        b                  = coef * sum                          (the sum of the position's bonus)
+        moments_N32[n, :, k] = (sum_t count, sum_t b, sum_t (coef^2 * SS + b^2 / count))
                            = (number of valid type-k tokens, sum of their bonus, sum of their squared bonus).
     coef_N2T in `dtype` (float32 on the native path), moments_N32 float64.
+
+    Why the centred form: gtpo_advantages subtracts (sum of bonus)^2 / count from the squared-bonus moment, and in a
+    scope with one outcome only (all correct or all failed) nothing else is left of the variance, so with nearly
+    equal entropies it is a tiny difference of large numbers (entropy spread 1e-3: the variance is ~1e-7 of the
+    squared-bonus moment). Built from float32 sums of w and w^2 it was lost (advantages of ~7e3 through the torch
+    ops where the z-score is at most 2.6, off by 0.14 through the native kernel). Here the per-position sums are of
+    deviations (the native kernel: from the first valid row's w, in one pass; the torch ops: from the per-position
+    mean, in two), SS and the moments are formed in float64, and both moments use the same float64 b, so the
+    subtraction only cancels the true between-position spread of b / count. (The native kernel evaluates
+    coef^2 * SS + b^2 / count as coef^2 * (sum of w^2), that sum rebuilt in double from the deviations: the same
+    number to double rounding, without a division; _token_passes.c.)
     """
     low, high = _clip_bounds(entropy_clip)
     N, G, T = entropy_NGT.shape
@@ -101,19 +113,34 @@ def shaping_moments(entropy_NGT: torch.Tensor, mask_NGT: torch.Tensor, failed_NG
         entropy_NGT, mask_NGT, failed_NG = _native_inputs(entropy_NGT, mask_NGT, failed_NG)
         coef_N2T = torch.empty((N, 2, T), dtype=torch.float32)
         moments_N32 = torch.empty((N, 3, 2), dtype=torch.float64)
-        scratch_32T = torch.empty((3, 2, T), dtype=torch.float32)
+        # Per type and position: count, reference value, sum of deviations, sum of squared deviations.
+        scratch_42T = torch.empty((4, 2, T), dtype=torch.float32)
         _native.shaping_moments(entropy_NGT.data_ptr(), mask_NGT.data_ptr(), failed_NG.data_ptr(), N, G, T, low,
-                                high, eps, alpha2, coef_N2T.data_ptr(), moments_N32.data_ptr(), scratch_32T.data_ptr())
+                                high, eps, alpha2, coef_N2T.data_ptr(), moments_N32.data_ptr(), scratch_42T.data_ptr())
         return coef_N2T, moments_N32
     weights_NGT = _weights(entropy_NGT, mask_NGT, failed_NG, low, high, eps, dtype)
     onehot_N2G = torch.stack([~failed_NG, failed_NG], dim=1).to(dtype)
     count_N2T = torch.bmm(onehot_N2G, mask_NGT.to(dtype))  # sums over the G responses of one type, per position
-    sum_N2T = torch.bmm(onehot_N2G, weights_NGT)
-    sum_sq_N2T = torch.bmm(onehot_N2G, weights_NGT.square())
-    coef_N2T = alpha2 * count_N2T / (sum_N2T + eps)
-    moments_N32 = torch.stack([count_N2T.sum(dim=-1), (coef_N2T * sum_N2T).sum(dim=-1),
-                               (coef_N2T.square() * sum_sq_N2T).sum(dim=-1)], dim=1)
-    return coef_N2T, moments_N32.double()
+    mean_N2T = torch.bmm(onehot_N2G, weights_NGT) / count_N2T.clamp(min=1)
+    # Second pass: deviations of the valid tokens from their type's mean at t (0 at padding). Their sum corrects the
+    # rounding of the mean; the sum of their squares, less that correction, is the centred sum of squares SS. The
+    # mean of each row's type by a one-hot product (exact; several times faster than a gather on CPU), which like
+    # the sums above lets a NaN of one type reach the other type's sums of that prompt.
+    mean_NGT = torch.bmm(onehot_N2G.transpose(1, 2), mean_N2T)
+    deviation_NGT = torch.where(mask_NGT, weights_NGT - mean_NGT, 0.0)
+    deviation_sum_N2T = torch.bmm(onehot_N2G, deviation_NGT).double()
+    deviation_sq_sum_N2T = torch.bmm(onehot_N2G, deviation_NGT.square()).double()
+    count_N2T = count_N2T.double()
+    count_or_1_N2T = count_N2T.clamp(min=1)
+    sum_N2T = count_N2T * mean_N2T.double() + deviation_sum_N2T
+    centred_sq_N2T = deviation_sq_sum_N2T - deviation_sum_N2T.square() / count_or_1_N2T
+    coef_N2T = (alpha2 * count_N2T / (sum_N2T + eps)).to(dtype)
+    coef64_N2T = coef_N2T.double()
+    bonus_sum_N2T = coef64_N2T * sum_N2T  # with the coefficient as apply_affine will use it
+    moments_N32 = torch.stack([count_N2T.sum(dim=-1), bonus_sum_N2T.sum(dim=-1),
+                               (coef64_N2T.square() * centred_sq_N2T + bonus_sum_N2T.square() / count_or_1_N2T
+                                ).sum(dim=-1)], dim=1)
+    return coef_N2T, moments_N32
 
 
 def apply_affine(entropy_NGT: torch.Tensor, mask_NGT: torch.Tensor, failed_NG: torch.Tensor, coef_N2T: torch.Tensor,

@@ -294,6 +294,16 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
          "rollout.vllm_remote_addresses: the vllm_remote engine needs one server address (HOST:PORT) per "
          "data-parallel replica")
     need(d.source != "synthetic" or m.tiny_synthetic or m.hf_dir or m.load, "data.source: synthetic needs a model")
+    need(d.source == "synthetic" or not m.tiny_synthetic,
+         f"model.tiny_synthetic: the tiny model is built for the synthetic task's character vocabulary; with "
+         f"data.source {d.source} set model.hf_dir or model.load")
+    need(d.source == "synthetic" or cfg.warm_start.steps == 0,
+         f"warm_start.steps: the supervised warm start trains on the synthetic task's answers; with data.source "
+         f"{d.source} it must be 0, got {cfg.warm_start.steps}")
+    # GTPO / GRPO-S split each group by a binary reward (registry.py): a length penalty has nowhere to go.
+    need(a.name not in ("gtpo", "grpo_s") or a.length_penalty in (None, "none"),
+         f"algorithm.length_penalty: {a.length_penalty} is not available with {a.name}, whose shaped rewards need "
+         f"binary correctness; use none (or grpo / dapo)")
     need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
          and d.epochs_per_step >= 1, "data: prompts_per_step, micro_batch_size, mini_batches_per_step and "
                                      "epochs_per_step must be >= 1")

@@ -14,10 +14,17 @@ def read_rl_metrics(output_dir: str) -> list[dict]:
         return [row for row in map(json.loads, f) if row["step"] >= 0]
 
 
-def window_means(values: list[float], window: int) -> tuple[float, float]:
-    """Mean of the first and of the last `window` values (window clipped to half the series)."""
+def window_means(values: list[float | None], window: int) -> tuple[float, float]:
+    """Mean of the first and of the last `window` values (window clipped to half the series). A None (a metric with
+    no value that step, written as null: e.g. entropies when dynamic sampling kept no group) is left out of its
+    window's mean; a window without values has mean NaN."""
     window = max(1, min(window, len(values) // 2))
-    return sum(values[:window]) / window, sum(values[-window:]) / window
+
+    def mean(part):
+        known = [v for v in part if v is not None]
+        return sum(known) / len(known) if known else float("nan")
+
+    return mean(values[:window]), mean(values[-window:])
 
 
 def plot_runs(runs: dict[str, list[dict]], path: str, title: str, panels=PLOTTED) -> None:
@@ -30,7 +37,8 @@ def plot_runs(runs: dict[str, list[dict]], path: str, title: str, panels=PLOTTED
     fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
     for ax, (key, label) in zip(axes, panels):
         for name, rows in runs.items():
-            ax.plot([r["step"] for r in rows], [r[key] for r in rows], lw=1.2, label=name)
+            values = [float("nan") if r[key] is None else r[key] for r in rows]  # null: no value that step
+            ax.plot([r["step"] for r in rows], values, lw=1.2, label=name)
         ax.set_xlabel("RL step")
         ax.set_title(label)
         ax.grid(alpha=0.3)

@@ -48,6 +48,13 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["parallel.tensor=0"], "parallel.tensor / parallel.pipeline: must be >= 1"),
     (BASE, ["parallel.virtual_pipeline=2"], "parallel.virtual_pipeline: needs parallel.pipeline >= 2"),
     (BASE, ["model.reference=/nonexistent/ref"], "model.reference: '/nonexistent/ref' is not a directory"),
+    (BASE, ["data.source=jsonl", "data.path=p.jsonl"], "model.tiny_synthetic: the tiny model is built for the"),
+    ("model: {hf_dir: /hf}\ndata: {source: jsonl, path: p.jsonl}\n", ["warm_start.steps=5"],
+     "warm_start.steps: the supervised warm start trains on the synthetic task's answers; with data.source jsonl"),
+    (BASE, ["algorithm.length_penalty=group_relative"], "algorithm.length_penalty: group_relative is not available "
+                                                        "with gtpo"),
+    (BASE, ["algorithm.name=grpo_s", "algorithm.length_penalty=overlong"], "algorithm.length_penalty: overlong is "
+                                                                           "not available with grpo_s"),
 ])
 def test_errors_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -89,3 +96,24 @@ def test_example_configs_load():
     assert paths
     for path in paths:
         load_config(path)
+
+
+def test_length_penalties_stay_available_to_the_baselines(tmp_path):
+    for name in ("grpo", "dapo"):
+        for penalty in ("overlong", "group_relative"):
+            cfg = load_config(_write(tmp_path, BASE), [f"algorithm.name={name}", f"algorithm.length_penalty={penalty}"])
+            assert cfg.algorithm.length_penalty == penalty
+
+
+@pytest.mark.parametrize("size", ["7b", "32b"])
+@pytest.mark.parametrize("algorithm", ["gtpo", "grpo_s", "dapo"])
+def test_paper_recipes_hold_the_paper_settings(size, algorithm):
+    """../shared/specs/algorithms.md, "Paper settings": 128 prompts x 16 responses, lr 1e-6, temperature 1.0,
+    top-p 1.0, prompts up to 2048 and responses up to 4096 tokens, alpha1 = beta1 = 1, alpha2 = beta2 = 0.1."""
+    cfg = load_config(os.path.join(EXAMPLES, f"qwen2.5-{size}-{algorithm}.yaml"))
+    assert cfg.algorithm.name == algorithm
+    assert (cfg.data.prompts_per_step, cfg.rollout.num_responses_per_prompt) == (128, 16)
+    assert cfg.optim.lr == 1e-6 and cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0
+    assert (cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens) == (2048, 4096)
+    a = cfg.algorithm
+    assert (a.alpha1, a.alpha2, a.beta1, a.beta2) == (1.0, 0.1, 1.0, 0.1)

@@ -22,14 +22,20 @@ REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 
-@pytest.mark.parametrize("layout,algorithm", [
-    ("parallel.tensor=2", "gtpo"), ("parallel.tensor=2", "grpo_s"), ("parallel.tensor=2", "grpo"),
-    ("parallel.tensor=2", "dapo"), ("parallel.pipeline=2", "gtpo"), ("parallel.pipeline=2", "grpo_s"),
-    ("parallel.pipeline=2", "grpo"), ("parallel.pipeline=2", "dapo"),
+# Options the update must carry at every layout, spread over the cases: several epochs over one rollout batch,
+# the entropy bonus, the dual clip.
+@pytest.mark.parametrize("layout,algorithm,options", [
+    ("parallel.tensor=2", "gtpo", []), ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01"]),
+    ("parallel.tensor=2", "grpo", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
+    ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01"]),
+    ("parallel.pipeline=2", "grpo_s", []), ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0"]),
+    ("parallel.pipeline=2", "dapo", []),
+    # Data parallel: 2 replicas at TP=1 x PP=1, batch-scope GTPO statistics over both ranks' groups.
+    ("parallel.tensor=1", "gtpo", ["data.epochs_per_step=2"]),
 ])
-def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm):
+def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, options):
     tensorboard = (layout, algorithm) == ("parallel.tensor=2", "gtpo")  # once is enough
-    overrides = ["parallel.tensor=1", layout, f"algorithm.name={algorithm}", *SHORT,
+    overrides = ["parallel.tensor=1", layout, f"algorithm.name={algorithm}", *SHORT, *options,
                  f"logging.tensorboard={str(tensorboard).lower()}"]
     res = run_train(tmp_path, 2, overrides)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -119,13 +125,31 @@ def test_kl_reference_is_the_policy_as_rl_starts(tmp_path):
 
 
 def test_resume_at_a_different_tensor_parallel_size(tmp_path):
-    common = ["warm_start.steps=2", "data.prompts_per_step=8", "checkpoint.save_every=1"]
+    """Written at TP=2, resumed at TP=1 x PP=2. The resumed step runs at a learning rate of 1e-30, so the weights it
+    saves must be those it loaded (a checkpoint's tensors are global, whatever the layout), and Adam's second moment
+    must have carried over: v_new = beta2 * v_old + (1 - beta2) * g^2 >= beta2 * v_old everywhere (a state lost in
+    the resharding would restart from 0)."""
+    common = ["warm_start.steps=2", "data.prompts_per_step=8", "checkpoint.save_every=1", "checkpoint.keep_last=3",
+              "data.mini_batches_per_step=1", "data.epochs_per_step=1"]  # one optimizer step per RL step
     res = run_train(tmp_path, 2, [*common, "parallel.tensor=2", "steps=1"])
     assert res.returncode == 0, res.stderr[-4000:]
-    res = run_train(tmp_path, 2, [*common, "parallel.tensor=1", "parallel.pipeline=2", "steps=2"])
+    res = run_train(tmp_path, 2, [*common, "parallel.tensor=1", "parallel.pipeline=2", "steps=2",
+                                  "optim.lr=1e-30", "optim.min_lr=0"])
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr and "different layout" in res.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [-1, 0, 1]
+    before = checkpoint_tensors(tmp_path / "checkpoints" / "step_00000001")
+    after = checkpoint_tensors(tmp_path / "checkpoints" / "step_00000002")
+    assert before.keys() == after.keys()
+    weights = [k for k in before if k.startswith(("decoder", "embedding", "output"))]
+    second_moments = [k for k in before if "exp_avg_sq" in k]
+    assert weights and second_moments, sorted(before)[:20]
+    for k in weights:
+        assert torch.allclose(before[k], after[k], rtol=0, atol=1e-20), k
+    beta2 = load_config(DEMO_CONFIG).optim.adam_beta2
+    for k in second_moments:
+        assert before[k].abs().sum() > 0, k
+        assert torch.all(after[k] >= beta2 * before[k] * (1 - 1e-6)), k
 
 
 def test_sigterm_checkpoints_then_exits(tmp_path):
@@ -248,3 +272,21 @@ def test_unreachable_remote_vllm_server_fails_fast_naming_the_address(tmp_path):
                                   "rollout.vllm_remote_connect_timeout_s=2"], timeout=120)
     assert res.returncode != 0 and address in res.stderr, res.stderr[-3000:]
     assert time.monotonic() - start < 90
+
+
+def test_compare_algorithms_tool_runs_each_algorithm_from_the_same_seeds(tmp_path):
+    """tools/compare_algorithms.py, shortened: GTPO and GRPO-S (both with dynamic sampling) see the same warm start
+    and the same first rollouts, so their step-0 rollout metrics are equal; the table and the plot are written."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "compare_algorithms.py")
+    res = subprocess.run([sys.executable, tool, "--output-dir", str(tmp_path), "--steps", "2", "--window", "1",
+                          "--algorithms", "gtpo", "grpo_s", "--set", "warm_start.steps=5",
+                          "--set", "data.prompts_per_step=8", "--set", "logging.progress_bar=false"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    runs = {name: [r for r in read_metrics(tmp_path / name) if r["step"] >= 0] for name in ("gtpo", "grpo_s")}
+    assert [r["step"] for r in runs["gtpo"]] == [r["step"] for r in runs["grpo_s"]] == [0, 1]
+    for key in ("reward_mean", "accuracy", "response_length_mean", "groups_generated"):
+        assert runs["gtpo"][0][key] == runs["grpo_s"][0][key], key
+    table = (tmp_path / "comparison.md").read_text()
+    assert "| gtpo |" in table and "| grpo_s |" in table
+    assert (tmp_path / "comparison.png").stat().st_size > 10_000

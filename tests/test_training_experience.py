@@ -1,6 +1,7 @@
 """Experience collection with dynamic sampling (training/experience.collect_experience) on 2 data-parallel gloo
 ranks, with scripted rewards: which groups are kept, how many rounds run (the same on every rank, so their data
-loaders stay aligned), the bound on extra rounds, and length penalties that shape rewards but not the filter."""
+loaders stay aligned), the bound on extra rounds, and length penalties that shape rewards but not the filter.
+Then advantages over the global batch (global_advantages), a rank without groups included."""
 import pytest
 import torch
 
@@ -45,8 +46,9 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
     def score_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
 
-    exp = collect_experience(generate, next_prompts, score_groups, SamplingParams(n=G),
-                             SimpleNamespace(dp_group=dist.group.WORLD), target_groups=TARGET_GROUPS,
+    groups = SimpleNamespace(dp_group=dist.group.WORLD, device=torch.device("cpu"))
+    exp = collect_experience(generate, next_prompts, score_groups, SamplingParams(n=G), groups,
+                             target_groups=TARGET_GROUPS,
                              dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
                              length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG,
                              informative=informative_groups)
@@ -85,3 +87,66 @@ def test_without_dynamic_sampling_one_round_keeps_uninformative_groups():
         assert out["stats"]["sampling_rounds"] == 1 and out["generate_rounds"] == [0]
         assert len(out["prompts"]) == TARGET_GROUPS
     assert rank1["correct"] == [[1, 1], [0, 0]]  # kept although they carry no group-relative signal
+
+
+# Per rank: the groups it kept, as (rewards of its G=3 responses, their lengths).
+GLOBAL_BATCHES = {
+    "both": {0: [([1, 0, 0], [4, 2, 5]), ([0, 1, 1], [1, 3, 3])], 1: [([1, 1, 0], [6, 2, 1])]},
+    "rank 1 kept none": {0: [([1, 0, 0], [4, 2, 5]), ([0, 1, 1], [1, 3, 3])], 1: []},
+}
+
+
+def _experience(kept, seed):
+    from megatron_gtpo.rollout.engine import Response
+    from megatron_gtpo.training.experience import Experience
+
+    generator = torch.Generator().manual_seed(seed)
+    responses = [[Response([7] * n, [-0.5] * n, "stop") for n in lengths] for _, lengths in kept]
+    correct_NG = torch.tensor([r for r, _ in kept], dtype=torch.float32) if kept else torch.zeros(0, 3)
+    exp = Experience([(1, 2)] * len(kept), responses, correct_NG, correct_NG.clone())
+    if kept:  # what score_old_policy leaves on the last stage; a rank without groups has nothing
+        T = max(max(lengths) for _, lengths in kept)
+        exp.entropy_NGT = torch.rand(len(kept), 3, T, generator=generator) * 2
+    return exp
+
+
+def _global_advantages(rank, world_size, scenario, algorithm):
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from megatron_gtpo.algorithms.registry import resolve_algorithm
+    from megatron_gtpo.training.experience import global_advantages
+
+    spec = resolve_algorithm(algorithm)
+    exps = {r: _experience(GLOBAL_BATCHES[scenario][r], seed=r) for r in range(world_size)}
+    groups = SimpleNamespace(dp_group=dist.group.WORLD, dp_rank=rank, device=torch.device("cpu"))
+    mine = global_advantages(spec.advantage_fn, spec.uses_entropy, exps[rank], groups)
+    # Reference: the whole batch in one process (every rank's experience is rebuilt here from the same seeds).
+    kept = [e for e in exps.values() if e.num_groups]
+    T = max(e.entropy_NGT.shape[-1] for e in kept)
+    rewards_NG = torch.cat([e.rewards_NG for e in kept])
+    if spec.uses_entropy:
+        entropy_NGT = torch.cat([torch.nn.functional.pad(e.entropy_NGT, (0, T - e.entropy_NGT.shape[-1]))
+                                 for e in kept])
+        mask_NGT = torch.arange(T) < torch.cat([e.response_lengths_NG() for e in kept])[..., None]
+        whole = spec.advantage_fn(rewards_NG, entropy_NGT, mask_NGT)
+    else:
+        whole = spec.advantage_fn(rewards_NG)
+    start = sum(exps[r].num_groups for r in range(rank))
+    expected = whole[start:start + exps[rank].num_groups]
+    if expected.ndim == 3 and exps[rank].num_groups:
+        expected = expected[..., :exps[rank].entropy_NGT.shape[-1]]
+    return {"mine": None if mine is None else mine.tolist(), "expected": expected.tolist(),
+            "shape": None if mine is None else list(mine.shape)}
+
+
+@pytest.mark.parametrize("scenario", list(GLOBAL_BATCHES))
+@pytest.mark.parametrize("algorithm", ["gtpo", "grpo_s", "dapo"])
+def test_global_advantages_span_every_data_parallel_rank(scenario, algorithm):
+    results = run_distributed(_global_advantages, 2, args=(scenario, algorithm), timeout_s=120)
+    for rank, out in enumerate(results):
+        groups = len(GLOBAL_BATCHES[scenario][rank])
+        assert out["shape"][0] == groups, (rank, out["shape"])
+        assert torch.allclose(torch.tensor(out["mine"]).reshape(out["shape"]),
+                              torch.tensor(out["expected"]).reshape(out["shape"]), atol=1e-6)
+    assert any(abs(v) > 0.1 for v in torch.tensor(results[0]["mine"]).flatten().tolist())

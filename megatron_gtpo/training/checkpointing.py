@@ -43,9 +43,10 @@ class StopSignal:
             signal.signal(sig, handler)
         return stop
 
-    def agreed(self) -> bool:
-        """True on every rank if any rank was signalled (signals reach ranks at slightly different times)."""
-        flag = torch.tensor([1.0 if self.requested else 0.0])
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank if any rank was signalled (signals reach ranks at slightly different times).
+        `device`: the default group's (an NCCL group takes no host tensors)."""
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -69,8 +70,14 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
     Engine, e.g. on CPU): the fully reshardable parameter state carries no per-parameter 'step' (megatron restores it
     from the param groups first), yet `_set_main_param_and_optimizer_states` copies every key the live state has.
     We hand it the live 'step' back, so that copy is a no-op."""
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    # The config's hyper-parameters (max_lr / min_lr that the LR schedule reads from each param group, betas, eps,
+    # weight decay) win over the checkpoint's, so a resumed run may change them: load_state_dict restores the param
+    # groups as saved, so the live values are put back after it (the per-group 'step' comes from the checkpoint).
+    live_hyperparameters = [[{k: v for k, v in group.items() if k not in ("params", "step")}
+                             for group in opt.optimizer.param_groups] for opt in optimizers]
     patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in optimizers:
         original = opt._set_main_param_and_optimizer_states
 
         def set_states(model_param, tensors, opt=opt, original=original):
@@ -87,6 +94,9 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # back to the class's method
+    for opt, groups in zip(optimizers, live_hyperparameters):
+        for group, live in zip(opt.optimizer.param_groups, groups, strict=True):
+            group.update(live)
     # megatron-core hands every parameter the SAME 'step' tensor, and torch's Adam increments each parameter's step
     # in place: without separate copies the step (and with it Adam's bias correction) races ahead after a resume.
     for opt in patched:

@@ -35,7 +35,7 @@ class Experience:
 
     @property
     def group_size(self) -> int:
-        return len(self.responses[0]) if self.responses else 0
+        return self.correct_NG.shape[1]  # G even when this rank kept no group ([0, G])
 
     def sequences(self) -> list[list[int]]:
         return [list(p) + r.token_ids for p, group in zip(self.prompt_token_ids, self.responses) for r in group]
@@ -88,7 +88,8 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
             all_truncated.append(torch.tensor([r.finish_reason == "length" for g in responses for r in g],
                                               dtype=torch.float32))
         rounds += 1
-        short = torch.tensor([float(len(kept_prompts) < target_groups)])
+        # Collectives run on the groups' device: an NCCL group takes no host tensors.
+        short = torch.tensor([float(len(kept_prompts) < target_groups)], device=groups.device)
         dist.all_reduce(short, op=dist.ReduceOp.MAX, group=groups.dp_group)
         if not dynamic_sampling or short.item() == 0 or rounds > max_extra_rounds:
             break
@@ -154,27 +155,29 @@ def _response_logprobs_and_entropy(model_chunks, *, exp: Experience, groups: Par
     return logprobs.reshape(shape), entropy.reshape(shape), padding_fraction
 
 
-def _all_gather_padded(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    """all_gather of tensors whose sizes differ across ranks in every dim (padded, then cut back)."""
+def _all_gather_padded(tensor: torch.Tensor, group, device: torch.device) -> list[torch.Tensor]:
+    """all_gather of tensors whose sizes differ across ranks in every dim (padded, then cut back), through
+    `device` (the group's: an NCCL group takes no host tensors); the parts come back on the tensor's device."""
     world = dist.get_world_size(group)
     if world == 1:
         return [tensor]
-    shape = torch.tensor(tensor.shape, dtype=torch.long)
+    shape = torch.tensor(tensor.shape, dtype=torch.long, device=device)
     shapes = [torch.zeros_like(shape) for _ in range(world)]
     dist.all_gather(shapes, shape, group=group)
+    shapes = [s.cpu() for s in shapes]
     max_shape = torch.stack(shapes).max(dim=0).values
-    padded = tensor.new_zeros(max_shape.tolist())
+    padded = tensor.new_zeros(max_shape.tolist(), device=device)
     padded[tuple(slice(0, s) for s in tensor.shape)] = tensor
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return [p[tuple(slice(0, int(s)) for s in sh)] for p, sh in zip(parts, shapes)]
+    return [p[tuple(slice(0, int(s)) for s in sh)].to(tensor.device) for p, sh in zip(parts, shapes)]
 
 
 def global_advantages(advantage_fn: Callable, uses_entropy: bool, exp: Experience, groups: ParallelGroups):
     """Advantages of this rank's groups, computed over the global batch (the batch-scope z-scores of GTPO span
     every DP rank's groups; group-scope ones are unaffected). Last pipeline stage only. Returns [n, G, T] or
     [n, G]."""
-    rewards = _all_gather_padded(exp.rewards_NG, groups.dp_group)
+    rewards = _all_gather_padded(exp.rewards_NG, groups.dp_group, groups.device)
     counts = [r.shape[0] for r in rewards]
     mine = slice(sum(counts[:groups.dp_rank]), sum(counts[:groups.dp_rank + 1]))
     rewards_NG = torch.cat(rewards)
@@ -182,10 +185,12 @@ def global_advantages(advantage_fn: Callable, uses_entropy: bool, exp: Experienc
         return None
     if not uses_entropy:
         return advantage_fn(rewards_NG)[mine]
-    entropy = _all_gather_padded(exp.entropy_NGT, groups.dp_group)
-    lengths = _all_gather_padded(exp.response_lengths_NG(), groups.dp_group)
+    # A rank that kept no group (dynamic sampling) has no entropies, yet takes part in the gathers.
+    own_entropy_NGT = exp.entropy_NGT if exp.num_groups else torch.zeros(0, exp.group_size, 0)
+    entropy = _all_gather_padded(own_entropy_NGT, groups.dp_group, groups.device)
+    lengths = _all_gather_padded(exp.response_lengths_NG(), groups.dp_group, groups.device)
     T = max(e.shape[-1] for e in entropy)
     entropy_NGT = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[-1])) for e in entropy])
     mask_NGT = torch.arange(T) < torch.cat(lengths)[..., None]
     advantages = advantage_fn(rewards_NG, entropy_NGT, mask_NGT)[mine]
-    return advantages[..., :exp.entropy_NGT.shape[-1]] if advantages.ndim == 3 else advantages
+    return advantages[..., :own_entropy_NGT.shape[-1]] if advantages.ndim == 3 else advantages

@@ -28,7 +28,7 @@ def train(cfg: TrainConfig) -> None:
         with timer("sync"):
             run.engine.sync_weights(run.policy.chunks, run.groups)
         run.logger.log(step, step_metrics(run, experience, update, timer))
-        stopping = stop.agreed()  # every rank stops after the same step
+        stopping = stop.agreed(run.groups.device)  # every rank stops after the same step
         if stopping or step + 1 == cfg.steps or (cfg.checkpoint.save_every
                                                  and (step + 1) % cfg.checkpoint.save_every == 0):
             save_checkpoint(run, step + 1)

@@ -171,13 +171,13 @@ def build_run(cfg: TrainConfig) -> Run:
     def score_groups(prompts: list, responses: list[list]) -> torch.Tensor:
         """[N, G] rewards, computed once per model replica (its first rank) and broadcast to the replica's ranks."""
         flat = [r for group in responses for r in group]
-        rewards = torch.empty(len(flat), dtype=torch.float32)
+        rewards = torch.empty(len(flat), dtype=torch.float32, device=groups.device)  # NCCL: no host tensors
         if dist.get_rank(groups.mp_group) == 0:
             references = [p.answer for p, group in zip(prompts, responses) for _ in group]
             rewards = torch.tensor(task.score([task.tokenizer.decode(r.token_ids) for r in flat], references),
-                                   dtype=torch.float32)
+                                   dtype=torch.float32, device=groups.device)
         dist.broadcast(rewards, src=dist.get_global_rank(groups.mp_group, 0), group=groups.mp_group)
-        return rewards.view(len(responses), -1)
+        return rewards.cpu().view(len(responses), -1)
 
     run = Run(cfg=cfg, groups=groups, task=task, policy=policy, engine=engine, loader=loader,
               vocab_size=shape.vocab_size,
@@ -283,7 +283,7 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
                     advantages=[per_seq_adv[i] for i in chunk] if last else None,
                     ref_logprobs=[ref[i] for i in chunk] if ref is not None else None))
             normalizer = torch.stack([local_loss_normalizer(m.loss_mask_BL, run.loss_agg_mode)
-                                      for m in micro_batches]).sum().double()
+                                      for m in micro_batches]).sum().double().to(groups.device)
             dist.all_reduce(normalizer, group=groups.dp_group)
 
             def loss_fn(mb, logprobs_BL, entropy_BL, normalizer=normalizer.clamp(min=1)):
@@ -304,20 +304,23 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
 
 
 # Losses: each micro-batch holds its share of its optimizer step's loss, so the sum over micro-batches and DP ranks
-# is the steps' total, reported per step. Counts: summed. Extremes: max / min. Everything else: token-weighted mean.
+# is the steps' total, reported per step. Counts: summed. Extremes: max / min. Everything else: token-weighted mean,
+# except the sequence-level loss's per-sequence fractions and ratio (it reports num_sequences): sequence-weighted.
 _PER_STEP_LOSSES, _COUNTS = ("pg_loss", "sft_loss"), ("num_tokens", "num_sequences")
 _MAXED, _MINNED = ("ratio_max",), ("ratio_min",)
+_PER_SEQUENCE = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean")
 
 
 def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
-    """Token-weighted means over micro-batches, mini-batches and DP ranks (sums / max / min where that is the
-    meaning); grad_norm of the last optimizer step."""
+    """Weighted means over micro-batches, mini-batches and DP ranks (sums / max / min where that is the meaning);
+    grad_norm: the mean over the step's optimizer steps, grad_norm_max their largest."""
     local: dict[str, list] = {}
     for result in results:
         for mb in result["micro_batch_metrics"] if groups.is_last_stage else []:
-            weight = float(mb.get("num_tokens", 0))
+            per_sequence = "num_sequences" in mb  # the sequence-level loss
             for k, v in mb.items():
-                local.setdefault(k, []).append((float(v), weight))
+                weight = mb["num_sequences"] if per_sequence and k in _PER_SEQUENCE else mb.get("num_tokens", 0)
+                local.setdefault(k, []).append((float(v), float(weight)))
     gathered = [None] * groups.dp_size
     dist.all_gather_object(gathered, local, group=groups.dp_group)
     merged: dict[str, list] = {}
@@ -338,7 +341,9 @@ def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
         else:
             total = sum(w for _, w in vs)
             out[k] = sum(v * w for v, w in vs) / total if total else float("nan")
-    out["grad_norm"] = results[-1]["grad_norm"] if results else float("nan")
+    grad_norms = [r["grad_norm"] for r in results]
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    out["grad_norm_max"] = max(grad_norms) if grad_norms else float("nan")
     out["update_successful"] = all(r["update_successful"] for r in results)
     return out
 
@@ -355,8 +360,10 @@ def warm_start(run: Run) -> dict:
         starts = [len(p.prompt_token_ids) for p in prompts]
         chunk_ids = split_evenly(list(range(len(sequences))), max(1, math.ceil(len(sequences) /
                                                                              cfg.data.micro_batch_size)))
-        micro_batches = [build_update_micro_batch([sequences[i] for i in c], [starts[i] for i in c]) for c in chunk_ids]
-        tokens = torch.stack([m.loss_mask_BL.sum() for m in micro_batches]).sum().double()
+        pad = groups.tp_size if groups.sequence_parallel else 1
+        micro_batches = [build_update_micro_batch([sequences[i] for i in c], [starts[i] for i in c],
+                                                  pad_to_multiple=pad) for c in chunk_ids]
+        tokens = torch.stack([m.loss_mask_BL.sum() for m in micro_batches]).sum().double().to(groups.device)
         dist.all_reduce(tokens, group=groups.dp_group)
         results.append(run_train_step(run.policy, micro_batches, groups, supervised_loss_fn(float(tokens)),
                                       vocab_size=run.vocab_size, lr=cfg.warm_start.lr))

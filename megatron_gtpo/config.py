@@ -286,6 +286,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(d.source != "jsonl" or d.path, "data.path: required when data.source is jsonl")
     need(r.engine != "vllm" or r.vllm_hf_dir or m.hf_dir,
          "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)")
+    need(r.vllm_tensor_parallel >= 1, f"rollout.vllm_tensor_parallel: must be >= 1, got {r.vllm_tensor_parallel}")
     need(0 < r.vllm_gpu_memory_utilization <= 1,
          f"rollout.vllm_gpu_memory_utilization: must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
     need(r.vllm_kv_cache_memory_bytes is None or r.vllm_kv_cache_memory_bytes > 0,
@@ -338,6 +339,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
         need(r.engine != "vllm_remote" or len(r.vllm_remote_addresses) == dp,
              f"rollout.vllm_remote_addresses: {len(r.vllm_remote_addresses)} given, but there are {dp} data-parallel "
              f"replicas (one vLLM server each)")
+        replica = tp if dp > 1 else tp * pp  # GPUs of one replica from its first (rollout/server_engine.py)
+        need(r.engine != "vllm" or r.vllm_tensor_parallel <= replica,
+             f"rollout.vllm_tensor_parallel: a colocated vLLM engine runs on its model replica's GPUs, "
+             f"{replica} here (parallel.tensor{'' if dp > 1 else ' x parallel.pipeline'} with {dp} data-parallel "
+             f"replica{'s' if dp > 1 else ''}); got {r.vllm_tensor_parallel}")
         need(d.prompts_per_step % (dp * d.mini_batches_per_step) == 0,
              f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data-parallel size x "
              f"mini_batches_per_step = {dp} x {d.mini_batches_per_step}")

@@ -263,11 +263,13 @@ def generation_flops(shape: Qwen2Shape, *, num_sequences: int, prompt_tokens: in
 
 
 def vllm_tensor_parallel(shape: Qwen2Shape, layout: Layout, settings: Settings) -> int:
-    """The given vLLM TP size, else the largest divisor of the attention heads up to min(TP x PP, GPUs per node)
-    (one vLLM engine per model replica, on one node)."""
+    """The given vLLM TP size, else the largest divisor of the attention heads up to the GPUs of one model replica
+    on one node: its TP group, or TP x PP with a single data-parallel replica (one vLLM engine per replica, on its
+    own GPUs: rollout/server_engine.colocated_cuda_devices)."""
     if settings.vllm_tensor_parallel is not None:
         return settings.vllm_tensor_parallel
-    limit = min(layout.tensor * layout.pipeline, settings.gpus_per_node)
+    replica = layout.tensor if layout.data > 1 else layout.tensor * layout.pipeline
+    limit = min(replica, settings.gpus_per_node)
     return max(v for v in range(1, limit + 1) if shape.num_attention_heads % v == 0)
 
 

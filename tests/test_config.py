@@ -80,6 +80,18 @@ def test_layout_dependent_checks():
         validate(cfg, world_size=8)
 
 
+def test_colocated_vllm_engine_must_fit_in_its_replica():
+    cfg = load_config(None, ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl", "rollout.engine=vllm",
+                             "parallel.tensor=2", "parallel.pipeline=2", "rollout.vllm_tensor_parallel=4",
+                             "data.prompts_per_step=8"])
+    validate(cfg, world_size=4)  # one replica: its TP x PP = 4 GPUs
+    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: .* 2 here \(parallel.tensor with 2 "
+                                          r"data-parallel replicas\); got 4"):
+        validate(cfg, world_size=8)
+    with pytest.raises(ConfigError, match="rollout.vllm_tensor_parallel: must be >= 1"):
+        load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.vllm_tensor_parallel=0"])
+
+
 def test_missing_file_is_named():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.yaml")

@@ -73,6 +73,32 @@ class ServerEngine:
             outcome = ("error", failure) if failure else attempt(lambda: self.server.finish_weight_update(expected))
         self.policy_version = unwrap(share_outcome(outcome, self.groups))
 
+def replica_devices_from_destination(groups) -> int:
+    """How many consecutive devices of a node, from the sync destination's on, belong to its model replica: in
+    megatron's rank order (tp-cp-ep-dp-pp, TP adjacent) its TP group; with a single data-parallel replica the
+    pipeline stages follow at a stride of TP, so the whole replica (TP x PP, as far as the node reaches)."""
+    return groups.tp_size if groups.dp_size > 1 else groups.tp_size * groups.pp_size
+
+
+def colocated_cuda_devices(*, device_index: int, device_count: int, engine_tp: int, replica_devices: int,
+                           visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the colocated vLLM engine of one model replica: `engine_tp` devices from the sync
+    destination's own (`device_index` among this process's `device_count` visible devices; `visible` the current
+    CUDA_VISIBLE_DEVICES, if set). vLLM numbers its workers' devices from 0 of what it is given, so without this the
+    engines of every replica on a node would share devices 0..engine_tp-1."""
+    if engine_tp > replica_devices:
+        raise ValueError(f"a colocated vLLM engine at tensor parallel size {engine_tp} would spill over the "
+                         f"{replica_devices} GPU(s) of its model replica onto another replica's; use "
+                         f"rollout.vllm_tensor_parallel <= {replica_devices}")
+    if device_index + engine_tp > device_count:
+        raise ValueError(f"a colocated vLLM engine at tensor parallel size {engine_tp} from GPU {device_index} needs "
+                         f"more than the {device_count} GPUs of this node")
+    ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(device_count)]
+    if len(ids) < device_count:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names fewer than the {device_count} visible GPUs")
+    return ",".join(ids[device_index:device_index + engine_tp])
+
+
 def share_outcome(outcome, groups):
     """The destination's (status, payload) on every rank of the model-parallel group: a broadcast within the first
     stage's TP group, then along each pipeline group. Other ranks pass None."""

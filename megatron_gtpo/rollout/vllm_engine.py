@@ -3,7 +3,9 @@
 Layout. Each model-parallel group (one model replica: TP x PP ranks) has one vLLM engine, owned by the weight sync's
 destination rank (TP rank 0 of the first pipeline stage) and running in vLLM's own engine-core process (vLLM's
 default V1 multiprocessing), so vLLM's torch.distributed world never meets the training job's. vLLM's
-`tensor_parallel_size` is independent of the training TP (vLLM starts its own workers for it).
+`tensor_parallel_size` is independent of the training TP (vLLM starts its own workers for it), but on CUDA the
+engine must fit on its replica's own GPUs, which `VLLMEngine.create` gives it through CUDA_VISIBLE_DEVICES
+(server_engine.colocated_cuda_devices; the config refuses a larger rollout.vllm_tensor_parallel).
 
 - `VLLMServer` wraps the `vllm.LLM` on that rank: generation from token ids (no tokenizer), in-place weight reload
   from buckets of HF-named tensors, policy-version checks, sleep/wake. The remote mode (vllm_remote.py) runs the
@@ -87,7 +89,7 @@ from vllm.platforms import current_platform
 from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 
 from .engine import Response, SamplingParams
-from .server_engine import ServerEngine
+from .server_engine import ServerEngine, colocated_cuda_devices, replica_devices_from_destination
 from .vllm_remote import broadcast_from_trainer, join_weight_group
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, tensor_checksum
 
@@ -213,9 +215,11 @@ class VLLMServer:
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
             logprobs=0, detokenize=False, seed=params.seed * _SEED_STRIDE + i * params.n)
             for i in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                    use_tqdm=False)
-        self._sleep()
+        try:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
+                                        use_tqdm=False)
+        finally:  # training comes next, failed generation or not: give the memory back
+            self._sleep()
         return [[_response(sample) for sample in out.outputs] for out in outputs]
 
     def begin_weight_update(self) -> None:
@@ -285,6 +289,33 @@ class VLLMEngine(ServerEngine):
 
     @classmethod
     def create(cls, hf_model_dir: str, groups, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
-        """Start the server on the destination rank (collective only in that every rank must call it)."""
-        server = VLLMServer(hf_model_dir, **server_kwargs) if is_sync_destination(groups) else None
+        """Start the server on the destination rank (collective only in that every rank must call it). On CUDA its
+        engine runs on the replica's own GPUs, from the destination's (server_engine.colocated_cuda_devices): vLLM
+        starts its engine process, which inherits CUDA_VISIBLE_DEVICES, inside VLLMServer (not run on a GPU here)."""
+        server = None
+        if is_sync_destination(groups):
+            devices = {}
+            if current_platform.device_type == "cuda":
+                devices["CUDA_VISIBLE_DEVICES"] = colocated_cuda_devices(
+                    device_index=torch.cuda.current_device(), device_count=torch.cuda.device_count(),
+                    engine_tp=server_kwargs.get("tensor_parallel_size", 1),
+                    replica_devices=replica_devices_from_destination(groups),
+                    visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+            with _environment(devices):
+                server = VLLMServer(hf_model_dir, **server_kwargs)
         return cls(server, groups, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), bucket_bytes=bucket_bytes)
+
+
+@contextmanager
+def _environment(variables: dict[str, str]):
+    """os.environ with `variables` set, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

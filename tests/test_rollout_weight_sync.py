@@ -22,7 +22,7 @@ def _sync(model_dir, tp, pp, vpp, bucket_sizes):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, layer_offset, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
-    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination
+    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination, pack_bucket
 
     groups = initialize_parallel(tp, pp, virtual_pipeline_parallel=vpp)
     with HFCheckpoint(model_dir) as ckpt:
@@ -114,7 +114,7 @@ _M_MMAP_THRESHOLD = -3
 BIG = dict(vocab_size=1000, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4)
 
 
-def _peak_sync_memory(rank, world_size, model_dir, bucket_sizes):
+def _peak_sync_memory(rank, world_size, model_dir, bucket_sizes, packed):
     import ctypes
     import os
     import threading
@@ -123,7 +123,7 @@ def _peak_sync_memory(rank, world_size, model_dir, bucket_sizes):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
-    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination
+    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination, pack_bucket
 
     ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
     page = os.sysconf("SC_PAGE_SIZE")
@@ -153,6 +153,11 @@ def _peak_sync_memory(rank, world_size, model_dir, bucket_sizes):
         for bucket in hf_weight_buckets(chunks, groups, shape, bucket_bytes=bucket_bytes):
             peak[0] = max(peak[0], rss())
             total += sum(t.numel() * t.element_size() for _, t in bucket)
+            if packed:  # as the colocated vLLM engine sends it: one host copy more, dropped with the bucket
+                wire = pack_bucket(bucket)
+                peak[0] = max(peak[0], rss())
+                assert len(wire[3]) == sum(t.numel() * t.element_size() for _, t in bucket)
+                del wire
             del bucket
         stop.set()
         sampler.join()
@@ -161,7 +166,8 @@ def _peak_sync_memory(rank, world_size, model_dir, bucket_sizes):
     return {"destination": is_sync_destination(groups), "peaks": peaks, "sent": sent}
 
 
-def test_bucket_size_bounds_the_peak_extra_memory(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["buckets", "packed-for-rpc"])
+def test_bucket_size_bounds_the_peak_extra_memory(tmp_path, packed):
     make_tiny_qwen2(tmp_path, seed=7, **BIG)
     weights = load_file(str(tmp_path / "model.safetensors"))
     layer_bytes = sum(t.numel() * 4 for n, t in weights.items() if n.startswith("model.layers.0."))
@@ -169,14 +175,15 @@ def test_bucket_size_bounds_the_peak_extra_memory(tmp_path):
     largest_tensor = sum(weights[f"model.layers.0.mlp.{p}.weight"].numel() * 4 for p in ("gate_proj", "up_proj"))
     model_bytes = sum(t.numel() * 4 for t in weights.values())
     buckets = [1, 3 * layer_bytes, 1 << 40]  # one unit at a time, three layers, the whole model
-    dest = next(r for r in run_distributed(_peak_sync_memory, 2, args=(str(tmp_path), buckets), timeout_s=300)
-                if r["destination"])
+    dest = next(r for r in run_distributed(_peak_sync_memory, 2, args=(str(tmp_path), buckets, packed),
+                                           timeout_s=300) if r["destination"])
     assert dest["sent"] == [model_bytes] * 3
     small, mid, whole = dest["peaks"]
     # At most one bucket (max(bucket_bytes, largest unit)) plus, transiently, one more copy of the tensor being
     # converted; a little slack for the allocator and the interpreter. (Two buckets at once, as torch.no_grad's
     # generator wrapper caused, fail both bounds.)
-    slack = 3 << 20
-    assert small <= layer_bytes + largest_tensor + slack, (small, layer_bytes, largest_tensor)
-    assert mid <= 3 * layer_bytes + largest_tensor + slack, (mid, layer_bytes, largest_tensor)
-    assert small < mid < whole and whole >= 0.9 * model_bytes, (small, mid, whole, model_bytes)
+    # Packed for an RPC, the bucket's byte string is one more bucket-sized copy.
+    slack, copies = 3 << 20, 2 if packed else 1
+    assert small <= copies * layer_bytes + largest_tensor + slack, (small, layer_bytes, largest_tensor)
+    assert mid <= copies * 3 * layer_bytes + largest_tensor + slack, (mid, layer_bytes, largest_tensor)
+    assert small < mid < whole and whole >= 0.9 * copies * model_bytes, (small, mid, whole, model_bytes)

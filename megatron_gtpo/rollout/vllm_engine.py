@@ -91,7 +91,7 @@ from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 from .engine import Response, SamplingParams
 from .server_engine import ServerEngine, colocated_cuda_devices, replica_devices_from_destination
 from .vllm_remote import broadcast_from_trainer, join_weight_group
-from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, tensor_checksum
+from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, pack_bucket, tensor_checksum, unpack_bucket
 
 # vLLM logs a warning for every layer that a partial (bucketed) in-place reload does not touch.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
@@ -151,29 +151,6 @@ class GTPOWorkerExtension:
         self.gtpo_policy_version = version
         params = dict(self.model_runner.get_model().named_parameters())
         return self.gtpo_policy_version, {name: tensor_checksum(params[name]) for name in names}
-
-
-def pack_bucket(bucket: list) -> tuple[list[str], list[str], list[list[int]], memoryview]:
-    """A bucket of (name, tensor) as plain msgpack-able values: vLLM's RPC decodes tensors inside argument lists only
-    for msgspec-typed parameters, so the tensors travel as one byte string (names, dtypes and shapes beside it).
-    One host copy of the bucket is made (the concatenation); the byte string is a view of it."""
-    flat = torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8).cpu() for _, t in bucket])
-    return ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            [list(t.shape) for _, t in bucket], memoryview(flat.numpy()))
-
-
-def unpack_bucket(names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                  payload: bytes) -> list[tuple[str, torch.Tensor]]:
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    weights, offset = [], 0
-    for name, dtype_name, shape in zip(names, dtype_names, shapes):
-        dtype = getattr(torch, dtype_name)
-        nbytes = math.prod(shape) * dtype.itemsize
-        weights.append((name, flat[offset:offset + nbytes].view(dtype).reshape(shape)))
-        offset += nbytes
-    if offset != len(payload):
-        raise ValueError(f"packed bucket holds {len(payload)} bytes, its tensors need {offset}")
-    return weights
 
 
 class VLLMServer:

@@ -73,7 +73,10 @@ class MetricsLogger:
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(numeric, step=step)
+            if step >= 0:
+                self._wandb.log(numeric, step=step)
+            else:  # the warm start's summary (step -1): W&B drops history rows below step 0 (wandb 0.31)
+                self._wandb.summary.update({f"warm_start/{k}": v for k, v in numeric.items()})
         if self._bar is not None and step >= 0:  # step -1 is the warm-start's summary, not an RL step
             self._bar.update(1)
             self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "entropy_mean",

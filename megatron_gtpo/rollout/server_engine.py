@@ -73,6 +73,7 @@ class ServerEngine:
             outcome = ("error", failure) if failure else attempt(lambda: self.server.finish_weight_update(expected))
         self.policy_version = unwrap(share_outcome(outcome, self.groups))
 
+
 def replica_devices_from_destination(groups) -> int:
     """How many consecutive devices of a node, from the sync destination's on, belong to its model replica: in
     megatron's rank order (tp-cp-ep-dp-pp, TP adjacent) its TP group; with a single data-parallel replica the

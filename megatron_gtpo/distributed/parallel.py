@@ -88,6 +88,12 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
     @property
+    def sequence_multiple(self) -> int:
+        """Token sequences must be padded to a multiple of this: TP with sequence parallelism (megatron splits the
+        sequence over the TP ranks), else 1."""
+        return self.tp_size if self.sequence_parallel else 1
+
+    @property
     def last_stage_global_rank(self) -> int:
         return dist.get_global_rank(self.pp_group, self.pp_size - 1)
 

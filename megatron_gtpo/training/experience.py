@@ -132,8 +132,8 @@ def _response_logprobs_and_entropy(model_chunks, *, exp: Experience, groups: Par
     micro-batch is padded only to the longest of similar-length sequences."""
     sequences, starts = exp.sequences(), exp.response_starts()
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-    pad = groups.tp_size if groups.sequence_parallel else 1
-    micro_batches = make_micro_batches([sequences[i] for i in order], micro_batch_size, pad_to_multiple=pad)
+    micro_batches = make_micro_batches([sequences[i] for i in order], micro_batch_size,
+                                       pad_to_multiple=groups.sequence_multiple)
     padded = sum(mb.tokens_BL.numel() for mb in micro_batches)
     padding_fraction = 1.0 - sum(len(s) for s in sequences) / padded
     outputs = next_token_logprobs_and_entropy(model_chunks, micro_batches, groups, vocab_size=vocab_size,

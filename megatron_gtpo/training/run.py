@@ -264,7 +264,7 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
     elif last:
         per_seq_adv = list(advantages.reshape(-1).unbind())
     group_ids = split_evenly(list(range(exp.num_groups)), cfg.data.mini_batches_per_step)
-    pad = groups.tp_size if groups.sequence_parallel else 1
+    pad = groups.sequence_multiple
     results = []
     padded_tokens = real_tokens = 0
     for _epoch in range(cfg.data.epochs_per_step):
@@ -360,9 +360,8 @@ def warm_start(run: Run) -> dict:
         starts = [len(p.prompt_token_ids) for p in prompts]
         chunk_ids = split_evenly(list(range(len(sequences))), max(1, math.ceil(len(sequences) /
                                                                              cfg.data.micro_batch_size)))
-        pad = groups.tp_size if groups.sequence_parallel else 1
         micro_batches = [build_update_micro_batch([sequences[i] for i in c], [starts[i] for i in c],
-                                                  pad_to_multiple=pad) for c in chunk_ids]
+                                                  pad_to_multiple=groups.sequence_multiple) for c in chunk_ids]
         tokens = torch.stack([m.loss_mask_BL.sum() for m in micro_batches]).sum().double().to(groups.device)
         dist.all_reduce(tokens, group=groups.dp_group)
         results.append(run_train_step(run.policy, micro_batches, groups, supervised_loss_fn(float(tokens)),

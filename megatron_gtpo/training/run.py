@@ -299,7 +299,10 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
             results.append(run_train_step(run.policy, micro_batches, groups, loss_fn, vocab_size=run.vocab_size,
                                           temperature=cfg.rollout.temperature))
     metrics = combine_update_metrics(results, groups)
-    metrics["padding_fraction"] = 1.0 - real_tokens / padded_tokens if padded_tokens else 0.0  # this DP rank's
+    tokens = torch.tensor([padded_tokens, real_tokens], dtype=torch.float64, device=groups.device)
+    dist.all_reduce(tokens, group=groups.dp_group)  # over every data-parallel rank's micro-batches
+    padded_tokens, real_tokens = tokens.tolist()
+    metrics["padding_fraction"] = 1.0 - real_tokens / padded_tokens if padded_tokens else 0.0
     return metrics
 
 

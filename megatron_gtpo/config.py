@@ -30,6 +30,9 @@ class ModelConfig:
     reference: str | None = None
     dtype: str = "float32"  # float32 | bfloat16
     recompute_activations: bool = False
+    # The vocab-parallel log-prob/entropy op walks the tokens in chunks whose two fp32 [chunk, vocab / TP]
+    # workspaces fit this budget (distributed/vocab_parallel.chunk_tokens_for_budget; the planner counts it).
+    logprob_workspace_mib: float = 256.0
 
 
 @dataclass
@@ -278,6 +281,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(sum(x is not None and x is not False for x in (m.hf_dir, m.load, m.tiny_synthetic or None)) == 1,
          "model: set exactly one of model.hf_dir, model.load, model.tiny_synthetic")
     need(cfg.steps >= 0, f"steps: must be >= 0, got {cfg.steps}")
+    need(m.logprob_workspace_mib > 0, f"model.logprob_workspace_mib: must be > 0, got {m.logprob_workspace_mib}")
     need(r.num_responses_per_prompt >= 2,
          f"rollout.num_responses_per_prompt: group size must be >= 2, got {r.num_responses_per_prompt}")
     need(r.temperature > 0, f"rollout.temperature: must be > 0, got {r.temperature}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from megatron_gtpo.distributed.vocab_parallel import WORKSPACE_BYTES_PER_ELEMENT, chunk_tokens_for_budget
 from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
 
 GIB = float(2**30)
@@ -83,7 +84,12 @@ class Settings:
     vllm_tensor_parallel: int | None = None  # None: see vllm_tensor_parallel()
     gpus_per_node: int = 8
     vllm_overhead_gib: float = 2.0
-    framework_overhead_gib: float = 3.0  # CUDA context, NCCL buffers, allocator fragmentation (an estimate)
+    framework_overhead_gib: float = 3.0  # CUDA context, NCCL buffers, cuBLAS workspaces (an estimate)
+    # PyTorch's caching allocator holds freed blocks and rounds sizes up; with micro-batches of varying length its
+    # reserved memory runs above the live peak. Counted as this fraction of the transient allocations (activations,
+    # logits, workspaces). An estimate, to be replaced by the H100 measurement (max_memory_reserved / allocated).
+    allocator_slack_fraction: float = 0.15
+    logprob_workspace_mib: float = 256.0  # model.logprob_workspace_mib: the vocab-parallel op's fp32 workspaces
 
 
 def check_layout(shape: Qwen2Shape, layout: Layout, workload: Workload | None = None,
@@ -283,11 +289,16 @@ class StageMemory:
     gradients: float
     optimizer: float
     activations: float
-    logits: float
+    logits: float  # the last stage's logits shard and its gradient, in the model dtype
+    logprob_workspaces: float  # the vocab-parallel op's two fp32 [chunk, V/TP] workspaces
 
     @property
     def persistent(self) -> float:
         return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def transient(self) -> float:
+        return self.activations + self.logits + self.logprob_workspaces
 
 
 @dataclass
@@ -339,12 +350,15 @@ def _stage_memory(shape: Qwen2Shape, layout: Layout, workload: Workload, setting
         activations += layer_activation_bytes(shape, seq_len=s, micro_batch_size=b, tensor_parallel=t,
                                               sequence_parallel=layout.sequence_parallel, kernels=settings.kernels,
                                               bytes_per_element=e)
-    logits = 0.0
+    logits = workspaces = 0.0
     if pp_rank == layout.pipeline - 1:
         # The vocab-parallel log-prob/entropy op keeps this micro-batch's logits shard for backward and returns a
-        # gradient of the same size and dtype; its own fp32 workspaces are chunk-sized.
-        logits = 2.0 * s * b * padded_vocab_size(shape.vocab_size, t) // t * e
-    return StageMemory(pp_rank, params, params * e, params * 4.0, optimizer, activations, logits)
+        # gradient of the same size and dtype; its own two fp32 workspaces are chunk-sized (the trainer's chunk).
+        vocab_local = padded_vocab_size(shape.vocab_size, t) // t
+        logits = 2.0 * s * b * vocab_local * e
+        chunk = min(s * b, chunk_tokens_for_budget(settings.logprob_workspace_mib * 2**20, vocab_local))
+        workspaces = 2.0 * chunk * vocab_local * WORKSPACE_BYTES_PER_ELEMENT
+    return StageMemory(pp_rank, params, params * e, params * 4.0, optimizer, activations, logits, workspaces)
 
 
 def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), settings: Settings = Settings(), *,
@@ -358,7 +372,8 @@ def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), set
                               recompute=recompute) for r in range(layout.pipeline)]
 
     def training_peak(stage: StageMemory) -> float:
-        return stage.persistent + stage.activations + stage.logits + overhead + vllm_asleep
+        transient = stage.transient * (1 + settings.allocator_slack_fraction)
+        return stage.persistent + transient + overhead + vllm_asleep
 
     # vLLM: its share of every GPU, its weights (bf16, split over vLLM's TP), the KV cache that is left.
     colocated = settings.vllm_memory_fraction is not None
@@ -379,7 +394,10 @@ def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), set
     generation_peak = max(st.persistent for st in chosen) + overhead + vllm_budget
     memory = {
         "parameters": worst.parameters / GIB, "gradients": worst.gradients / GIB, "optimizer": worst.optimizer / GIB,
-        "activations": worst.activations / GIB, "logits": worst.logits / GIB, "framework_overhead": overhead / GIB,
+        "activations": worst.activations / GIB, "logits": worst.logits / GIB,
+        "logprob_workspaces": worst.logprob_workspaces / GIB,
+        "allocator_slack": worst.transient * settings.allocator_slack_fraction / GIB,
+        "framework_overhead": overhead / GIB,
         "vllm_asleep": vllm_asleep / GIB, "training_peak": training_peak(worst) / GIB,
         "vllm_budget": vllm_budget / GIB, "vllm_weights": vllm_weights / GIB, "vllm_kv_cache": max(kv_bytes, 0) / GIB,
         "generation_peak": generation_peak / GIB, "gpu": settings.gpu_memory_gib,
@@ -426,6 +444,7 @@ def settings_from_config(cfg, **overrides) -> Settings:
     """The planner's settings of a megatron_gtpo TrainConfig (dtype, recompute, colocated vLLM), plus overrides."""
     vllm = cfg.rollout.engine == "vllm"
     return Settings(**{"params_dtype": cfg.model.dtype, "recompute_activations": cfg.model.recompute_activations,
+                       "logprob_workspace_mib": cfg.model.logprob_workspace_mib,
                        "vllm_memory_fraction": cfg.rollout.vllm_gpu_memory_utilization if vllm else None,
                        "vllm_tensor_parallel": cfg.rollout.vllm_tensor_parallel if vllm else None, **overrides})
 

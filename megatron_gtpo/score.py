@@ -113,11 +113,12 @@ def main(argv=None) -> int:
     mine = [sequences[i] for i in my_indices]
     rows = []
     if mine:  # a DP replica with nothing to score skips the schedule (all its ranks agree on that)
-        micro_batches = make_micro_batches(mine, args.micro_batch_size,
+        micro_batches = make_micro_batches(mine, args.micro_batch_size, device=groups.device,
                                            pad_to_multiple=args.tp if args.sequence_parallel else 1)
         outputs = next_token_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=shape.vocab_size,
                                                   temperature=args.temperature, chunk_size=args.chunk_size)
         for mb, (logprobs_BL, entropy_BL) in zip(micro_batches, outputs):
+            logprobs_BL, entropy_BL = logprobs_BL.cpu(), entropy_BL.cpu()  # the results leave the device once
             for b, length in enumerate(mb.lengths_B.tolist()):
                 rows.append({"logprobs": logprobs_BL[b, :length - 1].tolist(),
                              "entropy": entropy_BL[b, :length - 1].tolist()})

@@ -73,7 +73,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, micro_batch_sizes):
             load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks, train_steps=1)
-        micro_batches = [build_update_micro_batch([s[0] for s in part], [s[1] for s in part],
+        micro_batches = [build_update_micro_batch([s[0] for s in part], [s[1] for s in part], device=groups.device,
                                                   old_logprobs=[s[2] for s in part],
                                                   advantages=[s[4] if sequence_level else s[3] for s in part])
                          for part in (mine[i:i + mbs] for i in range(0, len(mine), mbs))]

@@ -16,12 +16,15 @@ def _platform_checks(rank, world_size):
     assert activate_cpu_platform() is True
     assert activate_cpu_platform() is True  # idempotent
     out = {}
-    out["empty_device"] = torch.empty(3, device="cuda").device.type
-    out["int_device"] = torch.zeros(2, device=torch.cuda.current_device()).device.type
-    out["torch_device"] = torch.ones(2, device=torch.device("cuda", 0)).device.type
+    # Tensors asked for on CUDA live in host memory and report the logical device (the device audit's).
+    made = [torch.empty(3, device="cuda"), torch.zeros(2, device=torch.cuda.current_device()),
+            torch.ones(2, device=torch.device("cuda", 0))]
+    out["made_devices"] = {str(t.device) for t in made}
+    out["made_storage"] = {t.untyped_storage().device.type for t in made}
     t = torch.randn(4)
-    out["cuda_noop"] = t.cuda() is t
-    out["to_cuda"] = t.to("cuda").device.type
+    moved = t.cuda()
+    out["cuda_copies"] = moved is not t and torch.equal(moved.cpu(), t) and moved.is_cuda and not t.is_cuda
+    out["to_cuda"] = str(t.to("cuda").device), t.to("cuda").untyped_storage().device.type
     out["type_name"] = t.type()
     out["type_cast"] = t.type(torch.float64).dtype == torch.float64  # the conversion form is left alone
     out["cuda_available"] = torch.cuda.is_available()
@@ -46,8 +49,9 @@ def _platform_checks(rank, world_size):
 
 def test_cuda_requests_land_on_cpu_and_rng_tracker_works():
     out = run_distributed(_platform_checks, 1, timeout_s=120)[0]
-    assert out["empty_device"] == out["int_device"] == out["torch_device"] == out["to_cuda"] == "cpu"
-    assert out["cuda_noop"] and out["type_cast"]
+    assert out["made_devices"] == {"cuda:0"} and out["made_storage"] == {"cpu"}
+    assert out["to_cuda"] == ("cuda:0", "cpu")
+    assert out["cuda_copies"] and out["type_cast"]
     assert out["type_name"] == "torch.cuda.FloatTensor"
     assert out["cuda_available"] is False
     assert out["default_state_restored"] and out["fork_reproducible"] and out["fork_differs_from_default"]

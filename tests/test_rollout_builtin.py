@@ -70,7 +70,7 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_token):
     # The scoring path on prompt + response, at the sampling temperature (and at T=1 for greedy).
     def score(responses_per_prompt, temperature):
         seqs = [p + r.token_ids for p, rs in zip(PROMPTS, responses_per_prompt) for r in rs]
-        micro_batches = make_micro_batches(seqs, 2, pad_to_multiple=tp if sp else 1)
+        micro_batches = make_micro_batches(seqs, 2, device=groups.device, pad_to_multiple=tp if sp else 1)
         scored = next_token_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=VOCAB,
                                                  temperature=temperature)
         if not groups.is_last_stage:

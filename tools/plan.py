@@ -55,6 +55,10 @@ def parse_args(argv=None):
                                                  "attention heads <= min(TP x PP, GPUs per node))")
     mem.add_argument("--vllm-overhead-gib", type=float, default=Settings.vllm_overhead_gib)
     mem.add_argument("--framework-overhead-gib", type=float, default=Settings.framework_overhead_gib)
+    mem.add_argument("--allocator-slack", type=float, default=Settings.allocator_slack_fraction,
+                     help="caching-allocator slack as a fraction of the transient allocations (default %(default)s)")
+    mem.add_argument("--logprob-workspace-mib", type=float,
+                     help="the vocab-parallel op's workspace budget (default: the config's, else 256)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -113,7 +117,9 @@ def build_inputs(args) -> tuple[Layout, Workload, Settings]:
                        recompute_activations=pick(args.recompute, settings.recompute_activations),
                        kernels=args.kernels, vllm_memory_fraction=fraction,
                        vllm_tensor_parallel=pick(args.vllm_tp, settings.vllm_tensor_parallel),
-                       vllm_overhead_gib=args.vllm_overhead_gib, framework_overhead_gib=args.framework_overhead_gib)
+                       vllm_overhead_gib=args.vllm_overhead_gib, framework_overhead_gib=args.framework_overhead_gib,
+                       allocator_slack_fraction=args.allocator_slack,
+                       logprob_workspace_mib=pick(args.logprob_workspace_mib, settings.logprob_workspace_mib))
     return layout, workload, settings
 
 
@@ -128,8 +134,8 @@ def format_table(result: dict) -> str:
         "",
         f"memory per GPU, GiB (worst pipeline stage: {result['worst_stage']})",
     ]
-    for key in ("parameters", "gradients", "optimizer", "activations", "logits", "framework_overhead", "vllm_asleep",
-                "training_peak", "vllm_budget", "vllm_weights", "vllm_kv_cache", "generation_peak"):
+    for key in ("parameters", "gradients", "optimizer", "activations", "logits", "logprob_workspaces",
+                "allocator_slack", "framework_overhead", "vllm_asleep", "training_peak", "vllm_budget", "vllm_weights", "vllm_kv_cache", "generation_peak"):
         lines.append(f"  {key:<20} {mem[key]:9.2f}")
     lines += ["", "training peak, GiB        no recompute   recompute"]
     for name, label in (("distopt", "distributed optimizer"), ("no_distopt", "replicated optimizer")):

@@ -169,7 +169,8 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         vpp_size=virtual_pipeline_parallel, sequence_parallel=sequence_parallel,
         world_rank=dist.get_rank(), world_size=dist.get_world_size(),
-        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+        # On the CPU platform too: there the "cuda" device is the CPU, and the device audit tracks what lives on it.
+        device=torch.device("cuda", torch.cuda.current_device()),
     )
 
 

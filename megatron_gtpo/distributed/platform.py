@@ -6,8 +6,11 @@ generator, and `param.type() == 'torch.cuda.FloatTensor'` checks in the optimize
 maps all of them onto the CPU:
 
 - a process-wide TorchFunctionMode rewrites every `device=` argument that names CUDA (a string, a torch.device or a
-  bare int ordinal) to the CPU, makes `Tensor.cuda()` a no-op and `Tensor.to("cuda")` stay on the CPU, and makes
+  bare int ordinal) to the CPU, keeps `Tensor.cuda()` and `Tensor.to("cuda")` on the CPU, and makes
   `Tensor.type()` report `torch.cuda.*Tensor` for CPU tensors (the only thing megatron inspects it for);
+- the same mode runs the device audit (device_audit.py): every tensor keeps the place it would have on a GPU, and a
+  host tensor meeting a device tensor raises DeviceMixError, so the CPU runs catch what would fail on CUDA;
+- `torch.Generator(device="cuda")` gives a CPU generator;
 - `torch.cuda.{current_device, synchronize, manual_seed, get_rng_state, set_rng_state, ...}` get CPU stand-ins,
   so megatron's RNG tracker forks and restores the CPU generator exactly as it would the CUDA one;
 - megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` helpers get the same CPU stand-ins.
@@ -23,8 +26,10 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .device_audit import DeviceAudit, wrap_parameter_new
+
 _CPU = torch.device("cpu")
-_mode: TorchFunctionMode | None = None
+_mode: "_CudaOnCpuMode | None" = None
 
 
 def _is_cuda_device(device) -> bool:
@@ -50,20 +55,27 @@ _CUDA_TYPE_NAMES = {
 
 
 class _CudaOnCpuMode(TorchFunctionMode):
-    """Redirects CUDA device requests to the CPU for every torch call made while the mode is on the stack."""
+    """Runs every torch call made while the mode is on the stack on the CPU, through the device audit."""
+
+    def __init__(self, audit: DeviceAudit):
+        super().__init__()
+        self.audit = audit
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return _CUDA_TYPE_NAMES.get(name, name)
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = _CPU
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        return self.audit.call(func, args, dict(kwargs or {}), is_cuda_device=_is_cuda_device)
+
+
+class _CpuGenerator(torch.Generator):
+    """torch.Generator(device="cuda") gives a CPU generator (the CPU build of torch has no CUDA generator)."""
+
+    def __new__(cls, device="cpu"):
+        return super().__new__(cls, device=_CPU if _is_cuda_device(device) else device)
+
+    def __init__(self, device="cpu"):
+        pass
 
 
 def _cpu_manual_seed(seed):
@@ -80,6 +92,11 @@ def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
 
 def is_cpu_platform_active() -> bool:
     return _mode is not None
+
+
+def device_audit() -> DeviceAudit | None:
+    """The CPU platform's device audit (distributed/device_audit.py), None without the platform."""
+    return _mode.audit if _mode is not None else None
 
 
 def activate_cpu_platform() -> bool:
@@ -113,7 +130,10 @@ def activate_cpu_platform() -> bool:
     megatron_random._get_cuda_rng_state = _cpu_get_rng_state
     megatron_random._set_cuda_rng_state = _cpu_set_rng_state
 
+    torch.Generator = _CpuGenerator
+    audit = DeviceAudit()
+    wrap_parameter_new(audit)
     # Entered once and never exited: the mode stays on the stack for the life of the process.
-    _mode = _CudaOnCpuMode()
+    _mode = _CudaOnCpuMode(audit)
     _mode.__enter__()
     return True

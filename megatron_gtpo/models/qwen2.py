@@ -207,7 +207,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 params_dtype: torch.dtype = torch.float32, layers_per_stage: list[int] | None = None,
                 recompute_activations: bool = False, use_transformer_engine: bool | None = None,
                 parallel_output: bool = True, meta_device: bool = False) -> list:
-    """This rank's model chunks (one per virtual pipeline stage; a list of one without VPP).
+    """This rank's model chunks (one per virtual pipeline stage; a list of one without VPP), on the current CUDA
+    device (on the CPU platform, the logical device the audit tracks).
 
     Needs megatron's parallel state initialised (distributed.initialize_parallel). The vocabulary is padded with
     `padded_vocab_size`; the padded logits are masked by every consumer (vocab-parallel op, scoring, generation).
@@ -241,5 +242,10 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
                 vp_stage=vp_stage if virtual_pipeline_parallel else None,
             )
+        if not meta_device:
+            # As Megatron-LM's get_model: the local spec's norms (and everything under use_cpu_initialization) are
+            # built on the host. DDP moves the parameters it wraps into its device buffers; every other model (the
+            # reference policy, scoring, evaluation) would keep them there.
+            model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks

@@ -1,5 +1,6 @@
 """A `RolloutEngine` for one model-parallel group whose generation runs in a server object held by the group's
 weight-sync destination rank (TP rank 0 of the first pipeline stage). Imports neither vllm nor megatron.
+Before the server wakes, every rank of the group empties its caching allocator (`_release_cached_memory`).
 
 The server object is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a
 `vllm_remote.RemoteVLLMClient` talking to a vLLM server on another node (remote mode). Either way it offers:
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 import torch.distributed as dist
 
 from .engine import Response, SamplingParams, check_prompts
@@ -48,15 +50,24 @@ class ServerEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
                       max_new_tokens=params.max_new_tokens)
+        self._release_cached_memory()
         outcome = None
         if self.server is not None:
             outcome = attempt(lambda: self.server.generate(prompts, params))
         return unwrap(share_outcome(outcome, self.groups))
 
+    def _release_cached_memory(self) -> None:
+        """Before a colocated engine wakes (its KV cache, its weights) on the model replica's GPUs: every rank of
+        the replica hands the blocks its caching allocator keeps back to the driver, and none goes on before all
+        have, so the engine finds that memory free. A no-op on the CPU platform, harmless for a remote engine."""
+        torch.cuda.empty_cache()
+        dist.barrier(group=self.groups.mp_group)
+
     def sync_weights(self, model_chunks: list, groups) -> None:
         checksum_names = set(policy_checksum_names(self.shape))
         expected: dict[str, tuple[float, float]] = {}
         failure = None
+        self._release_cached_memory()
         if self.server is not None:
             failure = _error_of(self.server.begin_weight_update)
         for bucket in hf_weight_buckets(model_chunks, groups, self.shape, bucket_bytes=self.bucket_bytes):

@@ -174,8 +174,14 @@ def _gather_to_hf(mapping, param: torch.Tensor, groups, shape, tp_root) -> list[
 def pack_bucket(bucket: list) -> tuple[list[str], list[str], list[list[int]], memoryview]:
     """A bucket of (name, tensor) as plain msgpack-able values: vLLM's RPC decodes tensors inside argument lists only
     for msgspec-typed parameters, so the tensors travel as one byte string (names, dtypes and shapes beside it).
-    One host copy of the bucket is made (the concatenation); the byte string is a view of it."""
-    flat = torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8).cpu() for _, t in bucket])
+    One host copy of the bucket is made, tensor by tensor straight from the device into its slice (no per-tensor
+    host copies, no device-side concatenation); the byte string is a view of it."""
+    sizes = [t.numel() * t.element_size() for _, t in bucket]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    offset = 0
+    for (_, t), size in zip(bucket, sizes):
+        flat[offset:offset + size].copy_(t.detach().reshape(-1).view(torch.uint8))
+        offset += size
     return ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             [list(t.shape) for _, t in bucket], memoryview(flat.numpy()))
 

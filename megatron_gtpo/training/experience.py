@@ -111,7 +111,8 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
 
 
 def score_old_policy(model_chunks: list, exp: Experience, groups: ParallelGroups, *, vocab_size: int,
-                     temperature: float, micro_batch_size: int, reference_chunks: list | None = None) -> None:
+                     temperature: float, micro_batch_size: int, chunk_tokens: int | None = None,
+                     reference_chunks: list | None = None) -> None:
     """The forward-only pass: old-policy log-probs and full-vocabulary entropy of every response token, at the
     training TP/PP (and the reference policy's log-probs when `reference_chunks` is given). Results land on the
     last pipeline stage (the only place the loss needs them); the micro-batches' padding fraction goes to
@@ -119,31 +120,31 @@ def score_old_policy(model_chunks: list, exp: Experience, groups: ParallelGroups
     if exp.num_groups == 0:
         return
     score = partial(_response_logprobs_and_entropy, exp=exp, groups=groups, vocab_size=vocab_size,
-                    temperature=temperature, micro_batch_size=micro_batch_size)
+                    temperature=temperature, micro_batch_size=micro_batch_size, chunk_tokens=chunk_tokens)
     exp.old_logprobs_NGT, exp.entropy_NGT, exp.stats["old_logprob_padding_fraction"] = score(model_chunks)
     if reference_chunks is not None:
         exp.ref_logprobs_NGT, _, _ = score(reference_chunks)
 
 
 def _response_logprobs_and_entropy(model_chunks, *, exp: Experience, groups: ParallelGroups, vocab_size: int,
-                                   temperature: float, micro_batch_size: int):
+                                   temperature: float, micro_batch_size: int, chunk_tokens: int | None):
     """Response-aligned [n, G, T] log-probs and entropies (None off the last stage), and the padding fraction of
     the micro-batches. Length-bucketed: sequences are sorted by length before being cut into micro-batches, so each
     micro-batch is padded only to the longest of similar-length sequences."""
     sequences, starts = exp.sequences(), exp.response_starts()
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
     micro_batches = make_micro_batches([sequences[i] for i in order], micro_batch_size,
-                                       pad_to_multiple=groups.sequence_multiple)
+                                       device=groups.device, pad_to_multiple=groups.sequence_multiple)
     padded = sum(mb.tokens_BL.numel() for mb in micro_batches)
     padding_fraction = 1.0 - sum(len(s) for s in sequences) / padded
     outputs = next_token_logprobs_and_entropy(model_chunks, micro_batches, groups, vocab_size=vocab_size,
-                                              temperature=temperature)
+                                              temperature=temperature, chunk_size=chunk_tokens)
     if not groups.is_last_stage:
         return None, None, padding_fraction
     lengths = exp.response_lengths_NG().flatten().tolist()
     T = max(lengths)
-    logprobs = torch.zeros(len(sequences), T)
-    entropy = torch.zeros(len(sequences), T)
+    logprobs = torch.zeros(len(sequences), T, device=groups.device)
+    entropy = torch.zeros(len(sequences), T, device=groups.device)
     rows = iter(order)
     for logprobs_BL, entropy_BL in outputs:
         for b in range(logprobs_BL.shape[0]):
@@ -177,7 +178,8 @@ def global_advantages(advantage_fn: Callable, uses_entropy: bool, exp: Experienc
     """Advantages of this rank's groups, computed over the global batch (the batch-scope z-scores of GTPO span
     every DP rank's groups; group-scope ones are unaffected). Last pipeline stage only. Returns [n, G, T] or
     [n, G]."""
-    rewards = _all_gather_padded(exp.rewards_NG, groups.dp_group, groups.device)
+    # The rewards and lengths come from the host (verifier, token lists): to the training device once per step.
+    rewards = _all_gather_padded(exp.rewards_NG.to(groups.device), groups.dp_group, groups.device)
     counts = [r.shape[0] for r in rewards]
     mine = slice(sum(counts[:groups.dp_rank]), sum(counts[:groups.dp_rank + 1]))
     rewards_NG = torch.cat(rewards)
@@ -186,11 +188,11 @@ def global_advantages(advantage_fn: Callable, uses_entropy: bool, exp: Experienc
     if not uses_entropy:
         return advantage_fn(rewards_NG)[mine]
     # A rank that kept no group (dynamic sampling) has no entropies, yet takes part in the gathers.
-    own_entropy_NGT = exp.entropy_NGT if exp.num_groups else torch.zeros(0, exp.group_size, 0)
+    own_entropy_NGT = exp.entropy_NGT if exp.num_groups else torch.zeros(0, exp.group_size, 0, device=groups.device)
     entropy = _all_gather_padded(own_entropy_NGT, groups.dp_group, groups.device)
-    lengths = _all_gather_padded(exp.response_lengths_NG(), groups.dp_group, groups.device)
+    lengths = _all_gather_padded(exp.response_lengths_NG().to(groups.device), groups.dp_group, groups.device)
     T = max(e.shape[-1] for e in entropy)
     entropy_NGT = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[-1])) for e in entropy])
-    mask_NGT = torch.arange(T) < torch.cat(lengths)[..., None]
+    mask_NGT = torch.arange(T, device=groups.device) < torch.cat(lengths)[..., None]
     advantages = advantage_fn(rewards_NG, entropy_NGT, mask_NGT)[mine]
     return advantages[..., :own_entropy_NGT.shape[-1]] if advantages.ndim == 3 else advantages

@@ -24,13 +24,14 @@ class MicroBatch:
     @property
     def token_mask_BL(self) -> torch.Tensor:
         """True on real tokens."""
-        return torch.arange(self.tokens_BL.shape[1]) < self.lengths_B[:, None]
+        return torch.arange(self.tokens_BL.shape[1], device=self.lengths_B.device) < self.lengths_B[:, None]
 
 
-def make_micro_batches(sequences: list[list[int]], micro_batch_size: int, *, pad_id: int = 0,
+def make_micro_batches(sequences: list[list[int]], micro_batch_size: int, *, device: torch.device, pad_id: int = 0,
                        pad_to_multiple: int = 1) -> list[MicroBatch]:
     """Consecutive groups of `micro_batch_size` sequences (the last may be smaller), each padded to its own longest
-    sequence rounded up to `pad_to_multiple` (the TP size under sequence parallelism)."""
+    sequence rounded up to `pad_to_multiple` (the TP size under sequence parallelism), on `device` (the training
+    device: one host-to-device copy per micro-batch, from the token lists)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if any(len(s) == 0 for s in sequences):
@@ -40,11 +41,9 @@ def make_micro_batches(sequences: list[list[int]], micro_batch_size: int, *, pad
         chunk = sequences[start:start + micro_batch_size]
         length = max(len(s) for s in chunk)
         length = -(-length // pad_to_multiple) * pad_to_multiple
-        tokens = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        for i, seq in enumerate(chunk):
-            tokens[i, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        positions = torch.arange(length, dtype=torch.long).expand(len(chunk), length).contiguous()
-        batches.append(MicroBatch(tokens, torch.tensor([len(s) for s in chunk]), positions))
+        tokens = torch.tensor([seq + [pad_id] * (length - len(seq)) for seq in chunk], dtype=torch.long, device=device)
+        positions = torch.arange(length, dtype=torch.long, device=device).expand(len(chunk), length).contiguous()
+        batches.append(MicroBatch(tokens, torch.tensor([len(s) for s in chunk], device=device), positions))
     return batches
 
 
@@ -56,7 +55,7 @@ def run_forward(model_chunks: list, micro_batches: list[MicroBatch], groups: Par
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb.tokens_BL.to(groups.device), mb.position_ids_BL.to(groups.device), attention_mask=None)
+        logits = model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None)
         return logits, partial(_collect, mb)
 
     def _collect(mb, logits, non_loss_data=False):
@@ -74,18 +73,19 @@ def run_forward(model_chunks: list, micro_batches: list[MicroBatch], groups: Par
 
 def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], groups: ParallelGroups,
                                     *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None):
-    """Per micro-batch (logprobs_BL1, entropy_BL1), float32, on the last pipeline stage ([] elsewhere):
+    """Per micro-batch (logprobs_BL1, entropy_BL1), float32 on the logits' device, on the last pipeline stage ([]
+    elsewhere):
     logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k] the entropy
     of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding garbage."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
         # Score all L positions against the left-shifted tokens (the last target is a dummy id 0) and drop the last
         # column afterwards: slicing the logits instead would hand the op a non-contiguous [B, L-1, V/TP] view.
-        targets_BL = torch.nn.functional.pad(mb.tokens_BL[:, 1:], (0, 1)).to(logits_BLV.device)
+        targets_BL = torch.nn.functional.pad(mb.tokens_BL[:, 1:], (0, 1))
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
             logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature,
             chunk_size=chunk_size)
-        return logprobs[:, :-1].float().cpu(), entropy[:, :-1].float().cpu()
+        return logprobs[:, :-1].float(), entropy[:, :-1].float()
 
     for model in model_chunks:
         model.eval()

@@ -26,6 +26,25 @@ class PolicyModel:
         return [c.module for c in self.ddp_chunks]
 
 
+def materialize_adam_state(optimizer) -> None:
+    """Allocate Adam's moments now instead of at the first step, so that the trainer's memory is complete before a
+    colocated vLLM engine (built after the policy) sizes its KV cache from the free memory. For torch's Adam the
+    state is exactly the one it creates lazily (zero moments, step 0), so the first step is unchanged; other Adams
+    (Transformer Engine's FusedAdam, which megatron picks when TE is installed) get megatron's own initialiser."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = opt.optimizer  # the torch optimizer inside megatron's wrapper
+        if not isinstance(adam, (torch.optim.Adam, torch.optim.AdamW)):
+            opt.init_state_fn(adam)
+            continue
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def build_chunks(cfg: TrainConfig, hf_config: dict, groups: ParallelGroups) -> list:
     from megatron_gtpo.models.qwen2 import build_model
 
@@ -72,6 +91,7 @@ def wrap_for_training(cfg: TrainConfig, chunks: list, *, train_steps: int) -> Po
         lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
         wd_incr_steps=max(total_updates, 1), wd_incr_style="constant", override_opt_param_scheduler=True,
         use_checkpoint_opt_param_scheduler=False)
+    materialize_adam_state(optimizer)
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, tied-embedding grad sync
     config.grad_scale_func = optimizer.scale_loss

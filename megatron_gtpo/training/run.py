@@ -95,6 +95,7 @@ class Run:
     engine: object
     loader: object
     vocab_size: int
+    logprob_chunk_tokens: int  # the vocab-parallel op's chunk, from model.logprob_workspace_mib
     score: Callable[[Experience], None]
     advantages: Callable[[Experience], torch.Tensor | None]
     policy_loss: Callable  # (logprobs, old, advantages, mask, *, loss_normalizer, ref/entropy) -> loss, metrics
@@ -121,7 +122,12 @@ def build_run(cfg: TrainConfig) -> Run:
     task = build_task(cfg)
     from megatron_gtpo.models.qwen2 import Qwen2Shape
 
+    from megatron_gtpo.distributed.vocab_parallel import chunk_tokens_for_budget
+    from megatron_gtpo.models.qwen2 import padded_vocab_size
+
     shape = Qwen2Shape.from_hf(task.hf_config)
+    chunk_tokens = chunk_tokens_for_budget(cfg.model.logprob_workspace_mib * 2**20,
+                                           padded_vocab_size(shape.vocab_size, groups.tp_size) // groups.tp_size)
     try:
         shape.check_parallel(groups.tp_size, groups.pp_size)
     except ValueError as e:
@@ -180,10 +186,11 @@ def build_run(cfg: TrainConfig) -> Run:
         return rewards.cpu().view(len(responses), -1)
 
     run = Run(cfg=cfg, groups=groups, task=task, policy=policy, engine=engine, loader=loader,
-              vocab_size=shape.vocab_size,
+              vocab_size=shape.vocab_size, logprob_chunk_tokens=chunk_tokens,
               score=lambda exp: score_old_policy(policy.chunks, exp, groups, vocab_size=shape.vocab_size,
                                                  temperature=cfg.rollout.temperature,
                                                  micro_batch_size=cfg.data.micro_batch_size,
+                                                 chunk_tokens=chunk_tokens,
                                                  reference_chunks=reference.chunks if reference else None),
               advantages=lambda exp: global_advantages(advantage_fn, spec.uses_entropy, exp, groups)
               if groups.is_last_stage else None,
@@ -275,10 +282,11 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
             micro_batches = []
             for chunk in split_evenly(seq_ids, max(1, math.ceil(len(seq_ids) / cfg.data.micro_batch_size))):
                 if not chunk:  # a rank without groups still takes part in the collective step, with no loss terms
-                    micro_batches.append(build_update_micro_batch([[0, 0]], [2], pad_to_multiple=pad))
+                    micro_batches.append(build_update_micro_batch([[0, 0]], [2], device=groups.device,
+                                                                    pad_to_multiple=pad))
                     continue
                 micro_batches.append(build_update_micro_batch(
-                    [sequences[i] for i in chunk], [starts[i] for i in chunk], pad_to_multiple=pad,
+                    [sequences[i] for i in chunk], [starts[i] for i in chunk], device=groups.device, pad_to_multiple=pad,
                     old_logprobs=[old[i] for i in chunk] if last else None,
                     advantages=[per_seq_adv[i] for i in chunk] if last else None,
                     ref_logprobs=[ref[i] for i in chunk] if ref is not None else None))
@@ -297,7 +305,8 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
             padded_tokens += sum(m.inputs.tokens_BL.numel() for m in micro_batches)
             real_tokens += sum(int(m.inputs.lengths_B.sum()) for m in micro_batches)
             results.append(run_train_step(run.policy, micro_batches, groups, loss_fn, vocab_size=run.vocab_size,
-                                          temperature=cfg.rollout.temperature))
+                                          temperature=cfg.rollout.temperature,
+                                          chunk_tokens=run.logprob_chunk_tokens))
     metrics = combine_update_metrics(results, groups)
     tokens = torch.tensor([padded_tokens, real_tokens], dtype=torch.float64, device=groups.device)
     dist.all_reduce(tokens, group=groups.dp_group)  # over every data-parallel rank's micro-batches
@@ -364,10 +373,12 @@ def warm_start(run: Run) -> dict:
         chunk_ids = split_evenly(list(range(len(sequences))), max(1, math.ceil(len(sequences) /
                                                                              cfg.data.micro_batch_size)))
         micro_batches = [build_update_micro_batch([sequences[i] for i in c], [starts[i] for i in c],
-                                                  pad_to_multiple=groups.sequence_multiple) for c in chunk_ids]
+                                                  device=groups.device, pad_to_multiple=groups.sequence_multiple)
+                         for c in chunk_ids]
         tokens = torch.stack([m.loss_mask_BL.sum() for m in micro_batches]).sum().double().to(groups.device)
         dist.all_reduce(tokens, group=groups.dp_group)
         results.append(run_train_step(run.policy, micro_batches, groups, supervised_loss_fn(float(tokens)),
-                                      vocab_size=run.vocab_size, lr=cfg.warm_start.lr))
+                                      vocab_size=run.vocab_size, lr=cfg.warm_start.lr,
+                                      chunk_tokens=run.logprob_chunk_tokens))
     run.policy.scheduler.step(increment=0)  # back to the schedule's learning rate for RL
     return combine_update_metrics(results, groups) if results else {}

@@ -35,27 +35,28 @@ class UpdateMicroBatch:
 LossFn = Callable[[UpdateMicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
-def build_update_micro_batch(sequences: list[list[int]], response_starts: list[int], *, pad_to_multiple: int = 1,
-                             old_logprobs: list[torch.Tensor] | None = None,
+def build_update_micro_batch(sequences: list[list[int]], response_starts: list[int], *, device: torch.device,
+                             pad_to_multiple: int = 1, old_logprobs: list[torch.Tensor] | None = None,
                              advantages: list[torch.Tensor] | None = None,
                              ref_logprobs: list[torch.Tensor] | None = None) -> UpdateMicroBatch:
     """`sequences` are prompt+response token ids, response_starts[i] the prompt length. Per-sequence tensors in
     `old_logprobs` / `ref_logprobs` / per-token `advantages` are response-aligned (one entry per response token);
-    per-sequence advantages are 0-dim tensors."""
+    per-sequence advantages are 0-dim tensors. Everything is built on `device` (the training device), where the loss
+    meets the model's log-probs."""
     from .forward import make_micro_batches
 
-    (inputs,) = make_micro_batches(sequences, len(sequences), pad_to_multiple=pad_to_multiple)
+    (inputs,) = make_micro_batches(sequences, len(sequences), device=device, pad_to_multiple=pad_to_multiple)
     B, L = inputs.tokens_BL.shape
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    for i, (seq, start) in enumerate(zip(sequences, response_starts)):
-        mask[i, start - 1:len(seq) - 1] = True
+    starts_B1 = torch.tensor(response_starts, device=device)[:, None]
+    columns_1L = torch.arange(L, device=device)[None, :]
+    mask = (columns_1L >= starts_B1 - 1) & (columns_1L < inputs.lengths_B[:, None] - 1)
 
     def place(values: list[torch.Tensor] | None):
         if values is None:
             return None
         if values[0].ndim == 0:
-            return torch.stack(values).float()
-        out = torch.zeros(B, L, dtype=torch.float32)
+            return torch.stack(values).float().to(device)
+        out = torch.zeros(B, L, dtype=torch.float32, device=device)
         for i, (start, v) in enumerate(zip(response_starts, values)):
             out[i, start - 1:start - 1 + v.numel()] = v
         return out
@@ -64,26 +65,28 @@ def build_update_micro_batch(sequences: list[list[int]], response_starts: list[i
 
 
 def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], groups: ParallelGroups,
-                   loss_fn: LossFn, *, vocab_size: int, temperature: float = 1.0, lr: float | None = None) -> dict:
+                   loss_fn: LossFn, *, vocab_size: int, temperature: float = 1.0, lr: float | None = None,
+                   chunk_tokens: int | None = None) -> dict:
     """Forward+backward over the micro-batches, then one optimizer and LR-schedule step. Returns
     {"grad_norm", "update_successful", "micro_batch_metrics" (last stage: one dict per micro-batch)}.
-    `lr` fixes the learning rate of this step and leaves the LR schedule where it is (the warm-start)."""
+    `lr` fixes the learning rate of this step and leaves the LR schedule where it is (the warm-start).
+    `chunk_tokens`: the vocab-parallel op's chunk (None: all tokens at once)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     num_micro_batches = len(micro_batches)
     scale = num_micro_batches * groups.dp_size  # undo megatron's /num_microbatches and DDP's DP average
 
     def loss_on_last_stage(mb: UpdateMicroBatch, logits_BLV):
-        targets_BL = F.pad(mb.inputs.tokens_BL[:, 1:], (0, 1)).to(logits_BLV.device)
+        targets_BL = F.pad(mb.inputs.tokens_BL[:, 1:], (0, 1))
         logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
-            logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature)
+            logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature,
+            chunk_size=chunk_tokens)
         loss, metrics = loss_fn(mb, logprobs_BL, entropy_BL)
         return loss * scale, {k: v.detach() for k, v in metrics.items()}
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb.inputs.tokens_BL.to(groups.device), mb.inputs.position_ids_BL.to(groups.device),
-                       attention_mask=None)
+        logits = model(mb.inputs.tokens_BL, mb.inputs.position_ids_BL, attention_mask=None)
         return logits, partial(loss_on_last_stage, mb)
 
     for chunk in policy.ddp_chunks:
@@ -111,7 +114,7 @@ def supervised_loss_fn(normalizer: float) -> LossFn:
     (the warm-start's loss; same contract as the policy losses)."""
 
     def loss_fn(mb: UpdateMicroBatch, logprobs_BL, entropy_BL):
-        mask = mb.loss_mask_BL.to(logprobs_BL.device)
+        mask = mb.loss_mask_BL
         nll = -torch.where(mask, logprobs_BL, 0.0).sum() / normalizer
         return nll, {"sft_loss": nll.detach(), "num_tokens": mask.sum()}
 

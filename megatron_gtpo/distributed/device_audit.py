@@ -1,0 +1,201 @@
+"""The device audit of the CPU platform: remembers which tensors would live on the accelerator, and raises where a
+CUDA run would fail because a host tensor meets one of them.
+
+On a machine without CUDA every tensor is on the CPU, so code that builds a loss mask on the host and combines it
+with the model's log-probs runs fine there and fails on the first GPU step ("Expected all tensors to be on the same
+device"). The audit gives each tensor a logical place, as CUDA would:
+- device: made with a CUDA `device=` (a factory, `new_*`, `.to("cuda")`, `.cuda()`, `Module.cuda()`), or computed
+  from a device tensor; such a tensor reports `device` cuda:N and `is_cuda` True, so code that follows
+  `x.device` behaves as on a GPU;
+- host: made without a device or with a CPU one, or copied back with `.cpu()` / `.to("cpu")`;
+- unknown: made where no torch call is seen (the autograd engine's gradients, collectives' outputs, tensors from
+  numpy or files). An unknown tensor never raises and lends no place to what is computed from it.
+A torch call that mixes a device tensor with a host tensor of one or more dimensions raises `DeviceMixError` (torch
+allows 0-dim host tensors next to CUDA ones, and so does the audit). Copies are explicit transfers and allowed
+(`dst.copy_(src)`), and so are host indices into a device tensor (`x[idx]`, `x[idx] = v`), as in torch.
+Transfers between places copy, as they would on a GPU: `.cuda()` of a host tensor returns a new tensor, so the host
+original stays host.
+
+The audit runs inside the platform's TorchFunctionMode (distributed/platform.py) and only where the CPU platform is
+active; with CUDA present nothing here runs.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+DEVICE, HOST = True, False
+_LOGICAL_DEVICE = torch.device("cuda", 0)  # what torch.cuda.current_device() is on the CPU platform
+
+
+class DeviceMixError(RuntimeError):
+    """A host tensor met a device tensor in a torch call: the same code fails on CUDA."""
+
+
+class DeviceAudit:
+    def __init__(self):
+        self._places: dict[int, tuple[weakref.ref, bool]] = {}
+        self.host_syncs = 0  # device -> host reads (.item(), .tolist(), .cpu(), ...): each is a sync on CUDA
+
+    def place(self, tensor: torch.Tensor) -> bool | None:
+        """DEVICE, HOST, or None (unknown)."""
+        entry = self._places.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+        return None
+
+    def mark(self, tensor, place: bool | None):
+        if place is None or not isinstance(tensor, torch.Tensor):
+            return tensor
+        key = id(tensor)
+        places = self._places
+
+        def forget(ref, key=key):
+            if places.get(key, (None,))[0] is ref:
+                del places[key]
+
+        self._places[key] = (weakref.ref(tensor, forget), place)
+        return tensor
+
+    def mark_all(self, result, place: bool | None):
+        if place is not None:
+            for t in _tensors(result):
+                self.mark(t, place)
+        return result
+
+    # -- the torch calls ------------------------------------------------------------------------------------------
+    def call(self, func, args, kwargs, *, is_cuda_device):
+        """Run `func` (its CUDA device arguments already mapped to the CPU by the caller's `map_devices`) and give
+        its outputs their place. `is_cuda_device(d)` says whether a device argument names CUDA."""
+        if func is torch.Tensor.cuda:
+            return self._transfer(args[0], DEVICE)
+        if func is torch.Tensor.cpu:
+            return self._transfer(args[0], HOST)
+        if func is torch.Tensor.to:
+            return self._to(args, kwargs, is_cuda_device)
+        descriptor = getattr(func, "__self__", None)
+        if type(descriptor).__name__ == "getset_descriptor":
+            return self._attribute(func, descriptor.__name__, args)
+        if func in _HOST_READS and self.place(args[0]) == DEVICE:
+            self.host_syncs += 1
+            if func is torch.Tensor.numpy:
+                raise DeviceMixError("numpy() of a device tensor: on CUDA this fails; copy it with .cpu() first")
+        if kwargs.get("device") is not None:
+            place = _place_of_device(kwargs["device"], is_cuda_device)
+            if place == DEVICE:
+                kwargs["device"] = "cpu"
+            return self.mark_all(func(*args, **kwargs), place)
+        return self._op(func, args, kwargs)
+
+    def _transfer(self, tensor, place: bool):
+        if self.place(tensor) == place or (place == HOST and self.place(tensor) is None):
+            return tensor
+        if place == HOST:
+            self.host_syncs += 1
+        return self.mark(tensor.clone(), place)
+
+    def _to(self, args, kwargs, is_cuda_device):
+        tensor, rest = args[0], args[1:]
+        target = kwargs.get("device")
+        if target is None and rest and isinstance(rest[0], torch.Tensor):
+            target_place = self.place(rest[0])  # .to(other): other's place and dtype
+            rest = (rest[0].dtype, *rest[1:])
+        elif target is None and rest and (isinstance(rest[0], (str, torch.device, int))
+                                          and not isinstance(rest[0], bool)):
+            target, rest = rest[0], rest[1:]
+            target_place = _place_of_device(target, is_cuda_device)
+        else:
+            target_place = _place_of_device(target, is_cuda_device) if target is not None else self.place(tensor)
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        moved = torch.Tensor.to(tensor, *rest, **kwargs) if rest or kwargs else tensor
+        if target_place is None or target_place == self.place(tensor):
+            return self.mark(moved, self.place(tensor)) if moved is not tensor else tensor
+        if moved is tensor:
+            moved = tensor.clone()
+        if target_place == HOST and self.place(tensor) == DEVICE:
+            self.host_syncs += 1
+        return self.mark(moved, target_place)
+
+    def _attribute(self, func, name: str, args):
+        owner = args[0]
+        place = self.place(owner)
+        if name == "device" and place == DEVICE:
+            return _LOGICAL_DEVICE
+        if name == "is_cuda" and place == DEVICE:
+            return True
+        result = func(*args)
+        if name == "data" and func.__name__ == "__set__":  # the setter: `param.data = x` moves the parameter to x's place
+            self.mark(owner, self.place(args[1]))
+        elif isinstance(result, torch.Tensor):
+            self.mark(result, place)
+        return result
+
+    def _op(self, func, args, kwargs):
+        inputs = _tensors((args, kwargs))
+        places = [self.place(t) for t in inputs]
+        on_device = DEVICE in places
+        if on_device and HOST in places:
+            self._check_mix(func, args, inputs, places)
+        result = func(*args, **kwargs)
+        if on_device:
+            return self.mark_all(result, DEVICE)
+        # No tensor in: a factory on torch's default device, the host.
+        return self.mark_all(result, HOST if HOST in places or not inputs else None)
+
+    def _check_mix(self, func, args, inputs, places):
+        if func in _TRANSFERS_AND_QUERIES:
+            return
+        if func in _INDEXING and self.place(args[0]) == DEVICE:
+            return  # host indices (and, for assignments, host values) into a device tensor are allowed by torch
+        if func is torch.Tensor.__setitem__ and DEVICE not in [self.place(t) for t in _tensors(args[1])]:
+            self.host_syncs += 1  # host[idx] = device values: a device -> host copy, allowed by torch
+            return
+        host = [t for t, p in zip(inputs, places) if p == HOST and t.dim() > 0]
+        if not host:
+            return
+        device = [t for t, p in zip(inputs, places) if p == DEVICE]
+        name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+        raise DeviceMixError(
+            f"{name} mixes host tensor(s) {[tuple(t.shape) for t in host]} with device tensor(s) "
+            f"{[tuple(t.shape) for t in device]}: on CUDA this fails (Expected all tensors to be on the same "
+            f"device). Create the host tensor(s) on the training device (device=groups.device) or move them with "
+            f".to(device) once, outside the per-micro-batch path")
+
+
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put)
+# An explicit copy, and questions about tensors that touch no data.
+_TRANSFERS_AND_QUERIES = (torch.Tensor.copy_, torch._has_compatible_shallow_copy_type, torch.Tensor.is_set_to)
+_HOST_READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
+               torch.Tensor.__int__, torch.Tensor.__float__)
+
+
+def _place_of_device(device, is_cuda_device) -> bool | None:
+    """DEVICE for a CUDA device, HOST for the CPU, None (no place tracked) for others, e.g. meta."""
+    if is_cuda_device(device):
+        return DEVICE
+    return HOST if torch.device(device).type == "cpu" else None
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in nested tuples / lists / dicts (the shapes torch calls take and return)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def wrap_parameter_new(audit: DeviceAudit):
+    """nn.Parameter(data) makes a new tensor without a torch call the mode sees: give it data's place."""
+    original = torch.nn.Parameter.__new__
+
+    def __new__(cls, data=None, requires_grad=True):
+        param = original(cls, data, requires_grad)
+        if data is not None:
+            audit.mark(param, audit.place(data))
+        return param
+
+    torch.nn.Parameter.__new__ = __new__

@@ -55,6 +55,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, micro_batch_sizes):
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.training.model_setup import wrap_for_training
+    from megatron_gtpo.distributed.platform import device_audit
     from megatron_gtpo.training.train_step import build_update_micro_batch, run_train_step
 
     groups = initialize_parallel(tp, pp)
@@ -86,7 +87,9 @@ def _one_step(rank, world_size, model_dir, tp, pp, micro_batch_sizes):
             return policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
                                loss_normalizer=normalizer, eps_low=0.2, eps_high=0.28)
 
+        syncs = device_audit().host_syncs
         result = run_train_step(policy, micro_batches, groups, loss_fn, vocab_size=shape.vocab_size, temperature=0.9)
+        syncs = device_audit().host_syncs - syncs
         loss = torch.tensor([sum(float(m["pg_loss"]) for m in result["micro_batch_metrics"])]
                             if groups.is_last_stage else [0.0], dtype=torch.float64)
         dist.all_reduce(loss, group=groups.dp_group)
@@ -94,7 +97,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, micro_batch_sizes):
         weights = _gather_hf(policy.chunks, groups, shape)
         results[level, mbs] = {"loss": loss.item() if groups.is_last_stage else None, "grad_norm": result["grad_norm"],
                         "weights": weights if groups.tp_rank == 0 and groups.dp_rank == 0 else {},
-                        "clipped": clip > 0 if groups.is_last_stage else None}
+                        "clipped": clip > 0 if groups.is_last_stage else None, "host_syncs": syncs}
     return results
 
 
@@ -128,6 +131,9 @@ def test_micro_batch_size_4_vs_1(reference, level):
     _, results = reference
     assert results[0][level, 4]["clipped"]  # the batch really exercises the clip
     _assert_same(_merge(results, (level, 4)), _merge(results, (level, 1)), f"{level} loss, micro-batch 4 vs 1")
+    # The device audit counts device -> host reads: a step's must not grow with its number of micro-batches
+    # (here 2 micro-batches of 4 vs 8 of 1; what remains is the optimizer's grad-norm reads).
+    assert results[0][level, 4]["host_syncs"] == results[0][level, 1]["host_syncs"]
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])

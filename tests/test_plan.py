@@ -56,10 +56,10 @@ def _measure_all(rank, world_size):
         if tp == 1:
             model = build_model(dict(LAYER_PROBE, num_hidden_layers=2), tensor_parallel=1, pipeline_parallel=1,
                                 pp_rank=0)[0]
-            tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (PROBE_BATCH, PROBE_SEQ))
+            tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (PROBE_BATCH, PROBE_SEQ), device="cuda")
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
-                model(tokens, torch.arange(PROBE_SEQ).expand(PROBE_BATCH, PROBE_SEQ),
-                      torch.triu(torch.ones(1, 1, PROBE_SEQ, PROBE_SEQ, dtype=torch.bool), 1))
+                model(tokens, torch.arange(PROBE_SEQ, device="cuda").expand(PROBE_BATCH, PROBE_SEQ),
+                      torch.triu(torch.ones(1, 1, PROBE_SEQ, PROBE_SEQ, dtype=torch.bool, device="cuda"), 1))
             out["flops"] = counter.get_total_flops()
     return out
 
@@ -134,9 +134,9 @@ def _measured_training_state(dtype_name, distributed_optimizer):
         ddp = DistributedDataParallel(config=chunks[0].config, module=chunks[0], ddp_config=ddp_config)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=dtype == torch.bfloat16,
                                                            params_dtype=dtype, use_distributed_optimizer=False), [ddp])
-    tokens = torch.randint(0, SMALL["vocab_size"], (2, 32))
-    positions = torch.arange(32).expand(2, 32)
-    mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool), 1)
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 32), device="cuda")
+    positions = torch.arange(32, device="cuda").expand(2, 32)
+    mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool, device="cuda"), 1)
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     ddp(tokens, positions, mask).float().pow(2).mean().backward()
@@ -190,9 +190,9 @@ def _saved_activation_bytes(model, *, seq_len, batch) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (batch, seq_len))
-    positions = torch.arange(seq_len).expand(batch, seq_len)
-    mask = torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), 1)
+    tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (batch, seq_len), device="cuda")
+    positions = torch.arange(seq_len, device="cuda").expand(batch, seq_len)
+    mask = torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device="cuda"), 1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens, positions, mask)
     return sum(saved.values())
@@ -322,3 +322,45 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
                         sequence_parallel=cfg.parallel.sequence_parallel)
         result = plan(shape, layout, workload_from_config(cfg), settings_from_config(cfg))
         assert result.fits, (path, gpus, result.reasons)
+
+
+def test_logprob_workspaces_equal_what_the_vocab_parallel_op_allocates():
+    """The planner's logprob_workspaces term against the op itself: the fp32 [chunk, V/TP] tensors its forward and
+    its backward allocate (seen through torch's dispatcher), at the chunk the trainer derives from the budget."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_gtpo.distributed.vocab_parallel import chunk_tokens_for_budget, vocab_parallel_logprobs_and_entropy
+    from megatron_gtpo.models.qwen2 import padded_vocab_size
+
+    shape = Qwen2Shape.from_hf(SMALL)
+    vocab_local = padded_vocab_size(shape.vocab_size, 1)
+    workload = Workload(prompts_per_step=1, num_responses_per_prompt=2, max_prompt_tokens=16, max_response_tokens=16)
+    budget_mib = 8 * 2 * vocab_local * 4 / 2**20  # an 8-token chunk: smaller than the 32-token micro-batch
+    planned = plan(shape, Layout(), workload, Settings(vllm_memory_fraction=None, kernels="local",
+                                                       logprob_workspace_mib=budget_mib)).stages[0]
+
+    class Workspaces(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.empty.memory_format and out.dtype == torch.float32 and out.dim() == 2 \
+                    and out.shape[1] == vocab_local:
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    tokens = workload.max_sequence_tokens
+    logits = torch.randn(tokens, vocab_local, requires_grad=True)
+    targets = torch.randint(0, shape.vocab_size, (tokens,))
+    seen = Workspaces()
+    with seen:
+        logprobs, entropy = vocab_parallel_logprobs_and_entropy(
+            logits, targets, tp_group=None, vocab_size=vocab_local,
+            chunk_size=chunk_tokens_for_budget(budget_mib * 2**20, vocab_local))
+        (logprobs.sum() + entropy.sum()).backward()
+    assert seen.shapes == [(8, vocab_local)] * 4  # two in forward, two in backward
+    assert planned.logprob_workspaces == 2 * 8 * vocab_local * 4
+    with pytest.raises(ValueError, match="budget must be positive"):
+        chunk_tokens_for_budget(0, vocab_local)

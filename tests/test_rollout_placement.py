@@ -31,3 +31,41 @@ def test_replica_devices_follow_megatron_rank_order():
     # TP adjacent; PP stages at a stride of TP x DP, so consecutive only with one data-parallel replica.
     assert replica_devices_from_destination(SimpleNamespace(tp_size=4, pp_size=2, dp_size=2)) == 4
     assert replica_devices_from_destination(SimpleNamespace(tp_size=2, pp_size=2, dp_size=1)) == 4
+
+
+def _release_before_wake(rank, world_size):
+    import time
+
+    import torch
+
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.rollout.engine import Response, SamplingParams
+    from megatron_gtpo.rollout.server_engine import ServerEngine
+
+    groups = initialize_parallel(2, 1)
+    events = []
+    torch.cuda.empty_cache = lambda: events.append(("empty_cache", time.monotonic()))
+
+    class Server:  # the colocated vLLM server as ServerEngine sees it: waking happens inside generate
+        def generate(self, prompts, params):
+            events.append(("wake", time.monotonic()))
+            return [[Response([1], [-0.5], "length")] for _ in prompts]
+
+    engine = ServerEngine(Server() if groups.tp_rank == 0 else None, groups,
+                          SimpleNamespace(vocab_size=100, max_position_embeddings=64))
+    if rank == 1:
+        time.sleep(1.0)  # the rank that is late to release must still release before the engine wakes
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=1))
+    return events
+
+
+def test_every_rank_releases_cached_memory_before_the_engine_wakes():
+    """A colocated engine's KV cache and weights wake on every GPU of the model replica: each rank's caching
+    allocator must have given its cached blocks back first (torch.cuda.empty_cache on all ranks, then the wake)."""
+    from distributed_harness import run_distributed
+
+    destination, other = run_distributed(_release_before_wake, 2, timeout_s=120)
+    wake = [t for name, t in destination if name == "wake"]
+    releases = [t for events in (destination, other) for name, t in events if name == "empty_cache"]
+    assert len(wake) == 1 and len(releases) == 2
+    assert max(releases) < wake[0]

@@ -22,11 +22,13 @@ def _results(rank, sequence_level):
 def _combine(rank, world_size, sequence_level):
     from types import SimpleNamespace
 
+    import torch
     import torch.distributed as dist
 
     from megatron_gtpo.training.run import combine_update_metrics
 
-    groups = SimpleNamespace(is_last_stage=True, dp_size=world_size, dp_group=dist.group.WORLD)
+    groups = SimpleNamespace(is_last_stage=True, dp_size=world_size, dp_group=dist.group.WORLD,
+                             device=torch.device("cpu"))
     return combine_update_metrics(_results(rank, sequence_level), groups)
 
 

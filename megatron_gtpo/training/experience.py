@@ -138,7 +138,7 @@ def _response_logprobs_and_entropy(model_chunks, *, exp: Experience, groups: Par
     padded = sum(mb.tokens_BL.numel() for mb in micro_batches)
     padding_fraction = 1.0 - sum(len(s) for s in sequences) / padded
     outputs = next_token_logprobs_and_entropy(model_chunks, micro_batches, groups, vocab_size=vocab_size,
-                                              temperature=temperature, chunk_size=chunk_tokens)
+                                              temperature=temperature, chunk_size=chunk_tokens, check_targets=False)
     if not groups.is_last_stage:
         return None, None, padding_fraction
     lengths = exp.response_lengths_NG().flatten().tolist()

@@ -72,11 +72,14 @@ def run_forward(model_chunks: list, micro_batches: list[MicroBatch], groups: Par
 
 
 def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], groups: ParallelGroups,
-                                    *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None):
+                                    *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None,
+                                    check_targets: bool = True):
     """Per micro-batch (logprobs_BL1, entropy_BL1), float32 on the logits' device, on the last pipeline stage ([]
     elsewhere):
     logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k] the entropy
-    of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding garbage."""
+    of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding garbage.
+    `check_targets=False` skips the op's id-range check, a host sync per micro-batch: the trainer's ids come from
+    the tokenizer (prompts pass rollout.engine.check_prompts) and from engines that sample within the vocabulary."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
         # Score all L positions against the left-shifted tokens (the last target is a dummy id 0) and drop the last
@@ -84,7 +87,7 @@ def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[Micr
         targets_BL = torch.nn.functional.pad(mb.tokens_BL[:, 1:], (0, 1))
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
             logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature,
-            chunk_size=chunk_size)
+            chunk_size=chunk_size, check_targets=check_targets)
         return logprobs[:, :-1].float(), entropy[:, :-1].float()
 
     for model in model_chunks:

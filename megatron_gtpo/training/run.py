@@ -281,6 +281,7 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
             seq_ids = sorted((g * G + j for g in mb_groups for j in range(G)), key=lambda i: -len(sequences[i]))
             micro_batches = []
             for chunk in split_evenly(seq_ids, max(1, math.ceil(len(seq_ids) / cfg.data.micro_batch_size))):
+                real_tokens += sum(len(sequences[i]) for i in chunk) if chunk else 2
                 if not chunk:  # a rank without groups still takes part in the collective step, with no loss terms
                     micro_batches.append(build_update_micro_batch([[0, 0]], [2], device=groups.device,
                                                                     pad_to_multiple=pad))
@@ -303,7 +304,6 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
                                        ref_logprobs_BT=mb.ref_logprobs_BL)
 
             padded_tokens += sum(m.inputs.tokens_BL.numel() for m in micro_batches)
-            real_tokens += sum(int(m.inputs.lengths_B.sum()) for m in micro_batches)
             results.append(run_train_step(run.policy, micro_batches, groups, loss_fn, vocab_size=run.vocab_size,
                                           temperature=cfg.rollout.temperature,
                                           chunk_tokens=run.logprob_chunk_tokens))
@@ -326,13 +326,18 @@ _PER_SEQUENCE = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mea
 def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
     """Weighted means over micro-batches, mini-batches and DP ranks (sums / max / min where that is the meaning);
     grad_norm: the mean over the step's optimizer steps, grad_norm_max their largest."""
-    local: dict[str, list] = {}
+    keys, values = [], []  # the micro-batches' metrics stay on the device until one read for the whole step
     for result in results:
         for mb in result["micro_batch_metrics"] if groups.is_last_stage else []:
             per_sequence = "num_sequences" in mb  # the sequence-level loss
             for k, v in mb.items():
                 weight = mb["num_sequences"] if per_sequence and k in _PER_SEQUENCE else mb.get("num_tokens", 0)
-                local.setdefault(k, []).append((float(v), float(weight)))
+                keys.append(k)
+                values += [torch.as_tensor(x, dtype=torch.float64, device=groups.device) for x in (v, weight)]
+    flat = torch.stack(values).tolist() if values else []
+    local: dict[str, list] = {}
+    for i, k in enumerate(keys):
+        local.setdefault(k, []).append((flat[2 * i], flat[2 * i + 1]))
     gathered = [None] * groups.dp_size
     dist.all_gather_object(gathered, local, group=groups.dp_group)
     merged: dict[str, list] = {}

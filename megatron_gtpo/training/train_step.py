@@ -80,7 +80,7 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], g
         targets_BL = F.pad(mb.inputs.tokens_BL[:, 1:], (0, 1))
         logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
             logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature,
-            chunk_size=chunk_tokens)
+            chunk_size=chunk_tokens, check_targets=False)  # a host sync per micro-batch otherwise; see forward.py
         loss, metrics = loss_fn(mb, logprobs_BL, entropy_BL)
         return loss * scale, {k: v.detach() for k, v in metrics.items()}
 

@@ -1,0 +1,105 @@
+"""The CPU platform's device audit: tensors keep the place they would have on a GPU, and a host tensor meeting a
+device tensor raises, as CUDA would. The trainer, scoring, evaluation and weight-sync tests all run under it (it is
+on wherever the CPU platform is); these tests pin down its rules and show it catches the bug class it exists for."""
+import pytest
+import torch
+
+from distributed_harness import run_distributed
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the audit is part of the CPU platform layer")
+
+
+def _rules(rank, world_size):
+    from megatron_gtpo.distributed import activate_cpu_platform
+    from megatron_gtpo.distributed.device_audit import DeviceMixError
+    from megatron_gtpo.distributed.platform import device_audit
+
+    activate_cpu_platform()
+    audit = device_audit()
+    out = {}
+
+    def raises(fn):
+        try:
+            fn()
+        except DeviceMixError:
+            return True
+        return False
+
+    dev = torch.randn(3, 4, device="cuda")
+    host = torch.randn(3, 4)
+    out["places"] = (str(dev.device), dev.is_cuda, str(host.device), host.is_cuda)
+    out["computed_on_device"] = str((dev * 2 + 1).sum(0).device)
+    out["zeros_like_follows"] = str(torch.zeros_like(dev).device), str(dev.new_zeros(2).device)
+    out["explicit_host_from_device"] = str(dev.new_zeros(2, device="cpu").device)
+    out["mix_raises"] = raises(lambda: dev + host), raises(lambda: torch.where(host > 0, dev, 0.0)), \
+        raises(lambda: torch.cat([dev, host]))
+    out["host_scalar_ok"] = not raises(lambda: dev * torch.tensor(2.0))
+    # Explicit transfers copy (the host original stays on the host) and are allowed.
+    moved = host.to(dev.device)
+    out["to_copies"] = moved is not host and not host.is_cuda and moved.is_cuda
+    back = dev.cpu()
+    out["cpu_copies"] = back is not dev and dev.is_cuda and not back.is_cuda
+    out["copy_ok"] = not raises(lambda: host.clone().copy_(dev)) and not raises(lambda: dev.clone().copy_(host))
+    # Host indices into a device tensor are fine in torch; device indices into a host tensor are not.
+    index = torch.tensor([0, 2])
+    out["host_index_ok"] = not raises(lambda: dev[index])
+    out["device_index_into_host_raises"] = raises(lambda: host[index.cuda()])
+    out["numpy_of_device_raises"] = raises(lambda: dev.numpy())
+    # Modules: parameters are made on the host and follow Module.cuda(), gradients included.
+    linear = torch.nn.Linear(4, 2)
+    out["module_host_then_device"] = linear.weight.is_cuda, linear.cuda().weight.is_cuda
+    linear(dev).sum().backward()
+    out["grad_on_device"] = linear.weight.grad.is_cuda
+    out["host_module_raises"] = raises(lambda: torch.nn.Linear(4, 2)(dev))
+    syncs = audit.host_syncs
+    dev.sum().item(), dev.tolist(), dev.cpu()
+    out["host_syncs_counted"] = audit.host_syncs - syncs
+    out["generator"] = torch.Generator(device="cuda").manual_seed(1).device.type
+    return out
+
+
+def test_audit_rules():
+    out = run_distributed(_rules, 1, timeout_s=120)[0]
+    assert out["places"] == ("cuda:0", True, "cpu", False)
+    assert out["computed_on_device"] == "cuda:0"
+    assert out["zeros_like_follows"] == ("cuda:0", "cuda:0")
+    assert out["explicit_host_from_device"] == "cpu"
+    assert out["mix_raises"] == (True, True, True)
+    assert out["host_scalar_ok"] and out["to_copies"] and out["cpu_copies"] and out["copy_ok"]
+    assert out["host_index_ok"] and out["device_index_into_host_raises"] and out["numpy_of_device_raises"]
+    assert out["module_host_then_device"] == (False, True)
+    assert out["grad_on_device"] and out["host_module_raises"]
+    assert out["host_syncs_counted"] == 3
+    assert out["generator"] == "cpu"
+
+
+def _policy_loss_with_host_tensors(rank, world_size, on_device):
+    """The bug this audit was built for: the RL loss combining host-built mask / old log-probs / advantages with
+    the log-probs computed from the model's logits on the device."""
+    from megatron_gtpo.algorithms.losses import token_policy_loss
+    from megatron_gtpo.distributed import activate_cpu_platform
+    from megatron_gtpo.distributed.device_audit import DeviceMixError
+
+    activate_cpu_platform()
+    device = torch.device("cuda", 0) if on_device else torch.device("cpu")
+    logits = torch.randn(2, 5, 7, device="cuda", requires_grad=True)
+    logprobs_BT = torch.log_softmax(logits, -1)[..., 0]
+    mask_BT = torch.ones(2, 5, dtype=torch.bool, device=device)
+    old_BT = torch.zeros(2, 5, device=device)
+    advantages_BT = torch.ones(2, 5, device=device)
+    try:
+        loss, _ = token_policy_loss(logprobs_BT, old_BT, advantages_BT, mask_BT, loss_normalizer=10.0,
+                                    eps_low=0.2, eps_high=0.2)
+        loss.backward()
+    except DeviceMixError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["device-tensors", "host-tensors"])
+def test_rl_loss_with_host_tensors_is_caught(on_device):
+    error = run_distributed(_policy_loss_with_host_tensors, 1, args=(on_device,), timeout_s=120)[0]
+    if on_device:
+        assert error is None
+    else:
+        assert error is not None and "mixes host tensor(s)" in error

@@ -66,8 +66,8 @@ class DeviceAudit:
 
     # -- the torch calls ------------------------------------------------------------------------------------------
     def call(self, func, args, kwargs, *, is_cuda_device):
-        """Run `func` (its CUDA device arguments already mapped to the CPU by the caller's `map_devices`) and give
-        its outputs their place. `is_cuda_device(d)` says whether a device argument names CUDA."""
+        """Run `func` on the CPU (a CUDA `device=` becomes the CPU) and give its outputs their place; raise
+        DeviceMixError where a CUDA run would fail. `is_cuda_device(d)` says whether a device argument names CUDA."""
         if func is torch.Tensor.cuda:
             return self._transfer(args[0], DEVICE)
         if func is torch.Tensor.cpu:
@@ -125,7 +125,7 @@ class DeviceAudit:
         if name == "is_cuda" and place == DEVICE:
             return True
         result = func(*args)
-        if name == "data" and func.__name__ == "__set__":  # the setter: `param.data = x` moves the parameter to x's place
+        if name == "data" and func.__name__ == "__set__":  # `param.data = x` moves the parameter to x's place
             self.mark(owner, self.place(args[1]))
         elif isinstance(result, torch.Tensor):
             self.mark(result, place)

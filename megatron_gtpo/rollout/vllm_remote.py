@@ -134,6 +134,9 @@ class RemoteVLLMClient:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
+        # On the CPU platform the training device is host memory under a CUDA name (distributed/device_audit.py):
+        # there the weights leave from the host, over gloo, to vLLM's CPU workers.
+        device = device if torch.cuda.is_available() else torch.device("cpu")
         self.device = device
         self._broken: str | None = None
         self.group = None

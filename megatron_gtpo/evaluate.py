@@ -372,5 +372,10 @@ def main(argv: Sequence[str] | None = None, *, engine_factory=build_engine) -> d
     return summary
 
 
-if __name__ == "__main__":
+def _cli() -> int:
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli("megatron_gtpo.evaluate", _cli)

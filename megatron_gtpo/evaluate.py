@@ -317,6 +317,13 @@ def build_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> GenerationEn
     return _RolloutEngineAdapter(engine, tokenizer.eos_token_id)
 
 
+def _default_tokenizer(model: str) -> str:
+    """--model's tokenizer: the Hugging Face files a checkpoint copied along, else the model directory itself."""
+    from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR, METADATA_FILE
+
+    return os.path.join(model, HF_FILES_DIR) if os.path.isfile(os.path.join(model, METADATA_FILE)) else model
+
+
 def _default_ks(num_samples: int) -> list[int]:
     powers_of_two = [2**i for i in range(num_samples.bit_length()) if 2**i <= num_samples]
     return sorted(set(powers_of_two) | {num_samples})
@@ -338,7 +345,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="Hugging Face directory or megatron_gtpo checkpoint directory to evaluate")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (built-in engine)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size (built-in engine)")
-    parser.add_argument("--tokenizer", help="HF tokenizer directory or SentencePiece .model (default: --model)")
+    parser.add_argument("--tokenizer", help="HF tokenizer directory or SentencePiece .model (default: --model's, "
+                                             "or the tokenizer a checkpoint copied along)")
     parser.add_argument("--datasets", nargs="+", default=list(EVAL_SET_NAMES),
                         help=f"bundled names {EVAL_SET_NAMES} or NAME=PATH.jsonl|.parquet (default: all bundled)")
     parser.add_argument("--output-dir", required=True)
@@ -378,7 +386,7 @@ def main(argv: Sequence[str] | None = None, *, engine_factory=build_engine) -> d
     )
     sampling = SamplingSettings(args.num_samples, args.temperature, args.top_p, args.max_new_tokens, args.seed)
     datasets = {name: load_dataset(source) for name, source in map(_dataset_source, args.datasets)}
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    tokenizer = load_tokenizer(args.tokenizer or _default_tokenizer(args.model))
     engine = engine_factory(args, tokenizer)
     import torch.distributed as dist
 

@@ -248,6 +248,13 @@ def test_math_jsonl_task_on_a_hf_model_with_pooled_rewards(tmp_path):
     for row in rows:
         assert row["groups_kept"] == 4 and 0.0 <= row["accuracy"] <= 1.0 and row["entropy_mean"] > 0
         assert row["rollout_logprob_mismatch"] < 1e-4
+    # The trained checkpoint evaluates as it is (the README's path): its copied-along tokenizer is the default.
+    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.evaluate", "--model",
+                          str(tmp_path / "run" / "checkpoints" / "step_00000002"), "--datasets", f"p={data}",
+                          "--num-samples", "2", "--max-new-tokens", "6", "--num-reward-workers", "1",
+                          "--output-dir", str(tmp_path / "eval")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len((tmp_path / "eval" / "eval_responses.jsonl").read_text().splitlines()) == 16
 
 
 def test_math_reward_pool_scores_a_batch():

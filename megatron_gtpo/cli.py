@@ -12,15 +12,18 @@
   is printed once per node, by the first local rank that meets it; a message of a rank's own (its own file, its own
   rank number) is still printed by that rank.
 
-`say_once(text)` is that de-duplicated printing, for anything else every rank would print alike.
+`say_once(text)` is that de-duplicated printing; `run_cli` routes Python warnings and log records (WARNING and up)
+through it too, so that what every rank warns alike reaches the console once.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 import tempfile
 import traceback
+import warnings
 from typing import Callable
 
 USER_ERRORS = (ValueError, OSError, KeyError)
@@ -62,8 +65,21 @@ def _message(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+class _SaidOnce(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        say_once(self.format(record))
+
+
+def _show_warning_once(message, category, filename, lineno, file=None, line=None) -> None:
+    say_once(warnings.formatwarning(message, category, filename, lineno, line).rstrip(), file=file)
+
+
 def run_cli(prog: str, main: Callable[[], int | None]) -> None:
     """Run `main()` and exit with its status (None: 0), or as described above when it raises."""
+    warnings.showwarning = _show_warning_once
+    handler = _SaidOnce()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     try:
         status = main() or 0
     except USER_ERRORS as e:

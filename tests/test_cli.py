@@ -40,13 +40,22 @@ def test_score_with_kv_heads_that_do_not_divide_tp(tmp_path):
 
 
 def test_an_unexpected_error_keeps_one_traceback(tmp_path):
+    """...and a warning or log record that every rank emits alike is printed once."""
     script = tmp_path / "fails.py"
-    script.write_text("from megatron_gtpo.cli import run_cli\n\n\n"
-                      "def main():\n    raise RuntimeError('an internal error')\n\n\n"
+    # The barrier: both ranks have warned and both raise (torchrun ends the other ranks when one fails).
+    script.write_text("import logging\nimport warnings\n\nimport torch.distributed as dist\n\n"
+                      "from megatron_gtpo.cli import run_cli\n\n\n"
+                      "def main():\n    dist.init_process_group('gloo')\n"
+                      "    warnings.warn('the same on every rank')\n"
+                      "    logging.getLogger('demo').warning('logged by every rank')\n"
+                      "    dist.barrier()\n"
+                      "    raise RuntimeError('an internal error')\n\n\n"
                       "run_cli('fails', main)\n")
     res = _torchrun([str(script)])
     output = res.stdout + res.stderr
     assert res.returncode != 0
+    assert output.count("UserWarning: the same on every rank") == 1, output[-3000:]
+    assert output.count("WARNING demo: logged by every rank") == 1, output[-3000:]
     assert output.count("RuntimeError: an internal error") == 1, output[-3000:]
     assert len(worker_frames(output)) == 1 and "megatron_gtpo/cli.py" in worker_frames(output)[0], output[-3000:]
-    assert output.count(f'File "{script}", line 5, in main') == 1, output[-3000:]
+    assert output.count(f'File "{script}", line 14, in main') == 1, output[-3000:]

@@ -5,7 +5,9 @@
 
 Steps: records (bundled eval sets or any jsonl/parquet) -> prompt token ids (chat or plain template) ->
 `engine.generate` (n samples per prompt) -> decode -> math verification in worker processes -> per-problem
-correctness -> metrics per dataset, written atomically to <output-dir>/eval_results.json and .csv.
+correctness -> metrics per dataset, written atomically to <output-dir>/eval_results.json and .csv, and every
+response (problem id, sample index, response text, extracted answer, correct) to eval_responses.jsonl; the summary is
+printed as a table.
 
 Metrics, per dataset, from c correct out of n samples per problem, averaged over problems:
 - Mean@n: c / n, the expected accuracy of one sample (Mean@k for any k <= n has the same unbiased estimate);
@@ -37,10 +39,12 @@ from megatron_gtpo.data import (
     load_tokenizer,
     tokenize_prompts,
 )
+from megatron_gtpo.cli import run_cli
 from megatron_gtpo.rewards import DEFAULT_TIMEOUT_S, RewardScorer, extract_final_answer, verify_math_answer
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_CSV = "eval_results.csv"
+RESPONSES_JSONL = "eval_responses.jsonl"
 
 
 def _check_counts(num_samples: int, num_correct: int, k: int) -> None:
@@ -84,6 +88,7 @@ class ProblemResult:
     answer: str
     correct: tuple[bool, ...]
     predicted_answers: tuple[str | None, ...]  # extracted final answers, None where a response has none
+    responses: tuple[str, ...]  # the decoded response texts, one per sample
 
     @property
     def num_samples(self) -> int:
@@ -133,13 +138,14 @@ def write_report(
     settings: Mapping | None = None,
 ) -> dict:
     """Summarize each dataset and write <output_dir>/eval_results.json (settings, summary, per-problem
-    results) and eval_results.csv (one row per problem), each atomically. Returns the summary."""
+    results), eval_results.csv (one row per problem) and eval_responses.jsonl (one row per response), each
+    atomically. Returns the summary."""
     if not results_by_dataset:
         raise ValueError("results_by_dataset must name at least one dataset")
     summary = {name: summarize(results, ks) for name, results in results_by_dataset.items()}
     problems = [
-        {"dataset": name, **dataclasses.asdict(result), "num_samples": result.num_samples,
-         "num_correct": result.num_correct}
+        {"dataset": name, **{k: v for k, v in dataclasses.asdict(result).items() if k != "responses"},
+         "num_samples": result.num_samples, "num_correct": result.num_correct}
         for name, results in results_by_dataset.items()
         for result in results
     ]
@@ -157,7 +163,25 @@ def write_report(
             writer.writerow([name, r.problem_id, r.answer, r.num_samples, r.num_correct, r.num_correct / r.num_samples,
                              *(pass_at_k(r.num_samples, r.num_correct, k) for k in ks)])
     _write_atomically(os.path.join(output_dir, RESULTS_CSV), csv_text.getvalue())
+    rows = [{"dataset": name, "problem_id": r.problem_id, "sample_index": i, "response": response,
+             "extracted_answer": extracted, "correct": correct}
+            for name, results in results_by_dataset.items() for r in results
+            for i, (response, extracted, correct) in enumerate(zip(r.responses, r.predicted_answers, r.correct))]
+    _write_atomically(os.path.join(output_dir, RESPONSES_JSONL),
+                      "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return summary
+
+
+def format_summary(summary: Mapping[str, Mapping[str, float]]) -> str:
+    """The summary as a plain-text table: one row per dataset, one column per metric."""
+    columns = list(dict.fromkeys(key for row in summary.values() for key in row))
+    cells = [["dataset", *columns]] + [
+        [name, *(f"{row[c]:.4f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns)]
+        for name, row in summary.items()]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+             for line in cells]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
 class GenerationEngine(Protocol):
@@ -230,16 +254,19 @@ def evaluate_dataset(
     sampling: SamplingSettings,
     scorer: RewardScorer,
     prompts_per_call: int = 64,
+    progress: bool = True,
 ) -> list[ProblemResult]:
-    """Generate `sampling.num_samples` responses per problem and grade each (math verification == 1.0)."""
-    samples = tokenize_prompts(records, tokenizer, template, progress=True)  # no length filter: keep every problem
+    """Generate `sampling.num_samples` responses per problem and grade each (math verification == 1.0).
+    `progress`: show progress bars (one rank of a model-parallel group does)."""
+    samples = tokenize_prompts(records, tokenizer, template, progress=progress)  # no length filter: keep every one
     response_ids = generate_responses(
-        engine, [sample.prompt_token_ids for sample in samples], sampling, prompts_per_call=prompts_per_call
+        engine, [sample.prompt_token_ids for sample in samples], sampling, prompts_per_call=prompts_per_call,
+        progress=progress,
     )
     texts = [[tokenizer.decode(ids, skip_special_tokens=True) for ids in per_prompt] for per_prompt in response_ids]
     flat_texts = [text for per_prompt in texts for text in per_prompt]
     flat_references = [sample.answer for sample in samples for _ in range(sampling.num_samples)]
-    rewards = scorer.score(flat_texts, flat_references, progress=True)
+    rewards = scorer.score(flat_texts, flat_references, progress=progress)
     results = []
     for position, sample in enumerate(samples):
         first = position * sampling.num_samples
@@ -249,6 +276,7 @@ def evaluate_dataset(
                 answer=sample.answer,
                 correct=tuple(reward == 1.0 for reward in rewards[first : first + sampling.num_samples]),
                 predicted_answers=tuple(extract_final_answer(text) for text in texts[position]),
+                responses=tuple(texts[position]),
             )
         )
     return results
@@ -289,6 +317,13 @@ def build_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> GenerationEn
     return _RolloutEngineAdapter(engine, tokenizer.eos_token_id)
 
 
+def _default_tokenizer(model: str) -> str:
+    """--model's tokenizer: the Hugging Face files a checkpoint copied along, else the model directory itself."""
+    from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR, METADATA_FILE
+
+    return os.path.join(model, HF_FILES_DIR) if os.path.isfile(os.path.join(model, METADATA_FILE)) else model
+
+
 def _default_ks(num_samples: int) -> list[int]:
     powers_of_two = [2**i for i in range(num_samples.bit_length()) if 2**i <= num_samples]
     return sorted(set(powers_of_two) | {num_samples})
@@ -310,7 +345,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="Hugging Face directory or megatron_gtpo checkpoint directory to evaluate")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (built-in engine)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size (built-in engine)")
-    parser.add_argument("--tokenizer", help="HF tokenizer directory or SentencePiece .model (default: --model)")
+    parser.add_argument("--tokenizer", help="HF tokenizer directory or SentencePiece .model (default: --model's, "
+                                             "or the tokenizer a checkpoint copied along)")
     parser.add_argument("--datasets", nargs="+", default=list(EVAL_SET_NAMES),
                         help=f"bundled names {EVAL_SET_NAMES} or NAME=PATH.jsonl|.parquet (default: all bundled)")
     parser.add_argument("--output-dir", required=True)
@@ -350,27 +386,37 @@ def main(argv: Sequence[str] | None = None, *, engine_factory=build_engine) -> d
     )
     sampling = SamplingSettings(args.num_samples, args.temperature, args.top_p, args.max_new_tokens, args.seed)
     datasets = {name: load_dataset(source) for name, source in map(_dataset_source, args.datasets)}
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    tokenizer = load_tokenizer(args.tokenizer or _default_tokenizer(args.model))
     engine = engine_factory(args, tokenizer)
+    import torch.distributed as dist
+
+    # Every rank of the model-parallel group generates and grades the same batch; the first one speaks and writes.
+    speaks = not dist.is_initialized() or dist.get_rank() == 0
     results = {}
     scorer = RewardScorer(verify_math_answer, num_workers=args.num_reward_workers, timeout_s=args.reward_timeout_s)
     with scorer:
         for name, records in datasets.items():
-            print(f"evaluating {name}: {len(records)} problems x {args.num_samples} samples", file=sys.stderr)
+            if speaks:
+                print(f"evaluating {name}: {len(records)} problems x {args.num_samples} samples", file=sys.stderr)
             results[name] = evaluate_dataset(
                 records, engine=engine, tokenizer=tokenizer, template=template, sampling=sampling, scorer=scorer,
-                prompts_per_call=args.prompts_per_call,
+                prompts_per_call=args.prompts_per_call, progress=speaks,
             )
     settings = {"model": args.model, "datasets": args.datasets, "template": dataclasses.asdict(template),
                 **dataclasses.asdict(sampling)}
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_rank() != 0:  # every rank of the model-parallel group has the results
+    if not speaks:  # every rank of the model-parallel group has the results
         return {name: summarize(rs, args.ks) for name, rs in results.items()}
     summary = write_report(results, args.output_dir, args.ks, settings)
-    print(json.dumps(summary, indent=1))
+    print(format_summary(summary))
+    print(f"wrote {os.path.join(args.output_dir, RESULTS_JSON)}, {RESULTS_CSV} and {RESPONSES_JSONL}",
+          file=sys.stderr)
     return summary
 
 
-if __name__ == "__main__":
+def _cli() -> int:
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli("megatron_gtpo.evaluate", _cli)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from megatron_gtpo.cli import run_cli
 
 
 def read_token_ids(path: str, *, vocab_size: int, max_positions: int) -> list[list[int]]:
@@ -86,17 +87,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_gtpo.models.qwen2 import Qwen2Shape
 
-    try:
-        hf_config, load_weights = _model_source(args)
-        shape = Qwen2Shape.from_hf(hf_config)
-        sequences = read_token_ids(args.input, vocab_size=shape.vocab_size,
-                                   max_positions=shape.max_position_embeddings)
-        out_dir = os.path.dirname(os.path.abspath(args.output))
-        if not os.path.isdir(out_dir):
-            raise FileNotFoundError(f"output directory {out_dir!r} does not exist")
-    except (OSError, ValueError, KeyError) as e:
-        print(f"megatron_gtpo.score: error: {e}", file=sys.stderr)
-        return 2
+    hf_config, load_weights = _model_source(args)
+    shape = Qwen2Shape.from_hf(hf_config)
+    sequences = read_token_ids(args.input, vocab_size=shape.vocab_size, max_positions=shape.max_position_embeddings)
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"output directory {out_dir!r} does not exist")
 
     import torch.distributed as dist
 
@@ -134,4 +130,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli("megatron_gtpo.score", main)

@@ -6,9 +6,9 @@ Writes <logging.output_dir>/metrics.jsonl (one JSON object per step), TensorBoar
 from __future__ import annotations
 
 import argparse
-import sys
 
-from megatron_gtpo.config import ConfigError, load_config
+from megatron_gtpo.cli import run_cli
+from megatron_gtpo.config import load_config
 
 
 def main(argv=None) -> int:
@@ -17,23 +17,16 @@ def main(argv=None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set optim.lr=1e-6 (repeatable)")
     args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"megatron_gtpo.train: config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
     from megatron_gtpo.distributed import destroy_parallel
     from megatron_gtpo.training.loop import train
 
     try:
         train(cfg)
-    except ConfigError as e:  # layout-dependent checks run after the process group exists
-        print(f"megatron_gtpo.train: config error: {e}", file=sys.stderr)
-        return 2
     finally:
         destroy_parallel()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli("megatron_gtpo.train", main)

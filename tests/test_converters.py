@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from megatron_gtpo.checkpoint import (convert_hf_to_megatron, convert_megatron_to_hf, read_checkpoint_metadata)
 from megatron_gtpo.checkpoint.hf_export import TorchDistReader, parse_size
+from megatron_gtpo.checkpoint.manifest import write_manifest
 from tiny_models import make_tiny_qwen2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,11 +234,13 @@ def test_export_errors_are_named(models, tmp_path):
     record = json.loads(meta_path.read_text())
     record["hf_config"]["num_hidden_layers"] = 5
     meta_path.write_text(json.dumps(record))
+    write_manifest(str(tmp_path / "mg"))  # as if written so (a changed file is otherwise reported as damaged)
     with pytest.raises(ValueError, match=r"stored shape \(4, 64\) is not \[5 layers"):
         convert_megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "hf2"), progress=False)
     record["hf_config"]["num_hidden_layers"], record["hf_config"]["vocab_size"] = 4, 1500
     record["vocab_size"] = 1500
     meta_path.write_text(json.dumps(record))
+    write_manifest(str(tmp_path / "mg"))
     with pytest.raises(ValueError, match="embedding.word_embeddings.weight"):
         convert_megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "hf2"), progress=False)
     assert not (tmp_path / "hf2").exists()

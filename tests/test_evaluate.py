@@ -56,7 +56,8 @@ def test_mean_at_k_is_the_fraction_correct():
 
 
 def _result(problem_id: str, correct: list[bool]) -> ProblemResult:
-    return ProblemResult(problem_id, "7", tuple(correct), tuple("7" if ok else "1" for ok in correct))
+    return ProblemResult(problem_id, "7", tuple(correct), tuple("7" if ok else "1" for ok in correct),
+                         tuple(f"{problem_id} sample {i}: \\boxed{{{7 if ok else 1}}}" for i, ok in enumerate(correct)))
 
 
 def test_report_metrics_json_and_csv(tmp_path):
@@ -82,7 +83,19 @@ def test_report_metrics_json_and_csv(tmp_path):
         rows = list(csv.DictReader(f))
     assert [(r["dataset"], r["problem_id"], r["num_correct"]) for r in rows] == [("setA", "a1", "1"), ("setA", "a2", "3"), ("setB", "b1", "0")]
     assert float(rows[1]["accuracy"]) == 0.75 and float(rows[0]["pass@2"]) == pytest.approx(0.5)
-    assert sorted(os.listdir(tmp_path)) == [evaluate.RESULTS_CSV, evaluate.RESULTS_JSON]  # no temporary files left
+    with open(tmp_path / evaluate.RESPONSES_JSONL, encoding="utf-8") as f:
+        responses = [json.loads(line) for line in f]
+    assert len(responses) == 12 and responses[5] == {
+        "dataset": "setA", "problem_id": "a2", "sample_index": 1, "response": "a2 sample 1: \\boxed{7}",
+        "extracted_answer": "7", "correct": True}
+    assert "response" not in report["problems"][0] and "responses" not in report["problems"][0]
+    assert sorted(os.listdir(tmp_path)) == sorted([evaluate.RESULTS_CSV, evaluate.RESULTS_JSON,
+                                                   evaluate.RESPONSES_JSONL])  # no temporary files left
+    assert evaluate.format_summary(summary).splitlines() == [
+        "dataset  num_problems  num_samples  mean@4  pass@1  pass@2  pass@4",
+        "------------------------------------------------------------------",
+        "setA                2            4  0.5000  0.5000  0.7500  1.0000",
+        "setB                1            4  0.0000  0.0000  0.0000  0.0000"]
 
     with pytest.raises(ValueError, match="same number of samples"):
         write_report({"bad": [_result("x", [True]), _result("y", [True, False])]}, str(tmp_path), ks=[1])
@@ -101,7 +114,7 @@ def test_report_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_report({"s": [_result("a", [False])]}, str(tmp_path), ks=[1])
     assert (tmp_path / evaluate.RESULTS_JSON).read_text() == before
-    assert sorted(os.listdir(tmp_path)) == [evaluate.RESULTS_CSV, evaluate.RESULTS_JSON]
+    assert sorted(os.listdir(tmp_path)) == sorted([evaluate.RESULTS_CSV, evaluate.RESULTS_JSON, evaluate.RESPONSES_JSONL])
 
 
 class CannedEngine:
@@ -216,3 +229,11 @@ def test_cli_end_to_end_with_the_builtin_engine_at_tp2(tmp_path):
     assert report["summary"]["five"]["num_problems"] == 5 and report["summary"]["five"]["num_samples"] == 2
     assert len(report["problems"]) == 5
     assert all(len(p["correct"]) == 2 and len(p["predicted_answers"]) == 2 for p in report["problems"])
+    responses = [json.loads(line) for line in (out / "eval_responses.jsonl").read_text().splitlines()]
+    assert [(r["problem_id"], r["sample_index"]) for r in responses] == [(f"p{i}", j) for i in range(5) for j in (0, 1)]
+    assert all(isinstance(r["response"], str) for r in responses)
+    # One rank speaks: the dataset line, each progress bar and the summary table appear once at TP=2.
+    assert res.stderr.count("evaluating five: 5 problems x 2 samples") == 1, res.stderr[-3000:]
+    assert res.stderr.count("generating:   0%") == 1, res.stderr[-3000:]
+    assert res.stdout.count("dataset  num_problems") == 1, res.stdout
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in res.stderr  # CUDA advice that means nothing on the CPU

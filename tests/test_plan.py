@@ -228,8 +228,12 @@ def _load_plan_cli():
 
 
 def _plan_cli(capsys, *args):
-    """tools/plan.py's main in this process: (exit status, stdout, stderr)."""
-    status = _load_plan_cli().main(list(args))
+    """tools/plan.py as its command line runs it, in this process: (exit status, stdout, stderr)."""
+    from megatron_gtpo.cli import run_cli
+
+    with pytest.raises(SystemExit) as exited:
+        run_cli("plan", lambda: _load_plan_cli().main(list(args)))
+    status = exited.value.code
     out = capsys.readouterr()
     return status, out.out, out.err
 

@@ -16,9 +16,9 @@ from trainer_runs import DEMO_CONFIG, checkpoint_tensors, read_metrics, run_trai
 
 REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip_frac_low", "clip_frac_high",
             "grad_norm", "tokens_per_s", "accuracy", "response_length_max", "response_clip_ratio",
-            "entropy_correct_mean", "entropy_failed_mean", "approx_kl", "groups_kept", "rollout_logprob_mismatch",
-            "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s", "time_sync_s",
-            "padding_fraction", "lr")
+            "entropy_correct_mean", "entropy_failed_mean", "approx_kl", "groups_kept", "no_group_kept",
+            "rollout_logprob_mismatch", "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s",
+            "time_sync_s", "padding_fraction", "lr")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 
@@ -248,6 +248,13 @@ def test_math_jsonl_task_on_a_hf_model_with_pooled_rewards(tmp_path):
     for row in rows:
         assert row["groups_kept"] == 4 and 0.0 <= row["accuracy"] <= 1.0 and row["entropy_mean"] > 0
         assert row["rollout_logprob_mismatch"] < 1e-4
+    # The trained checkpoint evaluates as it is (the README's path): its copied-along tokenizer is the default.
+    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.evaluate", "--model",
+                          str(tmp_path / "run" / "checkpoints" / "step_00000002"), "--datasets", f"p={data}",
+                          "--num-samples", "2", "--max-new-tokens", "6", "--num-reward-workers", "1",
+                          "--output-dir", str(tmp_path / "eval")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len((tmp_path / "eval" / "eval_responses.jsonl").read_text().splitlines()) == 16
 
 
 def test_math_reward_pool_scores_a_batch():

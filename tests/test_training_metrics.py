@@ -53,6 +53,20 @@ def test_progress_bar_counts_rl_steps_and_shows_the_reward(tmp_path, capsys):
     assert "RL steps" in err and "2/3" in err and "reward_mean=0.25" in err and "3/3" not in err
 
 
+def test_a_step_that_kept_no_group_says_so_instead_of_showing_nan(tmp_path, capsys):
+    logger = _logger(tmp_path, progress_bar=True)
+    logger.log(0, {"reward_mean": 1.0, "entropy_mean": math.nan, "groups_kept": 0, "no_group_kept": 1,
+                   "sampling_rounds": 3})
+    logger.log(1, {"reward_mean": 0.5, "entropy_mean": 1.5, "groups_kept": 4, "no_group_kept": 0})
+    logger.close()
+    err = capsys.readouterr().err
+    assert err.count("dynamic sampling kept no group") == 1
+    assert ("step 0: dynamic sampling kept no group (every prompt's responses were all right or all wrong, in 3 "
+            "sampling rounds): no entropy, ratio or loss statistics this step") in err
+    assert "nan" not in err and "entropy_mean=1.5" in err
+    assert [(r["no_group_kept"], r["entropy_mean"]) for r in _rows(tmp_path)] == [(1, None), (0, 1.5)]
+
+
 class _RecordingWandb:
     def __init__(self):
         self.init_kwargs, self.history, self.summary, self.finished = None, [], {}, False

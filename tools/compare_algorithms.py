@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+from megatron_gtpo.cli import run_cli
 from megatron_gtpo.config import ALGORITHMS
 from megatron_gtpo.reporting import plot_runs, read_rl_metrics, window_means
 
@@ -77,4 +78,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli("compare_algorithms", main)

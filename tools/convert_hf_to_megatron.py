@@ -10,9 +10,9 @@ appears only when complete; an existing one is replaced only with --force.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_gtpo.checkpoint.megatron_checkpoint import WEIGHT_DTYPES
+from megatron_gtpo.cli import run_cli
 
 
 def parse_args(argv=None):
@@ -32,17 +32,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_gtpo.checkpoint.hf_import import convert_hf_to_megatron
 
-    try:
-        meta = convert_hf_to_megatron(args.hf_dir, args.output_dir, tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                                      dtype=WEIGHT_DTYPES[args.dtype] if args.dtype else None, force=args.force,
-                                      progress=not args.quiet)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"convert_hf_to_megatron: error: {e}", file=sys.stderr)
-        return 2
+    meta = convert_hf_to_megatron(args.hf_dir, args.output_dir, tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                                  dtype=WEIGHT_DTYPES[args.dtype] if args.dtype else None, force=args.force,
+                                  progress=not args.quiet)
     print(f"wrote {args.output_dir}: {meta.shape.num_layers} layers, vocab {meta.vocab_size} "
           f"(padded {meta.padded_vocab_size}), {meta.dtype}, chunked for TP={meta.tensor_parallel}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli("convert_hf_to_megatron", main)

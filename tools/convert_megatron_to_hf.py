@@ -12,9 +12,9 @@ existing one is replaced only with --force.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from megatron_gtpo.checkpoint.megatron_checkpoint import WEIGHT_DTYPES
+from megatron_gtpo.cli import run_cli
 
 
 def parse_args(argv=None):
@@ -33,17 +33,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_gtpo.checkpoint.hf_export import convert_megatron_to_hf, parse_size
 
-    try:
-        files = convert_megatron_to_hf(args.megatron_dir, args.output_dir,
-                                       max_shard_bytes=parse_size(args.max_shard_size),
-                                       dtype=WEIGHT_DTYPES[args.dtype] if args.dtype else None, force=args.force,
-                                       progress=not args.quiet)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"convert_megatron_to_hf: error: {e}", file=sys.stderr)
-        return 2
+    files = convert_megatron_to_hf(args.megatron_dir, args.output_dir, max_shard_bytes=parse_size(args.max_shard_size),
+                                   dtype=WEIGHT_DTYPES[args.dtype] if args.dtype else None, force=args.force,
+                                   progress=not args.quiet)
     print(f"wrote {args.output_dir}: {len(files)} safetensors file(s)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli("convert_megatron_to_hf", main)

@@ -16,6 +16,7 @@ import os
 import sys
 from dataclasses import replace
 
+from megatron_gtpo.cli import run_cli
 from megatron_gtpo.planning import (KERNEL_PROFILES, Layout, Settings, Workload, plan, settings_from_config,
                                     workload_from_config)
 
@@ -157,13 +158,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_gtpo.models.qwen2 import Qwen2Shape
 
-    try:
-        name, hf_config = load_model(args.model)
-        layout, workload, settings = build_inputs(args)
-        result = plan(Qwen2Shape.from_hf(hf_config), layout, workload, settings, model_name=name).to_json()
-    except (ValueError, OSError) as e:
-        print(f"plan: error: {e}", file=sys.stderr)
-        return 2
+    name, hf_config = load_model(args.model)
+    layout, workload, settings = build_inputs(args)
+    result = plan(Qwen2Shape.from_hf(hf_config), layout, workload, settings, model_name=name).to_json()
     print(json.dumps(result) if args.json else format_table(result))
     if not result["fits"] and args.json:
         print("plan: does not fit: " + "; ".join(result["reasons"]), file=sys.stderr)
@@ -171,4 +168,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli("plan", main)

@@ -28,6 +28,7 @@ from megatron_gtpo.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 from megatron_gtpo.models.hf_mapping import hf_tensor_shape, megatron_shards_to_hf, tensor_mappings
 
 from .atomic_dir import atomic_output_dir
+from .manifest import check_intact
 from .megatron_checkpoint import (HF_FILES_DIR, copy_hf_side_files, dist_checkpoint_key, dtype_name,
                                   read_checkpoint_metadata)
 
@@ -189,6 +190,7 @@ def convert_megatron_to_hf(megatron_dir: str, output_dir: str, *, dtype: torch.d
 
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    check_intact(megatron_dir)
     meta = read_checkpoint_metadata(megatron_dir)
     shape = meta.shape
     reader = TorchDistReader(megatron_dir)

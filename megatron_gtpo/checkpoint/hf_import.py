@@ -33,6 +33,7 @@ from megatron_gtpo.models.hf_checkpoint import HFCheckpoint
 from megatron_gtpo.models.hf_mapping import FC1, TensorMapping, hf_to_megatron_shard, tensor_mappings
 
 from .atomic_dir import atomic_output_dir
+from .manifest import write_manifest
 from .megatron_checkpoint import (HF_FILES_DIR, CheckpointMetadata, copy_hf_side_files, dist_checkpoint_key,
                                   dtype_name, write_checkpoint_metadata, write_megatron_format_files)
 
@@ -205,4 +206,5 @@ def convert_hf_to_megatron(hf_dir: str, output_dir: str, *, tensor_parallel: int
         write_megatron_format_files(tmp)
         copy_hf_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
         write_checkpoint_metadata(tmp, metadata)
+        write_manifest(tmp)
     return metadata

@@ -7,6 +7,7 @@ A checkpoint directory holds
     hf_files/                      tokenizer and generation-config files of the HF model it came from (if any)
     .metadata, *.distcp            torch.distributed.checkpoint data (what megatron.core.dist_checkpointing reads)
     metadata.json, common.pt       megatron's dist-checkpoint format config and common (non-sharded) state
+    manifest.json                  every other file's size and SHA-256 (checkpoint/manifest.py), checked before a load
 
 Model tensors are stored under megatron-core's own sharded keys (`GPTModel.sharded_state_dict()`, no prefix) in
 their global, TP/PP-independent shape: transformer-layer tensors are stacked on a leading layer axis under
@@ -37,6 +38,7 @@ from megatron_gtpo.models.hf_mapping import LOCAL_TO_TE
 from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
 
 from .atomic_dir import begin_output_dir, commit_output_dir
+from .manifest import check_intact, write_manifest
 
 METADATA_FILE = "megatron_gtpo_checkpoint.json"
 FORMAT_NAME = "megatron_gtpo.checkpoint"
@@ -225,6 +227,9 @@ def save_checkpoint(directory: str, model_chunks: list, *, hf_config: dict, extr
         write_checkpoint_metadata(tmp, metadata)
         if hf_files_from is not None:
             copy_hf_side_files(hf_files_from, os.path.join(tmp, HF_FILES_DIR))
+    dist.barrier()
+    write_manifest(tmp, group=dist.group.WORLD)
+    if dist.get_rank() == 0:
         commit_output_dir(tmp, directory, force=force)
     dist.barrier()
 
@@ -236,9 +241,11 @@ def load_checkpoint(directory: str, model_chunks: list, *, extra_sharded_state: 
 
     Module `_extra_state` entries (Transformer Engine FP8 scaling state; None in the local spec) are restored when
     the checkpoint has them and otherwise left as they are: converter output holds weights only."""
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    check_intact(directory, group=dist.group.WORLD)  # a damaged file is named, not met as a reader's EOFError
     read_checkpoint_metadata(directory)
     available = stored_keys(directory)
     state = model_sharded_state_dict(model_chunks)

@@ -13,7 +13,8 @@ maps all of them onto the CPU:
 - `torch.Generator(device="cuda")` gives a CPU generator;
 - `torch.cuda.{current_device, synchronize, manual_seed, get_rng_state, set_rng_state, ...}` get CPU stand-ins,
   so megatron's RNG tracker forks and restores the CPU generator exactly as it would the CUDA one;
-- megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` helpers get the same CPU stand-ins.
+- megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` helpers get the same CPU stand-ins;
+- megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (a CUDA stream setting) is marked as already given.
 
 `activate_cpu_platform()` is the one place this happens. It is a no-op when CUDA is available, idempotent, and must
 run before megatron-core builds anything (it is called by `megatron_gtpo.distributed.initialize_parallel`).
@@ -125,10 +126,14 @@ def activate_cpu_platform() -> bool:
     cuda.empty_cache = lambda: None
     cuda.set_device = lambda device: None
 
+    from megatron.core.tensor_parallel import layers as megatron_layers
     from megatron.core.tensor_parallel import random as megatron_random
 
     megatron_random._get_cuda_rng_state = _cpu_get_rng_state
     megatron_random._set_cuda_rng_state = _cpu_set_rng_state
+    # Its advice to set CUDA_DEVICE_MAX_CONNECTIONS (how CUDA streams order communication and compute) has no
+    # meaning on the CPU: mark it as given. On a GPU it stays, and applies.
+    megatron_layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
 
     torch.Generator = _CpuGenerator
     audit = DeviceAudit()

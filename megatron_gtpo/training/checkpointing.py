@@ -2,9 +2,11 @@
 RNG states, step and config; every K steps, at the end, and on SIGTERM/SIGUSR1 (SLURM pre-emption).
 
 Layout: <checkpoint dir>/step_00000010/ holds a megatron.core.dist_checkpointing checkpoint (model and optimizer
-sharded tensors, readable at any TP/PP), trainer_state.json, config.yaml and rng/rank_*.pt; `latest` names the
-newest complete one. A checkpoint is written under `<name>.tmp` and renamed when complete, so a crash mid-save
-never leaves a directory that looks complete; only the last `keep_last` are kept.
+sharded tensors, readable at any TP/PP), trainer_state.json, config.yaml, rng/rank_*.pt and manifest.json (every
+file's size and checksum); `latest` names the newest complete one. A checkpoint is written under `<name>.tmp` and
+renamed when complete, so a crash mid-save never leaves a directory that looks complete; only the last `keep_last`
+are kept. A resume checks the checkpoint's files against its manifest first: one damaged on disk since (a truncated
+or corrupted shard) is named and passed over for the newest intact one before it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage, write_manifest
 from megatron_gtpo.config import save_config, to_dict
 
 LATEST = "latest"
@@ -171,6 +174,7 @@ def save_checkpoint(run, step: int) -> str:
         elif cfg.model.load:
             copy_hf_side_files(os.path.join(cfg.model.load, HF_FILES_DIR), os.path.join(tmp, HF_FILES_DIR))
     dist.barrier()
+    write_manifest(tmp, group=dist.group.WORLD)
     if groups.world_rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -190,24 +194,57 @@ def _write_latest(root: str, name: str) -> None:
     os.replace(tmp, os.path.join(root, LATEST))
 
 
-def latest_checkpoint(root: str) -> str | None:
+def resume_candidates(root: str) -> list[str]:
+    """The checkpoint `latest` names, then the older ones beside it, newest first ([] when there is no `latest`)."""
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
-        return None
+        return []
     with open(path, encoding="utf-8") as f:
-        directory = os.path.join(root, f.read().strip())
-    if not os.path.isfile(os.path.join(directory, TRAINER_STATE)):
-        raise FileNotFoundError(f"{path} names {directory}, which is not a complete checkpoint "
-                                f"(no {TRAINER_STATE}); remove {path} to start over")
-    return directory
+        named = f.read().strip()
+    older = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d < named),
+                   reverse=True)
+    return [os.path.join(root, d) for d in (named, *older)]
+
+
+def _damage(directory: str) -> str | None:
+    """What is wrong with a checkpoint about to be resumed from (None: nothing). Collective."""
+    if not os.path.isdir(directory):
+        return f"checkpoint {directory} does not exist"
+    problem = find_damage(directory, group=dist.group.WORLD)
+    if problem is None and not os.path.isfile(os.path.join(directory, TRAINER_STATE)):
+        problem = f"checkpoint {directory} is incomplete (no {TRAINER_STATE})"
+    return problem
+
+
+def newest_intact_checkpoint(root: str, *, say) -> str | None:
+    """The newest checkpoint under `root` whose files are as written (None when there is none at all). A damaged one
+    is reported through `say` and passed over for the one before it; DamagedCheckpoint when none is intact."""
+    problems = []
+    for directory in resume_candidates(root):
+        problem = _damage(directory)
+        if problem is None:
+            if problems:
+                say(f"resuming from {directory} instead, the newest intact checkpoint")
+            return directory
+        say(f"warning: {problem}")
+        problems.append(problem)
+    if problems:
+        raise DamagedCheckpoint(f"no intact checkpoint to resume from in {root}: {'; '.join(problems)}. Move the "
+                                f"damaged checkpoints away, or set checkpoint.resume=false to start over")
+    return None
 
 
 def restore_if_any(run) -> int:
-    """Resume from the newest checkpoint (any TP/PP). Returns the step to continue from (0 if none)."""
+    """Resume from the newest intact checkpoint (any TP/PP). Returns the step to continue from (0 if none)."""
     from megatron.core import dist_checkpointing
 
     cfg, groups = run.cfg, run.groups
-    directory = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint.resume else None
+
+    def say(text: str) -> None:
+        if groups.world_rank == 0:
+            print(text, file=sys.stderr)
+
+    directory = newest_intact_checkpoint(cfg.checkpoint_dir, say=say) if cfg.checkpoint.resume else None
     if directory is None:
         return 0
     with open(os.path.join(directory, TRAINER_STATE), encoding="utf-8") as f:

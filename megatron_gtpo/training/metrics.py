@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -77,10 +78,15 @@ class MetricsLogger:
                 self._wandb.log(numeric, step=step)
             else:  # the warm start's summary (step -1): W&B drops history rows below step 0 (wandb 0.31)
                 self._wandb.summary.update({f"warm_start/{k}": v for k, v in numeric.items()})
+        if step >= 0 and metrics.get("no_group_kept"):
+            tqdm.write(f"step {step}: dynamic sampling kept no group (every prompt's responses were all right or all "
+                       f"wrong, in {metrics.get('sampling_rounds', 1)} sampling rounds): no entropy, ratio or loss "
+                       f"statistics this step", file=sys.stderr)
         if self._bar is not None and step >= 0:  # step -1 is the warm-start's summary, not an RL step
             self._bar.update(1)
             self._bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "entropy_mean",
-                                                                   "response_length_mean") if k in metrics})
+                                                                   "response_length_mean")
+                                   if k in metrics and math.isfinite(metrics[k])})
 
     def close(self) -> None:
         if self._bar is not None:

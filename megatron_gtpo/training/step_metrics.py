@@ -38,6 +38,7 @@ def step_metrics(run, exp: Experience, update: dict, timer: PhaseTimer) -> dict:
         out[key] = sum(p["rollout"][0][key] * p["rollout"][1] for p in gathered) / max(weights, 1)
     out["response_length_max"] = max(p["rollout"][0]["response_length_max"] for p in gathered)
     out["groups_kept"] = sum(p["rollout"][0]["groups_kept"] for p in gathered)
+    out["no_group_kept"] = int(out["groups_kept"] == 0)  # then the token and update statistics have no value
     out["groups_generated"] = sum(p["rollout"][0]["groups_generated"] for p in gathered)
     out["sampling_rounds"] = max(p["rollout"][0]["sampling_rounds"] for p in gathered)
     scored = [p["rollout"][0]["old_logprob_padding_fraction"] for p in gathered

@@ -7,6 +7,7 @@ exactly the full mini-batch gradient for any micro-batch split and any DP size.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -92,7 +93,9 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], g
     for chunk in policy.ddp_chunks:
         chunk.train()
         chunk.zero_grad_buffer()
-    policy.optimizer.zero_grad()
+    with warnings.catch_warnings():  # megatron-core's DistributedOptimizer reads .grad of its shard views (non-leaf)
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
+        policy.optimizer.zero_grad()
     iterators = ([iter(micro_batches) for _ in policy.ddp_chunks] if len(policy.ddp_chunks) > 1
                  else iter(micro_batches))
     metrics = get_forward_backward_func()(

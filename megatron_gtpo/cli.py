@@ -1,0 +1,94 @@
+"""How every command-line entry point (train, score, evaluate, tools/) runs and ends, alone or under torchrun / srun.
+
+    if __name__ == "__main__":
+        run_cli("python -m megatron_gtpo.score", main)
+
+- A user error (a bad config key or value, a missing or unreadable file, a model that cannot be split at the asked
+  layout, a damaged checkpoint: ValueError, OSError and KeyError, ConfigError included) ends the process with exit
+  status 2 and one line `PROG: error: MESSAGE`, without a traceback. Set MEGATRON_GTPO_TRACEBACK=1 to get the
+  traceback as well (when the message alone does not tell where the input went wrong).
+- Any other exception is unexpected: its traceback is printed, and the process ends with status 1.
+- Under a launcher every rank usually meets the same error at the same line. Each distinct message (or traceback)
+  is printed once per node, by the first local rank that meets it; a message of a rank's own (its own file, its own
+  rank number) is still printed by that rank.
+
+`say_once(text)` is that de-duplicated printing; `run_cli` routes Python warnings and log records (WARNING and up)
+through it too, so that what every rank warns alike reaches the console once.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import tempfile
+import traceback
+import warnings
+from typing import Callable
+
+USER_ERRORS = (ValueError, OSError, KeyError)
+
+
+def _launch_key() -> str | None:
+    """Identifies this launch among others on the node (None when not started by a launcher): the launcher's run id
+    and rendezvous address, and the launcher process that all local ranks share."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" not in env:
+        return None
+    parts = (env.get("TORCHELASTIC_RUN_ID", ""), env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", ""),
+             env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""), str(os.getppid()))
+    return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def say_once(text: str, file=None) -> bool:
+    """Print `text` unless another rank of this launch on this node printed the same text first. Returns whether
+    this process printed it. The claim is an exclusively created file under the temporary directory."""
+    file = file or sys.stderr
+    key = _launch_key()
+    if key is not None:
+        directory = os.path.join(tempfile.gettempdir(), f"megatron_gtpo-said-{key}")
+        os.makedirs(directory, exist_ok=True)
+        claim = os.path.join(directory, hashlib.sha1(text.encode()).hexdigest())
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+    print(text, file=file, flush=True)
+    return True
+
+
+def _message(error: BaseException) -> str:
+    if isinstance(error, KeyError) and len(error.args) == 1:  # str(KeyError) is the repr of its key
+        return f"missing key {error.args[0]!r}"
+    if isinstance(error, OSError) and error.filename and str(error.filename) not in str(error):
+        return f"{error}: {error.filename}"
+    return str(error) or type(error).__name__
+
+
+class _SaidOnce(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        say_once(self.format(record))
+
+
+def _show_warning_once(message, category, filename, lineno, file=None, line=None) -> None:
+    say_once(warnings.formatwarning(message, category, filename, lineno, line).rstrip(), file=file)
+
+
+def run_cli(prog: str, main: Callable[[], int | None]) -> None:
+    """Run `main()` and exit with its status (None: 0), or as described above when it raises."""
+    warnings.showwarning = _show_warning_once
+    handler = _SaidOnce()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    try:
+        status = main() or 0
+    except USER_ERRORS as e:
+        if os.environ.get("MEGATRON_GTPO_TRACEBACK", "") not in ("", "0"):
+            raise
+        say_once(f"{prog}: error: {_message(e)}")
+        status = 2
+    except Exception:
+        say_once(traceback.format_exc().rstrip())
+        status = 1
+    sys.stdout.flush()
+    sys.exit(status)

@@ -18,7 +18,8 @@ REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip
             "grad_norm", "tokens_per_s", "accuracy", "response_length_max", "response_clip_ratio",
             "entropy_correct_mean", "entropy_failed_mean", "approx_kl", "groups_kept", "rollout_logprob_mismatch",
             "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s", "time_sync_s",
-            "padding_fraction", "lr")
+            "padding_fraction", "lr", "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max", "update_successful",
+            "optimizer_steps", "empty_mini_batches")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 

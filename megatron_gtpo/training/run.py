@@ -266,13 +266,14 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
     group_ids = split_evenly(list(range(exp.num_groups)), cfg.data.mini_batches_per_step)
     pad = groups.sequence_multiple
     results = []
-    padded_tokens = real_tokens = 0
+    padded_tokens = real_tokens = empty_mini_batches = 0
     for _epoch in range(cfg.data.epochs_per_step):
         for mb_groups in group_ids:
             # Length-bucketed micro-batches: sequences sorted by length, so each micro-batch (padded to its own
             # longest sequence) holds sequences of similar length. The loss contract makes the order irrelevant.
             seq_ids = sorted((g * G + j for g in mb_groups for j in range(G)), key=lambda i: -len(sequences[i]))
             micro_batches = []
+            normalizer = torch.zeros((), dtype=torch.float64)  # this rank's share; a padding micro-batch adds none
             for chunk in split_evenly(seq_ids, max(1, math.ceil(len(seq_ids) / cfg.data.micro_batch_size))):
                 if not chunk:  # a rank without groups still takes part in the collective step, with no loss terms
                     micro_batches.append(build_update_micro_batch([[0, 0]], [2], pad_to_multiple=pad))
@@ -282,9 +283,14 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
                     old_logprobs=[old[i] for i in chunk] if last else None,
                     advantages=[per_seq_adv[i] for i in chunk] if last else None,
                     ref_logprobs=[ref[i] for i in chunk] if ref is not None else None))
-            normalizer = torch.stack([local_loss_normalizer(m.loss_mask_BL, run.loss_agg_mode)
-                                      for m in micro_batches]).sum().double().to(groups.device)
+                normalizer += local_loss_normalizer(micro_batches[-1].loss_mask_BL, run.loss_agg_mode)
+            normalizer = normalizer.to(groups.device)
             dist.all_reduce(normalizer, group=groups.dp_group)
+            if normalizer.item() == 0:
+                # Dynamic sampling came up short on every rank: no loss term, so no optimizer or LR-schedule step
+                # (Adam would still move the weights on its momentum).
+                empty_mini_batches += 1
+                continue
 
             def loss_fn(mb, logprobs_BL, entropy_BL, normalizer=normalizer.clamp(min=1)):
                 if mb.advantages is None:  # padding micro-batch of a rank without groups
@@ -303,6 +309,7 @@ def update_policy(run: Run, exp: Experience, advantages) -> dict:
     dist.all_reduce(tokens, group=groups.dp_group)  # over every data-parallel rank's micro-batches
     padded_tokens, real_tokens = tokens.tolist()
     metrics["padding_fraction"] = 1.0 - real_tokens / padded_tokens if padded_tokens else 0.0
+    metrics["empty_mini_batches"] = empty_mini_batches
     return metrics
 
 
@@ -348,6 +355,7 @@ def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
     out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     out["grad_norm_max"] = max(grad_norms) if grad_norms else float("nan")
     out["update_successful"] = all(r["update_successful"] for r in results)
+    out["optimizer_steps"] = len(results)
     return out
 
 

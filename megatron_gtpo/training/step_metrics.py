@@ -27,6 +27,12 @@ def _entropy_and_mismatch(exp: Experience) -> dict:
     }
 
 
+_UPDATE_KEYS = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl", "pg_loss", "ratio_mean",
+                "ratio_max", "ratio_min", "grad_norm", "grad_norm_max", "update_successful", "padding_fraction",
+                "optimizer_steps", "empty_mini_batches")
+_OPTIONAL_UPDATE_KEYS = ("ref_kl",)
+
+
 def step_metrics(run, exp: Experience, update: dict, timer: PhaseTimer) -> dict:
     groups = run.groups
     local = {"rollout": (exp.stats, exp.stats["groups_generated"]), "token": _entropy_and_mismatch(exp)}
@@ -47,14 +53,10 @@ def step_metrics(run, exp: Experience, update: dict, timer: PhaseTimer) -> dict:
                       ("entropy_failed", "entropy_failed_mean"), ("logprob_mismatch", "rollout_logprob_mismatch")):
         total, count = (sum(p["token"].get(key, (0.0, 0))[i] for p in gathered) for i in (0, 1))
         out[name] = total / count if count else float("nan")
-    out.update(clip_frac_low=update.get("clip_frac_low", float("nan")),
-               clip_frac_high=update.get("clip_frac_high", float("nan")),
-               approx_kl=update.get("approx_kl", float("nan")), grad_norm=update["grad_norm"],
-               grad_norm_max=update["grad_norm_max"],
-               pg_loss=update.get("pg_loss", float("nan")), ratio_max=update.get("ratio_max", float("nan")),
-               padding_fraction=update.get("padding_fraction", float("nan")),
-               **({"ref_kl": update["ref_kl"]} if "ref_kl" in update else {}),
-               lr=run.policy.optimizer.param_groups[0]["lr"])
+    # Every update metric the losses report (NaN when no micro-batch reported it, e.g. every mini-batch was empty).
+    out.update({key: update.get(key, float("nan")) for key in _UPDATE_KEYS})
+    out.update({key: update[key] for key in _OPTIONAL_UPDATE_KEYS if key in update})
+    out["lr"] = run.policy.optimizer.param_groups[0]["lr"]
     response_tokens = out["response_length_mean"] * weights * exp.group_size
     step_time = sum(timer.seconds.values())
     out["tokens_per_s"] = response_tokens / step_time if step_time else float("nan")

@@ -79,6 +79,13 @@ class AlgorithmConfig:
     overlong_max_len: int | None = None  # None: rollout.max_new_tokens
     overlong_cache_len: int | None = None  # None: a fifth of the max length (DAPO: 4096 of 20480)
     group_relative_gamma: float = 0.75
+    # Rollout/training mismatch correction (algorithms/rollout_correction.py): truncated importance weights
+    # exp(old - rollout) per token or their product per sequence, capped; rejection of tokens / sequences whose
+    # ratio (or geometric-mean ratio) falls outside the bounds.
+    rollout_is: str = "none"  # none | token | sequence
+    rollout_is_cap: float = 2.0
+    rollout_rs: str = "none"  # none | token | sequence | geometric
+    rollout_rs_bounds: tuple[float, float] = (0.5, 2.0)
 
 
 @dataclass
@@ -159,6 +166,8 @@ _CHOICES = {
     "algorithm.name": ALGORITHMS,
     "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),
+    "algorithm.rollout_is": ("none", "token", "sequence"),
+    "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
     "data.template": ("chat", "plain", "dapo"),
 }
@@ -321,6 +330,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(d.reward_workers >= 1, f"data.reward_workers: must be >= 1, got {d.reward_workers}")
     need(d.reward_timeout_s > 0, f"data.reward_timeout_s: must be > 0, got {d.reward_timeout_s}")
     need(a.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
+    need(a.rollout_is_cap > 0, f"algorithm.rollout_is_cap: must be > 0, got {a.rollout_is_cap}")
+    need(0 <= a.rollout_rs_bounds[0] <= a.rollout_rs_bounds[1],
+         f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got {list(a.rollout_rs_bounds)}")
+    # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
+    need(a.name != "grpo_s" or a.rollout_is != "token",
+         "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use sequence")
     need(m.reference is None or os.path.isdir(m.reference),
          f"model.reference: {m.reference!r} is not a directory (a HF model directory or a checkpoint)")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")

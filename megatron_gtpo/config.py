@@ -109,7 +109,10 @@ class DataConfig:
     answer_field: str = "answer"
     template: str = "chat"  # chat | plain | dapo
     prompts_per_step: int = 8  # global, across data-parallel ranks
-    micro_batch_size: int = 8  # sequences per micro-batch
+    micro_batch_size: int = 8  # at most this many sequences per micro-batch
+    # At most this many tokens per micro-batch, padding included (None: no token budget). Sequences are sorted by
+    # length and cut into micro-batches once per step; the old-log-prob pass and the update run the same ones.
+    max_tokens_per_micro_batch: int | None = None
     mini_batches_per_step: int = 1
     epochs_per_step: int = 1
     max_prompt_tokens: int = 2048
@@ -317,6 +320,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
          and d.epochs_per_step >= 1, "data: prompts_per_step, micro_batch_size, mini_batches_per_step and "
                                      "epochs_per_step must be >= 1")
+    need(d.max_tokens_per_micro_batch is None or d.max_tokens_per_micro_batch >= 1,
+         f"data.max_tokens_per_micro_batch: must be >= 1 (or unset), got {d.max_tokens_per_micro_batch}")
     need(d.prompts_per_step % d.mini_batches_per_step == 0,
          f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data.mini_batches_per_step "
          f"({d.mini_batches_per_step})")

@@ -24,7 +24,14 @@ class MicroBatch:
     @property
     def token_mask_BL(self) -> torch.Tensor:
         """True on real tokens."""
-        return torch.arange(self.tokens_BL.shape[1]) < self.lengths_B[:, None]
+        return torch.arange(self.tokens_BL.shape[1], device=self.lengths_B.device) < self.lengths_B[:, None]
+
+
+def next_token_targets(tokens_BL: torch.Tensor) -> torch.Tensor:
+    """The token each column is scored against: column k predicts token k + 1; the last column's target is a
+    dummy id 0 (it scores nothing). All L columns are scored and the caller ignores the last: slicing the logits
+    instead would hand the vocab-parallel op a non-contiguous [B, L-1, V/TP] view."""
+    return torch.nn.functional.pad(tokens_BL[:, 1:], (0, 1))
 
 
 def make_micro_batches(sequences: list[list[int]], micro_batch_size: int, *, pad_id: int = 0,
@@ -79,9 +86,7 @@ def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[Micr
     of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding garbage."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
-        # Score all L positions against the left-shifted tokens (the last target is a dummy id 0) and drop the last
-        # column afterwards: slicing the logits instead would hand the op a non-contiguous [B, L-1, V/TP] view.
-        targets_BL = torch.nn.functional.pad(mb.tokens_BL[:, 1:], (0, 1)).to(logits_BLV.device)
+        targets_BL = next_token_targets(mb.tokens_BL).to(logits_BLV.device)
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
             logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature,
             chunk_size=chunk_size)

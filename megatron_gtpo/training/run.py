@@ -25,8 +25,8 @@ from .experience import Experience, collect_experience, correct_rollout, global_
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel, build_chunks, load_initial_weights, wrap_for_training
 from .reference import ReferencePolicy
-from .step_batch import StepBatch, build_step_batch, plan_micro_batches
-from .train_step import build_update_micro_batch, run_train_step, supervised_loss_fn, update_micro_batch
+from .step_batch import StepBatch, build_step_batch
+from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
 
 
 @dataclass
@@ -263,15 +263,14 @@ def update_policy(run: Run, batch: StepBatch) -> dict:
     # Per mini-batch: [the loss normaliser (loss contract), response tokens before rejection, padded tokens, sequence
     # tokens], summed over this rank's micro-batches (a padding micro-batch adds none), then over DP ranks: one
     # all-reduce, one host sync.
-    counts = torch.zeros(len(batch.plan), 4, dtype=torch.float64, device=groups.device)
+    counts = torch.tensor([[0, sum(batch.response_lengths[i] for mb in planned for i in mb.rows),
+                            sum(mb.inputs.tokens_BL.numel() for mb in planned if mb.rows),
+                            sum(batch.sequence_lengths[i] for mb in planned for i in mb.rows)]
+                           for planned in batch.plan], dtype=torch.float64, device=groups.device)
     for k, (mini, planned) in enumerate(zip(mini_batches, batch.plan)):
         for mb, plan_mb in zip(mini, planned):
             if plan_mb.rows:
                 counts[k, 0] += local_loss_normalizer(mb.loss_mask_BL, run.loss_agg_mode)
-                counts[k, 1:] += torch.tensor([sum(batch.response_lengths[i] for i in plan_mb.rows),
-                                               mb.inputs.tokens_BL.numel(),
-                                               sum(batch.sequence_lengths[i] for i in plan_mb.rows)],
-                                              dtype=torch.float64, device=groups.device)
     dist.all_reduce(counts, group=groups.dp_group)
     normalizers = counts[:, 0].clamp(min=1)
     response_tokens = counts[:, 1].tolist()
@@ -345,22 +344,24 @@ def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
 
 
 def warm_start(run: Run) -> dict:
-    """Supervised warm-start on the task's reference answers (synthetic task only: it knows the answer tokens)."""
+    """Supervised warm-start on the task's reference answers (synthetic task only: it knows the answer tokens), each
+    prompt with its answer as a group of one response, through the step batch and its micro-batch plan."""
     from megatron_gtpo.data.synthetic import answer_token_ids
+    from megatron_gtpo.rollout.engine import Response
 
     cfg, groups = run.cfg, run.groups
     results = []
     for _ in range(cfg.warm_start.steps):
         prompts = run.loader.next_batch().items
-        sequences = [list(p.prompt_token_ids) + answer_token_ids(p.answer) for p in prompts]
-        starts = [len(p.prompt_token_ids) for p in prompts]
-        (plan,) = plan_micro_batches([len(s) for s in sequences], [list(range(len(sequences)))],
-                                     max_sequences=cfg.data.micro_batch_size,
-                                     max_tokens=cfg.data.max_tokens_per_micro_batch,
-                                     pad_to_multiple=groups.sequence_multiple)
-        micro_batches = [build_update_micro_batch([sequences[i] for i in c], [starts[i] for i in c],
-                                                  pad_to_multiple=groups.sequence_multiple) for c in plan]
-        tokens = torch.stack([m.loss_mask_BL.sum() for m in micro_batches]).sum().double().to(groups.device)
+        answers = [[Response(answer_token_ids(p.answer), [0.0] * len(answer_token_ids(p.answer)), "stop")]
+                   for p in prompts]
+        no_reward = torch.zeros(len(prompts), 1)
+        exp = Experience([p.prompt_token_ids for p in prompts], answers, no_reward, no_reward)
+        batch = build_step_batch(exp, groups, mini_batches=[list(range(len(prompts)))],
+                                 max_sequences=cfg.data.micro_batch_size,
+                                 max_tokens=cfg.data.max_tokens_per_micro_batch)
+        micro_batches = [update_micro_batch(batch, planned) for planned in batch.plan[0]]
+        tokens = batch.mask_ST.sum().double()
         dist.all_reduce(tokens, group=groups.dp_group)
         results.append(run_train_step(run.policy, micro_batches, groups, supervised_loss_fn(float(tokens)),
                                       vocab_size=run.vocab_size, lr=cfg.warm_start.lr))

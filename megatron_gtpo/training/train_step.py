@@ -56,20 +56,6 @@ def update_micro_batch(batch: StepBatch, planned: PlannedMicroBatch) -> UpdateMi
                             place(batch.ref_logprobs_ST), place(batch.pg_weights))
 
 
-def build_update_micro_batch(sequences: list[list[int]], response_starts: list[int], *,
-                             pad_to_multiple: int = 1) -> UpdateMicroBatch:
-    """`sequences` are prompt+response token ids, response_starts[i] the prompt length: the micro-batch of a
-    supervised loss on the responses (the warm start), with no policy fields."""
-    from .forward import make_micro_batches
-
-    (inputs,) = make_micro_batches(sequences, len(sequences), pad_to_multiple=pad_to_multiple)
-    B, L = inputs.tokens_BL.shape
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    for i, (seq, start) in enumerate(zip(sequences, response_starts)):
-        mask[i, start - 1:len(seq) - 1] = True
-    return UpdateMicroBatch(inputs, mask)
-
-
 def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], groups: ParallelGroups,
                    loss_fn: LossFn, *, vocab_size: int, temperature: float = 1.0, lr: float | None = None) -> dict:
     """Forward+backward over the micro-batches, then one optimizer and LR-schedule step. Returns

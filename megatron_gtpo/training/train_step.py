@@ -12,6 +12,7 @@ from functools import partial
 from typing import Callable
 
 import torch
+
 from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
 
 from .forward import MicroBatch, next_token_targets

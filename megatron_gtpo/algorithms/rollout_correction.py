@@ -13,9 +13,10 @@ they are not. Per valid token, with log rho_t = old_logprobs_t - rollout_logprob
                 "geometric": reject every token of sequence i when exp(mean_t log rho_t) is outside [low, high]
                 "none":      keep every token
 
-The weights are detached and multiply the policy-gradient (surrogate) term only; rejected tokens leave the loss mask,
-so they count in no normaliser (see the loss contract in losses.py). Both are computed once per step, before the
-update, from log-probs that do not change during it.
+The weights are detached and multiply the policy-gradient (surrogate) term only. Rejected tokens leave the loss mask:
+under "token-mean" they count in no normaliser; under the per-sequence modes (seq-mean-*, GRPO-S) a wholly rejected
+sequence still counts as a sequence of the mini-batch and contributes 0 (the loss contract in losses.py). Both are
+computed once per step, before the update, from log-probs that do not change during it.
 
 GTPO and GRPO-S: their token entropies, and so their shaped advantages, come from the old-policy pass (the trainer's
 own forward at the training layout), never from the rollout engine; the correction above reweights or rejects the

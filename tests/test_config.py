@@ -55,6 +55,11 @@ def test_overrides_are_typed_and_nested(tmp_path):
                                                         "with gtpo"),
     (BASE, ["algorithm.name=grpo_s", "algorithm.length_penalty=overlong"], "algorithm.length_penalty: overlong is "
                                                                            "not available with grpo_s"),
+    (BASE, ["algorithm.rollout_is=tokens"], "algorithm.rollout_is: 'tokens' is not one of none, token, sequence"),
+    (BASE, ["algorithm.rollout_rs_bounds=[2, 1]"], "algorithm.rollout_rs_bounds: need [low, high]"),
+    (BASE, ["algorithm.rollout_is_cap=0"], "algorithm.rollout_is_cap: must be > 0"),
+    (BASE, ["algorithm.name=grpo_s", "algorithm.rollout_is=token"], "algorithm.rollout_is: token weights need a "
+                                                                     "token-level loss"),
 ])
 def test_errors_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):

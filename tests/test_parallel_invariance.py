@@ -1,6 +1,6 @@
 """One policy-update step on a fixed batch gives the same loss and the same updated weights at TP=1 vs 2,
-PP=1 vs 2, DP=1 vs 2 and micro-batch size 4 vs 1 (the loss contract, end to end through megatron's schedule,
-DDP and the DistributedOptimizer), for the token-level loss (GTPO / DAPO / GRPO) and the sequence-level one
+PP=1 vs 2, DP=1 vs 2, micro-batch size 4 vs 1 and micro-batches cut by a token budget (the loss contract, end to
+end through the step batch, update_policy, megatron's schedule, DDP and the DistributedOptimizer), for the token-level loss (GTPO / DAPO / GRPO) and the sequence-level one
 (GRPO-S, one advantage per sequence, mean over sequences)."""
 import pytest
 import torch
@@ -8,23 +8,27 @@ import torch
 from distributed_harness import run_distributed
 from tiny_models import make_tiny_qwen2
 
-NUM_SEQUENCES = 8
+NUM_GROUPS, G = 4, 2
 LOSS_LEVELS = ("token", "sequence")
 
 
 def _fixed_batch(seed=0):
-    """Sequences with prompts and responses of different lengths; old log-probs and per-token advantages drawn
-    so that some ratios fall outside the clip range."""
+    """NUM_GROUPS prompt groups of G responses of different lengths (whole sequences 3 to 10 tokens), with old
+    log-probs, per-token advantages and per-sequence advantages drawn so that some ratios fall outside the clip
+    range."""
+    from megatron_gtpo.rollout.engine import Response
+    from megatron_gtpo.training.experience import Experience
+
     g = torch.Generator().manual_seed(seed)
-    batch = []
-    for i in range(NUM_SEQUENCES):
-        prompt_len = 2 + i % 3
-        response_len = 1 + (5 * i) % 6
-        tokens = torch.randint(0, 1000, (prompt_len + response_len,), generator=g).tolist()
-        old = -7.0 + 1.5 * torch.rand(response_len, generator=g)
-        adv = torch.randn(response_len, generator=g)
-        batch.append((tokens, prompt_len, old, adv, torch.randn((), generator=g)))
-    return batch
+    prompts = [tuple(torch.randint(0, 1000, (2 + n % 3,), generator=g).tolist()) for n in range(NUM_GROUPS)]
+    lengths = [[1 + (5 * (G * n + j)) % 6 for j in range(G)] for n in range(NUM_GROUPS)]
+    responses = [[Response(torch.randint(0, 1000, (length,), generator=g).tolist(), [0.0] * length, "stop")
+                  for length in group] for group in lengths]
+    correct = torch.zeros(NUM_GROUPS, G)
+    T = max(map(max, lengths))
+    old_ST = -7.0 + 1.5 * torch.rand(NUM_GROUPS * G, T, generator=g)
+    return (Experience(prompts, responses, correct, correct.clone()), old_ST, torch.randn(old_ST.shape, generator=g),
+            torch.randn(NUM_GROUPS * G, generator=g))
 
 
 def _gather_hf(chunks, groups, shape):
@@ -46,58 +50,63 @@ def _gather_hf(chunks, groups, shape):
     return out
 
 
-def _one_step(rank, world_size, model_dir, tp, pp, micro_batch_sizes):
-    import torch.distributed as dist
+def _one_step(rank, world_size, model_dir, tp, pp, plans):
+    """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch), through the trainer's
+    own step batch and update_policy."""
+    from types import SimpleNamespace
 
-    from megatron_gtpo.algorithms import local_loss_normalizer, sequence_policy_loss, token_policy_loss
+    from megatron_gtpo.algorithms import resolve_algorithm
     from megatron_gtpo.config import load_config
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.model_setup import wrap_for_training
     from megatron_gtpo.distributed.platform import device_audit
-    from megatron_gtpo.training.train_step import build_update_micro_batch, run_train_step
+    from megatron_gtpo.training.run import update_policy
+    from megatron_gtpo.training.step_batch import build_step_batch
 
     groups = initialize_parallel(tp, pp)
     # adam_eps well above float32 noise: the key bias has an analytically zero gradient (softmax ignores a shift
     # shared by all keys), and Adam with a tiny eps would blow its ~1e-9 rounding noise up to +-lr.
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01",
-                             "optim.adam_eps=1e-4", "optim.grad_clip=1000.0"])
-    batch = _fixed_batch()
-    per_rank = NUM_SEQUENCES // groups.dp_size
-    mine = batch[groups.dp_rank * per_rank:(groups.dp_rank + 1) * per_rank]
+                             "optim.adam_eps=1e-4", "optim.grad_clip=1000.0", "rollout.temperature=0.9"])
+    exp, old_ST, token_adv_ST, sequence_adv_S = _fixed_batch()
+    per_rank = NUM_GROUPS // groups.dp_size
+    mine = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
+    rows = slice(mine.start * G, mine.stop * G)
+    exp = Experience(exp.prompt_token_ids[mine], exp.responses[mine], exp.correct_NG[mine], exp.rewards_NG[mine])
     results = {}
-    for level, mbs in ((level, mbs) for level in LOSS_LEVELS for mbs in micro_batch_sizes):
+    for level, plan in ((level, plan) for level in LOSS_LEVELS for plan in plans):
         sequence_level = level == "sequence"
         with HFCheckpoint(model_dir) as ckpt:
             chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank)
             load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks, train_steps=1)
-        micro_batches = [build_update_micro_batch([s[0] for s in part], [s[1] for s in part], device=groups.device,
-                                                  old_logprobs=[s[2] for s in part],
-                                                  advantages=[s[4] if sequence_level else s[3] for s in part])
-                         for part in (mine[i:i + mbs] for i in range(0, len(mine), mbs))]
-        mode = "seq-mean-token-mean" if sequence_level else "token-mean"
-        normalizer = torch.stack([local_loss_normalizer(m.loss_mask_BL, mode) for m in micro_batches]).sum().double()
-        dist.all_reduce(normalizer, group=groups.dp_group)
-        policy_loss = sequence_policy_loss if sequence_level else token_policy_loss
-
-        def loss_fn(mb, logprobs_BL, entropy_BL):
-            return policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
-                               loss_normalizer=normalizer, eps_low=0.2, eps_high=0.28)
-
+        batch = build_step_batch(exp, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
+                                 max_tokens=plan[1])
+        if groups.is_last_stage:
+            T = batch.mask_ST.shape[1]
+            batch.old_logprobs_ST = old_ST[rows, :T].clone()
+            batch.advantages = sequence_adv_S[rows].clone() if sequence_level else token_adv_ST[rows, :T].clone()
+        spec = resolve_algorithm("grpo_s" if sequence_level else "dapo")  # eps 0.2 / 0.28, token-mean for dapo
+        run = SimpleNamespace(cfg=cfg, groups=groups, policy=policy, vocab_size=shape.vocab_size,
+                              loss_agg_mode="seq-mean-token-mean" if sequence_level else spec.loss_agg_mode,
+                              policy_loss=spec.policy_loss)
         syncs = device_audit().host_syncs
-        result = run_train_step(policy, micro_batches, groups, loss_fn, vocab_size=shape.vocab_size, temperature=0.9)
+        update = update_policy(run, batch)
         syncs = device_audit().host_syncs - syncs
-        loss = torch.tensor([sum(float(m["pg_loss"]) for m in result["micro_batch_metrics"])]
-                            if groups.is_last_stage else [0.0], dtype=torch.float64)
-        dist.all_reduce(loss, group=groups.dp_group)
-        clip = sum(float(m["clip_frac_low"] + m["clip_frac_high"]) for m in result["micro_batch_metrics"])
+        assert [len(mini) for mini in batch.plan] == [len(batch.micro_batches())]  # one mini-batch, no padding one
         weights = _gather_hf(policy.chunks, groups, shape)
-        results[level, mbs] = {"loss": loss.item() if groups.is_last_stage else None, "grad_norm": result["grad_norm"],
-                        "weights": weights if groups.tp_rank == 0 and groups.dp_rank == 0 else {},
-                        "clipped": clip > 0 if groups.is_last_stage else None, "host_syncs": syncs}
+        results[level, plan] = {"loss": update["pg_loss"] if groups.is_last_stage else None,
+                                "grad_norm": update["grad_norm"],
+                                "weights": weights if groups.tp_rank == 0 and groups.dp_rank == 0 else {},
+                                "clipped": update["clip_frac_low"] + update["clip_frac_high"] > 0
+                                if groups.is_last_stage else None,
+                                "micro_batches": len(batch.plan[0]),
+                                "largest": max(mb.inputs.tokens_BL.numel() for mb in batch.plan[0]),
+                                "host_syncs": syncs}
     return results
 
 
@@ -109,11 +118,15 @@ def _merge(rank_results, key):
     return loss, rank_results[0][key]["grad_norm"], weights
 
 
+BY_COUNT, ONE_BY_ONE = (4, None), (1, None)
+BUDGETS = [(8, 12), (8, 21)]  # max tokens per micro-batch (padded): 1 to 3 sequences each
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("inv")
     make_tiny_qwen2(path, tie=False, vocab_size=1000, num_layers=4, num_heads=4, num_kv_heads=2)
-    results = run_distributed(_one_step, 1, args=(str(path), 1, 1, [4, 1]), timeout_s=300)
+    results = run_distributed(_one_step, 1, args=(str(path), 1, 1, [BY_COUNT, ONE_BY_ONE, *BUDGETS]), timeout_s=300)
     return path, results
 
 
@@ -129,18 +142,29 @@ def _assert_same(a, b, what):
 @pytest.mark.parametrize("level", LOSS_LEVELS)
 def test_micro_batch_size_4_vs_1(reference, level):
     _, results = reference
-    assert results[0][level, 4]["clipped"]  # the batch really exercises the clip
-    _assert_same(_merge(results, (level, 4)), _merge(results, (level, 1)), f"{level} loss, micro-batch 4 vs 1")
-    # The device audit counts device -> host reads: a step's must not grow with its number of micro-batches
-    # (here 2 micro-batches of 4 vs 8 of 1; what remains is the optimizer's grad-norm reads).
-    assert results[0][level, 4]["host_syncs"] == results[0][level, 1]["host_syncs"]
+    assert results[0][level, BY_COUNT]["clipped"]  # the batch really exercises the clip
+    _assert_same(_merge(results, (level, BY_COUNT)), _merge(results, (level, ONE_BY_ONE)),
+                 f"{level} loss, micro-batch 4 vs 1")
+    # The device audit counts device -> host reads: a step's must not grow with its number of micro-batches.
+    assert results[0][level, BY_COUNT]["host_syncs"] == results[0][level, ONE_BY_ONE]["host_syncs"]
+
+
+@pytest.mark.parametrize("level", LOSS_LEVELS)
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"{b[1]}tokens")
+def test_token_budgets_match_sequence_counts(reference, level, budget):
+    _, results = reference
+    split = results[0][level, budget]
+    assert 1 < split["micro_batches"] < NUM_GROUPS * G and split["largest"] <= budget[1]
+    _assert_same(_merge(results, (level, BY_COUNT)), _merge(results, (level, budget)),
+                 f"{level} loss, micro-batches of 4 sequences vs at most {budget[1]} tokens")
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_layouts_match_single_process(reference, tp, pp):
     path, base = reference
     world = 2  # (1, 1) on two processes is DP=2
-    results = run_distributed(_one_step, world, args=(str(path), tp, pp, [2]), timeout_s=300)
+    results = run_distributed(_one_step, world, args=(str(path), tp, pp, [(2, None), BUDGETS[1]]), timeout_s=300)
     for level in LOSS_LEVELS:
-        _assert_same(_merge(base, (level, 4)), _merge(results, (level, 2)),
-                     f"{level} loss, TP={tp} PP={pp} DP={world // (tp * pp)}")
+        for plan in ((2, None), BUDGETS[1]):
+            _assert_same(_merge(base, (level, BY_COUNT)), _merge(results, (level, plan)),
+                         f"{level} loss, TP={tp} PP={pp} DP={world // (tp * pp)}, plan {plan}")

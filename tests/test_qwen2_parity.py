@@ -28,7 +28,8 @@ def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batc
             load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
         for c in chunks:
             c.eval()
-        per_model.append(run_forward(chunks, make_micro_batches(sequences, micro_batch_size, device=groups.device), groups, gather_vocab))
+        micro_batches = make_micro_batches(sequences, micro_batch_size, device=groups.device)
+        per_model.append(run_forward(chunks, micro_batches, groups, gather_vocab))
     return per_model if groups.is_last_stage and groups.tp_rank == 0 else None
 
 

@@ -123,7 +123,8 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
             out["vllm_sampled"] = engine.generate(PROMPTS, sampling)
             out["vllm_sampled_again"] = engine.generate(PROMPTS, sampling)
             seqs = [p + r.token_ids for p, rs in zip(PROMPTS, out["vllm_sampled"]) for r in rs]
-            scored = next_token_logprobs_and_entropy(chunks, make_micro_batches(seqs, 6, device=groups.device), groups,
+            micro_batches = make_micro_batches(seqs, 6, device=groups.device)
+            scored = next_token_logprobs_and_entropy(chunks, micro_batches, groups,
                                                      vocab_size=VOCAB, temperature=0.8)
             out["scored"] = [row for logprobs_BL1, _ in scored for row in logprobs_BL1] or None
 

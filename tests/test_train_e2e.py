@@ -18,17 +18,23 @@ REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip
             "grad_norm", "tokens_per_s", "accuracy", "response_length_max", "response_clip_ratio",
             "entropy_correct_mean", "entropy_failed_mean", "approx_kl", "groups_kept", "no_group_kept",
             "rollout_logprob_mismatch", "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s",
-            "time_sync_s", "padding_fraction", "lr")
+            "time_sync_s", "padding_fraction", "lr", "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max",
+            "update_successful", "optimizer_steps", "empty_mini_batches", "mismatch_kl", "token_mult_prob_error",
+            "rollout_is_weight_mean", "rollout_rs_masked_fraction")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 
 # Options the update must carry at every layout, spread over the cases: several epochs over one rollout batch,
-# the entropy bonus, the dual clip.
+# the entropy bonus, the dual clip, a token budget per micro-batch, the rollout mismatch corrections.
 @pytest.mark.parametrize("layout,algorithm,options", [
-    ("parallel.tensor=2", "gtpo", []), ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01"]),
+    ("parallel.tensor=2", "gtpo", []),
+    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=sequence"]),
     ("parallel.tensor=2", "grpo", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
-    ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01"]),
-    ("parallel.pipeline=2", "grpo_s", []), ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0"]),
+    ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01",
+                                     "data.max_tokens_per_micro_batch=40"]),
+    ("parallel.pipeline=2", "grpo_s", []),
+    ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0", "algorithm.rollout_is=token",
+                                     "algorithm.rollout_rs=geometric"]),
     ("parallel.pipeline=2", "dapo", []),
     # Data parallel: 2 replicas at TP=1 x PP=1, batch-scope GTPO statistics over both ranks' groups.
     ("parallel.tensor=1", "gtpo", ["data.epochs_per_step=2"]),
@@ -58,6 +64,8 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         assert -1.0 <= row["reward_mean"] <= row["accuracy"] + 1e-6  # length penalties only subtract
         # the engine's sampling log-probs and the training pass's old log-probs agree (same weights, fp32)
         assert row["rollout_logprob_mismatch"] < 1e-4
+        assert row["mismatch_kl"] < 1e-6 and row["token_mult_prob_error"] < 1 + 1e-4
+        assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and row["rollout_rs_masked_fraction"] == 0
         assert 0.0 <= row["padding_fraction"] < 0.5
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
 
@@ -248,6 +256,8 @@ def test_math_jsonl_task_on_a_hf_model_with_pooled_rewards(tmp_path):
     for row in rows:
         assert row["groups_kept"] == 4 and 0.0 <= row["accuracy"] <= 1.0 and row["entropy_mean"] > 0
         assert row["rollout_logprob_mismatch"] < 1e-4
+        assert row["mismatch_kl"] < 1e-6 and row["token_mult_prob_error"] < 1 + 1e-4
+        assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and row["rollout_rs_masked_fraction"] == 0
     # The trained checkpoint evaluates as it is (the README's path): its copied-along tokenizer is the default.
     res = subprocess.run([sys.executable, "-m", "megatron_gtpo.evaluate", "--model",
                           str(tmp_path / "run" / "checkpoints" / "step_00000002"), "--datasets", f"p={data}",

@@ -96,18 +96,20 @@ GLOBAL_BATCHES = {
 }
 
 
-def _experience(kept, seed):
+def _step_batch(kept, seed, groups):
+    """A rank's step batch with the entropies the old-policy pass would add (random; none without groups)."""
     from megatron_gtpo.rollout.engine import Response
     from megatron_gtpo.training.experience import Experience
+    from megatron_gtpo.training.step_batch import build_step_batch
 
     generator = torch.Generator().manual_seed(seed)
     responses = [[Response([7] * n, [-0.5] * n, "stop") for n in lengths] for _, lengths in kept]
     correct_NG = torch.tensor([r for r, _ in kept], dtype=torch.float32) if kept else torch.zeros(0, 3)
     exp = Experience([(1, 2)] * len(kept), responses, correct_NG, correct_NG.clone())
-    if kept:  # what score_old_policy leaves on the last stage; a rank without groups has nothing
-        T = max(max(lengths) for _, lengths in kept)
-        exp.entropy_NGT = torch.rand(len(kept), 3, T, generator=generator) * 2
-    return exp
+    batch = build_step_batch(exp, groups, mini_batches=[list(range(len(kept)))], max_sequences=8, max_tokens=None)
+    if kept:
+        batch.entropy_ST = torch.rand(batch.mask_ST.shape, generator=generator) * 2
+    return batch
 
 
 def _global_advantages(rank, world_size, scenario, algorithm):
@@ -118,24 +120,32 @@ def _global_advantages(rank, world_size, scenario, algorithm):
     from megatron_gtpo.training.experience import global_advantages
 
     spec = resolve_algorithm(algorithm)
-    exps = {r: _experience(GLOBAL_BATCHES[scenario][r], seed=r) for r in range(world_size)}
-    groups = SimpleNamespace(dp_group=dist.group.WORLD, dp_rank=rank, device=torch.device("cpu"))
-    mine = global_advantages(spec.advantage_fn, spec.uses_entropy, exps[rank], groups)
-    # Reference: the whole batch in one process (every rank's experience is rebuilt here from the same seeds).
-    kept = [e for e in exps.values() if e.num_groups]
-    T = max(e.entropy_NGT.shape[-1] for e in kept)
-    rewards_NG = torch.cat([e.rewards_NG for e in kept])
+    groups = SimpleNamespace(dp_group=dist.group.WORLD, dp_rank=rank, device=torch.device("cpu"),
+                             sequence_multiple=1)
+    batches = {r: _step_batch(GLOBAL_BATCHES[scenario][r], r, groups) for r in range(world_size)}
+    global_advantages(spec.advantage_fn, spec.uses_entropy, batches[rank], groups)
+    mine = batches[rank].advantages
+    # Reference: the whole batch in one process (every rank's batch is rebuilt here from the same seeds), its
+    # group-major rows reshaped to [n, G, T] (independently of the group index the trainer reads them through).
+    kept = [b for b in batches.values() if b.num_groups]
+    T = max(b.mask_ST.shape[-1] for b in kept)
+    rewards_NG = torch.cat([b.rewards_NG for b in kept])
+
+    def per_group(b, values_ST):
+        return torch.nn.functional.pad(values_ST, (0, T - values_ST.shape[-1])).view(b.num_groups, 3, T)
+
     if spec.uses_entropy:
-        entropy_NGT = torch.cat([torch.nn.functional.pad(e.entropy_NGT, (0, T - e.entropy_NGT.shape[-1]))
-                                 for e in kept])
-        mask_NGT = torch.arange(T) < torch.cat([e.response_lengths_NG() for e in kept])[..., None]
+        entropy_NGT = torch.cat([per_group(b, b.entropy_ST) for b in kept])
+        mask_NGT = torch.cat([per_group(b, b.mask_ST) for b in kept])
         whole = spec.advantage_fn(rewards_NG, entropy_NGT, mask_NGT)
     else:
         whole = spec.advantage_fn(rewards_NG)
-    start = sum(exps[r].num_groups for r in range(rank))
-    expected = whole[start:start + exps[rank].num_groups]
-    if expected.ndim == 3 and exps[rank].num_groups:
-        expected = expected[..., :exps[rank].entropy_NGT.shape[-1]]
+    start = sum(batches[r].num_groups for r in range(rank))
+    own = batches[rank]
+    expected = whole[start:start + own.num_groups]
+    if expected.ndim == 3:
+        expected = expected[..., :own.mask_ST.shape[-1]]
+    expected = expected.reshape(own.num_sequences, *expected.shape[2:])
     return {"mine": None if mine is None else mine.tolist(), "expected": expected.tolist(),
             "shape": None if mine is None else list(mine.shape)}
 
@@ -145,8 +155,8 @@ def _global_advantages(rank, world_size, scenario, algorithm):
 def test_global_advantages_span_every_data_parallel_rank(scenario, algorithm):
     results = run_distributed(_global_advantages, 2, args=(scenario, algorithm), timeout_s=120)
     for rank, out in enumerate(results):
-        groups = len(GLOBAL_BATCHES[scenario][rank])
-        assert out["shape"][0] == groups, (rank, out["shape"])
+        sequences = 3 * len(GLOBAL_BATCHES[scenario][rank])
+        assert out["shape"][0] == sequences, (rank, out["shape"])
         assert torch.allclose(torch.tensor(out["mine"]).reshape(out["shape"]),
                               torch.tensor(out["expected"]).reshape(out["shape"]), atol=1e-6)
     assert any(abs(v) > 0.1 for v in torch.tensor(results[0]["mine"]).flatten().tolist())

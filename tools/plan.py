@@ -136,7 +136,8 @@ def format_table(result: dict) -> str:
         f"memory per GPU, GiB (worst pipeline stage: {result['worst_stage']})",
     ]
     for key in ("parameters", "gradients", "optimizer", "activations", "logits", "logprob_workspaces",
-                "allocator_slack", "framework_overhead", "vllm_asleep", "training_peak", "vllm_budget", "vllm_weights", "vllm_kv_cache", "generation_peak"):
+                "allocator_slack", "framework_overhead", "vllm_asleep", "training_peak", "vllm_budget", "vllm_weights",
+                "vllm_kv_cache", "generation_peak"):
         lines.append(f"  {key:<20} {mem[key]:9.2f}")
     lines += ["", "training peak, GiB        no recompute   recompute"]
     for name, label in (("distopt", "distributed optimizer"), ("no_distopt", "replicated optimizer")):

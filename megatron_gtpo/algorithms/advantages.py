@@ -11,7 +11,7 @@ Follows /work/shared/specs/algorithms.md. Conventions shared by every function h
 - Arithmetic runs in float32 at least (float64 inputs stay float64; bf16/fp16 entropies are upcast); GTPO's
   per-prompt sums are combined over the normalisation scope in float64.
 - Everything is vectorised over [N, G, T]: no Python loop runs over responses or tokens. The passes over
-  [N, G, T] live in token_passes.py (torch ops on any device; native C kernels for float32 on CPU).
+  [N, G, T] live in token_passes.py (torch ops, on the device the entropies live on).
 """
 from __future__ import annotations
 

@@ -158,6 +158,7 @@ def token_policy_loss(
     kl_coef: float = 0.0,
     entropy_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    pg_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped surrogate (PPO/GRPO/DAPO/GTPO) of one micro-batch; see THE LOSS CONTRACT.
 
@@ -166,7 +167,9 @@ def token_policy_loss(
         l = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A)        [min(l, -dual_clip * A) when A < 0]
             + kl_coef * k3(ref_logprobs - logprobs) - entropy_coef * entropy
     entropy_BT is the CURRENT policy's entropy (differentiable) for the bonus; ref_logprobs_BT the reference
-    policy's log-probs. Either may be given with a zero coefficient to get its metric only.
+    policy's log-probs. Either may be given with a zero coefficient to get its metric only. pg_weights ([B, T] or
+    [B], like advantages; detached) multiply the surrogate term per token: the rollout-mismatch importance weights
+    (rollout_correction.py); None means 1.
     Returns (loss_mb, metrics): pg_loss (the surrogate part of loss_mb), clip_frac_low (A < 0 and
     w < 1 - eps_low), clip_frac_high (A > 0 and w > 1 + eps_high), dual_clip_frac (A < 0 and w > dual_clip),
     approx_kl, ratio_mean/max/min, num_tokens, and ref_kl / entropy when those inputs are given.
@@ -185,6 +188,12 @@ def token_policy_loss(
     ratio_BT = torch.exp(log_ratio_BT)  # exactly 1 at padding, where the advantage is 0
     surrogate_BT, low_BT, high_BT, dual_BT = _clipped_surrogate(
         ratio_BT, advantages_BT, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    if pg_weights is not None:
+        if pg_weights.shape not in (logprobs_BT.shape, logprobs_BT.shape[:1]):
+            raise ValueError(f"pg_weights must have shape [B, T] = {tuple(logprobs_BT.shape)} or [B] = "
+                             f"({logprobs_BT.shape[0]},), got {tuple(pg_weights.shape)}")
+        weights_BT = pg_weights.detach() if pg_weights.ndim == 2 else pg_weights.detach().unsqueeze(-1)
+        surrogate_BT = surrogate_BT * torch.where(mask_BT, weights_BT, 0.0)
     num_tokens = mask_BT.sum()
     regularisers_BT, metrics = _regularisers_BT(logprobs_BT, mask_BT, num_tokens, ref_logprobs_BT, kl_coef,
                                                 entropy_BT, entropy_coef)
@@ -229,6 +238,7 @@ def sequence_policy_loss(
     kl_coef: float = 0.0,
     entropy_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    pg_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sequence-level clipped surrogate (GRPO-S; GSPO with sequence_ratio="geometric"); see THE LOSS CONTRACT.
 
@@ -238,7 +248,9 @@ def sequence_policy_loss(
         l_i = -min(wbar A_i, clip(wbar, 1 - eps_low, 1 + eps_high) A_i)    [min(l_i, -dual_clip * A_i) if A_i < 0]
               + (1/|o_i|) sum_t (kl_coef * k3_t - entropy_coef * entropy_t)
     and l_i = 0 for an empty sequence. loss_normalizer is the total number of sequences of the mini-batch,
-    which makes the loss the mean over sequences (1/G per group, then the mean over groups).
+    which makes the loss the mean over sequences (1/G per group, then the mean over groups). pg_weights ([B],
+    detached) multiply each sequence's surrogate term: the sequence-level rollout-mismatch importance weights
+    (rollout_correction.py); None means 1.
     Metrics as token_policy_loss, with clip fractions and ratio statistics over the non-empty sequences of
     the micro-batch (num_sequences counts them) and approx_kl over its tokens.
     """
@@ -258,6 +270,9 @@ def sequence_policy_loss(
         ratio_B = torch.exp(log_ratio_BT.sum(dim=-1) / lengths_B.clamp(min=1))
     surrogate_B, low_B, high_B, dual_B = _clipped_surrogate(
         ratio_B, advantages_B, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    if pg_weights is not None:
+        check_same_shape("pg_weights", pg_weights, logprobs_BT.shape[:1])
+        surrogate_B = surrogate_B * pg_weights.detach()
     num_tokens = mask_BT.sum()
     regularisers_BT, metrics = _regularisers_BT(logprobs_BT, mask_BT, num_tokens, ref_logprobs_BT, kl_coef,
                                                 entropy_BT, entropy_coef)

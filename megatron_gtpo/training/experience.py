@@ -1,33 +1,35 @@
-"""One step's experience: sampled groups with rewards (dynamic sampling included), their old-policy log-probs and
-entropies from the forward-only pass, and advantages over the GLOBAL batch (all data-parallel ranks)."""
+"""One step's experience: sampled groups with rewards (dynamic sampling included); then the phases that add fields
+to the step batch (step_batch.py): old-policy log-probs and entropies from the forward-only pass, the rollout
+mismatch correction, and advantages over the GLOBAL batch (all data-parallel ranks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_gtpo.distributed import ParallelGroups
+from megatron_gtpo.algorithms.rollout_correction import rollout_correction
+from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
 from megatron_gtpo.rollout.engine import Response, SamplingParams
 
-from .forward import make_micro_batches, next_token_logprobs_and_entropy
+from .forward import next_token_targets, run_forward
+
+if TYPE_CHECKING:
+    from .step_batch import StepBatch
 
 
 @dataclass
 class Experience:
-    """This DP rank's prompt groups kept for training (n groups of G responses)."""
+    """This DP rank's prompt groups kept for training (n groups of G responses): what the rollout and the rewards
+    produce, from which the step batch (step_batch.py) is built."""
 
     prompt_token_ids: list[tuple[int, ...]]
     responses: list[list[Response]]  # [n][G]
     correct_NG: torch.Tensor  # float {0, 1}: the verifier's reward
     rewards_NG: torch.Tensor  # correctness plus the length penalty (if any): what the advantages see
     stats: dict = field(default_factory=dict)
-    # Filled by score_old_policy on the last pipeline stage: response-aligned, padded to the longest response.
-    old_logprobs_NGT: torch.Tensor | None = None
-    entropy_NGT: torch.Tensor | None = None
-    ref_logprobs_NGT: torch.Tensor | None = None  # only with a reference policy (the KL term)
 
     @property
     def num_groups(self) -> int:
@@ -42,15 +44,6 @@ class Experience:
 
     def response_starts(self) -> list[int]:
         return [len(p) for p, group in zip(self.prompt_token_ids, self.responses) for _ in group]
-
-    def response_lengths_NG(self) -> torch.Tensor:
-        return torch.tensor([[len(r.token_ids) for r in g] for g in self.responses], dtype=torch.long).reshape(
-            self.num_groups, self.group_size)
-
-    def mask_NGT(self) -> torch.Tensor:
-        lengths = self.response_lengths_NG()
-        T = int(lengths.max()) if lengths.numel() else 0
-        return torch.arange(T) < lengths[..., None]
 
 
 def collect_experience(generate: Callable[[list[list[int]], int], list[list[Response]]],
@@ -110,89 +103,96 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
                       torch.stack(kept_rewards) if kept_rewards else empty, stats)
 
 
-def score_old_policy(model_chunks: list, exp: Experience, groups: ParallelGroups, *, vocab_size: int,
-                     temperature: float, micro_batch_size: int, chunk_tokens: int | None = None,
+def score_old_policy(model_chunks: list, batch: StepBatch, groups: ParallelGroups, *, vocab_size: int,
+                     temperature: float, chunk_tokens: int | None = None,
                      reference_chunks: list | None = None) -> None:
-    """The forward-only pass: old-policy log-probs and full-vocabulary entropy of every response token, at the
-    training TP/PP (and the reference policy's log-probs when `reference_chunks` is given). Results land on the
-    last pipeline stage (the only place the loss needs them); the micro-batches' padding fraction goes to
-    exp.stats["old_logprob_padding_fraction"]."""
-    if exp.num_groups == 0:
+    """The forward-only pass over the step batch's micro-batch plan: adds old_logprobs_ST and entropy_ST (the
+    old-policy log-probs and full-vocabulary entropies of every response token, at the training TP/PP) and, with
+    `reference_chunks`, ref_logprobs_ST. On the last pipeline stage only (the only place the loss needs them)."""
+    micro_batches = batch.micro_batches()
+    if not micro_batches:
         return
-    score = partial(_response_logprobs_and_entropy, exp=exp, groups=groups, vocab_size=vocab_size,
-                    temperature=temperature, micro_batch_size=micro_batch_size, chunk_tokens=chunk_tokens)
-    exp.old_logprobs_NGT, exp.entropy_NGT, exp.stats["old_logprob_padding_fraction"] = score(model_chunks)
+    score = partial(_response_logprobs_and_entropy, batch=batch, micro_batches=micro_batches, groups=groups,
+                    vocab_size=vocab_size, temperature=temperature, chunk_tokens=chunk_tokens)
+    batch.old_logprobs_ST, batch.entropy_ST = score(model_chunks)
     if reference_chunks is not None:
-        exp.ref_logprobs_NGT, _, _ = score(reference_chunks)
+        batch.ref_logprobs_ST, _ = score(reference_chunks)
 
 
-def _response_logprobs_and_entropy(model_chunks, *, exp: Experience, groups: ParallelGroups, vocab_size: int,
-                                   temperature: float, micro_batch_size: int, chunk_tokens: int | None):
-    """Response-aligned [n, G, T] log-probs and entropies (None off the last stage), and the padding fraction of
-    the micro-batches. Length-bucketed: sequences are sorted by length before being cut into micro-batches, so each
-    micro-batch is padded only to the longest of similar-length sequences."""
-    sequences, starts = exp.sequences(), exp.response_starts()
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
-    micro_batches = make_micro_batches([sequences[i] for i in order], micro_batch_size,
-                                       device=groups.device, pad_to_multiple=groups.sequence_multiple)
-    padded = sum(mb.tokens_BL.numel() for mb in micro_batches)
-    padding_fraction = 1.0 - sum(len(s) for s in sequences) / padded
-    outputs = next_token_logprobs_and_entropy(model_chunks, micro_batches, groups, vocab_size=vocab_size,
-                                              temperature=temperature, chunk_size=chunk_tokens, check_targets=False)
+def _response_logprobs_and_entropy(model_chunks, *, batch: StepBatch, micro_batches: list, groups: ParallelGroups,
+                                   vocab_size: int, temperature: float, chunk_tokens: int | None):
+    """Response-aligned [S, T] float32 log-probs and entropies on the device (None, None off the last stage)."""
+
+    def on_last_stage(inputs, logits_BLV):
+        logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
+            logits_BLV, next_token_targets(inputs.tokens_BL), tp_group=groups.tp_group, vocab_size=vocab_size,
+            temperature=temperature, chunk_size=chunk_tokens, check_targets=False)  # no sync per micro-batch
+        return logprobs_BL.float(), entropy_BL.float()
+
+    for model in model_chunks:
+        model.eval()
+    outputs = run_forward(model_chunks, [mb.inputs for mb in micro_batches], groups, on_last_stage)
     if not groups.is_last_stage:
-        return None, None, padding_fraction
-    lengths = exp.response_lengths_NG().flatten().tolist()
-    T = max(lengths)
-    logprobs = torch.zeros(len(sequences), T, device=groups.device)
-    entropy = torch.zeros(len(sequences), T, device=groups.device)
-    rows = iter(order)
-    for logprobs_BL, entropy_BL in outputs:
-        for b in range(logprobs_BL.shape[0]):
-            row = next(rows)
-            start, n = starts[row] - 1, lengths[row]
-            logprobs[row, :n] = logprobs_BL[b, start:start + n]
-            entropy[row, :n] = entropy_BL[b, start:start + n]
-    shape = (exp.num_groups, exp.group_size, T)
-    return logprobs.reshape(shape), entropy.reshape(shape), padding_fraction
+        return None, None
+    logprobs_ST = torch.zeros(batch.mask_ST.shape, device=groups.device)
+    entropy_ST = torch.zeros_like(logprobs_ST)
+    for mb, (logprobs_BL, entropy_BL) in zip(micro_batches, outputs):
+        width = mb.columns.valid_BT.shape[1]
+        logprobs_ST[mb.columns.rows_B, :width] = mb.columns.gather_BT(logprobs_BL)
+        entropy_ST[mb.columns.rows_B, :width] = mb.columns.gather_BT(entropy_BL)
+    return logprobs_ST, entropy_ST
+
+
+def correct_rollout(batch: StepBatch, **settings) -> None:
+    """Adds loss_mask_ST, pg_weights and mismatch_sums (algorithms/rollout_correction.py; `settings` are its
+    rollout_is / rollout_is_cap / rollout_rs / rollout_rs_bounds). Last pipeline stage only."""
+    if batch.old_logprobs_ST is None:
+        return
+    correction = rollout_correction(batch.old_logprobs_ST, batch.rollout_logprobs_ST, batch.mask_ST, **settings)
+    batch.loss_mask_ST, batch.pg_weights, batch.mismatch_sums = correction.keep_ST, correction.weights, \
+        correction.metric_sums
 
 
 def _all_gather_padded(tensor: torch.Tensor, group, device: torch.device) -> list[torch.Tensor]:
-    """all_gather of tensors whose sizes differ across ranks in every dim (padded, then cut back), through
-    `device` (the group's: an NCCL group takes no host tensors); the parts come back on the tensor's device."""
+    """all_gather of tensors whose sizes differ across ranks in every dim (padded, then cut back), on `device` (the
+    group's: an NCCL group takes no host tensors)."""
     world = dist.get_world_size(group)
     if world == 1:
         return [tensor]
     shape = torch.tensor(tensor.shape, dtype=torch.long, device=device)
     shapes = [torch.zeros_like(shape) for _ in range(world)]
     dist.all_gather(shapes, shape, group=group)
-    shapes = [s.cpu() for s in shapes]
-    max_shape = torch.stack(shapes).max(dim=0).values
-    padded = tensor.new_zeros(max_shape.tolist(), device=device)
+    shapes = torch.stack(shapes).tolist()  # the one host sync of the gather: the parts' sizes
+    padded = tensor.new_zeros([max(dims) for dims in zip(*shapes)], device=device)
     padded[tuple(slice(0, s) for s in tensor.shape)] = tensor
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return [p[tuple(slice(0, int(s)) for s in sh)].to(tensor.device) for p, sh in zip(parts, shapes)]
+    return [p[tuple(slice(0, s) for s in sh)] for p, sh in zip(parts, shapes)]
 
 
-def global_advantages(advantage_fn: Callable, uses_entropy: bool, exp: Experience, groups: ParallelGroups):
-    """Advantages of this rank's groups, computed over the global batch (the batch-scope z-scores of GTPO span
-    every DP rank's groups; group-scope ones are unaffected). Last pipeline stage only. Returns [n, G, T] or
-    [n, G]."""
-    # The rewards and lengths come from the host (verifier, token lists): to the training device once per step.
-    rewards = _all_gather_padded(exp.rewards_NG.to(groups.device), groups.dp_group, groups.device)
+def global_advantages(advantage_fn: Callable, uses_entropy: bool, batch: StepBatch, groups: ParallelGroups) -> None:
+    """Adds batch.advantages ([S, T] per token or [S] per sequence), computed on the device over the GLOBAL batch
+    (the batch-scope z-scores of GTPO span every DP rank's groups; group-scope ones are unaffected). The entropies
+    are read into [n, G, T] through the group index. Last pipeline stage only."""
+    rewards = _all_gather_padded(batch.rewards_NG, groups.dp_group, groups.device)
     counts = [r.shape[0] for r in rewards]
     mine = slice(sum(counts[:groups.dp_rank]), sum(counts[:groups.dp_rank + 1]))
     rewards_NG = torch.cat(rewards)
     if rewards_NG.shape[0] == 0:
-        return None
+        return
     if not uses_entropy:
-        return advantage_fn(rewards_NG)[mine]
+        batch.advantages = batch.per_sequence(advantage_fn(rewards_NG)[mine])
+        return
     # A rank that kept no group (dynamic sampling) has no entropies, yet takes part in the gathers.
-    own_entropy_NGT = exp.entropy_NGT if exp.num_groups else torch.zeros(0, exp.group_size, 0, device=groups.device)
+    own_entropy_NGT = (batch.per_group_NGT(batch.entropy_ST) if batch.num_groups
+                       else torch.zeros(0, batch.group_size, 0, device=groups.device))
+    own_lengths_NG = batch.per_group_NGT(batch.mask_ST.sum(dim=-1, keepdim=True))[..., 0]
     entropy = _all_gather_padded(own_entropy_NGT, groups.dp_group, groups.device)
-    lengths = _all_gather_padded(exp.response_lengths_NG().to(groups.device), groups.dp_group, groups.device)
+    lengths = _all_gather_padded(own_lengths_NG, groups.dp_group, groups.device)
     T = max(e.shape[-1] for e in entropy)
     entropy_NGT = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[-1])) for e in entropy])
     mask_NGT = torch.arange(T, device=groups.device) < torch.cat(lengths)[..., None]
     advantages = advantage_fn(rewards_NG, entropy_NGT, mask_NGT)[mine]
-    return advantages[..., :own_entropy_NGT.shape[-1]] if advantages.ndim == 3 else advantages
+    if advantages.ndim == 3:
+        advantages = advantages[..., :own_entropy_NGT.shape[-1]]
+    batch.advantages = batch.per_sequence(advantages)

@@ -27,6 +27,13 @@ class MicroBatch:
         return torch.arange(self.tokens_BL.shape[1], device=self.lengths_B.device) < self.lengths_B[:, None]
 
 
+def next_token_targets(tokens_BL: torch.Tensor) -> torch.Tensor:
+    """The token each column is scored against: column k predicts token k + 1; the last column's target is a
+    dummy id 0 (it scores nothing). All L columns are scored and the caller ignores the last: slicing the logits
+    instead would hand the vocab-parallel op a non-contiguous [B, L-1, V/TP] view."""
+    return torch.nn.functional.pad(tokens_BL[:, 1:], (0, 1))
+
+
 def make_micro_batches(sequences: list[list[int]], micro_batch_size: int, *, device: torch.device, pad_id: int = 0,
                        pad_to_multiple: int = 1) -> list[MicroBatch]:
     """Consecutive groups of `micro_batch_size` sequences (the last may be smaller), each padded to its own longest
@@ -72,22 +79,16 @@ def run_forward(model_chunks: list, micro_batches: list[MicroBatch], groups: Par
 
 
 def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], groups: ParallelGroups,
-                                    *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None,
-                                    check_targets: bool = True):
+                                    *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None):
     """Per micro-batch (logprobs_BL1, entropy_BL1), float32 on the logits' device, on the last pipeline stage ([]
-    elsewhere):
-    logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k] the entropy
-    of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding garbage.
-    `check_targets=False` skips the op's id-range check, a host sync per micro-batch: the trainer's ids come from
-    the tokenizer (prompts pass rollout.engine.check_prompts) and from engines that sample within the vocabulary."""
+    elsewhere): logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k]
+    the entropy of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding
+    garbage."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
-        # Score all L positions against the left-shifted tokens (the last target is a dummy id 0) and drop the last
-        # column afterwards: slicing the logits instead would hand the op a non-contiguous [B, L-1, V/TP] view.
-        targets_BL = torch.nn.functional.pad(mb.tokens_BL[:, 1:], (0, 1))
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-            logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature,
-            chunk_size=chunk_size, check_targets=check_targets)
+            logits_BLV, next_token_targets(mb.tokens_BL), tp_group=groups.tp_group, vocab_size=vocab_size,
+            temperature=temperature, chunk_size=chunk_size)
         return logprobs[:, :-1].float(), entropy[:, :-1].float()
 
     for model in model_chunks:

@@ -20,14 +20,15 @@ def train(cfg: TrainConfig) -> None:
         timer = PhaseTimer()
         experience = run.collect(step, timer)  # G responses per prompt, rewards, dynamic sampling (timed inside)
         with timer("old_logprob"):
-            run.score(experience)  # old-policy log-probs + token entropy, vocab-parallel, at the training TP/PP
+            batch = run.step_batch(experience)  # built once: tokens, masks, group index, the micro-batch plan
+            run.score(batch)  # old-policy log-probs + token entropy at the training TP/PP; rollout mismatch correction
         with timer("advantages"):
-            advantages = run.advantages(experience)  # the chosen algorithm, over the global batch
+            run.advantages(batch)  # the chosen algorithm, over the global batch
         with timer("update"):
-            update = update_policy(run, experience, advantages)
+            update = update_policy(run, batch)
         with timer("sync"):
             run.engine.sync_weights(run.policy.chunks, run.groups)
-        run.logger.log(step, step_metrics(run, experience, update, timer))
+        run.logger.log(step, step_metrics(run, experience, batch, update, timer))
         stopping = stop.agreed(run.groups.device)  # every rank stops after the same step
         if stopping or step + 1 == cfg.steps or (cfg.checkpoint.save_every
                                                  and (step + 1) % cfg.checkpoint.save_every == 0):

@@ -21,11 +21,12 @@ from megatron_gtpo.config import ConfigError, TrainConfig, to_dict, validate
 from megatron_gtpo.distributed import ParallelGroups, initialize_parallel, read_launch_env
 from megatron_gtpo.rollout.engine import SamplingParams
 
-from .experience import Experience, collect_experience, global_advantages, score_old_policy
+from .experience import Experience, collect_experience, correct_rollout, global_advantages, score_old_policy
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel, build_chunks, load_initial_weights, wrap_for_training
 from .reference import ReferencePolicy
-from .train_step import build_update_micro_batch, run_train_step, supervised_loss_fn
+from .step_batch import StepBatch, build_step_batch
+from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
 
 
 @dataclass
@@ -96,8 +97,9 @@ class Run:
     loader: object
     vocab_size: int
     logprob_chunk_tokens: int  # the vocab-parallel op's chunk, from model.logprob_workspace_mib
-    score: Callable[[Experience], None]
-    advantages: Callable[[Experience], torch.Tensor | None]
+    step_batch: Callable[[Experience], StepBatch]  # token ids, masks, group index, rollout log-probs, the plan
+    score: Callable[[StepBatch], None]  # adds old log-probs, entropies (reference log-probs), the mismatch correction
+    advantages: Callable[[StepBatch], None]  # adds the advantages
     policy_loss: Callable  # (logprobs, old, advantages, mask, *, loss_normalizer, ref/entropy) -> loss, metrics
     loss_agg_mode: str
     collect: Callable[[int, PhaseTimer], Experience]  # (step, timer): times its "generate" and "reward" phases
@@ -185,14 +187,20 @@ def build_run(cfg: TrainConfig) -> Run:
         dist.broadcast(rewards, src=dist.get_global_rank(groups.mp_group, 0), group=groups.mp_group)
         return rewards.cpu().view(len(responses), -1)
 
+    def score(batch: StepBatch) -> None:
+        score_old_policy(policy.chunks, batch, groups, vocab_size=shape.vocab_size,
+                         temperature=cfg.rollout.temperature, chunk_tokens=chunk_tokens,
+                         reference_chunks=reference.chunks if reference else None)
+        correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
+                        rollout_rs_bounds=tuple(a.rollout_rs_bounds))
+
     run = Run(cfg=cfg, groups=groups, task=task, policy=policy, engine=engine, loader=loader,
               vocab_size=shape.vocab_size, logprob_chunk_tokens=chunk_tokens,
-              score=lambda exp: score_old_policy(policy.chunks, exp, groups, vocab_size=shape.vocab_size,
-                                                 temperature=cfg.rollout.temperature,
-                                                 micro_batch_size=cfg.data.micro_batch_size,
-                                                 chunk_tokens=chunk_tokens,
-                                                 reference_chunks=reference.chunks if reference else None),
-              advantages=lambda exp: global_advantages(advantage_fn, spec.uses_entropy, exp, groups)
+              step_batch=lambda exp: build_step_batch(
+                  exp, groups, mini_batches=split_evenly(list(range(exp.num_groups)), cfg.data.mini_batches_per_step),
+                  max_sequences=cfg.data.micro_batch_size, max_tokens=cfg.data.max_tokens_per_micro_batch),
+              score=score,
+              advantages=lambda batch: global_advantages(advantage_fn, spec.uses_entropy, batch, groups)
               if groups.is_last_stage else None,
               policy_loss=policy_loss,
               loss_agg_mode="seq-mean-token-mean" if spec.sequence_level_loss else spec.loss_agg_mode,
@@ -253,65 +261,47 @@ def split_evenly(items: list, parts: int) -> list[list]:
     return [items[i * size:(i + 1) * size] for i in range(parts)]
 
 
-def update_policy(run: Run, exp: Experience, advantages) -> dict:
-    """mini_batches_per_step optimizer steps per epoch, epochs_per_step epochs, over this rank's groups."""
+def update_policy(run: Run, batch: StepBatch) -> dict:
+    """epochs_per_step epochs over the step batch's mini-batches, one optimizer step each, on the micro-batch plan
+    the old-policy pass ran. A mini-batch without a response token on any DP rank (dynamic sampling came up short)
+    takes no optimizer and no LR-schedule step: Adam would still move the weights on its momentum."""
     cfg, groups = run.cfg, run.groups
-    sequences, starts = exp.sequences(), exp.response_starts()
-    lengths = exp.response_lengths_NG().flatten().tolist()
-    G = exp.group_size
-    last = groups.is_last_stage and exp.num_groups > 0
-
-    def per_sequence(values_NGT):
-        return [values_NGT.reshape(-1, values_NGT.shape[-1])[i, :n] for i, n in enumerate(lengths)]
-
-    old = per_sequence(exp.old_logprobs_NGT) if last else None
-    ref = per_sequence(exp.ref_logprobs_NGT) if last and exp.ref_logprobs_NGT is not None else None
-    if last and advantages.ndim == 3:
-        per_seq_adv = per_sequence(advantages)
-    elif last:
-        per_seq_adv = list(advantages.reshape(-1).unbind())
-    group_ids = split_evenly(list(range(exp.num_groups)), cfg.data.mini_batches_per_step)
-    pad = groups.sequence_multiple
+    mini_batches = [[update_micro_batch(batch, planned) for planned in mini] for mini in batch.plan]
+    # Per mini-batch: [the loss normaliser (loss contract), response tokens before rejection, padded tokens, sequence
+    # tokens], summed over this rank's micro-batches (a padding micro-batch adds none), then over DP ranks: one
+    # all-reduce, one host sync.
+    counts = torch.tensor([[0, sum(batch.response_lengths[i] for mb in planned for i in mb.rows),
+                            sum(mb.inputs.tokens_BL.numel() for mb in planned if mb.rows),
+                            sum(batch.sequence_lengths[i] for mb in planned for i in mb.rows)]
+                           for planned in batch.plan], dtype=torch.float64, device=groups.device)
+    for k, (mini, planned) in enumerate(zip(mini_batches, batch.plan)):
+        for mb, plan_mb in zip(mini, planned):
+            if plan_mb.rows:
+                counts[k, 0] += local_loss_normalizer(mb.loss_mask_BL, run.loss_agg_mode)
+    dist.all_reduce(counts, group=groups.dp_group)
+    normalizers = counts[:, 0].clamp(min=1)
+    response_tokens = counts[:, 1].tolist()
     results = []
-    padded_tokens = real_tokens = 0
     for _epoch in range(cfg.data.epochs_per_step):
-        for mb_groups in group_ids:
-            # Length-bucketed micro-batches: sequences sorted by length, so each micro-batch (padded to its own
-            # longest sequence) holds sequences of similar length. The loss contract makes the order irrelevant.
-            seq_ids = sorted((g * G + j for g in mb_groups for j in range(G)), key=lambda i: -len(sequences[i]))
-            micro_batches = []
-            for chunk in split_evenly(seq_ids, max(1, math.ceil(len(seq_ids) / cfg.data.micro_batch_size))):
-                real_tokens += sum(len(sequences[i]) for i in chunk) if chunk else 2
-                if not chunk:  # a rank without groups still takes part in the collective step, with no loss terms
-                    micro_batches.append(build_update_micro_batch([[0, 0]], [2], device=groups.device,
-                                                                    pad_to_multiple=pad))
-                    continue
-                micro_batches.append(build_update_micro_batch(
-                    [sequences[i] for i in chunk], [starts[i] for i in chunk], device=groups.device, pad_to_multiple=pad,
-                    old_logprobs=[old[i] for i in chunk] if last else None,
-                    advantages=[per_seq_adv[i] for i in chunk] if last else None,
-                    ref_logprobs=[ref[i] for i in chunk] if ref is not None else None))
-            normalizer = torch.stack([local_loss_normalizer(m.loss_mask_BL, run.loss_agg_mode)
-                                      for m in micro_batches]).sum().double().to(groups.device)
-            dist.all_reduce(normalizer, group=groups.dp_group)
+        for micro_batches, normalizer, tokens in zip(mini_batches, normalizers, response_tokens):
+            if tokens == 0:
+                continue
 
-            def loss_fn(mb, logprobs_BL, entropy_BL, normalizer=normalizer.clamp(min=1)):
-                if mb.advantages is None:  # padding micro-batch of a rank without groups
-                    zero = (logprobs_BL * 0).sum()
-                    return zero, {}
+            def loss_fn(mb, logprobs_BL, entropy_BL, normalizer=normalizer):
+                if mb.old_logprobs_BL is None:  # padding micro-batch of a rank without sequences
+                    return (logprobs_BL * 0).sum(), {}
                 return run.policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
                                        loss_normalizer=normalizer, entropy_BT=entropy_BL,
-                                       ref_logprobs_BT=mb.ref_logprobs_BL)
+                                       ref_logprobs_BT=mb.ref_logprobs_BL, pg_weights=mb.pg_weights)
 
-            padded_tokens += sum(m.inputs.tokens_BL.numel() for m in micro_batches)
             results.append(run_train_step(run.policy, micro_batches, groups, loss_fn, vocab_size=run.vocab_size,
                                           temperature=cfg.rollout.temperature,
                                           chunk_tokens=run.logprob_chunk_tokens))
     metrics = combine_update_metrics(results, groups)
-    tokens = torch.tensor([padded_tokens, real_tokens], dtype=torch.float64, device=groups.device)
-    dist.all_reduce(tokens, group=groups.dp_group)  # over every data-parallel rank's micro-batches
-    padded_tokens, real_tokens = tokens.tolist()
+    padded_tokens, real_tokens = counts[:, 2:].sum(dim=0).tolist()
+    # Over every data-parallel rank's micro-batches: the plan's, which the old-policy pass ran too.
     metrics["padding_fraction"] = 1.0 - real_tokens / padded_tokens if padded_tokens else 0.0
+    metrics["empty_mini_batches"] = response_tokens.count(0)
     return metrics
 
 
@@ -362,25 +352,29 @@ def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
     out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     out["grad_norm_max"] = max(grad_norms) if grad_norms else float("nan")
     out["update_successful"] = all(r["update_successful"] for r in results)
+    out["optimizer_steps"] = len(results)
     return out
 
 
 def warm_start(run: Run) -> dict:
-    """Supervised warm-start on the task's reference answers (synthetic task only: it knows the answer tokens)."""
+    """Supervised warm-start on the task's reference answers (synthetic task only: it knows the answer tokens), each
+    prompt with its answer as a group of one response, through the step batch and its micro-batch plan."""
     from megatron_gtpo.data.synthetic import answer_token_ids
+    from megatron_gtpo.rollout.engine import Response
 
     cfg, groups = run.cfg, run.groups
     results = []
     for _ in range(cfg.warm_start.steps):
         prompts = run.loader.next_batch().items
-        sequences = [list(p.prompt_token_ids) + answer_token_ids(p.answer) for p in prompts]
-        starts = [len(p.prompt_token_ids) for p in prompts]
-        chunk_ids = split_evenly(list(range(len(sequences))), max(1, math.ceil(len(sequences) /
-                                                                             cfg.data.micro_batch_size)))
-        micro_batches = [build_update_micro_batch([sequences[i] for i in c], [starts[i] for i in c],
-                                                  device=groups.device, pad_to_multiple=groups.sequence_multiple)
-                         for c in chunk_ids]
-        tokens = torch.stack([m.loss_mask_BL.sum() for m in micro_batches]).sum().double().to(groups.device)
+        answers = [[Response(answer_token_ids(p.answer), [0.0] * len(answer_token_ids(p.answer)), "stop")]
+                   for p in prompts]
+        no_reward = torch.zeros(len(prompts), 1)
+        exp = Experience([p.prompt_token_ids for p in prompts], answers, no_reward, no_reward)
+        batch = build_step_batch(exp, groups, mini_batches=[list(range(len(prompts)))],
+                                 max_sequences=cfg.data.micro_batch_size,
+                                 max_tokens=cfg.data.max_tokens_per_micro_batch)
+        micro_batches = [update_micro_batch(batch, planned) for planned in batch.plan[0]]
+        tokens = batch.mask_ST.sum().double()
         dist.all_reduce(tokens, group=groups.dp_group)
         results.append(run_train_step(run.policy, micro_batches, groups, supervised_loss_fn(float(tokens)),
                                       vocab_size=run.vocab_size, lr=cfg.warm_start.lr,

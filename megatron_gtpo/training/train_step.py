@@ -13,56 +13,49 @@ from functools import partial
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
 
-from .forward import MicroBatch
+from .forward import MicroBatch, next_token_targets
 from .model_setup import PolicyModel
+from .step_batch import PlannedMicroBatch, StepBatch
 
 
 @dataclass
 class UpdateMicroBatch:
-    """A micro-batch with what the loss needs, aligned with next-token positions: column k scores token k+1."""
+    """A micro-batch with what the loss needs, aligned with next-token positions: column k scores token k+1. On
+    pipeline stages other than the last only `inputs` and `loss_mask_BL` are filled."""
 
     inputs: MicroBatch
-    loss_mask_BL: torch.Tensor  # bool: True where column k predicts a response token
+    loss_mask_BL: torch.Tensor  # bool: True where column k predicts a response token that is in the loss
     old_logprobs_BL: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # [B, L] per token or [B] per sequence
     ref_logprobs_BL: torch.Tensor | None = None
+    pg_weights: torch.Tensor | None = None  # [B, L] or [B]: rollout-mismatch importance weights
 
 
 # loss_fn(micro_batch, logprobs_BL, entropy_BL) -> (loss_mb under the loss contract, metrics dict of tensors)
 LossFn = Callable[[UpdateMicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
-def build_update_micro_batch(sequences: list[list[int]], response_starts: list[int], *, device: torch.device,
-                             pad_to_multiple: int = 1, old_logprobs: list[torch.Tensor] | None = None,
-                             advantages: list[torch.Tensor] | None = None,
-                             ref_logprobs: list[torch.Tensor] | None = None) -> UpdateMicroBatch:
-    """`sequences` are prompt+response token ids, response_starts[i] the prompt length. Per-sequence tensors in
-    `old_logprobs` / `ref_logprobs` / per-token `advantages` are response-aligned (one entry per response token);
-    per-sequence advantages are 0-dim tensors. Everything is built on `device` (the training device), where the loss
-    meets the model's log-probs."""
-    from .forward import make_micro_batches
+def update_micro_batch(batch: StepBatch, planned: PlannedMicroBatch) -> UpdateMicroBatch:
+    """The update's view of one planned micro-batch: the step batch's fields placed in its [B, L] layout, on the
+    device. The empty micro-batch of a rank without sequences has an all-False mask and no fields."""
+    tokens_BL = planned.inputs.tokens_BL
+    if planned.columns is None:
+        return UpdateMicroBatch(planned.inputs, torch.zeros(tokens_BL.shape, dtype=torch.bool,
+                                                            device=tokens_BL.device))
+    L = tokens_BL.shape[1]
+    columns = planned.columns
 
-    (inputs,) = make_micro_batches(sequences, len(sequences), device=device, pad_to_multiple=pad_to_multiple)
-    B, L = inputs.tokens_BL.shape
-    starts_B1 = torch.tensor(response_starts, device=device)[:, None]
-    columns_1L = torch.arange(L, device=device)[None, :]
-    mask = (columns_1L >= starts_B1 - 1) & (columns_1L < inputs.lengths_B[:, None] - 1)
-
-    def place(values: list[torch.Tensor] | None):
+    def place(values):  # [S, T] -> [B, L]; [S] -> [B]
         if values is None:
             return None
-        if values[0].ndim == 0:
-            return torch.stack(values).float().to(device)
-        out = torch.zeros(B, L, dtype=torch.float32, device=device)
-        for i, (start, v) in enumerate(zip(response_starts, values)):
-            out[i, start - 1:start - 1 + v.numel()] = v
-        return out
+        return columns.scatter_BL(values, L) if values.ndim == 2 else values.index_select(0, columns.rows_B)
 
-    return UpdateMicroBatch(inputs, mask, place(old_logprobs), place(advantages), place(ref_logprobs))
+    mask = batch.loss_mask_ST if batch.loss_mask_ST is not None else batch.mask_ST
+    return UpdateMicroBatch(planned.inputs, place(mask), place(batch.old_logprobs_ST), place(batch.advantages),
+                            place(batch.ref_logprobs_ST), place(batch.pg_weights))
 
 
 def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], groups: ParallelGroups,
@@ -78,10 +71,10 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], g
     scale = num_micro_batches * groups.dp_size  # undo megatron's /num_microbatches and DDP's DP average
 
     def loss_on_last_stage(mb: UpdateMicroBatch, logits_BLV):
-        targets_BL = F.pad(mb.inputs.tokens_BL[:, 1:], (0, 1))
+        # No id-range check (check_targets): a host sync per micro-batch; the ids are the step batch's (forward.py).
         logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
-            logits_BLV, targets_BL, tp_group=groups.tp_group, vocab_size=vocab_size, temperature=temperature,
-            chunk_size=chunk_tokens, check_targets=False)  # a host sync per micro-batch otherwise; see forward.py
+            logits_BLV, next_token_targets(mb.inputs.tokens_BL), tp_group=groups.tp_group, vocab_size=vocab_size,
+            temperature=temperature, chunk_size=chunk_tokens, check_targets=False)
         loss, metrics = loss_fn(mb, logprobs_BL, entropy_BL)
         return loss * scale, {k: v.detach() for k, v in metrics.items()}
 

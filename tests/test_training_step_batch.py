@@ -1,0 +1,74 @@
+"""The step batch's micro-batch plan and layouts (training/step_batch.py) against hand-computed cases, on the host."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_gtpo.rollout.engine import Response
+from megatron_gtpo.training.experience import Experience
+from megatron_gtpo.training.step_batch import build_step_batch, plan_micro_batches
+
+LENGTHS = [5, 9, 2, 7, 7, 3]
+
+
+def test_plan_by_sequence_count_sorts_longest_first_within_each_mini_batch():
+    plan = plan_micro_batches(LENGTHS, [[0, 1, 2], [3, 4, 5]], max_sequences=2, max_tokens=None)
+    assert plan == [[[1, 0], [2]], [[3, 4], [5]]]
+
+
+def test_plan_by_token_budget_counts_padding_to_the_longest():
+    # Sorted: 9, 7, 7, 5, 3, 2. Budget 16: [9] (2 x 9 > 16), [7, 7], [5, 3, 2] (3 x 5 = 15).
+    assert plan_micro_batches(LENGTHS, [list(range(6))], max_sequences=8, max_tokens=16) == [[[1], [3, 4], [0, 5, 2]]]
+    # Padded to a multiple of 4 (sequence parallelism): 12, 8, 8, 8, 4, 4 -> [12], [8, 8], [8, 4] (2 x 8), [4, ...]
+    assert plan_micro_batches(LENGTHS, [list(range(6))], max_sequences=8, max_tokens=16, pad_to_multiple=4) == [
+        [[1], [3, 4], [0, 5], [2]]]
+    # Both limits apply.
+    assert plan_micro_batches(LENGTHS, [list(range(6))], max_sequences=2, max_tokens=100) == [[[1, 3], [4, 0], [5, 2]]]
+
+
+def test_plan_gives_an_empty_mini_batch_one_empty_micro_batch():
+    assert plan_micro_batches(LENGTHS, [[], [0]], max_sequences=2, max_tokens=None) == [[[]], [[0]]]
+
+
+def test_a_sequence_longer_than_the_budget_is_an_error_naming_the_key():
+    with pytest.raises(ValueError, match="data.max_tokens_per_micro_batch = 8 is smaller than a sequence of 9"):
+        plan_micro_batches(LENGTHS, [list(range(6))], max_sequences=8, max_tokens=8)
+
+
+def _batch(max_sequences=2, max_tokens=None):
+    prompts = [(1, 2, 3), (4,)]
+    responses = [[Response([5, 6], [-0.5, -0.6], "stop"), Response([7], [-0.7], "stop")],
+                 [Response([8, 9, 10], [-0.8, -0.9, -1.0], "length"), Response([11, 12], [-1.1, -1.2], "stop")]]
+    correct = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=1)
+    return build_step_batch(Experience(prompts, responses, correct, correct.clone()), groups,
+                            mini_batches=[[0, 1]], max_sequences=max_sequences, max_tokens=max_tokens)
+
+
+def test_fields_are_response_aligned_and_read_through_the_group_index():
+    batch = _batch()
+    assert batch.sequence_lengths == [5, 4, 4, 3] and batch.response_lengths == [2, 1, 3, 2]
+    assert batch.group_index_S.tolist() == [0, 0, 1, 1] and batch.response_index_S.tolist() == [0, 1, 0, 1]
+    assert batch.mask_ST.tolist() == [[True, True, False], [True, False, False], [True, True, True],
+                                      [True, True, False]]
+    assert torch.allclose(batch.rollout_logprobs_ST[2], torch.tensor([-0.8, -0.9, -1.0]))
+    values_ST = torch.arange(12.0).view(4, 3)
+    assert torch.equal(batch.per_group_NGT(values_ST), values_ST.view(2, 2, 3))
+    assert torch.equal(batch.per_sequence(values_ST.view(2, 2, 3)), values_ST)
+
+
+def test_next_token_columns_gather_and_scatter():
+    batch = _batch()
+    # Plan: longest first, two per micro-batch: sequences 0 (5 tokens) and 1 (4) / 2 (4) and 3 (3).
+    assert [mb.rows for mb in batch.plan[0]] == [[0, 1], [2, 3]]
+    first = batch.plan[0][0]
+    assert first.inputs.tokens_BL.tolist() == [[1, 2, 3, 5, 6], [1, 2, 3, 7, 0]]
+    # Column k scores token k + 1: sequence 0's response tokens (positions 3, 4) at columns 2, 3; sequence 1's at 2.
+    scores_BL = torch.tensor([[10.0, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    assert first.columns.gather_BT(scores_BL).tolist() == [[12.0, 13.0], [22.0, 0.0]]
+    values_ST = torch.tensor([[1.0, 2, 99], [3, 99, 99], [4, 5, 6], [7, 8, 99]])
+    assert first.columns.scatter_BL(values_ST, 5).tolist() == [[0.0, 0, 1, 2, 0], [0, 0, 3, 0, 0]]
+    second = batch.plan[0][1]
+    assert second.columns.scatter_BL(values_ST, 4).tolist() == [[4.0, 5, 6, 0], [7, 8, 0, 0]]
+    assert second.columns.scatter_BL(batch.mask_ST, 4).tolist() == [[True, True, True, False],
+                                                                     [True, True, False, False]]

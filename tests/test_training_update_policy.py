@@ -1,0 +1,166 @@
+"""One RL step's phases on one process with the tiny synthetic model, through the step batch (training/step_batch.py):
+build, old-policy pass, rollout correction, advantages, update.
+
+- On-policy, the update's first mini-batch runs the very micro-batches the old-policy pass ran: its importance ratio
+  is exactly 1 and its approx KL exactly 0, with sequence-count and token-budget plans alike.
+- With rollout log-probs equal to the old ones, every rollout correction leaves the update unchanged (bit for bit).
+- A step whose mini-batch is empty (dynamic sampling came up short) takes no optimizer and no LR-schedule step, so
+  Adam's momentum from the step before cannot move the weights.
+"""
+import pytest
+
+from distributed_harness import run_distributed
+
+G = 2
+
+
+def _experience(num_groups, seed=0):
+    import torch
+
+    from megatron_gtpo.rollout.engine import Response
+    from megatron_gtpo.training.experience import Experience
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(3, 16, (2 + n % 3,), generator=g).tolist()) for n in range(num_groups)]
+    responses = [[Response(torch.randint(3, 16, (1 + (3 * n + j) % 5,), generator=g).tolist(),
+                           [-1.0] * (1 + (3 * n + j) % 5), "stop") for j in range(G)] for n in range(num_groups)]
+    correct = torch.tensor([[1.0, 0.0]] * num_groups).reshape(num_groups, G)
+    return Experience(prompts, responses, correct, correct.clone())
+
+
+def _policy_run(algorithm, overrides=()):
+    from types import SimpleNamespace
+
+    from megatron_gtpo.algorithms import resolve_algorithm
+    from megatron_gtpo.config import load_config
+    from megatron_gtpo.data.synthetic import tiny_model_hf_config
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.training.model_setup import build_chunks, wrap_for_training
+
+    import torch
+
+    groups = initialize_parallel(1, 1)
+    torch.manual_seed(0)
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", *overrides])
+    policy = wrap_for_training(cfg, build_chunks(cfg, tiny_model_hf_config(), groups), train_steps=4)
+    spec = resolve_algorithm(algorithm)
+    return SimpleNamespace(cfg=cfg, groups=groups, policy=policy, loss_agg_mode=spec.loss_agg_mode, spec=spec,
+                           policy_loss=spec.policy_loss,
+                           vocab_size=Qwen2Shape.from_hf(tiny_model_hf_config()).vocab_size)
+
+
+def _step(run, exp, *, max_sequences=4, max_tokens=None, rollout_equals_old=False, **correction):
+    """The loop's phases for one step; returns the update's metrics."""
+    from megatron_gtpo.training.experience import correct_rollout, global_advantages, score_old_policy
+    from megatron_gtpo.training.run import split_evenly, update_policy
+    from megatron_gtpo.training.step_batch import build_step_batch
+
+    batch = build_step_batch(exp, run.groups, mini_batches=split_evenly(list(range(exp.num_groups)), 1),
+                             max_sequences=max_sequences, max_tokens=max_tokens)
+    score_old_policy(run.policy.chunks, batch, run.groups, vocab_size=run.vocab_size, temperature=1.0)
+    if rollout_equals_old and batch.old_logprobs_ST is not None:
+        batch.rollout_logprobs_ST = batch.old_logprobs_ST.clone()
+    correct_rollout(batch, **correction)
+    global_advantages(run.spec.advantage_fn, run.spec.uses_entropy, batch, run.groups)
+    return batch, update_policy(run, batch)
+
+
+ON_POLICY_CASES = [(algorithm, plan) for algorithm in ("gtpo", "grpo_s")
+                   for plan in ((8, None), (3, None), (8, 24))]  # (max_sequences, max_tokens): one, by count, by tokens
+
+
+def _on_policy(rank, world_size):
+    """Per case: the update's ratio and approx KL, the plan's micro-batch count and largest micro-batch, and the
+    largest difference between the step batch's old log-probs and the scoring path's, sequence by sequence."""
+    import torch
+
+    from megatron_gtpo.training.forward import make_micro_batches, next_token_logprobs_and_entropy
+
+    exp = _experience(4)
+    out = {}
+    for algorithm, (max_sequences, max_tokens) in ON_POLICY_CASES:
+        run = _policy_run(algorithm)
+        reference = []
+        for prompt, group in zip(exp.prompt_token_ids, exp.responses):
+            for r in group:  # each sequence alone: column P - 1 + t scores response token t
+                sequence = list(prompt) + r.token_ids
+                ((logprobs_BL, _),) = next_token_logprobs_and_entropy(
+                    run.policy.chunks, make_micro_batches([sequence], 1, device=run.groups.device), run.groups,
+                    vocab_size=run.vocab_size)
+                reference.append(logprobs_BL[0, len(prompt) - 1:len(sequence) - 1])
+        batch, update = _step(run, exp, max_sequences=max_sequences, max_tokens=max_tokens)
+        error = max(float((batch.old_logprobs_ST[s, :len(ref)] - ref).abs().max()) for s, ref in enumerate(reference))
+        out[algorithm, (max_sequences, max_tokens)] = (
+            update["ratio_max"], update["ratio_min"], update["approx_kl"], len(batch.plan[0]),
+            max(mb.inputs.tokens_BL.numel() for mb in batch.plan[0]), error,
+            bool((batch.old_logprobs_ST[~batch.mask_ST] == 0).all()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_policy():
+    (result,) = run_distributed(_on_policy, 1, timeout_s=600)
+    return result
+
+
+@pytest.mark.parametrize("case", ON_POLICY_CASES, ids=lambda c: f"{c[0]}-{c[1][0]}seq-{c[1][1]}tok")
+def test_on_policy_first_mini_batch_has_ratio_exactly_one(on_policy, case):
+    ratio_max, ratio_min, approx_kl, num_micro_batches, largest, error, zero_padding = on_policy[case]
+    max_sequences, max_tokens = case[1]
+    assert ratio_max == 1.0 and ratio_min == 1.0 and approx_kl == 0.0
+    assert error < 1e-5 and zero_padding  # the step batch holds the log-probs of the right tokens
+    if max_tokens is not None:
+        assert num_micro_batches > 1 and largest <= max_tokens
+    else:
+        assert num_micro_batches == -(-8 // max_sequences)
+
+
+CORRECTIONS = [dict(rollout_is="token", rollout_rs="token", rollout_rs_bounds=(0.99, 1.01)),
+               dict(rollout_is="sequence", rollout_rs="geometric", rollout_rs_bounds=(0.99, 1.01))]
+
+
+def _corrected(rank, world_size):
+    """Whether each correction's updated weights equal those without correction, bit for bit; and, as a control,
+    whether a correction that does bind (rollout log-probs 0.5 below the old ones, weights capped at 1.2) changes
+    them."""
+    import torch
+
+    def weights_after(rollout_equals_old=True, **settings):
+        run = _policy_run("gtpo")
+        batch, _ = _step(run, _experience(3), rollout_equals_old=rollout_equals_old, **settings)
+        return [p.detach().clone() for p in run.policy.chunks[0].parameters()]
+
+    plain = weights_after()
+    same = [all(torch.equal(a, b) for a, b in zip(plain, weights_after(**c))) for c in CORRECTIONS]
+    # The experience's rollout log-probs are -1.0, far from the old policy's: token weights are capped at 1.2.
+    binding = weights_after(rollout_equals_old=False, rollout_is="token", rollout_is_cap=1.2)
+    return same, all(torch.equal(a, b) for a, b in zip(plain, binding))
+
+
+def test_corrections_leave_the_update_unchanged_when_rollout_equals_old():
+    (result,) = run_distributed(_corrected, 1, timeout_s=300)
+    same, control_same = result
+    assert same == [True] * len(CORRECTIONS)
+    assert not control_same  # the comparison can fail: a correction that binds changes the update
+
+
+def _update_then_empty(rank, world_size):
+    import torch
+
+    run = _policy_run("grpo")
+    _, first = _step(run, _experience(2))
+    weights = [p.detach().clone() for p in run.policy.chunks[0].parameters()]
+    schedule_steps = run.policy.scheduler.num_steps
+    _, second = _step(run, _experience(0))
+    unchanged = all(torch.equal(a, b) for a, b in zip(weights, run.policy.chunks[0].parameters()))
+    return (first["optimizer_steps"], second["optimizer_steps"], second["empty_mini_batches"], unchanged,
+            run.policy.scheduler.num_steps == schedule_steps)
+
+
+def test_an_empty_mini_batch_skips_the_optimizer_and_the_lr_schedule():
+    (result,) = run_distributed(_update_then_empty, 1, timeout_s=240)
+    first_steps, second_steps, empty, unchanged, schedule_unchanged = result
+    assert first_steps == 1 and second_steps == 0 and empty == 1
+    assert unchanged, "an empty mini-batch moved the weights"
+    assert schedule_unchanged, "an empty mini-batch stepped the LR schedule"

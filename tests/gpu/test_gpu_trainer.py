@@ -29,11 +29,13 @@ def _train_and_measure(rank, world_size, output_dir, overrides):
 
 
 def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
-    """Sanity only: the planner's training peak is not below the measured peak. The comparison (both numbers and
-    the plan's parts) is appended as one JSON line to $MEGATRON_GTPO_GPU_RESULTS when set."""
+    """One RL step of the tiny trainer in bf16 on one GPU (the local layer spec when Transformer Engine is not
+    installed, else TE's: the record says which). Sanity only: the planner's training peak is not below the measured
+    peak. The comparison (both numbers and the plan's parts) is appended as one JSON line to
+    $MEGATRON_GTPO_GPU_RESULTS when set."""
     from megatron_gtpo.config import load_config
     from megatron_gtpo.data.synthetic import tiny_model_hf_config
-    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.models.qwen2 import Qwen2Shape, transformer_engine_available
     from megatron_gtpo.planning import Layout, plan, settings_from_config, workload_from_config
 
     # The synthetic prompts are 5 tokens; the planner sizes activations for max_prompt_tokens.
@@ -42,7 +44,9 @@ def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
                                                 init_process_group=False, timeout_s=600)[0]
     assert code == 0
     cfg = load_config(DEMO_CONFIG, overrides)
-    settings = settings_from_config(cfg, kernels="local", gpu_memory_gib=torch.cuda.get_device_properties(0)
+    # The trainer takes the Transformer Engine spec whenever TE imports (no config key chooses the local spec).
+    kernels = "te" if transformer_engine_available() else "local"
+    settings = settings_from_config(cfg, kernels=kernels, gpu_memory_gib=torch.cuda.get_device_properties(0)
                                     .total_memory / 2**30)
     expected = plan(Qwen2Shape.from_hf(tiny_model_hf_config()), Layout(), workload_from_config(cfg), settings,
                     model_name="cpu_demo tiny")

@@ -68,8 +68,8 @@ def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
 
 def test_resume_matches_uninterrupted_run(tmp_path):
     """Two steps, stop, two more, against four steps in one run. The data position, RNG states and step count come
-    back exactly; values agree to bf16 rounding, not bits: CUDA's embedding backward accumulates with atomics,
-    whose order varies from run to run."""
+    back exactly; values agree to rounding, not bits: CUDA's embedding backward accumulates with atomics, whose
+    order varies from run to run."""
     common = [*ONE_GPU_BF16, "checkpoint.save_every=2", "data.mini_batches_per_step=2"]
     full, part = tmp_path / "full", tmp_path / "part"
     for out, steps in ((full, 4), (part, 2), (part, 4)):
@@ -82,11 +82,14 @@ def test_resume_matches_uninterrupted_run(tmp_path):
         assert a["response_length_mean"] == b["response_length_mean"] and a["accuracy"] == b["accuracy"], a["step"]
         for k in ("reward_mean", "entropy_mean", "grad_norm", "approx_kl"):
             assert a[k] == pytest.approx(b[k], rel=2e-2, abs=1e-4), (a["step"], k)
-    ta = checkpoint_tensors(full / "checkpoints" / "step_00000004")
-    tb = checkpoint_tensors(part / "checkpoints" / "step_00000004")
-    assert ta and ta.keys() == tb.keys()
+    # Scale-free: the resumed run's state may differ from the uninterrupted one's by a tenth of how far steps 3-4
+    # moved it (a lost optimizer state or data position differs by about all of it).
+    ta, tb, t2 = (checkpoint_tensors(run / "checkpoints" / name)
+                  for run, name in ((full, "step_00000004"), (part, "step_00000004"), (full, "step_00000002")))
+    assert ta and ta.keys() == tb.keys() == t2.keys()
     for k in ta:
-        torch.testing.assert_close(ta[k].float(), tb[k].float(), rtol=2e-2, atol=1e-3, msg=k)
+        moved = (ta[k].double() - t2[k].double()).norm()
+        assert (ta[k].double() - tb[k].double()).norm() <= 0.1 * moved + 1e-9, k
 
 
 # vLLM's bf16 kernels and megatron's bf16 kernels round differently; on this tiny model the mean absolute difference

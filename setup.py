@@ -13,7 +13,8 @@ setup(
     install_requires=[
         # The CPU wheel of torch 2.13.0 is installed first by the Makefile on machines without CUDA.
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        # Tested with 0.16.1 (the newest release for Python 3.11); 0.17 may change the APIs the trainer uses.
+        "megatron-core>=0.16.1,<0.17",
         "transformers>=4.45",
         "safetensors",
         "sentencepiece",
@@ -29,8 +30,9 @@ setup(
     ],
     extras_require={
         # NVIDIA apex is optional and never a dependency: the PyPI package named "apex" is unrelated.
-        "gpu": ["transformer-engine[pytorch]"],
-        "vllm": ["vllm"],
+        # The GPU set shares one torch (constraints/gpu.txt says why these versions; `make setup-gpu` installs it).
+        "gpu": ["transformer-engine[pytorch,core_cu13]==2.17.1", "vllm==0.32.0"],
+        "vllm": ["vllm==0.32.0"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
     },
 )

@@ -43,7 +43,7 @@ test-vllm: $(VLLM_VENV)/.installed
 # The GPU set (constraints/gpu.txt; README "GPU installation"): torch first, because Transformer Engine's PyTorch
 # extension is compiled against the torch already in the venv (--no-build-isolation), not a fresh one.
 GPU_CONSTRAINTS := constraints/gpu.txt
-$(VENV)/.installed-gpu: setup.py $(GPU_CONSTRAINTS) megatron_gtpo/algorithms/_token_passes.c
+$(VENV)/.installed-gpu: setup.py $(GPU_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -c $(GPU_CONSTRAINTS) torch setuptools wheel ninja
 	$(PY) -m pip install --no-build-isolation -c $(GPU_CONSTRAINTS) -e '.[gpu,test]'

@@ -88,12 +88,12 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
                                  max_tokens=plan[1])
         if groups.is_last_stage:
             T = batch.mask_ST.shape[1]
-            batch.old_logprobs_ST = old_ST[rows, :T].clone()
-            batch.advantages = sequence_adv_S[rows].clone() if sequence_level else token_adv_ST[rows, :T].clone()
+            batch.old_logprobs_ST = old_ST[rows, :T].to(groups.device)
+            batch.advantages = (sequence_adv_S[rows] if sequence_level else token_adv_ST[rows, :T]).to(groups.device)
         spec = resolve_algorithm("grpo_s" if sequence_level else "dapo")  # eps 0.2 / 0.28, token-mean for dapo
         run = SimpleNamespace(cfg=cfg, groups=groups, policy=policy, vocab_size=shape.vocab_size,
                               loss_agg_mode="seq-mean-token-mean" if sequence_level else spec.loss_agg_mode,
-                              policy_loss=spec.policy_loss)
+                              policy_loss=spec.policy_loss, logprob_chunk_tokens=None)
         syncs = device_audit().host_syncs
         update = update_policy(run, batch)
         syncs = device_audit().host_syncs - syncs

@@ -46,7 +46,7 @@ def _policy_run(algorithm, overrides=()):
     policy = wrap_for_training(cfg, build_chunks(cfg, tiny_model_hf_config(), groups), train_steps=4)
     spec = resolve_algorithm(algorithm)
     return SimpleNamespace(cfg=cfg, groups=groups, policy=policy, loss_agg_mode=spec.loss_agg_mode, spec=spec,
-                           policy_loss=spec.policy_loss,
+                           policy_loss=spec.policy_loss, logprob_chunk_tokens=None,
                            vocab_size=Qwen2Shape.from_hf(tiny_model_hf_config()).vocab_size)
 
 

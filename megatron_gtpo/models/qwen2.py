@@ -245,7 +245,9 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
         if not meta_device:
             # As Megatron-LM's get_model: the local spec's norms (and everything under use_cpu_initialization) are
             # built on the host. DDP moves the parameters it wraps into its device buffers; every other model (the
-            # reference policy, scoring, evaluation) would keep them there.
-            model.cuda(torch.cuda.current_device())
+            # reference policy, scoring, evaluation) would keep them there. And as its Float16Module: the local
+            # spec's norms are built in fp32 whatever params_dtype says; one dtype for all parameters (two would
+            # split the distributed optimizer's buffers, whose checkpoint then fails to save).
+            model.to(device=torch.cuda.current_device(), dtype=params_dtype)
         chunks.append(model)
     return chunks

@@ -164,10 +164,8 @@ def test_training_state_bytes_equal_measured_tensors(measurements, dtype, distri
                   Settings(params_dtype=dtype, distributed_optimizer=distributed_optimizer,
                            vllm_memory_fraction=None, kernels="local"))
     stage = result.stages[0]
-    # fp32: exact. bf16: megatron's local spec keeps the RMSNorm weights (2,304 of 5.6M parameters) in fp32 and
-    # gives them no fp32 master copy; the planner counts every parameter in the model dtype (as Transformer
-    # Engine's norms are): 0.04% apart here.
-    rel = 0.0 if dtype == "float32" else 1e-3
+    # Exact in both dtypes: build_model gives every parameter the model dtype (the local spec's norms included).
+    rel = 0.0
     for rank in measured:
         for key in ("parameters", "gradients", "optimizer"):
             assert rank[key] == pytest.approx(getattr(stage, key), rel=rel, abs=0), key

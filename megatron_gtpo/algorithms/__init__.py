@@ -1,4 +1,5 @@
-"""Pure tensor functions of the RL algorithms (GRPO, DAPO, GTPO, GRPO-S); see /work/shared/specs/algorithms.md.
+"""Pure tensor functions of the RL algorithms (GRPO, DAPO, GTPO, GRPO-S); their formulas are in
+the docstrings of advantages.py and losses.py, their defaults in registry.py.
 
 Imports no torch.distributed, megatron, vllm or config objects: tensors in, tensors out, scalars as keywords.
 """

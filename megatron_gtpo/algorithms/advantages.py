@@ -1,6 +1,6 @@
 """Advantages of GRPO (also DAPO's), GTPO (token-level entropy shaping) and GRPO-S (sequence-level).
 
-Follows /work/shared/specs/algorithms.md. Conventions shared by every function here:
+GTPO and GRPO-S as in arXiv 2508.04349. Conventions shared by every function here:
 
 - N prompts, G responses per prompt, T token positions: rewards_NG, entropy_NGT, mask_NGT.
   mask_NGT is True on valid response tokens (a prefix of each row); entropy at padding positions may hold

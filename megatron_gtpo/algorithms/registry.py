@@ -1,7 +1,7 @@
 """The four algorithms as data: each name maps to its advantage function and its loss settings.
 
 The trainer resolves its configured algorithm once (resolve_algorithm) and then calls the spec; nothing
-downstream branches on the algorithm's name. Defaults follow /work/shared/specs/algorithms.md:
+downstream branches on the algorithm's name. Defaults follow the papers (GTPO / GRPO-S: arXiv 2508.04349):
 
     algorithm  advantages                 policy loss                  clip (low, high)  dyn. sampling  length penalty
     GRPO       grpo_advantages [N, G]     token, seq-mean-token-mean   0.2, 0.2          no             none

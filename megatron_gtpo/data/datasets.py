@@ -24,7 +24,7 @@ _STRAY_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def repair_control_characters(text: str) -> str:
-    """Undo the mis-escaping found in DAPO-Math-17k (see /work/shared/data/README.md) and drop stray controls.
+    """Undo the mis-escaping found in DAPO-Math-17k (listed below) and drop stray controls.
 
     - form feed -> "\\f" ("\\x0crac{m}{n}" was "\\frac{m}{n}"), backspace -> "\\b" ("\\x08eta" was "\\beta");
     - a tab directly followed by the rest of \\text, \\textbf, \\textrm, \\times, \\triangle, \\theta or \\tfrac

@@ -51,6 +51,10 @@ def _rules(rank, world_size):
     linear(dev).sum().backward()
     out["grad_on_device"] = linear.weight.grad.is_cuda
     out["host_module_raises"] = raises(lambda: torch.nn.Linear(4, 2)(dev))
+    # Module.to(device=<ordinal>, dtype=...), as build_model moves and casts its chunks.
+    cast = torch.nn.Embedding(5, 3).to(device=torch.cuda.current_device(), dtype=torch.bfloat16)
+    out["module_to_ordinal"] = cast.weight.is_cuda, cast.weight.dtype == torch.bfloat16
+    out["int_to"] = torch.ones(2).to(0).is_cuda
     syncs = audit.host_syncs
     dev.sum().item(), dev.tolist(), dev.cpu()
     out["host_syncs_counted"] = audit.host_syncs - syncs
@@ -69,6 +73,7 @@ def test_audit_rules():
     assert out["host_index_ok"] and out["device_index_into_host_raises"] and out["numpy_of_device_raises"]
     assert out["module_host_then_device"] == (False, True)
     assert out["grad_on_device"] and out["host_module_raises"]
+    assert out["module_to_ordinal"] == (True, True) and out["int_to"]
     assert out["host_syncs_counted"] == 3
     assert out["generator"] == "cpu"
 

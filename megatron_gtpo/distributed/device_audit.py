@@ -74,6 +74,8 @@ class DeviceAudit:
             return self._transfer(args[0], HOST)
         if func is torch.Tensor.to:
             return self._to(args, kwargs, is_cuda_device)
+        if func is torch._C._nn._parse_to:  # Module.to's parser: it makes no tensor, and must see the CUDA device
+            return func(*[_named(a) for a in args], **{k: _named(v) for k, v in kwargs.items()})
         descriptor = getattr(func, "__self__", None)
         if type(descriptor).__name__ == "getset_descriptor":
             return self._attribute(func, descriptor.__name__, args)
@@ -97,18 +99,16 @@ class DeviceAudit:
 
     def _to(self, args, kwargs, is_cuda_device):
         tensor, rest = args[0], args[1:]
-        target = kwargs.get("device")
-        if target is None and rest and isinstance(rest[0], torch.Tensor):
-            target_place = self.place(rest[0])  # .to(other): other's place and dtype
-            rest = (rest[0].dtype, *rest[1:])
-        elif target is None and rest and (isinstance(rest[0], (str, torch.device, int))
-                                          and not isinstance(rest[0], bool)):
-            target, rest = rest[0], rest[1:]
-            target_place = _place_of_device(target, is_cuda_device)
+        copy = kwargs.pop("copy", False)
+        if rest and isinstance(rest[0], torch.Tensor):  # .to(other): other's place and dtype
+            target_place, rest = self.place(rest[0]), (rest[0].dtype, *rest[1:])
+            _, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kwargs)
         else:
-            target_place = _place_of_device(target, is_cuda_device) if target is not None else self.place(tensor)
-        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        moved = torch.Tensor.to(tensor, *rest, **kwargs) if rest or kwargs else tensor
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(
+                *[_named(a) for a in rest], **{k: _named(v) for k, v in kwargs.items()})
+            target_place = self.place(tensor) if device is None else _place_of_device(device, is_cuda_device)
+        conversion = {k: v for k, v in (("dtype", dtype), ("memory_format", memory_format)) if v is not None}
+        moved = torch.Tensor.to(tensor, non_blocking=non_blocking, copy=copy, **conversion)
         if target_place is None or target_place == self.place(tensor):
             return self.mark(moved, self.place(tensor)) if moved is not tensor else tensor
         if moved is tensor:
@@ -168,6 +168,11 @@ _INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.in
 _TRANSFERS_AND_QUERIES = (torch.Tensor.copy_, torch._has_compatible_shallow_copy_type, torch.Tensor.is_set_to)
 _HOST_READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
                torch.Tensor.__int__, torch.Tensor.__float__)
+
+
+def _named(device):
+    """A bare int ordinal as the CUDA device it means (the CPU build of torch rejects ordinals)."""
+    return torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) else device
 
 
 def _place_of_device(device, is_cuda_device) -> bool | None:

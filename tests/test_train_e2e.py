@@ -78,7 +78,8 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     # With a KL term: the reference policy (the policy as RL started) must come back unchanged on resume.
     # Warm-up of 2 RL steps = 4 optimizer steps (2 mini-batches per step).
     common = ["parallel.tensor=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=2",
-              "data.mini_batches_per_step=2", "algorithm.kl_coef=0.05", "optim.warmup_steps=2"]
+              "data.mini_batches_per_step=2", "algorithm.kl_coef=0.05", "optim.warmup_steps=2",
+              "optim.lr_decay_style=constant"]
     full, part = tmp_path / "full", tmp_path / "part"
     res = run_train(full, 2, [*common, "steps=4", "checkpoint.keep_last=1"])
     assert res.returncode == 0, res.stderr[-4000:]

@@ -116,7 +116,7 @@ def _ranks(rank, world_size, cases, tied_hf_dir, saved_dir):
     report["resume"] = {
         "weights": _unequal_parameters(model, fresh),
         "optimizer": [k for k, v in saved_optimizer.items()
-                      if not torch.equal(restored["optimizer"][k].reshape(v.shape), v)],
+                      if not torch.equal(restored["optimizer"][k].reshape(v.shape).cpu(), v)],
         "rng": torch.equal(restored["rng"], rng),
     }
     groups = initialize_parallel(1, 2)  # model only, another layout

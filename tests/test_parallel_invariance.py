@@ -64,6 +64,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
     from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.model_setup import wrap_for_training
     from megatron_gtpo.distributed.platform import device_audit
+    from megatron_gtpo.training.experience import score_old_policy
     from megatron_gtpo.training.run import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
 
@@ -87,6 +88,8 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
         policy = wrap_for_training(cfg, chunks, train_steps=1)
         batch = build_step_batch(exp, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
                                  max_tokens=plan[1], pack=plan[2])
+        score_old_policy(policy.chunks, batch, groups, vocab_size=shape.vocab_size, temperature=0.9)
+        scored = batch.old_logprobs_ST.cpu() if groups.is_last_stage else None  # [S, T] of this DP rank
         if groups.is_last_stage:
             T = batch.mask_ST.shape[1]
             batch.old_logprobs_ST = old_ST[rows, :T].to(groups.device)
@@ -109,7 +112,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
                                 "largest": max(mb.inputs.tokens_BL.numel() for mb in batch.plan[0]),
                                 "most_per_row": max(len(mb.rows) // mb.inputs.tokens_BL.shape[0]
                                                     for mb in batch.plan[0]),
-                                "host_syncs": syncs}
+                                "host_syncs": syncs, "scored": scored, "dp_rank": groups.dp_rank}
     return results
 
 
@@ -170,8 +173,19 @@ def test_packed_rows_match_sequence_counts(reference, level, packed):
     split = results[0][level, packed]
     assert 1 < split["micro_batches"] < NUM_GROUPS * G and split["largest"] <= packed[1]
     assert split["most_per_row"] > 1  # sequences really share rows
+    (scored,), (padded,) = _scored(results, (level, packed)), _scored(results, (level, BY_COUNT))
+    assert torch.allclose(scored, padded, rtol=0, atol=2e-5)  # the old-policy pass's log-probs, sequence by sequence
     _assert_same(_merge(results, (level, BY_COUNT)), _merge(results, (level, packed)),
                  f"{level} loss, micro-batches of 4 sequences vs packed rows of at most {packed[1]} tokens")
+
+
+def _scored(rank_results, key):
+    """The old-policy pass's [S, T] log-probs of every sequence (DP ranks' rows in order, from their last stage)."""
+    parts = {}
+    for r in rank_results:
+        if r[key]["scored"] is not None:
+            parts.setdefault(r[key]["dp_rank"], r[key]["scored"])
+    return [parts[k] for k in sorted(parts)]
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
@@ -180,6 +194,11 @@ def test_layouts_match_single_process(reference, tp, pp):
     world = 2  # (1, 1) on two processes is DP=2
     plans = [(2, None, False), BUDGETS[1], PACKED[1]]
     results = run_distributed(_one_step, world, args=(str(path), tp, pp, plans), timeout_s=300)
+    # The old-policy pass: packed rows give every sequence the log-probs it gets alone in a padded row (fp32).
+    padded = torch.cat([torch.nn.functional.pad(x, (0, 10 - x.shape[1])) for x in _scored(base, ("token", BY_COUNT))])
+    for plan in plans:
+        scored = torch.cat([torch.nn.functional.pad(x, (0, 10 - x.shape[1])) for x in _scored(results, ("token", plan))])
+        assert torch.allclose(scored, padded, rtol=0, atol=2e-5), f"TP={tp} PP={pp} plan {plan}"
     for level in LOSS_LEVELS:
         for plan in plans:
             _assert_same(_merge(base, (level, BY_COUNT)), _merge(results, (level, plan)),

@@ -111,3 +111,14 @@ def test_packed_rows_restart_positions_and_confine_attention():
     for start, stop in ((0, 3), (3, 5), (5, 8)):
         expected[start:stop, start:stop] = torch.ones(stop - start, stop - start, dtype=torch.bool).tril()
     assert torch.equal(visible, expected)
+
+
+def test_packing_on_the_local_spec_with_the_fused_softmax_is_refused():
+    # megatron's fused causal softmax ignores a given mask: packed rows would attend across sequences.
+    from megatron_gtpo.training.forward import model_forward, pack_sequences
+
+    model = SimpleNamespace(config=SimpleNamespace(masked_softmax_fusion=True))
+    packed = pack_sequences([[1, 2], [3]], device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="data.pack_sequences on megatron-core's local layer spec needs "
+                                         "masked_softmax_fusion off"):
+        model_forward(model, packed, local_attention=True)

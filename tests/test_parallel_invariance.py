@@ -156,36 +156,26 @@ def test_micro_batch_size_4_vs_1(reference, level):
     assert results[0][level, BY_COUNT]["host_syncs"] == results[0][level, ONE_BY_ONE]["host_syncs"]
 
 
-@pytest.mark.parametrize("level", LOSS_LEVELS)
-@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"{b[1]}tokens")
-def test_token_budgets_match_sequence_counts(reference, level, budget):
-    _, results = reference
-    split = results[0][level, budget]
-    assert 1 < split["micro_batches"] < NUM_GROUPS * G and split["largest"] <= budget[1]
-    _assert_same(_merge(results, (level, BY_COUNT)), _merge(results, (level, budget)),
-                 f"{level} loss, micro-batches of 4 sequences vs at most {budget[1]} tokens")
-
-
-@pytest.mark.parametrize("level", LOSS_LEVELS)
-@pytest.mark.parametrize("packed", PACKED, ids=lambda b: f"{b[1]}tokens")
-def test_packed_rows_match_sequence_counts(reference, level, packed):
-    _, results = reference
-    split = results[0][level, packed]
-    assert 1 < split["micro_batches"] < NUM_GROUPS * G and split["largest"] <= packed[1]
-    assert split["most_per_row"] > 1  # sequences really share rows
-    (scored,), (padded,) = _scored(results, (level, packed)), _scored(results, (level, BY_COUNT))
-    assert torch.allclose(scored, padded, rtol=0, atol=2e-5)  # the old-policy pass's log-probs, sequence by sequence
-    _assert_same(_merge(results, (level, BY_COUNT)), _merge(results, (level, packed)),
-                 f"{level} loss, micro-batches of 4 sequences vs packed rows of at most {packed[1]} tokens")
-
-
 def _scored(rank_results, key):
-    """The old-policy pass's [S, T] log-probs of every sequence (DP ranks' rows in order, from their last stage)."""
+    """The old-policy pass's log-probs of every sequence, [S, 10] (DP ranks' rows in order, from the last stage)."""
     parts = {}
     for r in rank_results:
         if r[key]["scored"] is not None:
             parts.setdefault(r[key]["dp_rank"], r[key]["scored"])
-    return [parts[k] for k in sorted(parts)]
+    return torch.cat([torch.nn.functional.pad(parts[k], (0, 10 - parts[k].shape[1])) for k in sorted(parts)])
+
+
+@pytest.mark.parametrize("level", LOSS_LEVELS)
+@pytest.mark.parametrize("plan", BUDGETS + PACKED, ids=lambda b: f"{b[1]}tokens" + ("-packed" if b[2] else ""))
+def test_token_budgets_and_packing_match_sequence_counts(reference, level, plan):
+    _, results = reference
+    split = results[0][level, plan]
+    assert 1 < split["micro_batches"] < NUM_GROUPS * G and split["largest"] <= plan[1]
+    assert split["most_per_row"] > 1 if plan[2] else split["most_per_row"] == 1  # packed: sequences share rows
+    # The old-policy pass: every sequence gets the log-probs it gets in a row of its own (fp32 rounding).
+    assert torch.allclose(_scored(results, (level, plan)), _scored(results, (level, BY_COUNT)), rtol=0, atol=2e-5)
+    _assert_same(_merge(results, (level, BY_COUNT)), _merge(results, (level, plan)),
+                 f"{level} loss, micro-batches of 4 sequences vs plan {plan}")
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
@@ -194,11 +184,9 @@ def test_layouts_match_single_process(reference, tp, pp):
     world = 2  # (1, 1) on two processes is DP=2
     plans = [(2, None, False), BUDGETS[1], PACKED[1]]
     results = run_distributed(_one_step, world, args=(str(path), tp, pp, plans), timeout_s=300)
-    # The old-policy pass: packed rows give every sequence the log-probs it gets alone in a padded row (fp32).
-    padded = torch.cat([torch.nn.functional.pad(x, (0, 10 - x.shape[1])) for x in _scored(base, ("token", BY_COUNT))])
-    for plan in plans:
-        scored = torch.cat([torch.nn.functional.pad(x, (0, 10 - x.shape[1])) for x in _scored(results, ("token", plan))])
-        assert torch.allclose(scored, padded, rtol=0, atol=2e-5), f"TP={tp} PP={pp} plan {plan}"
+    for plan in plans:  # the old-policy pass
+        assert torch.allclose(_scored(results, ("token", plan)), _scored(base, ("token", BY_COUNT)), rtol=0,
+                              atol=2e-5), f"TP={tp} PP={pp} plan {plan}"
     for level in LOSS_LEVELS:
         for plan in plans:
             _assert_same(_merge(base, (level, BY_COUNT)), _merge(results, (level, plan)),

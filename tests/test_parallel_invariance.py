@@ -133,7 +133,8 @@ PACKED = [(8, 12, True), (8, 21, True)]  # one row of at most that many tokens p
 def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("inv")
     make_tiny_qwen2(path, tie=False, vocab_size=1000, num_layers=4, num_heads=4, num_kv_heads=2)
-    results = run_distributed(_one_step, 1, args=(str(path), 1, 1, [BY_COUNT, ONE_BY_ONE, *BUDGETS, *PACKED]), timeout_s=300)
+    results = run_distributed(_one_step, 1, args=(str(path), 1, 1, [BY_COUNT, ONE_BY_ONE, *BUDGETS, *PACKED]),
+                              timeout_s=300)
     return path, results
 
 

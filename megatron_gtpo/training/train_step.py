@@ -18,15 +18,15 @@ from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_an
 
 from .forward import MicroBatch, model_forward, next_token_targets, uses_local_attention
 from .model_setup import PolicyModel
-from .step_batch import PlannedMicroBatch, StepBatch, MicroBatchColumns
+from .step_batch import MicroBatchColumns, PlannedMicroBatch, StepBatch
 
 
 @dataclass
 class UpdateMicroBatch:
     """A planned micro-batch with what the loss needs, response-aligned [B, T] (B: the micro-batch's sequences,
     T: its longest response; column t is response token t, whatever the model inputs' layout). On pipeline stages
-    other than the last, and for the padding micro-batch of a rank without sequences, only `inputs`, `columns`
-    and an all-False `loss_mask_BT` are filled."""
+    other than the last only `inputs`, `columns` and `loss_mask_BT` are filled; the padding micro-batch of a rank
+    without sequences has B = 0."""
 
     inputs: MicroBatch
     columns: MicroBatchColumns  # gathers the model's [B_rows, L] next-token outputs into [B, T]
@@ -46,7 +46,7 @@ def update_micro_batch(batch: StepBatch, planned: PlannedMicroBatch) -> UpdateMi
     columns = planned.columns
 
     def select(values):
-        return None if values is None or not planned.rows else columns.select(values)
+        return None if values is None else columns.select(values)
 
     mask = batch.loss_mask_ST if batch.loss_mask_ST is not None else batch.mask_ST
     return UpdateMicroBatch(planned.inputs, columns, columns.select(mask), select(batch.old_logprobs_ST),

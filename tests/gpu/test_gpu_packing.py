@@ -1,6 +1,5 @@
 """Sequence packing through Transformer Engine (THD with cu_seqlens, training/forward.py) on CUDA: the log-probs of
 sequences packed into one row against each sequence scored alone, same bf16 model."""
-import pytest
 import torch
 
 from cuda_only import pytestmark, skip_without, skip_without_cuda  # noqa: F401  (pytestmark marks the module `gpu`)

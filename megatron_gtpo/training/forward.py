@@ -154,7 +154,8 @@ def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[Micr
     """Per micro-batch (logprobs_BL1, entropy_BL1), float32 on the logits' device, on the last pipeline stage ([]
     elsewhere): logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k]
     the entropy of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding
-    garbage."""
+    garbage; in a packed row, so does each sequence's last position (its "next token" is the next sequence's first),
+    and the context tokens[b, :k+1] is the sequence's own."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(

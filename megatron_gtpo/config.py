@@ -116,6 +116,9 @@ class DataConfig:
     # At most this many tokens per micro-batch, padding included (None: no token budget). Sequences are sorted by
     # length and cut into micro-batches once per step; the old-log-prob pass and the update run the same ones.
     max_tokens_per_micro_batch: int | None = None
+    # Pack several sequences into each row (first-fit decreasing, at most max_tokens_per_micro_batch tokens per row,
+    # which must then be set), attention confined to each sequence: no padding between sequences.
+    pack_sequences: bool = False
     mini_batches_per_step: int = 1
     epochs_per_step: int = 1
     max_prompt_tokens: int = 2048
@@ -326,6 +329,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
                                      "epochs_per_step must be >= 1")
     need(d.max_tokens_per_micro_batch is None or d.max_tokens_per_micro_batch >= 1,
          f"data.max_tokens_per_micro_batch: must be >= 1 (or unset), got {d.max_tokens_per_micro_batch}")
+    need(not d.pack_sequences or d.max_tokens_per_micro_batch is not None,
+         "data.pack_sequences: needs data.max_tokens_per_micro_batch (the length of a packed row)")
     need(d.prompts_per_step % d.mini_batches_per_step == 0,
          f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data.mini_batches_per_step "
          f"({d.mini_batches_per_step})")

@@ -58,6 +58,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["algorithm.rollout_is=tokens"], "algorithm.rollout_is: 'tokens' is not one of none, token, sequence"),
     (BASE, ["algorithm.rollout_rs_bounds=[2, 1]"], "algorithm.rollout_rs_bounds: need [low, high]"),
     (BASE, ["algorithm.rollout_is_cap=0"], "algorithm.rollout_is_cap: must be > 0"),
+    (BASE, ["data.pack_sequences=true"], "data.pack_sequences: needs data.max_tokens_per_micro_batch"),
     (BASE, ["algorithm.name=grpo_s", "algorithm.rollout_is=token"], "algorithm.rollout_is: token weights need a "
                                                                      "token-level loss"),
 ])

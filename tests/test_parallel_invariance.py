@@ -1,7 +1,8 @@
 """One policy-update step on a fixed batch gives the same loss and the same updated weights at TP=1 vs 2,
-PP=1 vs 2, DP=1 vs 2, micro-batch size 4 vs 1 and micro-batches cut by a token budget (the loss contract, end to
-end through the step batch, update_policy, megatron's schedule, DDP and the DistributedOptimizer), for the token-level loss (GTPO / DAPO / GRPO) and the sequence-level one
-(GRPO-S, one advantage per sequence, mean over sequences)."""
+PP=1 vs 2, DP=1 vs 2, micro-batch size 4 vs 1, micro-batches cut by a token budget and sequences packed into rows
+(the loss contract, end to end through the step batch, update_policy, megatron's schedule, DDP and the
+DistributedOptimizer), for the token-level loss (GTPO / DAPO / GRPO) and the sequence-level one (GRPO-S, one
+advantage per sequence, mean over sequences)."""
 import pytest
 import torch
 
@@ -51,8 +52,8 @@ def _gather_hf(chunks, groups, shape):
 
 
 def _one_step(rank, world_size, model_dir, tp, pp, plans):
-    """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch), through the trainer's
-    own step batch and update_policy."""
+    """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch, pack), through the
+    trainer's own step batch and update_policy."""
     from types import SimpleNamespace
 
     from megatron_gtpo.algorithms import resolve_algorithm
@@ -63,6 +64,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
     from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.model_setup import wrap_for_training
     from megatron_gtpo.distributed.platform import device_audit
+    from megatron_gtpo.training.experience import score_old_policy
     from megatron_gtpo.training.run import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
 
@@ -85,7 +87,9 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks, train_steps=1)
         batch = build_step_batch(exp, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
-                                 max_tokens=plan[1])
+                                 max_tokens=plan[1], pack=plan[2])
+        score_old_policy(policy.chunks, batch, groups, vocab_size=shape.vocab_size, temperature=0.9)
+        scored = batch.old_logprobs_ST.cpu() if groups.is_last_stage else None  # [S, T] of this DP rank
         if groups.is_last_stage:
             T = batch.mask_ST.shape[1]
             batch.old_logprobs_ST = old_ST[rows, :T].to(groups.device)
@@ -106,7 +110,9 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
                                 if groups.is_last_stage else None,
                                 "micro_batches": len(batch.plan[0]),
                                 "largest": max(mb.inputs.tokens_BL.numel() for mb in batch.plan[0]),
-                                "host_syncs": syncs}
+                                "most_per_row": max(len(mb.rows) // mb.inputs.tokens_BL.shape[0]
+                                                    for mb in batch.plan[0]),
+                                "host_syncs": syncs, "scored": scored, "dp_rank": groups.dp_rank}
     return results
 
 
@@ -118,15 +124,17 @@ def _merge(rank_results, key):
     return loss, rank_results[0][key]["grad_norm"], weights
 
 
-BY_COUNT, ONE_BY_ONE = (4, None), (1, None)
-BUDGETS = [(8, 12), (8, 21)]  # max tokens per micro-batch (padded): 1 to 3 sequences each
+BY_COUNT, ONE_BY_ONE = (4, None, False), (1, None, False)
+BUDGETS = [(8, 12, False), (8, 21, False)]  # max tokens per micro-batch (padded): 1 to 3 sequences each
+PACKED = [(8, 12, True), (8, 21, True)]  # one row of at most that many tokens per micro-batch, 1 to 4 sequences
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("inv")
     make_tiny_qwen2(path, tie=False, vocab_size=1000, num_layers=4, num_heads=4, num_kv_heads=2)
-    results = run_distributed(_one_step, 1, args=(str(path), 1, 1, [BY_COUNT, ONE_BY_ONE, *BUDGETS]), timeout_s=300)
+    results = run_distributed(_one_step, 1, args=(str(path), 1, 1, [BY_COUNT, ONE_BY_ONE, *BUDGETS, *PACKED]),
+                              timeout_s=300)
     return path, results
 
 
@@ -149,22 +157,38 @@ def test_micro_batch_size_4_vs_1(reference, level):
     assert results[0][level, BY_COUNT]["host_syncs"] == results[0][level, ONE_BY_ONE]["host_syncs"]
 
 
+def _scored(rank_results, key):
+    """The old-policy pass's log-probs of every sequence, [S, 10] (DP ranks' rows in order, from the last stage)."""
+    parts = {}
+    for r in rank_results:
+        if r[key]["scored"] is not None:
+            parts.setdefault(r[key]["dp_rank"], r[key]["scored"])
+    return torch.cat([torch.nn.functional.pad(parts[k], (0, 10 - parts[k].shape[1])) for k in sorted(parts)])
+
+
 @pytest.mark.parametrize("level", LOSS_LEVELS)
-@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"{b[1]}tokens")
-def test_token_budgets_match_sequence_counts(reference, level, budget):
+@pytest.mark.parametrize("plan", BUDGETS + PACKED, ids=lambda b: f"{b[1]}tokens" + ("-packed" if b[2] else ""))
+def test_token_budgets_and_packing_match_sequence_counts(reference, level, plan):
     _, results = reference
-    split = results[0][level, budget]
-    assert 1 < split["micro_batches"] < NUM_GROUPS * G and split["largest"] <= budget[1]
-    _assert_same(_merge(results, (level, BY_COUNT)), _merge(results, (level, budget)),
-                 f"{level} loss, micro-batches of 4 sequences vs at most {budget[1]} tokens")
+    split = results[0][level, plan]
+    assert 1 < split["micro_batches"] < NUM_GROUPS * G and split["largest"] <= plan[1]
+    assert split["most_per_row"] > 1 if plan[2] else split["most_per_row"] == 1  # packed: sequences share rows
+    # The old-policy pass: every sequence gets the log-probs it gets in a row of its own (fp32 rounding).
+    assert torch.allclose(_scored(results, (level, plan)), _scored(results, (level, BY_COUNT)), rtol=0, atol=2e-5)
+    _assert_same(_merge(results, (level, BY_COUNT)), _merge(results, (level, plan)),
+                 f"{level} loss, micro-batches of 4 sequences vs plan {plan}")
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_layouts_match_single_process(reference, tp, pp):
     path, base = reference
     world = 2  # (1, 1) on two processes is DP=2
-    results = run_distributed(_one_step, world, args=(str(path), tp, pp, [(2, None), BUDGETS[1]]), timeout_s=300)
+    plans = [(2, None, False), BUDGETS[1], PACKED[1]]
+    results = run_distributed(_one_step, world, args=(str(path), tp, pp, plans), timeout_s=300)
+    for plan in plans:  # the old-policy pass
+        assert torch.allclose(_scored(results, ("token", plan)), _scored(base, ("token", BY_COUNT)), rtol=0,
+                              atol=2e-5), f"TP={tp} PP={pp} plan {plan}"
     for level in LOSS_LEVELS:
-        for plan in ((2, None), BUDGETS[1]):
+        for plan in plans:
             _assert_same(_merge(base, (level, BY_COUNT)), _merge(results, (level, plan)),
                          f"{level} loss, TP={tp} PP={pp} DP={world // (tp * pp)}, plan {plan}")

@@ -25,14 +25,17 @@ SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoin
 
 
 # Options the update must carry at every layout, spread over the cases: several epochs over one rollout batch,
-# the entropy bonus, the dual clip, a token budget per micro-batch, the rollout mismatch corrections.
+# the entropy bonus, the dual clip, a token budget per micro-batch, packed sequences, the rollout mismatch corrections.
+PACKED = ["data.pack_sequences=true", "data.max_tokens_per_micro_batch=64"]
+
+
 @pytest.mark.parametrize("layout,algorithm,options", [
-    ("parallel.tensor=2", "gtpo", []),
+    ("parallel.tensor=2", "gtpo", PACKED),
     ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=sequence"]),
     ("parallel.tensor=2", "grpo", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
     ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01",
                                      "data.max_tokens_per_micro_batch=40"]),
-    ("parallel.pipeline=2", "grpo_s", []),
+    ("parallel.pipeline=2", "grpo_s", PACKED),
     ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0", "algorithm.rollout_is=token",
                                      "algorithm.rollout_rs=geometric"]),
     ("parallel.pipeline=2", "dapo", []),

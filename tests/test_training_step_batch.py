@@ -35,14 +35,29 @@ def test_a_sequence_longer_than_the_budget_is_an_error_naming_the_key():
         plan_micro_batches(LENGTHS, [list(range(6))], max_sequences=8, max_tokens=8)
 
 
-def _batch(max_sequences=2, max_tokens=None):
+def test_packed_plan_is_first_fit_decreasing_under_the_token_budget():
+    # Sorted: 9, 7, 7, 5, 3, 2 into rows of 16: 9 -> row 0, 7 -> row 0 (16), 7 -> row 1, 5 -> row 1 (12),
+    # 3 -> row 1 (15), 2 -> row 2 (row 1 would reach 17).
+    assert plan_micro_batches(LENGTHS, [list(range(6))], max_sequences=1, max_tokens=16, pack=True) == [
+        [[1, 3], [4, 0, 5], [2]]]
+    # Rows are padded to a multiple of 4 (sequence parallelism): 9 + 7 = 16 fits; 7 + 5 + 3 = 15 -> 16 fits, + 2 not.
+    assert plan_micro_batches(LENGTHS, [list(range(6))], max_sequences=1, max_tokens=16, pack=True,
+                              pad_to_multiple=4) == [[[1, 3], [4, 0, 5], [2]]]
+    assert plan_micro_batches(LENGTHS, [[], [0]], max_sequences=1, max_tokens=16, pack=True) == [[[]], [[0]]]
+    with pytest.raises(ValueError, match="data.pack_sequences needs data.max_tokens_per_micro_batch"):
+        plan_micro_batches(LENGTHS, [[0]], max_sequences=1, max_tokens=None, pack=True)
+    with pytest.raises(ValueError, match="data.max_tokens_per_micro_batch = 8 is smaller than a sequence of 9"):
+        plan_micro_batches(LENGTHS, [list(range(6))], max_sequences=8, max_tokens=8, pack=True)
+
+
+def _batch(max_sequences=2, max_tokens=None, pack=False):
     prompts = [(1, 2, 3), (4,)]
     responses = [[Response([5, 6], [-0.5, -0.6], "stop"), Response([7], [-0.7], "stop")],
                  [Response([8, 9, 10], [-0.8, -0.9, -1.0], "length"), Response([11, 12], [-1.1, -1.2], "stop")]]
     correct = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=1)
     return build_step_batch(Experience(prompts, responses, correct, correct.clone()), groups,
-                            mini_batches=[[0, 1]], max_sequences=max_sequences, max_tokens=max_tokens)
+                            mini_batches=[[0, 1]], max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
 
 
 def test_fields_are_response_aligned_and_read_through_the_group_index():
@@ -57,18 +72,53 @@ def test_fields_are_response_aligned_and_read_through_the_group_index():
     assert torch.equal(batch.per_sequence(values_ST.view(2, 2, 3)), values_ST)
 
 
-def test_next_token_columns_gather_and_scatter():
+def test_next_token_columns_gather_and_select():
     batch = _batch()
     # Plan: longest first, two per micro-batch: sequences 0 (5 tokens) and 1 (4) / 2 (4) and 3 (3).
     assert [mb.rows for mb in batch.plan[0]] == [[0, 1], [2, 3]]
     first = batch.plan[0][0]
     assert first.inputs.tokens_BL.tolist() == [[1, 2, 3, 5, 6], [1, 2, 3, 7, 0]]
+    assert first.inputs.cu_seqlens is None
     # Column k scores token k + 1: sequence 0's response tokens (positions 3, 4) at columns 2, 3; sequence 1's at 2.
     scores_BL = torch.tensor([[10.0, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
-    assert first.columns.gather_BT(scores_BL).tolist() == [[12.0, 13.0], [22.0, 0.0]]
+    assert first.columns.gather(scores_BL).tolist() == [[12.0, 13.0], [22.0, 0.0]]
     values_ST = torch.tensor([[1.0, 2, 99], [3, 99, 99], [4, 5, 6], [7, 8, 99]])
-    assert first.columns.scatter_BL(values_ST, 5).tolist() == [[0.0, 0, 1, 2, 0], [0, 0, 3, 0, 0]]
+    assert first.columns.select(values_ST).tolist() == [[1.0, 2], [3, 99]]
+    assert batch.plan[0][1].columns.select(torch.tensor([0.5, 1.5, 2.5, 3.5])).tolist() == [2.5, 3.5]
+
+
+def test_packed_rows_restart_positions_and_confine_attention():
+    from megatron_gtpo.training.forward import block_causal_mask
+
+    batch = _batch(max_tokens=9, pack=True)
+    # First-fit decreasing into rows of 9: 5 + 4 = 9 (sequences 0, 1), 4 + 3 = 7 (sequences 2, 3).
+    assert [mb.rows for mb in batch.plan[0]] == [[0, 1], [2, 3]]
     second = batch.plan[0][1]
-    assert second.columns.scatter_BL(values_ST, 4).tolist() == [[4.0, 5, 6, 0], [7, 8, 0, 0]]
-    assert second.columns.scatter_BL(batch.mask_ST, 4).tolist() == [[True, True, True, False],
-                                                                     [True, True, False, False]]
+    assert second.inputs.tokens_BL.tolist() == [[4, 8, 9, 10, 4, 11, 12]]
+    assert second.inputs.position_ids_BL.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert second.inputs.cu_seqlens.tolist() == [0, 4, 7] and second.inputs.max_segment == 4
+    # Sequence 2 (prompt 1 token) scores its response at columns 0, 1, 2; sequence 3 (starts at 4) at 4, 5.
+    scores_BL = torch.tensor([[10.0, 11, 12, 13, 14, 15, 16]])
+    assert second.columns.gather(scores_BL).tolist() == [[10.0, 11, 12], [14, 15, 0]]
+    # Padded to a multiple of 4: the padding tail is a segment of its own.
+    groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=4)
+    from megatron_gtpo.training.forward import pack_sequences
+
+    packed = pack_sequences([[1, 2, 3], [4, 5]], device=torch.device("cpu"), pad_to_multiple=groups.sequence_multiple)
+    assert packed.tokens_BL.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]] and packed.cu_seqlens.tolist() == [0, 3, 5, 8]
+    visible = ~block_causal_mask(packed.cu_seqlens, 8)[0, 0]
+    expected = torch.zeros(8, 8, dtype=torch.bool)
+    for start, stop in ((0, 3), (3, 5), (5, 8)):
+        expected[start:stop, start:stop] = torch.ones(stop - start, stop - start, dtype=torch.bool).tril()
+    assert torch.equal(visible, expected)
+
+
+def test_packing_on_the_local_spec_with_the_fused_softmax_is_refused():
+    # megatron's fused causal softmax ignores a given mask: packed rows would attend across sequences.
+    from megatron_gtpo.training.forward import model_forward, pack_sequences
+
+    model = SimpleNamespace(config=SimpleNamespace(masked_softmax_fusion=True))
+    packed = pack_sequences([[1, 2], [3]], device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="data.pack_sequences on megatron-core's local layer spec needs "
+                                         "masked_softmax_fusion off"):
+        model_forward(model, packed, local_attention=True)

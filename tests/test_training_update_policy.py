@@ -2,7 +2,8 @@
 build, old-policy pass, rollout correction, advantages, update.
 
 - On-policy, the update's first mini-batch runs the very micro-batches the old-policy pass ran: its importance ratio
-  is exactly 1 and its approx KL exactly 0, with sequence-count and token-budget plans alike.
+  is exactly 1 and its approx KL exactly 0, with sequence-count, token-budget and packed plans alike; the old
+  log-probs equal each sequence's scored alone.
 - With rollout log-probs equal to the old ones, every rollout correction leaves the update unchanged (bit for bit).
 - A step whose mini-batch is empty (dynamic sampling came up short) takes no optimizer and no LR-schedule step, so
   Adam's momentum from the step before cannot move the weights.
@@ -50,14 +51,14 @@ def _policy_run(algorithm, overrides=()):
                            vocab_size=Qwen2Shape.from_hf(tiny_model_hf_config()).vocab_size)
 
 
-def _step(run, exp, *, max_sequences=4, max_tokens=None, rollout_equals_old=False, **correction):
+def _step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_equals_old=False, **correction):
     """The loop's phases for one step; returns the update's metrics."""
     from megatron_gtpo.training.experience import correct_rollout, global_advantages, score_old_policy
     from megatron_gtpo.training.run import split_evenly, update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
 
     batch = build_step_batch(exp, run.groups, mini_batches=split_evenly(list(range(exp.num_groups)), 1),
-                             max_sequences=max_sequences, max_tokens=max_tokens)
+                             max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
     score_old_policy(run.policy.chunks, batch, run.groups, vocab_size=run.vocab_size, temperature=1.0)
     if rollout_equals_old and batch.old_logprobs_ST is not None:
         batch.rollout_logprobs_ST = batch.old_logprobs_ST.clone()
@@ -67,7 +68,8 @@ def _step(run, exp, *, max_sequences=4, max_tokens=None, rollout_equals_old=Fals
 
 
 ON_POLICY_CASES = [(algorithm, plan) for algorithm in ("gtpo", "grpo_s")
-                   for plan in ((8, None), (3, None), (8, 24))]  # (max_sequences, max_tokens): one, by count, by tokens
+                   for plan in ((8, None, False), (3, None, False), (8, 24, False), (8, 24, True))]
+# (max_sequences, max_tokens, pack): one micro-batch, by count, by tokens, packed rows of at most 24 tokens
 
 
 def _on_policy(rank, world_size):
@@ -79,7 +81,7 @@ def _on_policy(rank, world_size):
 
     exp = _experience(4)
     out = {}
-    for algorithm, (max_sequences, max_tokens) in ON_POLICY_CASES:
+    for algorithm, (max_sequences, max_tokens, pack) in ON_POLICY_CASES:
         run = _policy_run(algorithm)
         reference = []
         for prompt, group in zip(exp.prompt_token_ids, exp.responses):
@@ -89,11 +91,12 @@ def _on_policy(rank, world_size):
                     run.policy.chunks, make_micro_batches([sequence], 1, device=run.groups.device), run.groups,
                     vocab_size=run.vocab_size)
                 reference.append(logprobs_BL[0, len(prompt) - 1:len(sequence) - 1])
-        batch, update = _step(run, exp, max_sequences=max_sequences, max_tokens=max_tokens)
+        batch, update = _step(run, exp, max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
         error = max(float((batch.old_logprobs_ST[s, :len(ref)] - ref).abs().max()) for s, ref in enumerate(reference))
-        out[algorithm, (max_sequences, max_tokens)] = (
+        out[algorithm, (max_sequences, max_tokens, pack)] = (
             update["ratio_max"], update["ratio_min"], update["approx_kl"], len(batch.plan[0]),
             max(mb.inputs.tokens_BL.numel() for mb in batch.plan[0]), error,
+            max(len(mb.rows) for mb in batch.plan[0]) if pack else None,
             bool((batch.old_logprobs_ST[~batch.mask_ST] == 0).all()))
     return out
 
@@ -104,13 +107,16 @@ def on_policy():
     return result
 
 
-@pytest.mark.parametrize("case", ON_POLICY_CASES, ids=lambda c: f"{c[0]}-{c[1][0]}seq-{c[1][1]}tok")
+@pytest.mark.parametrize("case", ON_POLICY_CASES,
+                         ids=lambda c: f"{c[0]}-{c[1][0]}seq-{c[1][1]}tok" + ("-packed" if c[1][2] else ""))
 def test_on_policy_first_mini_batch_has_ratio_exactly_one(on_policy, case):
-    ratio_max, ratio_min, approx_kl, num_micro_batches, largest, error, zero_padding = on_policy[case]
-    max_sequences, max_tokens = case[1]
+    ratio_max, ratio_min, approx_kl, num_micro_batches, largest, error, most_per_row, zero_padding = on_policy[case]
+    max_sequences, max_tokens, pack = case[1]
     assert ratio_max == 1.0 and ratio_min == 1.0 and approx_kl == 0.0
     assert error < 1e-5 and zero_padding  # the step batch holds the log-probs of the right tokens
-    if max_tokens is not None:
+    if pack:  # one row per micro-batch, several sequences in a row
+        assert num_micro_batches > 1 and largest <= max_tokens and most_per_row > 1
+    elif max_tokens is not None:
         assert num_micro_batches > 1 and largest <= max_tokens
     else:
         assert num_micro_batches == -(-8 // max_sequences)

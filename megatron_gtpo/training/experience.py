@@ -137,9 +137,9 @@ def _response_logprobs_and_entropy(model_chunks, *, batch: StepBatch, micro_batc
     logprobs_ST = torch.zeros(batch.mask_ST.shape, device=groups.device)
     entropy_ST = torch.zeros_like(logprobs_ST)
     for mb, (logprobs_BL, entropy_BL) in zip(micro_batches, outputs):
-        width = mb.columns.valid_BT.shape[1]
-        logprobs_ST[mb.columns.rows_B, :width] = mb.columns.gather_BT(logprobs_BL)
-        entropy_ST[mb.columns.rows_B, :width] = mb.columns.gather_BT(entropy_BL)
+        width = mb.columns.valid_ST.shape[1]
+        logprobs_ST[mb.columns.sequences_S, :width] = mb.columns.gather(logprobs_BL)
+        entropy_ST[mb.columns.sequences_S, :width] = mb.columns.gather(entropy_BL)
     return logprobs_ST, entropy_ST
 
 

@@ -2,6 +2,16 @@
 
 The pass runs megatron-core's pipeline schedule (any TP/PP/VPP); the last pipeline stage applies the vocab-parallel
 log-prob/entropy op to its logits shard, so full-vocabulary logits never exist on any rank.
+
+Two layouts of a micro-batch's rows (`MicroBatch`):
+- padded: one sequence per row, right-padded to the longest; megatron's default causal mask.
+- packed (`pack_sequences`): one row holding several sequences back to back, attention confined to each sequence.
+  With Transformer Engine (GPU) the row goes to the model as THD with cu_seqlens (PackedSeqParams): its attention
+  and RoPE restart at every sequence start. On megatron-core's local layer spec (CPU), which refuses
+  PackedSeqParams, the row gets a block-diagonal causal attention mask [1, 1, L, L] instead, and RoPE is computed
+  from the position in the row (GPTModel does not read position_ids for RoPE): q.k under RoPE depends only on the
+  difference of two positions, and the mask only lets a token see tokens of its own sequence, so the logits equal
+  those of positions restarting at 0, up to rounding.
 """
 from __future__ import annotations
 
@@ -15,11 +25,16 @@ from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_an
 
 @dataclass
 class MicroBatch:
-    """Right-padded sequences. Causal attention makes right padding invisible to the real positions."""
+    """Padded: one right-padded sequence per row (causal attention makes right padding invisible to the real
+    positions). Packed: one row [1, L] of sequences back to back, then padding; `cu_seqlens` bounds them."""
 
     tokens_BL: torch.Tensor  # int64 [B, L]
-    lengths_B: torch.Tensor  # int64 [B], true lengths
-    position_ids_BL: torch.Tensor  # int64 [B, L]
+    lengths_B: torch.Tensor  # int64 [B], true lengths (packed: the row's tokens before its padding)
+    position_ids_BL: torch.Tensor  # int64 [B, L] (packed: restarting at 0 for every sequence)
+    # Packed only: int32 [n + 1], the start of each of the row's n segments and L; the padding tail (if any) is the
+    # last segment, so segments tile the row. max_segment: the longest segment's length (host int).
+    cu_seqlens: torch.Tensor | None = None
+    max_segment: int = 0
 
     @property
     def token_mask_BL(self) -> torch.Tensor:
@@ -54,16 +69,72 @@ def make_micro_batches(sequences: list[list[int]], micro_batch_size: int, *, dev
     return batches
 
 
+def pack_sequences(sequences: list[list[int]], *, device: torch.device, pad_id: int = 0,
+                   pad_to_multiple: int = 1) -> MicroBatch:
+    """The sequences back to back in one row, padded at its end to a multiple of `pad_to_multiple`, on `device`."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("packing needs at least one sequence, none of them empty")
+    lengths = [len(s) for s in sequences]
+    total = sum(lengths)
+    length = -(-total // pad_to_multiple) * pad_to_multiple
+    segments = lengths + ([length - total] if length > total else [])
+    tokens = [t for s in sequences for t in s] + [pad_id] * (length - total)
+    positions = [p for n in segments for p in range(n)]
+    cu_seqlens = [0]
+    for n in segments:
+        cu_seqlens.append(cu_seqlens[-1] + n)
+    return MicroBatch(torch.tensor([tokens], dtype=torch.long, device=device),
+                      torch.tensor([total], device=device),
+                      torch.tensor([positions], dtype=torch.long, device=device),
+                      torch.tensor(cu_seqlens, dtype=torch.int32, device=device), max(segments))
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """bool [1, 1, L, L], True where attention is masked out (megatron's convention): query i sees key j iff
+    j <= i and both lie in the same segment of `cu_seqlens`."""
+    positions_L = torch.arange(length, device=cu_seqlens.device)
+    segment_L = torch.bucketize(positions_L, cu_seqlens[1:].long(), right=True)
+    visible_LL = (segment_L[:, None] == segment_L[None, :]) & (positions_L[None, :] <= positions_L[:, None])
+    return ~visible_LL[None, None]
+
+
+def uses_local_attention(model_chunk) -> bool:
+    """Whether the chunk's attention is megatron-core's local DotProductAttention (else Transformer Engine's)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return any(isinstance(m, DotProductAttention) for m in model_chunk.modules())
+
+
+def model_forward(model, mb: MicroBatch, *, local_attention: bool):
+    """The model's logits for a micro-batch of either layout (module docstring); `local_attention` as
+    `uses_local_attention` says of the model."""
+    if mb.cu_seqlens is None:
+        return model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None)
+    if local_attention:
+        if model.config.masked_softmax_fusion:
+            raise ValueError("data.pack_sequences on megatron-core's local layer spec needs masked_softmax_fusion "
+                             "off (its fused causal softmax ignores the block-diagonal mask): use Transformer "
+                             "Engine on GPU (THD), or set data.pack_sequences=false")
+        return model(mb.tokens_BL, mb.position_ids_BL,
+                     attention_mask=block_causal_mask(mb.cu_seqlens, mb.tokens_BL.shape[1]))
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                             max_seqlen_q=mb.max_segment, max_seqlen_kv=mb.max_segment)
+    return model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None, packed_seq_params=params)
+
+
 def run_forward(model_chunks: list, micro_batches: list[MicroBatch], groups: ParallelGroups, on_last_stage,
                 *, forward_only: bool = True):
     """Run megatron's schedule over `micro_batches`; `on_last_stage(micro_batch, logits_BLV_local)` is called on the
     last pipeline stage and what it returns is collected (a list, in micro-batch order; [] on other stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    local_attention = uses_local_attention(model_chunks[0])
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None)
-        return logits, partial(_collect, mb)
+        return model_forward(model, mb, local_attention=local_attention), partial(_collect, mb)
 
     def _collect(mb, logits, non_loss_data=False):
         return on_last_stage(mb, logits)
@@ -83,7 +154,8 @@ def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[Micr
     """Per micro-batch (logprobs_BL1, entropy_BL1), float32 on the logits' device, on the last pipeline stage ([]
     elsewhere): logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k]
     the entropy of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding
-    garbage."""
+    garbage; in a packed row, so does each sequence's last position (its "next token" is the next sequence's first),
+    and the context tokens[b, :k+1] is the sequence's own."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(

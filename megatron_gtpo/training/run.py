@@ -198,7 +198,8 @@ def build_run(cfg: TrainConfig) -> Run:
               vocab_size=shape.vocab_size, logprob_chunk_tokens=chunk_tokens,
               step_batch=lambda exp: build_step_batch(
                   exp, groups, mini_batches=split_evenly(list(range(exp.num_groups)), cfg.data.mini_batches_per_step),
-                  max_sequences=cfg.data.micro_batch_size, max_tokens=cfg.data.max_tokens_per_micro_batch),
+                  max_sequences=cfg.data.micro_batch_size, max_tokens=cfg.data.max_tokens_per_micro_batch,
+                  pack=cfg.data.pack_sequences),
               score=score,
               advantages=lambda batch: global_advantages(advantage_fn, spec.uses_entropy, batch, groups)
               if groups.is_last_stage else None,
@@ -277,7 +278,7 @@ def update_policy(run: Run, batch: StepBatch) -> dict:
     for k, (mini, planned) in enumerate(zip(mini_batches, batch.plan)):
         for mb, plan_mb in zip(mini, planned):
             if plan_mb.rows:
-                counts[k, 0] += local_loss_normalizer(mb.loss_mask_BL, run.loss_agg_mode)
+                counts[k, 0] += local_loss_normalizer(mb.loss_mask_BT, run.loss_agg_mode)
     dist.all_reduce(counts, group=groups.dp_group)
     normalizers = counts[:, 0].clamp(min=1)
     response_tokens = counts[:, 1].tolist()
@@ -287,12 +288,10 @@ def update_policy(run: Run, batch: StepBatch) -> dict:
             if tokens == 0:
                 continue
 
-            def loss_fn(mb, logprobs_BL, entropy_BL, normalizer=normalizer):
-                if mb.old_logprobs_BL is None:  # padding micro-batch of a rank without sequences
-                    return (logprobs_BL * 0).sum(), {}
-                return run.policy_loss(logprobs_BL, mb.old_logprobs_BL, mb.advantages, mb.loss_mask_BL,
-                                       loss_normalizer=normalizer, entropy_BT=entropy_BL,
-                                       ref_logprobs_BT=mb.ref_logprobs_BL, pg_weights=mb.pg_weights)
+            def loss_fn(mb, logprobs_BT, entropy_BT, normalizer=normalizer):
+                return run.policy_loss(logprobs_BT, mb.old_logprobs_BT, mb.advantages, mb.loss_mask_BT,
+                                       loss_normalizer=normalizer, entropy_BT=entropy_BT,
+                                       ref_logprobs_BT=mb.ref_logprobs_BT, pg_weights=mb.pg_weights)
 
             results.append(run_train_step(run.policy, micro_batches, groups, loss_fn, vocab_size=run.vocab_size,
                                           temperature=cfg.rollout.temperature,
@@ -372,7 +371,7 @@ def warm_start(run: Run) -> dict:
         exp = Experience([p.prompt_token_ids for p in prompts], answers, no_reward, no_reward)
         batch = build_step_batch(exp, groups, mini_batches=[list(range(len(prompts)))],
                                  max_sequences=cfg.data.micro_batch_size,
-                                 max_tokens=cfg.data.max_tokens_per_micro_batch)
+                                 max_tokens=cfg.data.max_tokens_per_micro_batch, pack=cfg.data.pack_sequences)
         micro_batches = [update_micro_batch(batch, planned) for planned in batch.plan[0]]
         tokens = batch.mask_ST.sum().double()
         dist.all_reduce(tokens, group=groups.dp_group)

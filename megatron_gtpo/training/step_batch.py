@@ -7,12 +7,16 @@ the longest response): column t of row s belongs to response token t of sequence
 per-token fields through them.
 
 The micro-batch plan is computed once (`plan_micro_batches`): per mini-batch (optimizer step), the sequence ids of
-each micro-batch, length-bucketed and cut by a sequence count and a padded-token budget. The old-log-prob pass and
-the update run the same micro-batches, so an on-policy first mini-batch sees the very same computation twice (its
-importance ratio is exactly 1). The loss contract (algorithms/losses.py) makes the update independent of the split.
+each micro-batch, either length-bucketed and cut by a sequence count and a padded-token budget, or packed
+(data.pack_sequences: first-fit decreasing into rows of at most the token budget, several sequences per row with
+attention confined to each, forward.py). The old-log-prob pass and the update run the same micro-batches, so an
+on-policy first mini-batch sees the very same computation twice (its importance ratio is exactly 1). The loss
+contract (algorithms/losses.py) makes the update independent of the split and of the packing.
 
 The next-token offset lives here only: in a micro-batch's [B, L] layout column k scores token k + 1, so response
-token t of a sequence with a P-token prompt is scored at column P - 1 + t (`_MicroBatchColumns`).
+token t of a sequence that starts at column o of its row with a P-token prompt is scored at column o + P - 1 + t
+(o = 0 unpacked). `MicroBatchColumns` gathers those scores into the response-aligned layout [S_mb, T_mb] that the
+step batch's fields and the losses use, whichever the micro-batch's layout.
 
 Fields, by the phase that adds them (all on groups.device; per-token ones on the last pipeline stage only):
     build_step_batch      mask_ST, rollout_logprobs_ST, correct_NG, rewards_NG, group_index_S, response_index_S
@@ -29,7 +33,7 @@ import torch
 from megatron_gtpo.distributed import ParallelGroups
 
 from .experience import Experience
-from .forward import MicroBatch, make_micro_batches
+from .forward import MicroBatch, make_micro_batches, pack_sequences
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -37,56 +41,76 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def plan_micro_batches(lengths: list[int], mini_batches: list[list[int]], *, max_sequences: int,
-                       max_tokens: int | None, pad_to_multiple: int = 1) -> list[list[list[int]]]:
-    """Per mini-batch, the sequence ids (indices into `lengths`) of each micro-batch. Within a mini-batch sequences
-    are sorted longest first and cut greedily: a micro-batch holds at most `max_sequences` sequences and, with
-    `max_tokens`, at most that many tokens once padded to its longest sequence (rounded up to `pad_to_multiple`).
+                       max_tokens: int | None, pad_to_multiple: int = 1, pack: bool = False
+                       ) -> list[list[list[int]]]:
+    """Per mini-batch, the sequence ids (indices into `lengths`) of each micro-batch, longest first.
+
+    Padded (pack=False): sequences sorted longest first and cut greedily; a micro-batch holds at most
+    `max_sequences` sequences and, with `max_tokens`, at most that many tokens once padded to its longest sequence
+    (rounded up to `pad_to_multiple`).
+    Packed (pack=True): first-fit decreasing; each micro-batch is one row of sequences back to back whose total,
+    rounded up to `pad_to_multiple`, is at most `max_tokens` (required); `max_sequences` does not apply.
     A mini-batch without sequences gets one empty micro-batch (its rank still takes part in the collective step).
     A sequence longer than the budget is an error naming data.max_tokens_per_micro_batch."""
     if max_sequences < 1:
         raise ValueError(f"max_sequences must be >= 1, got {max_sequences}")
-    plan = []
-    for ids in mini_batches:
-        ordered = sorted(ids, key=lambda i: -lengths[i])
-        micro_batches, current, padded_length = [], [], 0
-        for i in ordered:
-            length = _round_up(lengths[i], pad_to_multiple)
-            if max_tokens is not None and length > max_tokens:
-                raise ValueError(f"data.max_tokens_per_micro_batch = {max_tokens} is smaller than a sequence of "
-                                 f"{lengths[i]} tokens (padded to {length}): raise it to at least the longest "
-                                 f"prompt + response")
-            padded_length = padded_length or length  # longest first: the first sequence sets the padding
-            fits = len(current) < max_sequences and (max_tokens is None
-                                                     or (len(current) + 1) * padded_length <= max_tokens)
-            if current and not fits:
-                micro_batches.append(current)
-                current, padded_length = [], length
-            current.append(i)
-        micro_batches.append(current)
-        plan.append(micro_batches)
-    return plan
+    if pack and max_tokens is None:
+        raise ValueError("data.pack_sequences needs data.max_tokens_per_micro_batch (the length of a packed row)")
+    for i in (i for ids in mini_batches for i in ids):
+        if max_tokens is not None and _round_up(lengths[i], pad_to_multiple) > max_tokens:
+            raise ValueError(f"data.max_tokens_per_micro_batch = {max_tokens} is smaller than a sequence of "
+                             f"{lengths[i]} tokens (padded to {_round_up(lengths[i], pad_to_multiple)}): raise it "
+                             f"to at least the longest prompt + response")
+    cut = _first_fit_decreasing if pack else _cut_padded
+    return [cut(sorted(ids, key=lambda i: -lengths[i]), lengths, max_sequences, max_tokens, pad_to_multiple)
+            for ids in mini_batches]
+
+
+def _cut_padded(ordered, lengths, max_sequences, max_tokens, pad_to_multiple) -> list[list[int]]:
+    micro_batches, current, padded_length = [], [], 0
+    for i in ordered:
+        length = _round_up(lengths[i], pad_to_multiple)
+        padded_length = padded_length or length  # longest first: the first sequence sets the padding
+        fits = len(current) < max_sequences and (max_tokens is None or (len(current) + 1) * padded_length <= max_tokens)
+        if current and not fits:
+            micro_batches.append(current)
+            current, padded_length = [], length
+        current.append(i)
+    micro_batches.append(current)
+    return micro_batches
+
+
+def _first_fit_decreasing(ordered, lengths, max_sequences, max_tokens, pad_to_multiple) -> list[list[int]]:
+    rows, used = [], []
+    for i in ordered:
+        row = next((r for r, n in enumerate(used) if _round_up(n + lengths[i], pad_to_multiple) <= max_tokens), None)
+        if row is None:
+            rows.append([])
+            used.append(0)
+            row = len(rows) - 1
+        rows[row].append(i)
+        used[row] += lengths[i]
+    return rows or [[]]
 
 
 @dataclass
-class _MicroBatchColumns:
-    """Where the response tokens of a micro-batch's rows sit in its [B, L] layout."""
+class MicroBatchColumns:
+    """Where each response token of a micro-batch sits in its [B, L] next-token layout (padded: sequence b in row b;
+    packed: all in row 0, one after another)."""
 
-    rows_B: torch.Tensor  # long: the sequence ids (rows of the [S, ...] fields)
-    columns_BT: torch.Tensor  # long [B, T_mb]: P - 1 + t on response tokens, L - 1 (scores no token) elsewhere
-    valid_BT: torch.Tensor  # bool [B, T_mb]: t < the response's length
+    sequences_S: torch.Tensor  # long [S_mb]: the sequence ids (rows of the step batch's [S, ...] fields)
+    row_S: torch.Tensor  # long [S_mb]: each sequence's row in the micro-batch
+    columns_ST: torch.Tensor  # long [S_mb, T_mb]: start - 1 + t on response tokens, 0 (ignored) elsewhere
+    valid_ST: torch.Tensor  # bool [S_mb, T_mb]: t < the response's length
 
-    def gather_BT(self, values_BL: torch.Tensor) -> torch.Tensor:
-        """[B, L] next-token scores -> response-aligned [B, T_mb], 0 past each response."""
-        return torch.where(self.valid_BT, values_BL.gather(1, self.columns_BT), 0.0)
+    def gather(self, values_BL: torch.Tensor) -> torch.Tensor:
+        """[B, L] next-token scores -> response-aligned [S_mb, T_mb], 0 past each response (differentiable)."""
+        return torch.where(self.valid_ST, values_BL[self.row_S[:, None], self.columns_ST], 0.0)
 
-    def scatter_BL(self, values_ST: torch.Tensor, length: int) -> torch.Tensor:
-        """The rows' response-aligned values -> [B, L] next-token layout, 0 (False) wherever no response token is
-        scored. Padding positions all write their 0 to column L - 1, which no response token uses."""
-        values_BT = values_ST.index_select(0, self.rows_B)[:, :self.columns_BT.shape[1]]
-        values_BT = torch.where(self.valid_BT, values_BT, torch.zeros((), dtype=values_BT.dtype,
-                                                                      device=values_BT.device))
-        out = values_BT.new_zeros(values_BT.shape[0], length)
-        return out.scatter(1, self.columns_BT, values_BT)
+    def select(self, values_S_or_ST: torch.Tensor) -> torch.Tensor:
+        """The step batch's [S] or [S, T] field -> this micro-batch's [S_mb] or [S_mb, T_mb]."""
+        values = values_S_or_ST.index_select(0, self.sequences_S)
+        return values[:, :self.valid_ST.shape[1]] if values.ndim == 2 else values
 
 
 @dataclass
@@ -95,7 +119,7 @@ class PlannedMicroBatch:
 
     inputs: MicroBatch
     rows: list[int]  # the sequence ids (host ints); empty for the padding micro-batch of a rank without sequences
-    columns: _MicroBatchColumns | None  # None with no rows
+    columns: MicroBatchColumns  # selects nothing with no rows
 
 
 @dataclass
@@ -141,8 +165,9 @@ class StepBatch:
 
 
 def build_step_batch(exp: Experience, groups: ParallelGroups, *, mini_batches: list[list[int]], max_sequences: int,
-                     max_tokens: int | None) -> StepBatch:
-    """The step batch of `exp`'s kept groups; `mini_batches` lists the group ids of each mini-batch."""
+                     max_tokens: int | None, pack: bool = False) -> StepBatch:
+    """The step batch of `exp`'s kept groups; `mini_batches` lists the group ids of each mini-batch; `pack`: packed
+    micro-batches (one row of several sequences each, forward.py) instead of padded ones."""
     device, G = groups.device, exp.group_size
     sequences = exp.sequences()
     prompt_lengths = exp.response_starts()
@@ -155,8 +180,8 @@ def build_step_batch(exp: Experience, groups: ParallelGroups, *, mini_batches: l
     lengths_S = torch.tensor(response_lengths, dtype=torch.long, device=device)
     sequence_ids = [[g * G + j for g in groups_of_mini for j in range(G)] for groups_of_mini in mini_batches]
     plan = plan_micro_batches([len(s) for s in sequences], sequence_ids, max_sequences=max_sequences,
-                              max_tokens=max_tokens, pad_to_multiple=groups.sequence_multiple)
-    planned = [[_planned(rows, sequences, prompt_lengths, response_lengths, groups) for rows in mini]
+                              max_tokens=max_tokens, pad_to_multiple=groups.sequence_multiple, pack=pack)
+    planned = [[_planned(rows, sequences, prompt_lengths, response_lengths, groups, pack) for rows in mini]
                for mini in plan]
     index_S = torch.arange(len(sequences), device=device)
     return StepBatch(num_groups=exp.num_groups, group_size=G, sequence_lengths=[len(s) for s in sequences],
@@ -166,19 +191,29 @@ def build_step_batch(exp: Experience, groups: ParallelGroups, *, mini_batches: l
                      rewards_NG=exp.rewards_NG.to(device), plan=planned)
 
 
-def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, groups: ParallelGroups
+def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, groups: ParallelGroups, pack: bool
              ) -> PlannedMicroBatch:
-    device = groups.device
+    device, multiple = groups.device, groups.sequence_multiple
     if not rows:  # a rank without sequences: one dummy sequence that scores nothing
-        (inputs,) = make_micro_batches([[0, 0]], 1, device=device, pad_to_multiple=groups.sequence_multiple)
-        return PlannedMicroBatch(inputs, rows, None)
-    (inputs,) = make_micro_batches([sequences[i] for i in rows], len(rows), device=device,
-                                   pad_to_multiple=groups.sequence_multiple)
-    L = inputs.tokens_BL.shape[1]
+        (inputs,) = make_micro_batches([[0, 0]], 1, device=device, pad_to_multiple=multiple)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return PlannedMicroBatch(inputs, rows, MicroBatchColumns(empty, empty, empty[:, None][:, :0],
+                                                                  torch.zeros(0, 0, dtype=torch.bool, device=device)))
+    if pack:
+        inputs = pack_sequences([sequences[i] for i in rows], device=device, pad_to_multiple=multiple)
+        row_S = [0] * len(rows)
+        offsets = [0]
+        for i in rows[:-1]:
+            offsets.append(offsets[-1] + len(sequences[i]))
+    else:
+        (inputs,) = make_micro_batches([sequences[i] for i in rows], len(rows), device=device,
+                                       pad_to_multiple=multiple)
+        row_S, offsets = list(range(len(rows))), [0] * len(rows)
     T = max(response_lengths[i] for i in rows)
     t_T = torch.arange(T)
-    starts_B1 = torch.tensor([prompt_lengths[i] - 1 for i in rows])[:, None]
-    valid_BT = t_T < torch.tensor([response_lengths[i] for i in rows])[:, None]
-    columns_BT = torch.where(valid_BT, starts_B1 + t_T, L - 1)
-    columns = _MicroBatchColumns(torch.tensor(rows, device=device), columns_BT.to(device), valid_BT.to(device))
+    starts_S1 = torch.tensor([offset + prompt_lengths[i] - 1 for i, offset in zip(rows, offsets)])[:, None]
+    valid_ST = t_T < torch.tensor([response_lengths[i] for i in rows])[:, None]
+    columns_ST = torch.where(valid_ST, starts_S1 + t_T, 0)
+    columns = MicroBatchColumns(torch.tensor(rows, device=device), torch.tensor(row_S, device=device),
+                                 columns_ST.to(device), valid_ST.to(device))
     return PlannedMicroBatch(inputs, rows, columns)

@@ -16,46 +16,41 @@ import torch
 
 from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
 
-from .forward import MicroBatch, next_token_targets
+from .forward import MicroBatch, model_forward, next_token_targets, uses_local_attention
 from .model_setup import PolicyModel
-from .step_batch import PlannedMicroBatch, StepBatch
+from .step_batch import MicroBatchColumns, PlannedMicroBatch, StepBatch
 
 
 @dataclass
 class UpdateMicroBatch:
-    """A micro-batch with what the loss needs, aligned with next-token positions: column k scores token k+1. On
-    pipeline stages other than the last only `inputs` and `loss_mask_BL` are filled."""
+    """A planned micro-batch with what the loss needs, response-aligned [B, T] (B: the micro-batch's sequences,
+    T: its longest response; column t is response token t, whatever the model inputs' layout). On pipeline stages
+    other than the last only `inputs`, `columns` and `loss_mask_BT` are filled; the padding micro-batch of a rank
+    without sequences has B = 0."""
 
     inputs: MicroBatch
-    loss_mask_BL: torch.Tensor  # bool: True where column k predicts a response token that is in the loss
-    old_logprobs_BL: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None  # [B, L] per token or [B] per sequence
-    ref_logprobs_BL: torch.Tensor | None = None
-    pg_weights: torch.Tensor | None = None  # [B, L] or [B]: rollout-mismatch importance weights
+    columns: MicroBatchColumns  # gathers the model's [B_rows, L] next-token outputs into [B, T]
+    loss_mask_BT: torch.Tensor  # bool: the response tokens in the loss
+    old_logprobs_BT: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None  # [B, T] per token or [B] per sequence
+    ref_logprobs_BT: torch.Tensor | None = None
+    pg_weights: torch.Tensor | None = None  # [B, T] or [B]: rollout-mismatch importance weights
 
 
-# loss_fn(micro_batch, logprobs_BL, entropy_BL) -> (loss_mb under the loss contract, metrics dict of tensors)
+# loss_fn(micro_batch, logprobs_BT, entropy_BT) -> (loss_mb under the loss contract, metrics dict of tensors)
 LossFn = Callable[[UpdateMicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
 def update_micro_batch(batch: StepBatch, planned: PlannedMicroBatch) -> UpdateMicroBatch:
-    """The update's view of one planned micro-batch: the step batch's fields placed in its [B, L] layout, on the
-    device. The empty micro-batch of a rank without sequences has an all-False mask and no fields."""
-    tokens_BL = planned.inputs.tokens_BL
-    if planned.columns is None:
-        return UpdateMicroBatch(planned.inputs, torch.zeros(tokens_BL.shape, dtype=torch.bool,
-                                                            device=tokens_BL.device))
-    L = tokens_BL.shape[1]
+    """The update's view of one planned micro-batch: the step batch's fields of its sequences, on the device."""
     columns = planned.columns
 
-    def place(values):  # [S, T] -> [B, L]; [S] -> [B]
-        if values is None:
-            return None
-        return columns.scatter_BL(values, L) if values.ndim == 2 else values.index_select(0, columns.rows_B)
+    def select(values):
+        return None if values is None else columns.select(values)
 
     mask = batch.loss_mask_ST if batch.loss_mask_ST is not None else batch.mask_ST
-    return UpdateMicroBatch(planned.inputs, place(mask), place(batch.old_logprobs_ST), place(batch.advantages),
-                            place(batch.ref_logprobs_ST), place(batch.pg_weights))
+    return UpdateMicroBatch(planned.inputs, columns, columns.select(mask), select(batch.old_logprobs_ST),
+                            select(batch.advantages), select(batch.ref_logprobs_ST), select(batch.pg_weights))
 
 
 def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], groups: ParallelGroups,
@@ -70,18 +65,22 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], g
     num_micro_batches = len(micro_batches)
     scale = num_micro_batches * groups.dp_size  # undo megatron's /num_microbatches and DDP's DP average
 
+    local_attention = uses_local_attention(policy.ddp_chunks[0])
+
     def loss_on_last_stage(mb: UpdateMicroBatch, logits_BLV):
+        # The op runs on the micro-batch's own layout (packed rows included); the loss reads its response tokens.
         # No id-range check (check_targets): a host sync per micro-batch; the ids are the step batch's (forward.py).
         logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
             logits_BLV, next_token_targets(mb.inputs.tokens_BL), tp_group=groups.tp_group, vocab_size=vocab_size,
             temperature=temperature, chunk_size=chunk_tokens, check_targets=False)
-        loss, metrics = loss_fn(mb, logprobs_BL, entropy_BL)
+        if not mb.columns.sequences_S.numel():  # a rank without sequences: zero loss, still in the backward graph
+            return (logprobs_BL * 0).sum(), {}
+        loss, metrics = loss_fn(mb, mb.columns.gather(logprobs_BL), mb.columns.gather(entropy_BL))
         return loss * scale, {k: v.detach() for k, v in metrics.items()}
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb.inputs.tokens_BL, mb.inputs.position_ids_BL, attention_mask=None)
-        return logits, partial(loss_on_last_stage, mb)
+        return model_forward(model, mb.inputs, local_attention=local_attention), partial(loss_on_last_stage, mb)
 
     for chunk in policy.ddp_chunks:
         chunk.train()
@@ -109,9 +108,9 @@ def supervised_loss_fn(normalizer: float) -> LossFn:
     """Negative log-likelihood of the response tokens, summed and divided by the mini-batch's token count
     (the warm-start's loss; same contract as the policy losses)."""
 
-    def loss_fn(mb: UpdateMicroBatch, logprobs_BL, entropy_BL):
-        mask = mb.loss_mask_BL
-        nll = -torch.where(mask, logprobs_BL, 0.0).sum() / normalizer
+    def loss_fn(mb: UpdateMicroBatch, logprobs_BT, entropy_BT):
+        mask = mb.loss_mask_BT
+        nll = -torch.where(mask, logprobs_BT, 0.0).sum() / normalizer
         return nll, {"sft_loss": nll.detach(), "num_tokens": mask.sum()}
 
     return loss_fn

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
-ALGORITHMS = ("gtpo", "grpo_s", "grpo", "dapo")
+from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, resolve_algorithm
+
+ALGORITHMS = ALGORITHM_NAMES  # the registry's names (algorithms/registry.py): the only list of algorithms
 
 
 class ConfigError(ValueError):
@@ -286,8 +288,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConf
     return cfg
 
 
-def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
-    """Cross-field checks. With `world_size`, also the layout-dependent ones."""
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks, and the layout's that need neither the world size nor the model (validate_layout)."""
     def need(cond, msg):
         if not cond:
             raise ConfigError(msg)
@@ -320,8 +322,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(d.source == "synthetic" or cfg.warm_start.steps == 0,
          f"warm_start.steps: the supervised warm start trains on the synthetic task's answers; with data.source "
          f"{d.source} it must be 0, got {cfg.warm_start.steps}")
-    # GTPO / GRPO-S split each group by a binary reward (registry.py): a length penalty has nowhere to go.
-    need(a.name not in ("gtpo", "grpo_s") or a.length_penalty in (None, "none"),
+    spec = resolve_algorithm(a.name)
+    # GTPO / GRPO-S (the entropy-shaped ones) split each group by a binary reward: a length penalty has nowhere to go.
+    need(not spec.uses_entropy or a.length_penalty in (None, "none"),
          f"algorithm.length_penalty: {a.length_penalty} is not available with {a.name}, whose shaped rewards need "
          f"binary correctness; use none (or grpo / dapo)")
     need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
@@ -348,34 +351,56 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> None:
     need(0 <= a.rollout_rs_bounds[0] <= a.rollout_rs_bounds[1],
          f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got {list(a.rollout_rs_bounds)}")
     # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
-    need(a.name != "grpo_s" or a.rollout_is != "token",
+    need(not spec.sequence_level_loss or a.rollout_is != "token",
          "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use sequence")
     need(m.reference is None or os.path.isdir(m.reference),
          f"model.reference: {m.reference!r} is not a directory (a HF model directory or a checkpoint)")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")
-    par = cfg.parallel
-    need(par.tensor >= 1 and par.pipeline >= 1,
-         f"parallel.tensor / parallel.pipeline: must be >= 1, got {par.tensor} / {par.pipeline}")
-    need(par.virtual_pipeline is None or (par.virtual_pipeline >= 1 and par.pipeline >= 2),
+    validate_layout(cfg)
+
+
+def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=None) -> None:
+    """Every rule of the parallel layout, in one place: TP / PP / VPP / SP on their own; with `world_size`, TP x PP
+    against it, the data-parallel size against the batch and the vLLM engines; with `shape` (models.qwen2.Qwen2Shape),
+    attention heads, KV heads, FFN width and layers against TP / PP. `validate` runs the first part when the config is
+    loaded; the trainer runs all of it before any process group exists."""
+    def need(cond, msg):
+        if not cond:
+            raise ConfigError(msg)
+
+    par, r, d = cfg.parallel, cfg.rollout, cfg.data
+    tp, pp = par.tensor, par.pipeline
+    need(tp >= 1 and pp >= 1, f"parallel.tensor / parallel.pipeline: must be >= 1, got {tp} / {pp}")
+    need(par.virtual_pipeline is None or (par.virtual_pipeline >= 1 and pp >= 2),
          f"parallel.virtual_pipeline: needs parallel.pipeline >= 2 and a value >= 1, got {par.virtual_pipeline} "
-         f"with pipeline {par.pipeline}")
-    need(not par.sequence_parallel or par.tensor > 1, "parallel.sequence_parallel: needs parallel.tensor > 1")
-    if world_size is not None:
-        tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-        need(world_size % (tp * pp) == 0,
-             f"parallel: world size {world_size} is not divisible by tensor x pipeline = {tp} x {pp}")
-        dp = world_size // (tp * pp)
-        need(r.engine != "vllm_remote" or len(r.vllm_remote_addresses) == dp,
-             f"rollout.vllm_remote_addresses: {len(r.vllm_remote_addresses)} given, but there are {dp} data-parallel "
-             f"replicas (one vLLM server each)")
-        replica = tp if dp > 1 else tp * pp  # GPUs of one replica from its first (rollout/server_engine.py)
-        need(r.engine != "vllm" or r.vllm_tensor_parallel <= replica,
-             f"rollout.vllm_tensor_parallel: a colocated vLLM engine runs on its model replica's GPUs, "
-             f"{replica} here (parallel.tensor{'' if dp > 1 else ' x parallel.pipeline'} with {dp} data-parallel "
-             f"replica{'s' if dp > 1 else ''}); got {r.vllm_tensor_parallel}")
-        need(d.prompts_per_step % (dp * d.mini_batches_per_step) == 0,
-             f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data-parallel size x "
-             f"mini_batches_per_step = {dp} x {d.mini_batches_per_step}")
+         f"with pipeline {pp}")
+    need(not par.sequence_parallel or tp > 1, "parallel.sequence_parallel: needs parallel.tensor > 1")
+    if shape is not None:
+        try:
+            shape.check_parallel(tp, pp)
+        except ValueError as e:
+            raise ConfigError(f"parallel.tensor / parallel.pipeline: the model cannot be split so: {e}") from None
+    if world_size is None:
+        return
+    import torch
+
+    need(not par.sequence_parallel or torch.cuda.is_available(),
+         "parallel.sequence_parallel: needs CUDA (Transformer Engine or apex norms); megatron-core's torch norm, the "
+         "only one on the CPU, refuses it")
+    need(world_size % (tp * pp) == 0,
+         f"parallel: world size {world_size} is not divisible by tensor x pipeline = {tp} x {pp}")
+    dp = world_size // (tp * pp)
+    need(r.engine != "vllm_remote" or len(r.vllm_remote_addresses) == dp,
+         f"rollout.vllm_remote_addresses: {len(r.vllm_remote_addresses)} given, but there are {dp} data-parallel "
+         f"replicas (one vLLM server each)")
+    replica = tp if dp > 1 else tp * pp  # GPUs of one replica from its first (rollout/server_engine.py)
+    need(r.engine != "vllm" or r.vllm_tensor_parallel <= replica,
+         f"rollout.vllm_tensor_parallel: a colocated vLLM engine runs on its model replica's GPUs, "
+         f"{replica} here (parallel.tensor{'' if dp > 1 else ' x parallel.pipeline'} with {dp} data-parallel "
+         f"replica{'s' if dp > 1 else ''}); got {r.vllm_tensor_parallel}")
+    need(d.prompts_per_step % (dp * d.mini_batches_per_step) == 0,
+         f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data-parallel size x "
+         f"mini_batches_per_step = {dp} x {d.mini_batches_per_step}")
 
 
 def to_dict(cfg) -> dict:

@@ -10,6 +10,7 @@ import torch
 import megatron_gtpo.algorithms as algorithms
 from megatron_gtpo.algorithms import (
     Algorithm,
+    configure_algorithm,
     grpo_advantages,
     grpo_s_advantages,
     gtpo_advantages,
@@ -28,7 +29,7 @@ def _batch(seed=0, N=3, G=4, T=6):
 
 
 def test_spec_defaults_follow_the_spec():
-    grpo, dapo, gtpo, grpo_s = (resolve_algorithm(a) for a in Algorithm)
+    grpo, dapo, gtpo, grpo_s = (resolve_algorithm(a) for a in ("grpo", "dapo", "gtpo", "grpo_s"))
     assert (grpo.eps_low, grpo.eps_high, grpo.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
     assert (dapo.eps_low, dapo.eps_high, dapo.loss_agg_mode) == (0.2, 0.28, "token-mean")
     assert dapo.dynamic_sampling and dapo.length_penalty == "overlong" and not grpo.dynamic_sampling
@@ -49,16 +50,49 @@ def test_resolve_unknown_algorithm_raises():
         resolve_algorithm("ppo")
 
 
-def test_advantages_dispatch_to_the_right_function():
+def test_config_choices_are_the_registry_names():
+    from megatron_gtpo.config import ALGORITHMS
+
+    assert ALGORITHMS == tuple(a.value for a in Algorithm) == ("gtpo", "grpo_s", "grpo", "dapo")
+
+
+def _configured(name, *overrides):
+    from megatron_gtpo.config import load_config
+
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", f"algorithm.name={name}",
+                             *overrides])
+    return configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+def test_advantages_dispatch_to_the_right_function_with_the_config_scalars():
     rewards, entropy, mask = _batch()
-    torch.testing.assert_close(resolve_algorithm("grpo").advantages(rewards, entropy, mask), grpo_advantages(rewards))
-    torch.testing.assert_close(resolve_algorithm("dapo").advantages(rewards), grpo_advantages(rewards))
-    torch.testing.assert_close(resolve_algorithm("gtpo").advantages(rewards, entropy, mask, norm_scope="group"),
-                               gtpo_advantages(rewards, entropy, mask, norm_scope="group"))
-    torch.testing.assert_close(resolve_algorithm("grpo_s").advantages(rewards, entropy, mask, beta2=0.3),
-                               grpo_s_advantages(rewards, entropy, mask, beta2=0.3))
+    torch.testing.assert_close(_configured("grpo").advantages(rewards, entropy, mask), grpo_advantages(rewards))
+    torch.testing.assert_close(_configured("dapo").advantages(rewards), grpo_advantages(rewards))
+    torch.testing.assert_close(
+        _configured("gtpo", "algorithm.norm_scope=group", "algorithm.alpha2=0.3").advantages(rewards, entropy, mask),
+        gtpo_advantages(rewards, entropy, mask, norm_scope="group", alpha2=0.3))
+    torch.testing.assert_close(
+        _configured("grpo_s", "algorithm.beta2=0.3", "algorithm.entropy_clip=[0.1, 1.5]").advantages(
+            rewards, entropy, mask), grpo_s_advantages(rewards, entropy, mask, beta2=0.3, entropy_clip=(0.1, 1.5)))
     with pytest.raises(ValueError, match="need entropy_NGT and mask_NGT"):
-        resolve_algorithm("gtpo").advantages(rewards)
+        _configured("gtpo").advantages(rewards)
+
+
+def test_configured_loss_takes_the_config_settings_over_the_defaults():
+    rewards, entropy, mask = _batch(3)
+    B, T = mask.shape[0] * mask.shape[1], mask.shape[2]
+    mask_BT = mask.reshape(B, T)
+    gen = torch.Generator().manual_seed(4)
+    old = -torch.rand(B, T, generator=gen, dtype=torch.float64)
+    logprobs = old + 0.5 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    adv_B = grpo_advantages(rewards).reshape(B)
+    loss, _ = _configured("grpo_s", "algorithm.eps_high=0.4", "algorithm.sequence_ratio=geometric").policy_loss(
+        logprobs, old, adv_B, mask_BT, loss_normalizer=B)
+    expected, _ = sequence_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B, sequence_ratio="geometric",
+                                       eps_low=0.2, eps_high=0.4)
+    torch.testing.assert_close(loss, expected)
+    assert _configured("grpo").dynamic_sampling is False and _configured("dapo").length_penalty is not None
+    assert _configured("grpo", "algorithm.dynamic_sampling=true").dynamic_sampling is True
 
 
 def test_policy_loss_uses_the_spec_settings_and_overrides():

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megatron_gtpo.config import ConfigError, TrainConfig, load_config, save_config, validate
+from megatron_gtpo.config import ConfigError, TrainConfig, load_config, save_config, validate_layout
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
@@ -71,29 +71,41 @@ def test_remote_vllm_needs_one_server_per_data_parallel_replica():
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.engine=vllm_remote",
                              "rollout.vllm_remote_addresses=[node1:5000, node2:5000]", "data.prompts_per_step=8"])
     assert cfg.rollout.vllm_remote_addresses == ["node1:5000", "node2:5000"]
-    validate(cfg, world_size=2)  # TP 1 x PP 1: one server per replica
+    validate_layout(cfg, world_size=2)  # TP 1 x PP 1: one server per replica
     with pytest.raises(ConfigError, match="2 given, but there are 4 data-parallel replicas"):
-        validate(cfg, world_size=4)
+        validate_layout(cfg, world_size=4)
 
 
 def test_layout_dependent_checks():
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "parallel.tensor=2",
                              "data.prompts_per_step=6"])
-    validate(cfg, world_size=4)  # DP = 2 divides 6
+    validate_layout(cfg, world_size=4)  # DP = 2 divides 6
     with pytest.raises(ConfigError, match="world size 5 is not divisible by tensor x pipeline = 2 x 1"):
-        validate(cfg, world_size=5)
+        validate_layout(cfg, world_size=5)
     with pytest.raises(ConfigError, match="data-parallel size x mini_batches_per_step = 4 x 1"):
-        validate(cfg, world_size=8)
+        validate_layout(cfg, world_size=8)
+
+
+def test_the_model_must_split_at_the_layout():
+    from megatron_gtpo.data.synthetic import tiny_model_hf_config
+    from megatron_gtpo.models.qwen2 import Qwen2Shape
+
+    shape = Qwen2Shape.from_hf(tiny_model_hf_config())
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "parallel.tensor=2"])
+    validate_layout(cfg, world_size=2, shape=shape)
+    cfg.parallel.tensor = shape.num_query_groups * 2
+    with pytest.raises(ConfigError, match="parallel.tensor / parallel.pipeline: the model cannot be split so"):
+        validate_layout(cfg, shape=shape)
 
 
 def test_colocated_vllm_engine_must_fit_in_its_replica():
     cfg = load_config(None, ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl", "rollout.engine=vllm",
                              "parallel.tensor=2", "parallel.pipeline=2", "rollout.vllm_tensor_parallel=4",
                              "data.prompts_per_step=8"])
-    validate(cfg, world_size=4)  # one replica: its TP x PP = 4 GPUs
+    validate_layout(cfg, world_size=4)  # one replica: its TP x PP = 4 GPUs
     with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: .* 2 here \(parallel.tensor with 2 "
                                           r"data-parallel replicas\); got 4"):
-        validate(cfg, world_size=8)
+        validate_layout(cfg, world_size=8)
     with pytest.raises(ConfigError, match="rollout.vllm_tensor_parallel: must be >= 1"):
         load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.vllm_tensor_parallel=0"])
 

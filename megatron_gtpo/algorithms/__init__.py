@@ -13,12 +13,23 @@ from megatron_gtpo.algorithms.advantages import (
 from megatron_gtpo.algorithms.dynamic_sampling import informative_groups
 from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
 from megatron_gtpo.algorithms.losses import local_loss_normalizer, sequence_policy_loss, token_policy_loss
-from megatron_gtpo.algorithms.registry import ALGORITHMS, Algorithm, AlgorithmSpec, resolve_algorithm
+from megatron_gtpo.algorithms.registry import (
+    ALGORITHM_NAMES,
+    ALGORITHMS,
+    Algorithm,
+    AlgorithmSpec,
+    ConfiguredAlgorithm,
+    configure_algorithm,
+    resolve_algorithm,
+)
 
 __all__ = [
     "ALGORITHMS",
+    "ALGORITHM_NAMES",
     "Algorithm",
     "AlgorithmSpec",
+    "ConfiguredAlgorithm",
+    "configure_algorithm",
     "group_relative_overlong_penalty",
     "grpo_advantages",
     "grpo_s_advantages",

@@ -86,38 +86,42 @@ def main(argv=None) -> int:
     import torch
 
     sys.path.insert(0, REPO)
-    from types import SimpleNamespace
 
-    from megatron_gtpo.algorithms import resolve_algorithm
+    from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.training.model_setup import build_chunks, wrap_for_training
-    from megatron_gtpo.training.run import update_policy
+    from megatron_gtpo.training.reduction import MetricReducer
+    from megatron_gtpo.training.update import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
 
     groups = initialize_parallel(1, 1)
     torch.manual_seed(args.seed)
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=1e-5"])
     policy = wrap_for_training(cfg, build_chunks(cfg, _hf_config(args), groups), train_steps=10 ** 6)
-    spec = resolve_algorithm("gtpo")
-    run = SimpleNamespace(cfg=cfg, groups=groups, policy=policy, loss_agg_mode=spec.loss_agg_mode,
-                          policy_loss=spec.policy_loss, logprob_chunk_tokens=16, vocab_size=args.vocab)
+    algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)  # gtpo
+
+    def update(batch) -> dict:
+        metrics = MetricReducer(groups.device)
+        update_policy(policy, batch, groups, algorithm, metrics, epochs=1, vocab_size=args.vocab,
+                      temperature=cfg.rollout.temperature, chunk_tokens=16)
+        return metrics.reduce(groups.dp_group)
     exp, lengths = _experience(args)
     g = torch.Generator().manual_seed(args.seed + 1)
     batches = {}
     for name, plan in _layouts(args):
-        batch = build_step_batch(exp, groups, mini_batches=[list(range(exp.num_groups))], **plan)
+        batch = build_step_batch(exp, groups, mini_batches=[list(range(exp.num_prompt_groups))], **plan)
         batch.old_logprobs_ST = (-5.0 + torch.rand(batch.mask_ST.shape, generator=g)).to(groups.device)
         batch.advantages = torch.randn(batch.mask_ST.shape, generator=g).to(groups.device)
         batches[name] = batch
     real_tokens = sum(lengths)
-    update_policy(run, next(iter(batches.values())))  # warm-up (allocator, first-call costs)
+    update(next(iter(batches.values())))  # warm-up (allocator, first-call costs)
     seconds = {name: [] for name in batches}
     padding = {}
     for _ in range(args.repeats):
         for name, batch in batches.items():
             start = time.perf_counter()
-            metrics = update_policy(run, batch)
+            metrics = update(batch)
             seconds[name].append(time.perf_counter() - start)
             padding[name] = metrics["padding_fraction"]
     base = next(iter(batches))

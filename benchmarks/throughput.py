@@ -58,8 +58,8 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
     import torch
 
     import megatron_gtpo.training.experience as experience
-    import megatron_gtpo.training.loop as loop
     from megatron_gtpo.train import main
+    from megatron_gtpo.training.trainer import Trainer
 
     op = experience.vocab_parallel_logprobs_and_entropy
     state = {"scoring": False, "op_s": 0.0, "reference_s": 0.0, "added_s": 0.0, "run": None}
@@ -93,33 +93,25 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
             state["added_s"] += time.perf_counter() - added
         return out
 
-    build_run = loop.build_run
+    score_old_policy = Trainer.score_old_policy
 
-    def observed_build_run(cfg):
-        run = build_run(cfg)
-        score = run.score
-
-        def observed_score(batch):
-            state.update(scoring=True, op_s=0.0, reference_s=0.0, added_s=0.0)
-            try:
-                score(batch)
-            finally:
-                state["scoring"] = False
-            lengths = batch.sequence_lengths
-            steps.append({"tokens": sum(lengths), "sum_squared_lengths": sum(n * n for n in lengths),
-                          "sequences": len(lengths), "entropy_op_s": state["op_s"],
-                          "reference_op_s": state["reference_s"], "added_s": state["added_s"]})
-
-        run.score = observed_score
-        state["run"] = run
-        return run
+    def observed_score(trainer, batch):
+        state.update(scoring=True, op_s=0.0, reference_s=0.0, added_s=0.0, run=trainer)
+        try:
+            score_old_policy(trainer, batch)
+        finally:
+            state["scoring"] = False
+        lengths = batch.sequence_lengths
+        steps.append({"tokens": sum(lengths), "sum_squared_lengths": sum(n * n for n in lengths),
+                      "sequences": len(lengths), "entropy_op_s": state["op_s"],
+                      "reference_op_s": state["reference_s"], "added_s": state["added_s"]})
 
     experience.vocab_parallel_logprobs_and_entropy = timed_op
-    loop.build_run = observed_build_run
+    Trainer.score_old_policy = observed_score
     status = main(train_argv)
     run = state["run"]
     if run is not None:
-        g = run.groups
+        g = run.parallel
         record = {"world_rank": g.world_rank, "world_size": g.world_size, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
                   "dp_rank": g.dp_rank, "is_logging_rank": run.is_logging_rank, "tp_size": g.tp_size,
                   "hf_config": run.task.hf_config, "epochs_per_step": run.cfg.data.epochs_per_step, "steps": steps}

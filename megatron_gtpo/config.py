@@ -407,8 +407,13 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def config_text(cfg: TrainConfig) -> str:
+    """The resolved configuration as YAML (what `load_config` reads back)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: TrainConfig, path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        f.write(config_text(cfg))
     os.replace(tmp, path)

@@ -19,10 +19,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     from megatron_gtpo.distributed import destroy_parallel
-    from megatron_gtpo.training.loop import train
+    from megatron_gtpo.training.trainer import Trainer
 
     try:
-        train(cfg)
+        Trainer(cfg).train()
     finally:
         destroy_parallel()
     return 0

@@ -54,9 +54,8 @@ def _gather_hf(chunks, groups, shape):
 def _one_step(rank, world_size, model_dir, tp, pp, plans):
     """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch, pack), through the
     trainer's own step batch and update_policy."""
-    from types import SimpleNamespace
 
-    from megatron_gtpo.algorithms import resolve_algorithm
+    from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
@@ -65,7 +64,8 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
     from megatron_gtpo.training.model_setup import wrap_for_training
     from megatron_gtpo.distributed.platform import device_audit
     from megatron_gtpo.training.experience import score_old_policy
-    from megatron_gtpo.training.run import update_policy
+    from megatron_gtpo.training.reduction import MetricReducer
+    from megatron_gtpo.training.update import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
 
     groups = initialize_parallel(tp, pp)
@@ -94,12 +94,13 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
             T = batch.mask_ST.shape[1]
             batch.old_logprobs_ST = old_ST[rows, :T].to(groups.device)
             batch.advantages = (sequence_adv_S[rows] if sequence_level else token_adv_ST[rows, :T]).to(groups.device)
-        spec = resolve_algorithm("grpo_s" if sequence_level else "dapo")  # eps 0.2 / 0.28, token-mean for dapo
-        run = SimpleNamespace(cfg=cfg, groups=groups, policy=policy, vocab_size=shape.vocab_size,
-                              loss_agg_mode="seq-mean-token-mean" if sequence_level else spec.loss_agg_mode,
-                              policy_loss=spec.policy_loss, logprob_chunk_tokens=None)
+        cfg.algorithm.name = "grpo_s" if sequence_level else "dapo"  # eps 0.2 / 0.28, token-mean for dapo
+        algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
         syncs = device_audit().host_syncs
-        update = update_policy(run, batch)
+        metrics = MetricReducer(groups.device)
+        update_policy(policy, batch, groups, algorithm, metrics, epochs=1, vocab_size=shape.vocab_size,
+                      temperature=0.9, chunk_tokens=None)
+        update = metrics.reduce(groups.dp_group)
         syncs = device_audit().host_syncs - syncs
         assert [len(mini) for mini in batch.plan] == [len(batch.micro_batches())]  # one mini-batch, no padding one
         weights = _gather_hf(policy.chunks, groups, shape)

@@ -273,7 +273,7 @@ def test_math_jsonl_task_on_a_hf_model_with_pooled_rewards(tmp_path):
 
 def test_math_reward_pool_scores_a_batch():
     from megatron_gtpo.config import load_config
-    from megatron_gtpo.training.run import _math_reward_pool
+    from megatron_gtpo.training.task import _math_reward_pool
 
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "data.reward_workers=1"])
     score = _math_reward_pool(cfg)

@@ -48,7 +48,7 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
 
     groups = SimpleNamespace(dp_group=dist.group.WORLD, device=torch.device("cpu"))
     exp = collect_experience(generate, next_prompts, score_groups, SamplingParams(n=G), groups,
-                             target_groups=TARGET_GROUPS,
+                             target_prompt_groups=TARGET_GROUPS,
                              dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
                              length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG,
                              informative=informative_groups)
@@ -127,12 +127,12 @@ def _global_advantages(rank, world_size, scenario, algorithm):
     mine = batches[rank].advantages
     # Reference: the whole batch in one process (every rank's batch is rebuilt here from the same seeds), its
     # group-major rows reshaped to [n, G, T] (independently of the group index the trainer reads them through).
-    kept = [b for b in batches.values() if b.num_groups]
+    kept = [b for b in batches.values() if b.num_prompt_groups]
     T = max(b.mask_ST.shape[-1] for b in kept)
     rewards_NG = torch.cat([b.rewards_NG for b in kept])
 
     def per_group(b, values_ST):
-        return torch.nn.functional.pad(values_ST, (0, T - values_ST.shape[-1])).view(b.num_groups, 3, T)
+        return torch.nn.functional.pad(values_ST, (0, T - values_ST.shape[-1])).view(b.num_prompt_groups, 3, T)
 
     if spec.uses_entropy:
         entropy_NGT = torch.cat([per_group(b, b.entropy_ST) for b in kept])
@@ -140,9 +140,9 @@ def _global_advantages(rank, world_size, scenario, algorithm):
         whole = spec.advantage_fn(rewards_NG, entropy_NGT, mask_NGT)
     else:
         whole = spec.advantage_fn(rewards_NG)
-    start = sum(batches[r].num_groups for r in range(rank))
+    start = sum(batches[r].num_prompt_groups for r in range(rank))
     own = batches[rank]
-    expected = whole[start:start + own.num_groups]
+    expected = whole[start:start + own.num_prompt_groups]
     if expected.ndim == 3:
         expected = expected[..., :own.mask_ST.shape[-1]]
     expected = expected.reshape(own.num_sequences, *expected.shape[2:])

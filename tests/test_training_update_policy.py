@@ -15,24 +15,25 @@ from distributed_harness import run_distributed
 G = 2
 
 
-def _experience(num_groups, seed=0):
+def _experience(num_prompt_groups, seed=0):
     import torch
 
     from megatron_gtpo.rollout.engine import Response
     from megatron_gtpo.training.experience import Experience
 
     g = torch.Generator().manual_seed(seed)
-    prompts = [tuple(torch.randint(3, 16, (2 + n % 3,), generator=g).tolist()) for n in range(num_groups)]
+    prompts = [tuple(torch.randint(3, 16, (2 + n % 3,), generator=g).tolist()) for n in range(num_prompt_groups)]
     responses = [[Response(torch.randint(3, 16, (1 + (3 * n + j) % 5,), generator=g).tolist(),
-                           [-1.0] * (1 + (3 * n + j) % 5), "stop") for j in range(G)] for n in range(num_groups)]
-    correct = torch.tensor([[1.0, 0.0]] * num_groups).reshape(num_groups, G)
+                           [-1.0] * (1 + (3 * n + j) % 5), "stop") for j in range(G)] for n in range(num_prompt_groups)]
+    correct = torch.tensor([[1.0, 0.0]] * num_prompt_groups).reshape(num_prompt_groups, G)
     return Experience(prompts, responses, correct, correct.clone())
 
 
 def _policy_run(algorithm, overrides=()):
+    """The trainer's components for the phases below: parallel groups, the policy, the configured algorithm."""
     from types import SimpleNamespace
 
-    from megatron_gtpo.algorithms import resolve_algorithm
+    from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config
     from megatron_gtpo.data.synthetic import tiny_model_hf_config
     from megatron_gtpo.distributed import initialize_parallel
@@ -41,30 +42,35 @@ def _policy_run(algorithm, overrides=()):
 
     import torch
 
-    groups = initialize_parallel(1, 1)
+    parallel = initialize_parallel(1, 1)
     torch.manual_seed(0)
-    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", *overrides])
-    policy = wrap_for_training(cfg, build_chunks(cfg, tiny_model_hf_config(), groups), train_steps=4)
-    spec = resolve_algorithm(algorithm)
-    return SimpleNamespace(cfg=cfg, groups=groups, policy=policy, loss_agg_mode=spec.loss_agg_mode, spec=spec,
-                           policy_loss=spec.policy_loss, logprob_chunk_tokens=None,
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01",
+                             f"algorithm.name={algorithm}", *overrides])
+    policy = wrap_for_training(cfg, build_chunks(cfg, tiny_model_hf_config(), parallel), train_steps=4)
+    return SimpleNamespace(cfg=cfg, parallel=parallel, policy=policy,
+                           algorithm=configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens),
                            vocab_size=Qwen2Shape.from_hf(tiny_model_hf_config()).vocab_size)
 
 
 def _step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_equals_old=False, **correction):
-    """The loop's phases for one step; returns the update's metrics."""
+    """The trainer's phases for one step; returns the step batch and the update's metrics."""
     from megatron_gtpo.training.experience import correct_rollout, global_advantages, score_old_policy
-    from megatron_gtpo.training.run import split_evenly, update_policy
+    from megatron_gtpo.training.reduction import MetricReducer
     from megatron_gtpo.training.step_batch import build_step_batch
+    from megatron_gtpo.training.trainer import split_evenly
+    from megatron_gtpo.training.update import update_policy
 
-    batch = build_step_batch(exp, run.groups, mini_batches=split_evenly(list(range(exp.num_groups)), 1),
+    batch = build_step_batch(exp, run.parallel, mini_batches=split_evenly(list(range(exp.num_prompt_groups)), 1),
                              max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
-    score_old_policy(run.policy.chunks, batch, run.groups, vocab_size=run.vocab_size, temperature=1.0)
+    score_old_policy(run.policy.chunks, batch, run.parallel, vocab_size=run.vocab_size, temperature=1.0)
     if rollout_equals_old and batch.old_logprobs_ST is not None:
         batch.rollout_logprobs_ST = batch.old_logprobs_ST.clone()
     correct_rollout(batch, **correction)
-    global_advantages(run.spec.advantage_fn, run.spec.uses_entropy, batch, run.groups)
-    return batch, update_policy(run, batch)
+    global_advantages(run.algorithm.advantages, run.algorithm.uses_entropy, batch, run.parallel)
+    metrics = MetricReducer(run.parallel.device)
+    update_policy(run.policy, batch, run.parallel, run.algorithm, metrics, epochs=1, vocab_size=run.vocab_size,
+                  temperature=1.0, chunk_tokens=None)
+    return batch, metrics.reduce(run.parallel.dp_group)
 
 
 ON_POLICY_CASES = [(algorithm, plan) for algorithm in ("gtpo", "grpo_s")
@@ -88,7 +94,7 @@ def _on_policy(rank, world_size):
             for r in group:  # each sequence alone: column P - 1 + t scores response token t
                 sequence = list(prompt) + r.token_ids
                 ((logprobs_BL, _),) = next_token_logprobs_and_entropy(
-                    run.policy.chunks, make_micro_batches([sequence], 1, device=run.groups.device), run.groups,
+                    run.policy.chunks, make_micro_batches([sequence], 1, device=run.parallel.device), run.parallel,
                     vocab_size=run.vocab_size)
                 reference.append(logprobs_BL[0, len(prompt) - 1:len(sequence) - 1])
         batch, update = _step(run, exp, max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)

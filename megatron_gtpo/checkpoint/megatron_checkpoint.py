@@ -19,7 +19,9 @@ Megatron-LM does; the trainer adds its own state (optimizer, RNG, data position,
 through `extra_sharded_state`. Loading the model alone reads only the model's keys, so it works on checkpoints with
 or without optimizer state.
 
-`save_checkpoint` and `load_checkpoint` are collective over the default torch.distributed process group (every rank
+`save_checkpoint` is the one checkpoint writer: the converters, the KL reference and the trainer (which adds its
+optimizer state, RNG states and trainer_state.json, docs/checkpoints.md) all write through it. `save_checkpoint` and
+`load_checkpoint` are collective over the default torch.distributed process group (every rank
 calls them; dist_checkpointing coordinates over that group). Tied embeddings: the output layer of the last stage is
 stored under the embedding's key (megatron marks it as a replica), so a tied checkpoint has no `output_layer.weight`.
 """
@@ -188,17 +190,27 @@ def _weights_dtype(model_chunks: list) -> str:
     return dtype_name(dtypes.pop()) if len(dtypes) == 1 else "mixed"
 
 
-def save_checkpoint(directory: str, model_chunks: list, *, hf_config: dict, extra_sharded_state: dict | None = None,
-                    extra_metadata: dict | None = None, hf_files_from: str | None = None, force: bool = False) -> None:
-    """Write this rank's model chunks (and `extra_sharded_state`: the trainer's optimizer / RNG / data state, as
-    megatron sharded state dicts or plain objects) to `directory`. Collective: every rank of the default process
-    group calls it. The directory appears only when complete (written to `<directory>.tmp-...`, then renamed by rank
-    0); an existing one is refused unless `force`. `hf_files_from`: a HF model directory whose tokenizer and
-    generation-config files are copied in, so that the checkpoint exports to a complete HF model."""
+def save_checkpoint(directory: str, model_chunks: list, *, hf_config: dict, model_state: dict | None = None,
+                    extra_sharded_state: dict | None = None, extra_metadata: dict | None = None,
+                    hf_files_from: str | None = None, files: dict[str, str] | None = None,
+                    rank_files: dict[str, object] | None = None, force: bool = False,
+                    keep_last: int | None = None) -> None:
+    """THE checkpoint writer (model-only checkpoints of the converters and the KL reference, and the trainer's).
+
+    Writes this rank's model chunks (`model_state`: their sharded state dict when the caller built it already, e.g.
+    for the optimizer's state that refers to it) and `extra_sharded_state` (the trainer's optimizer state, as megatron
+    sharded state dicts or plain objects) to `directory`, with the metadata file and a manifest. Collective: every
+    rank of the default process group calls it. The directory appears only when complete (written to
+    `<directory>.tmp-...`, then renamed by rank 0); an existing one is refused unless `force`.
+    `hf_files_from`: a HF model directory whose tokenizer and generation-config files are copied in, so that the
+    checkpoint exports to a complete HF model. `files`: {relative path: text} written by rank 0; `rank_files`:
+    {relative path: object} that every rank torch.saves (paths differ per rank). `keep_last`: `directory` is the
+    newest of a series of checkpoints beside it (`<prefix><number>`, e.g. the trainer's step_00000010): the parent's
+    `latest` file is pointed at it and only the newest `keep_last` of the series are kept."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    state = model_sharded_state_dict(model_chunks)
+    state = model_state if model_state is not None else model_sharded_state_dict(model_chunks)
     extra = dict(extra_sharded_state or {})
     clashing = sorted(k for k in extra if re.fullmatch(r"model\d*", k))
     if clashing:
@@ -214,6 +226,9 @@ def save_checkpoint(directory: str, model_chunks: list, *, hf_config: dict, extr
     outcome: list = [None]
     if dist.get_rank() == 0:
         try:
+            if keep_last is not None:
+                os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
+                _remove_stale_temporaries(directory)
             outcome[0] = begin_output_dir(directory, force=force)
         except OSError as e:
             outcome[0] = e
@@ -222,16 +237,55 @@ def save_checkpoint(directory: str, model_chunks: list, *, hf_config: dict, extr
         raise outcome[0]
     tmp = outcome[0]
     dist_checkpointing.save({**state, **extra}, tmp)
+    for name, value in (rank_files or {}).items():
+        os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+        torch.save(value, os.path.join(tmp, name))
     dist.barrier()
     if dist.get_rank() == 0:
         write_checkpoint_metadata(tmp, metadata)
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
         if hf_files_from is not None:
             copy_hf_side_files(hf_files_from, os.path.join(tmp, HF_FILES_DIR))
     dist.barrier()
     write_manifest(tmp, group=dist.group.WORLD)
     if dist.get_rank() == 0:
         commit_output_dir(tmp, directory, force=force)
+        if keep_last is not None:
+            _point_latest_and_prune(directory, keep_last)
     dist.barrier()
+
+
+LATEST = "latest"  # in a series' parent directory: the name of its newest complete checkpoint
+
+
+def series_members(root: str, prefix: str) -> list[str]:
+    """The complete checkpoints `<prefix><number>` in `root`, oldest first (temporaries never match)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if d.startswith(prefix) and d[len(prefix):].isdigit())
+
+
+def _series_prefix(directory: str) -> str:
+    return os.path.basename(os.path.abspath(directory)).rstrip("0123456789")
+
+
+def _remove_stale_temporaries(directory: str) -> None:
+    """What an interrupted save of the same checkpoint left behind."""
+    directory = os.path.abspath(directory)
+    for stale in glob.glob(glob.escape(directory) + ".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _point_latest_and_prune(directory: str, keep_last: int) -> None:
+    root, name = os.path.split(os.path.abspath(directory))
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+    os.replace(tmp, os.path.join(root, LATEST))
+    for old in series_members(root, _series_prefix(directory))[:-keep_last]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
 def load_checkpoint(directory: str, model_chunks: list, *, extra_sharded_state: dict | None = None) -> dict:

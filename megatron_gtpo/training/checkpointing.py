@@ -1,11 +1,12 @@
 """Trainer checkpoints: model, optimizer (DistributedOptimizer, fully reshardable), LR schedule, data position,
 RNG states, step and config; every K steps, at the end, and on SIGTERM/SIGUSR1 (SLURM pre-emption).
 
-Layout: <checkpoint dir>/step_00000010/ holds a megatron.core.dist_checkpointing checkpoint (model and optimizer
-sharded tensors, readable at any TP/PP), trainer_state.json, config.yaml, rng/rank_*.pt and manifest.json (every
-file's size and checksum); `latest` names the newest complete one. A checkpoint is written under `<name>.tmp` and
-renamed when complete, so a crash mid-save never leaves a directory that looks complete; only the last `keep_last`
-are kept. A resume checks the checkpoint's files against its manifest first: one damaged on disk since (a truncated
+The trainer hands its state to the one checkpoint writer (checkpoint/megatron_checkpoint.save_checkpoint):
+<checkpoint dir>/step_00000010/ holds a megatron.core.dist_checkpointing checkpoint (model and optimizer sharded
+tensors, readable at any TP/PP), trainer_state.json, config.yaml, rng/rank_*.pt, the checkpoint metadata (so that
+`score --load`, `model.load` and the converters read it like any converted one) and manifest.json (every file's size
+and checksum); `latest` names the newest complete one. The writer renames a checkpoint into place only when
+complete, so a crash mid-save never leaves a directory that looks complete; only the last `keep_last` are kept. A resume checks the checkpoint's files against its manifest first: one damaged on disk since (a truncated
 or corrupted shard) is named and passed over for the newest intact one before it.
 """
 from __future__ import annotations
@@ -13,17 +14,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 
 import torch
 import torch.distributed as dist
 
-from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage, write_manifest
-from megatron_gtpo.config import save_config, to_dict
+from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
+from megatron_gtpo.checkpoint.megatron_checkpoint import (HF_FILES_DIR, LATEST, model_state_keys, save_checkpoint,
+                                                          series_members)
+from megatron_gtpo.config import config_text, save_config, to_dict
 
-LATEST = "latest"
+STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.json"
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -54,16 +56,19 @@ class StopSignal:
         return bool(flag.item())
 
 
-def _sharded_state(run, *, is_loading: bool) -> dict:
-    chunks = run.policy.chunks
+def _sharded_state(trainer, *, is_loading: bool) -> dict:
+    """The model chunks' and the optimizer's sharded state (the optimizer's refers to the model's)."""
+    from megatron_gtpo.checkpoint.megatron_checkpoint import model_sharded_state_dict
+
+    policy = trainer.policy
     if is_loading:
         # A fresh torch Adam has no per-parameter state (no 'step'), and the DistributedOptimizer's state_dict
         # needs one; megatron-core's own loader fills it with placeholder values that the load then overwrites.
-        for optimizer in getattr(run.policy.optimizer, "chained_optimizers", [run.policy.optimizer]):
+        for optimizer in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
             optimizer._init_optimizer_states_with_dummy_values()
-    model = {f"model{i}" if len(chunks) > 1 else "model": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    optimizer = run.policy.optimizer.sharded_state_dict(
-        {k: v for sd in model.values() for k, v in sd.items()} if len(chunks) > 1 else model["model"],
+    model = model_sharded_state_dict(policy.chunks)
+    optimizer = policy.optimizer.sharded_state_dict(
+        {k: v for sd in model.values() for k, v in sd.items()} if len(model) > 1 else model["model"],
         is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
     return {**model, "optimizer": optimizer}
 
@@ -97,8 +102,8 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states  # back to the class's method
-    for opt, groups in zip(optimizers, live_hyperparameters):
-        for group, live in zip(opt.optimizer.param_groups, groups, strict=True):
+    for opt, live_groups in zip(optimizers, live_hyperparameters):
+        for group, live in zip(opt.optimizer.param_groups, live_groups, strict=True):
             group.update(live)
     # megatron-core hands every parameter the SAME 'step' tensor, and torch's Adam increments each parameter's step
     # in place: without separate copies the step (and with it Adam's bias correction) races ahead after a resume.
@@ -106,11 +111,6 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
         for param_state in opt.optimizer.state.values():
             if isinstance(param_state.get("step"), torch.Tensor):
                 param_state["step"] = param_state["step"].clone()
-
-
-def _sharded_keys(run) -> list[str]:
-    chunks = run.policy.chunks
-    return [f"model{i}" if len(chunks) > 1 else "model" for i in range(len(chunks))] + ["optimizer"]
 
 
 def _rng_state() -> dict:
@@ -133,65 +133,31 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _layout(groups) -> dict:
-    return {"tensor": groups.tp_size, "pipeline": groups.pp_size, "data": groups.dp_size,
-            "world": groups.world_size}
+def _layout(parallel) -> dict:
+    return {"tensor": parallel.tp_size, "pipeline": parallel.pp_size, "data": parallel.dp_size,
+            "world": parallel.world_size}
 
 
-def save_checkpoint(run, step: int) -> str:
-    from megatron.core import dist_checkpointing
-
-    cfg, groups = run.cfg, run.groups
+def save(trainer, step: int) -> str:
+    """Write the trainer's checkpoint after `step` steps (collective); returns its directory."""
+    cfg, parallel = trainer.cfg, trainer.parallel
     root = cfg.checkpoint_dir
-    final = os.path.join(root, f"step_{step:08d}")
-    tmp = final + ".tmp"
-    if groups.world_rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state(run, is_loading=False), tmp)  # wants an empty directory
-    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{groups.world_rank:05d}.pt"))
-    if groups.world_rank == 0:
-        state = {"step": step, "loader": run.loader.state_dict(), "scheduler": run.policy.scheduler.state_dict(),
-                 "layout": _layout(groups), "hf_config": run.task.hf_config, "vocab_size": run.vocab_size,
-                 "config": to_dict(cfg)}
-        with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=1)
-        save_config(cfg, os.path.join(tmp, "config.yaml"))
-        # The converter's metadata: makes the checkpoint readable by `score --load`, `model.load` and
-        # tools/convert_megatron_to_hf.py like any converted one.
-        from megatron_gtpo.checkpoint.megatron_checkpoint import (HF_FILES_DIR, CheckpointMetadata,
-                                                                  copy_hf_side_files, write_checkpoint_metadata)
-
-        write_checkpoint_metadata(tmp, CheckpointMetadata(
-            hf_config=run.task.hf_config, dtype=cfg.model.dtype, tensor_parallel=groups.tp_size,
-            pipeline_parallel=groups.pp_size, contents=tuple(_sharded_keys(run)),
-            extra={"step": step}))
-        if cfg.model.hf_dir:
-            copy_hf_side_files(cfg.model.hf_dir, os.path.join(tmp, HF_FILES_DIR))
-        elif cfg.model.load:
-            copy_hf_side_files(os.path.join(cfg.model.load, HF_FILES_DIR), os.path.join(tmp, HF_FILES_DIR))
-    dist.barrier()
-    write_manifest(tmp, group=dist.group.WORLD)
-    if groups.world_rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_latest(root, os.path.basename(final))
-        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-        for old in done[:-cfg.checkpoint.keep_last]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    directory = os.path.join(root, f"{STEP_PREFIX}{step:08d}")
+    state = _sharded_state(trainer, is_loading=False)
+    trainer_state = {"step": step, "loader": trainer.loader.state_dict(),
+                     "scheduler": trainer.policy.scheduler.state_dict(), "layout": _layout(parallel),
+                     "hf_config": trainer.task.hf_config, "vocab_size": trainer.vocab_size, "config": to_dict(cfg)}
+    hf_files = cfg.model.hf_dir or (os.path.join(cfg.model.load, HF_FILES_DIR) if cfg.model.load else None)
+    save_checkpoint(directory, trainer.policy.chunks, hf_config=trainer.task.hf_config,
+                    model_state={k: v for k, v in state.items() if k != "optimizer"},
+                    extra_sharded_state={"optimizer": state["optimizer"]}, extra_metadata={"step": step},
+                    hf_files_from=hf_files,
+                    files={TRAINER_STATE: json.dumps(trainer_state, indent=1), "config.yaml": config_text(cfg)},
+                    rank_files={os.path.join("rng", f"rank_{parallel.world_rank:05d}.pt"): _rng_state()},
+                    force=True, keep_last=cfg.checkpoint.keep_last)
+    if parallel.world_rank == 0:
         save_config(cfg, os.path.join(root, "config.yaml"))
-    dist.barrier()
-    return final
-
-
-def _write_latest(root: str, name: str) -> None:
-    tmp = os.path.join(root, LATEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-    os.replace(tmp, os.path.join(root, LATEST))
+    return directory
 
 
 def resume_candidates(root: str) -> list[str]:
@@ -201,8 +167,7 @@ def resume_candidates(root: str) -> list[str]:
         return []
     with open(path, encoding="utf-8") as f:
         named = f.read().strip()
-    older = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp") and d < named),
-                   reverse=True)
+    older = [d for d in reversed(series_members(root, STEP_PREFIX)) if d < named]
     return [os.path.join(root, d) for d in (named, *older)]
 
 
@@ -234,14 +199,14 @@ def newest_intact_checkpoint(root: str, *, say) -> str | None:
     return None
 
 
-def restore_if_any(run) -> int:
+def restore(trainer) -> int:
     """Resume from the newest intact checkpoint (any TP/PP). Returns the step to continue from (0 if none)."""
     from megatron.core import dist_checkpointing
 
-    cfg, groups = run.cfg, run.groups
+    cfg, parallel = trainer.cfg, trainer.parallel
 
     def say(text: str) -> None:
-        if groups.world_rank == 0:
+        if parallel.world_rank == 0:
             print(text, file=sys.stderr)
 
     directory = newest_intact_checkpoint(cfg.checkpoint_dir, say=say) if cfg.checkpoint.resume else None
@@ -249,21 +214,22 @@ def restore_if_any(run) -> int:
         return 0
     with open(os.path.join(directory, TRAINER_STATE), encoding="utf-8") as f:
         state = json.load(f)
-    if state["vocab_size"] != run.vocab_size or state["hf_config"]["hidden_size"] != run.task.hf_config["hidden_size"]:
+    if (state["vocab_size"] != trainer.vocab_size
+            or state["hf_config"]["hidden_size"] != trainer.task.hf_config["hidden_size"]):
         raise ValueError(f"checkpoint {directory} is of a different model than the configured one")
-    loaded = dist_checkpointing.load(_sharded_state(run, is_loading=True), directory)
-    chunks = run.policy.chunks
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[f"model{i}" if len(chunks) > 1 else "model"])
-    _load_optimizer_state(run.policy.optimizer, loaded["optimizer"])
-    run.policy.scheduler.load_state_dict(state["scheduler"])
-    run.loader.load_state_dict(state["loader"])
-    rng_file = os.path.join(directory, "rng", f"rank_{groups.world_rank:05d}.pt")
-    if state["layout"] == _layout(groups) and os.path.isfile(rng_file):
+    loaded = dist_checkpointing.load(_sharded_state(trainer, is_loading=True), directory)
+    chunks = trainer.policy.chunks
+    for chunk, key in zip(chunks, model_state_keys(len(chunks))):
+        chunk.load_state_dict(loaded[key])
+    _load_optimizer_state(trainer.policy.optimizer, loaded["optimizer"])
+    trainer.policy.scheduler.load_state_dict(state["scheduler"])
+    trainer.loader.load_state_dict(state["loader"])
+    rng_file = os.path.join(directory, "rng", f"rank_{parallel.world_rank:05d}.pt")
+    if state["layout"] == _layout(parallel) and os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    elif groups.world_rank == 0:
-        print(f"resuming {directory} at a different layout ({state['layout']} -> {_layout(groups)}): RNG states "
+    elif parallel.world_rank == 0:
+        print(f"resuming {directory} at a different layout ({state['layout']} -> {_layout(parallel)}): RNG states "
               f"are re-seeded, so sampling differs from an uninterrupted run", file=sys.stderr)
-    if groups.world_rank == 0:
+    if parallel.world_rank == 0:
         print(f"resumed from {directory} at step {state['step']}", file=sys.stderr)
     return int(state["step"])

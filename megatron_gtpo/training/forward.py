@@ -124,7 +124,7 @@ def model_forward(model, mb: MicroBatch, *, local_attention: bool):
     return model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None, packed_seq_params=params)
 
 
-def run_forward(model_chunks: list, micro_batches: list[MicroBatch], groups: ParallelGroups, on_last_stage,
+def run_forward(model_chunks: list, micro_batches: list[MicroBatch], parallel: ParallelGroups, on_last_stage,
                 *, forward_only: bool = True):
     """Run megatron's schedule over `micro_batches`; `on_last_stage(micro_batch, logits_BLV_local)` is called on the
     last pipeline stage and what it returns is collected (a list, in micro-batch order; [] on other stages)."""
@@ -149,7 +149,7 @@ def run_forward(model_chunks: list, micro_batches: list[MicroBatch], groups: Par
             forward_only=forward_only, collect_non_loss_data=True)
 
 
-def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], groups: ParallelGroups,
+def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], parallel: ParallelGroups,
                                     *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None):
     """Per micro-batch (logprobs_BL1, entropy_BL1), float32 on the logits' device, on the last pipeline stage ([]
     elsewhere): logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k]
@@ -159,10 +159,10 @@ def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[Micr
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-            logits_BLV, next_token_targets(mb.tokens_BL), tp_group=groups.tp_group, vocab_size=vocab_size,
+            logits_BLV, next_token_targets(mb.tokens_BL), tp_group=parallel.tp_group, vocab_size=vocab_size,
             temperature=temperature, chunk_size=chunk_size)
         return logprobs[:, :-1].float(), entropy[:, :-1].float()
 
     for model in model_chunks:
         model.eval()
-    return run_forward(model_chunks, micro_batches, groups, on_last_stage)
+    return run_forward(model_chunks, micro_batches, parallel, on_last_stage)

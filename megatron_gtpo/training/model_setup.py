@@ -25,6 +25,14 @@ class PolicyModel:
     def chunks(self) -> list:
         return [c.module for c in self.ddp_chunks]
 
+    @classmethod
+    def build(cls, cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups) -> "PolicyModel":
+        """The model at this rank's layout with its initial weights (model.hf_dir / model.load, or the seeded random
+        init of the tiny synthetic model), wrapped for training with the optimizer and LR schedule of `cfg`."""
+        chunks = build_chunks(cfg, hf_config, parallel)
+        load_initial_weights(cfg, chunks, parallel)
+        return wrap_for_training(cfg, chunks, train_steps=cfg.steps)
+
 
 def materialize_adam_state(optimizer) -> None:
     """Allocate Adam's moments now instead of at the first step, so that the trainer's memory is complete before a
@@ -45,21 +53,21 @@ def materialize_adam_state(optimizer) -> None:
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-def build_chunks(cfg: TrainConfig, hf_config: dict, groups: ParallelGroups) -> list:
+def build_chunks(cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups) -> list:
     from megatron_gtpo.models.qwen2 import build_model
 
-    return build_model(hf_config, tensor_parallel=groups.tp_size, pipeline_parallel=groups.pp_size,
-                       pp_rank=groups.pp_rank, virtual_pipeline_parallel=groups.vpp_size,
-                       sequence_parallel=groups.sequence_parallel, params_dtype=_DTYPES[cfg.model.dtype],
+    return build_model(hf_config, tensor_parallel=parallel.tp_size, pipeline_parallel=parallel.pp_size,
+                       pp_rank=parallel.pp_rank, virtual_pipeline_parallel=parallel.vpp_size,
+                       sequence_parallel=parallel.sequence_parallel, params_dtype=_DTYPES[cfg.model.dtype],
                        recompute_activations=cfg.model.recompute_activations)
 
 
-def load_initial_weights(cfg: TrainConfig, chunks: list, groups: ParallelGroups) -> None:
+def load_initial_weights(cfg: TrainConfig, chunks: list, parallel: ParallelGroups) -> None:
     """HF directory or converter/trainer checkpoint; a tiny synthetic model keeps megatron's seeded random init."""
     from megatron_gtpo.models.sources import ModelSource
 
     if cfg.model.hf_dir or cfg.model.load:
-        ModelSource.detect(cfg.model.hf_dir or cfg.model.load).load_into(chunks, groups)
+        ModelSource.detect(cfg.model.hf_dir or cfg.model.load).load_into(chunks, parallel)
 
 
 def wrap_for_training(cfg: TrainConfig, chunks: list, *, train_steps: int) -> PolicyModel:

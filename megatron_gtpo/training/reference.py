@@ -31,20 +31,20 @@ class ReferencePolicy:
             chunk.requires_grad_(False)
 
     @classmethod
-    def build(cls, cfg: TrainConfig, hf_config: dict, groups: ParallelGroups) -> "ReferencePolicy | None":
+    def build(cls, cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups) -> "ReferencePolicy | None":
         if cfg.algorithm.kl_coef == 0 and cfg.model.reference is None:
             return None
         from .model_setup import build_chunks
 
-        return cls(build_chunks(cfg, hf_config, groups), source=cfg.model.reference,
+        return cls(build_chunks(cfg, hf_config, parallel), source=cfg.model.reference,
                    saved_dir=os.path.join(cfg.checkpoint_dir, REFERENCE_DIR), hf_config=hf_config)
 
-    def pin(self, policy_chunks: list, groups: ParallelGroups, *, resumed: bool) -> None:
+    def pin(self, policy_chunks: list, parallel: ParallelGroups, *, resumed: bool) -> None:
         """Fix the reference weights before the first RL step (collective)."""
         if self.source is not None:
             from megatron_gtpo.models.sources import ModelSource
 
-            ModelSource.detect(self.source).load_into(self.chunks, groups)
+            ModelSource.detect(self.source).load_into(self.chunks, parallel)
             return
         from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_only, save_checkpoint
 
@@ -63,7 +63,7 @@ class ReferencePolicy:
                         raise RuntimeError(f"reference parameter {ref_name} {tuple(ref_param.shape)} does not "
                                            f"match the policy's {name} {tuple(param.shape)}")
                     ref_param.copy_(param)
-        if groups.world_rank == 0:
+        if parallel.world_rank == 0:
             os.makedirs(os.path.dirname(self.saved_dir), exist_ok=True)
         dist.barrier()
         save_checkpoint(self.saved_dir, self.chunks, hf_config=self.hf_config, force=True)

@@ -18,7 +18,7 @@ token t of a sequence that starts at column o of its row with a P-token prompt i
 (o = 0 unpacked). `MicroBatchColumns` gathers those scores into the response-aligned layout [S_mb, T_mb] that the
 step batch's fields and the losses use, whichever the micro-batch's layout.
 
-Fields, by the phase that adds them (all on groups.device; per-token ones on the last pipeline stage only):
+Fields, by the phase that adds them (all on parallel.device; per-token ones on the last pipeline stage only):
     build_step_batch      mask_ST, rollout_logprobs_ST, correct_NG, rewards_NG, group_index_S, response_index_S
     score (old policy)    old_logprobs_ST, entropy_ST, ref_logprobs_ST (with a reference policy)
     correct_rollout       loss_mask_ST (mask_ST less rejected tokens), pg_weights ([S, T] or [S]), mismatch sums
@@ -126,7 +126,7 @@ class PlannedMicroBatch:
 class StepBatch:
     """This rank's sequences of one step and everything the phases add (module docstring)."""
 
-    num_groups: int
+    num_prompt_groups: int
     group_size: int
     sequence_lengths: list[int]  # prompt + response tokens (host ints: the plan is built from them)
     response_lengths: list[int]
@@ -155,7 +155,7 @@ class StepBatch:
 
     def per_group_NGT(self, values_ST: torch.Tensor) -> torch.Tensor:
         """[S, T] -> [n, G, T] through the group index."""
-        out = values_ST.new_zeros(self.num_groups, self.group_size, values_ST.shape[-1])
+        out = values_ST.new_zeros(self.num_prompt_groups, self.group_size, values_ST.shape[-1])
         out[self.group_index_S, self.response_index_S] = values_ST
         return out
 
@@ -164,11 +164,11 @@ class StepBatch:
         return values_NG_or_NGT[self.group_index_S, self.response_index_S]
 
 
-def build_step_batch(exp: Experience, groups: ParallelGroups, *, mini_batches: list[list[int]], max_sequences: int,
+def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches: list[list[int]], max_sequences: int,
                      max_tokens: int | None, pack: bool = False) -> StepBatch:
     """The step batch of `exp`'s kept groups; `mini_batches` lists the group ids of each mini-batch; `pack`: packed
     micro-batches (one row of several sequences each, forward.py) instead of padded ones."""
-    device, G = groups.device, exp.group_size
+    device, G = parallel.device, exp.group_size
     sequences = exp.sequences()
     prompt_lengths = exp.response_starts()
     responses = [r for group in exp.responses for r in group]
@@ -180,20 +180,20 @@ def build_step_batch(exp: Experience, groups: ParallelGroups, *, mini_batches: l
     lengths_S = torch.tensor(response_lengths, dtype=torch.long, device=device)
     sequence_ids = [[g * G + j for g in groups_of_mini for j in range(G)] for groups_of_mini in mini_batches]
     plan = plan_micro_batches([len(s) for s in sequences], sequence_ids, max_sequences=max_sequences,
-                              max_tokens=max_tokens, pad_to_multiple=groups.sequence_multiple, pack=pack)
-    planned = [[_planned(rows, sequences, prompt_lengths, response_lengths, groups, pack) for rows in mini]
+                              max_tokens=max_tokens, pad_to_multiple=parallel.sequence_multiple, pack=pack)
+    planned = [[_planned(rows, sequences, prompt_lengths, response_lengths, parallel, pack) for rows in mini]
                for mini in plan]
     index_S = torch.arange(len(sequences), device=device)
-    return StepBatch(num_groups=exp.num_groups, group_size=G, sequence_lengths=[len(s) for s in sequences],
+    return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G, sequence_lengths=[len(s) for s in sequences],
                      response_lengths=response_lengths, group_index_S=index_S // G, response_index_S=index_S % G,
                      mask_ST=torch.arange(T, device=device) < lengths_S[:, None],
                      rollout_logprobs_ST=rollout.to(device), correct_NG=exp.correct_NG.to(device),
                      rewards_NG=exp.rewards_NG.to(device), plan=planned)
 
 
-def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, groups: ParallelGroups, pack: bool
+def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, parallel: ParallelGroups, pack: bool
              ) -> PlannedMicroBatch:
-    device, multiple = groups.device, groups.sequence_multiple
+    device, multiple = parallel.device, parallel.sequence_multiple
     if not rows:  # a rank without sequences: one dummy sequence that scores nothing
         (inputs,) = make_micro_batches([[0, 0]], 1, device=device, pad_to_multiple=multiple)
         empty = torch.zeros(0, dtype=torch.long, device=device)

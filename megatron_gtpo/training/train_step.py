@@ -53,7 +53,7 @@ def update_micro_batch(batch: StepBatch, planned: PlannedMicroBatch) -> UpdateMi
                             select(batch.advantages), select(batch.ref_logprobs_ST), select(batch.pg_weights))
 
 
-def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], groups: ParallelGroups,
+def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], parallel: ParallelGroups,
                    loss_fn: LossFn, *, vocab_size: int, temperature: float = 1.0, lr: float | None = None,
                    chunk_tokens: int | None = None) -> dict:
     """Forward+backward over the micro-batches, then one optimizer and LR-schedule step. Returns
@@ -63,7 +63,7 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], g
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     num_micro_batches = len(micro_batches)
-    scale = num_micro_batches * groups.dp_size  # undo megatron's /num_microbatches and DDP's DP average
+    scale = num_micro_batches * parallel.dp_size  # undo megatron's /num_microbatches and DDP's DP average
 
     local_attention = uses_local_attention(policy.ddp_chunks[0])
 
@@ -71,7 +71,7 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], g
         # The op runs on the micro-batch's own layout (packed rows included); the loss reads its response tokens.
         # No id-range check (check_targets): a host sync per micro-batch; the ids are the step batch's (forward.py).
         logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
-            logits_BLV, next_token_targets(mb.inputs.tokens_BL), tp_group=groups.tp_group, vocab_size=vocab_size,
+            logits_BLV, next_token_targets(mb.inputs.tokens_BL), tp_group=parallel.tp_group, vocab_size=vocab_size,
             temperature=temperature, chunk_size=chunk_tokens, check_targets=False)
         if not mb.columns.sequences_S.numel():  # a rank without sequences: zero loss, still in the backward graph
             return (logprobs_BL * 0).sum(), {}

@@ -1,0 +1,151 @@
+"""Every logged metric with its reduction, and the one reducer that gathers them over data-parallel ranks.
+
+A metric is declared once in METRICS: summed, the largest, the smallest, or a mean weighted by a named count
+(response tokens, the loss's terms, generated responses, optimizer steps, padded tokens...). Phases record values
+into a `MetricReducer` as the step goes, on the device (no host read per micro-batch); at the end of the step
+`reduce` makes one all-gather over the data-parallel group and one host read for every metric at once.
+
+A metric no rank recorded this step is NaN (written as null), or left out when it is declared optional.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class Reduce(str, enum.Enum):
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    MEAN = "mean"  # sum of value x weight over sum of weight
+
+
+@dataclass(frozen=True)
+class Metric:
+    reduce: Reduce
+    weight: str | None = None  # MEAN: the name of the count each recorded value stands for
+    kind: type = float  # what the reduced value is written as (int counts, bool flags)
+    optional: bool = False  # left out of the step's metrics when no rank recorded it
+
+
+def _mean(weight: str, **kw) -> Metric:
+    return Metric(Reduce.MEAN, weight, **kw)
+
+
+SUM, MAX, MIN = Metric(Reduce.SUM), Metric(Reduce.MAX), Metric(Reduce.MIN)
+# Replicated values (the same on every rank: learning rate, optimizer steps) are declared MAX.
+METRICS: dict[str, Metric] = {
+    # The rollout, over every response generated this step (dynamic sampling's dropped groups included).
+    "reward_mean": _mean("responses"),
+    "accuracy": _mean("responses"),
+    "response_length_mean": _mean("responses"),
+    "response_clip_ratio": _mean("responses"),
+    "response_length_max": MAX,
+    "groups_kept": Metric(Reduce.SUM, kind=int),
+    "groups_generated": Metric(Reduce.SUM, kind=int),
+    "sampling_rounds": Metric(Reduce.MAX, kind=int),
+    # The old-policy pass over the kept response tokens: weighted by tokens (correct / failed: those tokens only).
+    "entropy_mean": _mean("tokens"),
+    "entropy_correct_mean": _mean("correct_tokens"),
+    "entropy_failed_mean": _mean("failed_tokens"),
+    "rollout_logprob_mismatch": _mean("tokens"),
+    "mismatch_kl": _mean("tokens"),
+    "token_mult_prob_error": _mean("tokens"),
+    "rollout_is_weight_mean": _mean("tokens"),
+    "rollout_rs_masked_fraction": _mean("tokens"),
+    # The update. Fractions and the mean ratio count the loss's terms: tokens for a token-level loss, sequences for
+    # the sequence-level one; the KL estimates count tokens.
+    "pg_loss": SUM,  # each micro-batch's share of its optimizer step's loss / the optimizer steps: the mean per step
+    "sft_loss": SUM,  # the warm start's, likewise
+    "clip_frac_low": _mean("loss_terms"),
+    "clip_frac_high": _mean("loss_terms"),
+    "dual_clip_frac": _mean("loss_terms"),
+    "ratio_mean": _mean("loss_terms"),
+    "ratio_max": MAX,
+    "ratio_min": MIN,
+    "approx_kl": _mean("tokens"),
+    "ref_kl": _mean("tokens", optional=True),
+    "num_tokens": SUM,  # the warm start's supervised tokens
+    "grad_norm": _mean("optimizer_steps"),  # the same on every rank: the mean over the step's optimizer steps
+    "grad_norm_max": MAX,
+    "update_successful": Metric(Reduce.MIN, kind=bool),
+    "optimizer_steps": Metric(Reduce.MAX, kind=int),
+    "empty_mini_batches": Metric(Reduce.MAX, kind=int),  # counted from DP-wide token counts: the same everywhere
+    "padding_fraction": _mean("padded_tokens"),  # of the micro-batch plan the old-policy pass and the update ran
+    "lr": MAX,
+    # Wall time of the step's phases (training/metrics.PhaseTimer): the slowest rank's.
+    **{f"time_{phase}_s": MAX for phase in ("generate", "reward", "old_logprob", "advantages", "update", "sync")},
+    "tokens_per_s": SUM,  # each replica's generated response tokens per second of its step: the run's throughput
+}
+WARM_START_METRICS = ("sft_loss", "num_tokens", "grad_norm", "grad_norm_max", "update_successful", "optimizer_steps")
+STEP_METRICS = tuple(name for name in METRICS if name not in ("sft_loss", "num_tokens"))
+
+
+class MetricReducer:
+    """Collects one step's metrics on this rank; `reduce` combines them over the data-parallel group. Values and
+    weights may be Python numbers or 0-dim device tensors (those stay on the device until `reduce`)."""
+
+    def __init__(self, device: torch.device, names: tuple[str, ...] = STEP_METRICS,
+                 declared: dict[str, Metric] = METRICS):
+        self.declared = declared
+        self.names = list(names)
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self._device = device
+        k = len(self.names)
+        self._numerators = torch.zeros(k, dtype=torch.float64, device=device)
+        self._extremes = torch.full((k,), -torch.inf, dtype=torch.float64, device=device)  # MAX of v, MIN as -v
+        self._weights = torch.zeros(k, dtype=torch.float64, device=device)  # MEAN: the sum of the weights
+        self._counts = torch.zeros(k, dtype=torch.float64, device=device)  # how many values were recorded
+
+    def add(self, values: dict, weights: dict | None = None) -> None:
+        """Record `values` (name -> value); a MEAN metric takes its declared weight from `weights` (name of the
+        count -> count)."""
+        self._record(values, weights, totals=False)
+
+    def add_totals(self, totals: dict, weights: dict) -> None:
+        """Record MEAN metrics given as totals over their weight (sum of value x weight), e.g. a sum over tokens."""
+        self._record(totals, weights, totals=True)
+
+    def _record(self, values: dict, weights: dict | None, *, totals: bool) -> None:
+        for name, value in values.items():
+            if name not in self._index:
+                raise KeyError(f"metric {name!r} is not declared for this reducer (training/reduction.py METRICS)")
+            metric, i = self.declared[name], self._index[name]
+            value = torch.as_tensor(value, dtype=torch.float64).to(self._device)
+            self._counts[i] += 1
+            if metric.reduce is Reduce.MEAN:
+                if weights is None or metric.weight not in weights:
+                    raise KeyError(f"metric {name!r} is a mean weighted by {metric.weight!r}, which was not given")
+                weight = torch.as_tensor(weights[metric.weight], dtype=torch.float64).to(self._device)
+                self._numerators[i] += value if totals else value * weight
+                self._weights[i] += weight
+            elif totals:
+                raise ValueError(f"metric {name!r} is a {metric.reduce.value}, not a mean: record it with add()")
+            elif metric.reduce is Reduce.SUM:
+                self._numerators[i] += value
+            else:
+                signed = value if metric.reduce is Reduce.MAX else -value
+                self._extremes[i] = torch.maximum(self._extremes[i], signed)
+
+    def reduce(self, dp_group) -> dict:
+        """Every declared metric over the data-parallel group (collective: one all-gather, one host read)."""
+        local = torch.stack([self._numerators, self._weights, self._counts, self._extremes])
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
+        dist.all_gather(parts, local, group=dp_group)
+        gathered = torch.stack(parts)  # [DP, 4, K]
+        summed = torch.cat([gathered[:, :3].sum(0), gathered[:, 3:].amax(0)])
+        numerators, weights, counts, extremes = summed.tolist()
+        out = {}
+        for i, name in enumerate(self.names):
+            metric = self.declared[name]
+            if counts[i] == 0:
+                if not metric.optional:
+                    out[name] = float("nan")
+                continue
+            value = {Reduce.SUM: numerators[i], Reduce.MAX: extremes[i], Reduce.MIN: -extremes[i],
+                     Reduce.MEAN: numerators[i] / weights[i] if weights[i] else float("nan")}[metric.reduce]
+            out[name] = metric.kind(value)
+        return out

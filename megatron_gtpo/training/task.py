@@ -1,0 +1,63 @@
+"""The task: prompts, a tokenizer, a batched reward on decoded text and the model's HF config, built from the
+config's data and model sections (`build_task`): the synthetic addition task of the CPU demo, or math problems from a
+JSONL file scored by math-verify in a pool of worker processes."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_gtpo.config import TrainConfig
+
+
+@dataclass
+class Task:
+    """Prompts (PromptSample items), a tokenizer and a batched reward on decoded text."""
+
+    samples: list
+    tokenizer: object
+    score: Callable[[list[str], list[str]], list[float]]  # (response texts, reference answers) -> rewards
+    hf_config: dict
+
+
+def _math_reward_pool(cfg: TrainConfig) -> Callable[[list[str], list[str]], list[float]]:
+    """math-verify in a pool of worker processes with a per-item time limit (rewards.RewardScorer), started on first
+    use, so only the ranks that score (one per model replica) start workers."""
+    from megatron_gtpo.rewards import RewardScorer, verify_math_answer
+
+    pool = []
+
+    def score(texts: list[str], references: list[str]) -> list[float]:
+        if not pool:
+            pool.append(RewardScorer(verify_math_answer, num_workers=cfg.data.reward_workers,
+                                     timeout_s=cfg.data.reward_timeout_s))
+        return pool[0].score(texts, references)
+
+    return score
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    if cfg.data.source == "synthetic":
+        from megatron_gtpo.data import synthetic
+
+        hf_config = synthetic.tiny_model_hf_config() if cfg.model.tiny_synthetic else None
+        return Task(synthetic.addition_problems(), synthetic.CharTokenizer(),
+                    lambda texts, refs: [synthetic.exact_match_reward(t, r) for t, r in zip(texts, refs)],
+                    hf_config or _model_hf_config(cfg))
+    from megatron_gtpo.data.datasets import load_dataset
+    from megatron_gtpo.data.records import FieldMapping
+    from megatron_gtpo.data.templates import PROMPT_STYLES, tokenize_prompts
+    from megatron_gtpo.data.tokenizer import load_tokenizer
+    from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR
+
+    tokenizer = load_tokenizer(cfg.model.hf_dir or os.path.join(cfg.model.load, HF_FILES_DIR))
+    records = load_dataset(cfg.data.path, FieldMapping(problem=cfg.data.prompt_field, answer=cfg.data.answer_field))
+    template = PROMPT_STYLES["dapo" if cfg.data.template == "dapo" else "boxed"]
+    samples = tokenize_prompts(records, tokenizer, template, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    return Task(samples, tokenizer, _math_reward_pool(cfg), _model_hf_config(cfg))
+
+
+def _model_hf_config(cfg: TrainConfig) -> dict:
+    from megatron_gtpo.models.sources import ModelSource
+
+    return ModelSource.detect(cfg.model.hf_dir or cfg.model.load).hf_config()

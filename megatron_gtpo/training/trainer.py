@@ -1,0 +1,248 @@
+"""The trainer: its components are built once from the config, its phases are methods, and `train` is the RL loop.
+
+Read top to bottom: `__init__` builds the task, checks the parallel layout, starts the process groups, and builds the
+policy (model, optimizer, LR schedule), the KL reference, the rollout engine, the prompt loader and the configured
+algorithm, then resumes from the newest checkpoint. `train` runs the steps; each step's phases add fields to one step
+batch (step_batch.py) and record metrics into one reducer (reduction.py). docs/architecture.md walks through it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_gtpo.algorithms import configure_algorithm, informative_groups
+from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS
+from megatron_gtpo.config import TrainConfig, to_dict, validate_layout
+from megatron_gtpo.distributed import initialize_parallel, read_launch_env
+from megatron_gtpo.rollout.engine import SamplingParams
+
+from . import checkpointing
+from .checkpointing import StopSignal
+from .engine_setup import build_engine
+from .experience import Experience, collect_experience, correct_rollout, global_advantages, score_old_policy
+from .metrics import MetricsLogger, PhaseTimer
+from .model_setup import PolicyModel
+from .reduction import WARM_START_METRICS, MetricReducer
+from .reference import ReferencePolicy
+from .step_batch import StepBatch, build_step_batch
+from .task import build_task
+from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
+from .update import record_optimizer_step, update_policy
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from megatron_gtpo.data.loader import PromptLoader
+        from megatron_gtpo.distributed.vocab_parallel import chunk_tokens_for_budget
+        from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+
+        self.cfg = cfg
+        self.task = build_task(cfg)  # prompts, tokenizer, reward, the model's HF config
+        shape = Qwen2Shape.from_hf(self.task.hf_config)
+        validate_layout(cfg, world_size=read_launch_env().world_size, shape=shape)  # before any process group
+        p = cfg.parallel
+        self.parallel = initialize_parallel(p.tensor, p.pipeline, virtual_pipeline_parallel=p.virtual_pipeline,
+                                            sequence_parallel=p.sequence_parallel, seed=cfg.seed)
+        self.vocab_size = shape.vocab_size
+        # The vocab-parallel log-prob op's chunk, from model.logprob_workspace_mib.
+        self.logprob_chunk_tokens = chunk_tokens_for_budget(
+            cfg.model.logprob_workspace_mib * 2**20,
+            padded_vocab_size(shape.vocab_size, self.parallel.tp_size) // self.parallel.tp_size)
+        self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
+        self.reference = ReferencePolicy.build(cfg, self.task.hf_config, self.parallel)  # None without a KL term
+        self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
+        self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
+                                   dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
+        self.algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
+        self.start_step = checkpointing.restore(self)  # 0 without a checkpoint
+        self.sync_weights()  # an external engine starts from the (restored) policy
+        par = self.parallel
+        self.is_logging_rank = par.is_last_stage and par.tp_rank == 0 and par.dp_rank == 0
+        os.makedirs(cfg.logging.output_dir, exist_ok=True)
+        self.logger = MetricsLogger(cfg.logging.output_dir, enabled=self.is_logging_rank, start_step=self.start_step,
+                                    total_steps=cfg.steps, tensorboard=cfg.logging.tensorboard,
+                                    wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar,
+                                    run_config=to_dict(cfg))
+
+    def train(self) -> None:
+        """The RL loop."""
+        self.stop = StopSignal.install()  # SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint, then exit
+        if self.start_step == 0 and self.cfg.warm_start.steps:
+            self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **self.warm_start()})
+        self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference
+        for step in range(self.start_step, self.cfg.steps):
+            timer, metrics = PhaseTimer(), MetricReducer(self.parallel.device)
+            experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
+            with timer("old_logprob"):
+                batch = self.build_step_batch(experience)  # tokens, masks, group index, the micro-batch plan
+                self.score_old_policy(batch)  # old log-probs, entropies; the rollout mismatch correction
+            with timer("advantages"):
+                self.compute_advantages(batch)  # the configured algorithm's, over the global batch
+            with timer("update"):
+                self.update(batch, metrics)
+            with timer("sync"):
+                self.sync_weights()
+            self.log_metrics(step, experience, batch, metrics, timer)
+            if self.checkpoint_if_due(step + 1):  # a stop signal: every rank stops after the same step
+                break
+        self.logger.close()
+
+    # ------------------------------------------------------------------------------------------------ the phases
+
+    def warm_start(self) -> dict:
+        """Supervised warm-start on the task's reference answers (synthetic task only: it knows the answer tokens), each
+        prompt with its answer as a group of one response, through the step batch and its micro-batch plan."""
+        from megatron_gtpo.data.synthetic import answer_token_ids
+        from megatron_gtpo.rollout.engine import Response
+
+        cfg, parallel = self.cfg, self.parallel
+        metrics = MetricReducer(parallel.device, WARM_START_METRICS)
+        for _ in range(cfg.warm_start.steps):
+            prompts = self.loader.next_batch().items
+            answers = [[Response(answer_token_ids(p.answer), [0.0] * len(answer_token_ids(p.answer)), "stop")]
+                       for p in prompts]
+            no_reward = torch.zeros(len(prompts), 1)
+            exp = Experience([p.prompt_token_ids for p in prompts], answers, no_reward, no_reward)
+            batch = build_step_batch(exp, parallel, mini_batches=[list(range(len(prompts)))],
+                                     max_sequences=cfg.data.micro_batch_size,
+                                     max_tokens=cfg.data.max_tokens_per_micro_batch, pack=cfg.data.pack_sequences)
+            micro_batches = [update_micro_batch(batch, planned) for planned in batch.plan[0]]
+            tokens = batch.mask_ST.sum().double()
+            metrics.add({"num_tokens": tokens.clone()})
+            dist.all_reduce(tokens, group=parallel.dp_group)
+            result = run_train_step(self.policy, micro_batches, parallel, supervised_loss_fn(float(tokens)),
+                                    vocab_size=self.vocab_size, lr=cfg.warm_start.lr,
+                                    chunk_tokens=self.logprob_chunk_tokens)
+            record_optimizer_step(metrics, result, cfg.warm_start.steps)
+        metrics.add({"optimizer_steps": cfg.warm_start.steps})
+        self.policy.scheduler.step(increment=0)  # back to the schedule's learning rate for RL
+        return metrics.reduce(parallel.dp_group)
+
+    def pin_reference(self) -> None:
+        if self.reference is not None:
+            self.reference.pin(self.policy.chunks, self.parallel, resumed=self.start_step > 0)
+
+    def collect_experience(self, step: int, timer: PhaseTimer, metrics: MetricReducer) -> Experience:
+        """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says;
+        times the "generate" and "reward" phases, records the rollout's metrics."""
+        def generate(prompts, round_index):  # a new seed per step, sampling round and DP replica
+            with timer("generate"):
+                return self.engine.generate(prompts, self.sampling_params(step, round_index))
+
+        def reward(prompts, responses):
+            with timer("reward"):
+                return self.score_responses(prompts, responses)
+
+        a = self.cfg.algorithm
+        exp = collect_experience(generate, lambda: self.loader.next_batch().items, reward,
+                                 self.sampling_params(step, 0), self.parallel,
+                                 target_prompt_groups=self.cfg.data.prompts_per_step // self.parallel.dp_size,
+                                 dynamic_sampling=self.algorithm.dynamic_sampling,
+                                 max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty,
+                                 informative=informative_groups)
+        stats = exp.stats
+        metrics.add({k: stats[k] for k in ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio",
+                                           "response_length_max", "groups_kept", "groups_generated",
+                                           "sampling_rounds")},
+                    {"responses": stats["groups_generated"] * exp.group_size})
+        return exp
+
+    def build_step_batch(self, exp: Experience) -> StepBatch:
+        d = self.cfg.data
+        return build_step_batch(exp, self.parallel,
+                                mini_batches=split_evenly(list(range(exp.num_prompt_groups)), d.mini_batches_per_step),
+                                max_sequences=d.micro_batch_size, max_tokens=d.max_tokens_per_micro_batch,
+                                pack=d.pack_sequences)
+
+    def score_old_policy(self, batch: StepBatch) -> None:
+        """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
+        mismatch correction's loss mask and importance weights."""
+        a = self.cfg.algorithm
+        score_old_policy(self.policy.chunks, batch, self.parallel, vocab_size=self.vocab_size,
+                         temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
+                         reference_chunks=self.reference.chunks if self.reference else None)
+        correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
+                        rollout_rs_bounds=tuple(a.rollout_rs_bounds))
+
+    def compute_advantages(self, batch: StepBatch) -> None:
+        if self.parallel.is_last_stage:
+            global_advantages(self.algorithm.advantages, self.algorithm.uses_entropy, batch, self.parallel)
+
+    def update(self, batch: StepBatch, metrics: MetricReducer) -> None:
+        update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
+                      epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,
+                      temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens)
+
+    def sync_weights(self) -> None:
+        self.engine.sync_weights(self.policy.chunks, self.parallel)
+
+    def log_metrics(self, step: int, exp: Experience, batch: StepBatch, metrics: MetricReducer,
+                    timer: PhaseTimer) -> None:
+        """Records the old-policy pass's token metrics, the learning rate and the timings, reduces every metric over
+        the data-parallel ranks (one collective) and logs them."""
+        if batch.entropy_ST is not None:  # the last pipeline stage
+            metrics.add_totals(*_token_totals(batch))
+        step_time = sum(timer.seconds.values())
+        generated_tokens = exp.stats["response_length_mean"] * exp.stats["groups_generated"] * exp.group_size
+        metrics.add({"lr": self.policy.optimizer.param_groups[0]["lr"],
+                     "tokens_per_s": generated_tokens / step_time if step_time else float("nan"),
+                     **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()}})
+        reduced = metrics.reduce(self.parallel.dp_group)
+        reduced["no_group_kept"] = int(reduced["groups_kept"] == 0)  # then the token and update metrics are NaN
+        self.logger.log(step, reduced)
+
+    def checkpoint_if_due(self, step: int) -> bool:
+        """Checkpoint after `step` steps when due (every checkpoint.save_every, the last step, a stop signal);
+        returns whether to stop."""
+        stopping = self.stop.agreed(self.parallel.device)  # signals reach ranks at slightly different times
+        every = self.cfg.checkpoint.save_every
+        if stopping or step == self.cfg.steps or (every and step % every == 0):
+            checkpointing.save(self, step)
+        return stopping
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def sampling_params(self, step: int, round_index: int) -> SamplingParams:
+        r = self.cfg.rollout
+        seed = (self.cfg.seed * 1_000_003 + step * 7_919 + round_index * 104_729 + self.parallel.dp_rank) % 2**31
+        return SamplingParams(n=r.num_responses_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=(self.task.tokenizer.eos_token_id,),
+                              seed=seed)
+
+    def score_responses(self, prompts: list, responses: list[list]) -> torch.Tensor:
+        """[N, G] rewards, computed once per model replica (its first rank) and broadcast to the replica's ranks."""
+        mp_group, device = self.parallel.mp_group, self.parallel.device
+        flat = [r for group in responses for r in group]
+        rewards = torch.empty(len(flat), dtype=torch.float32, device=device)  # NCCL: no host tensors
+        if dist.get_rank(mp_group) == 0:
+            references = [p.answer for p, group in zip(prompts, responses) for _ in group]
+            rewards = torch.tensor(self.task.score([self.task.tokenizer.decode(r.token_ids) for r in flat],
+                                                   references), dtype=torch.float32, device=device)
+        dist.broadcast(rewards, src=dist.get_global_rank(mp_group, 0), group=mp_group)
+        return rewards.cpu().view(len(responses), -1)
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    size = -(-len(items) // parts) if items else 0
+    return [items[i * size:(i + 1) * size] for i in range(parts)]
+
+
+def _token_totals(batch: StepBatch) -> tuple[dict, dict]:
+    """The old-policy pass's token metrics as totals over the kept response tokens, and their weights (device
+    tensors: no host read)."""
+    mask = batch.mask_ST
+    correct_S1 = (batch.per_sequence(batch.correct_NG) == 1)[:, None]
+    correct, failed = mask & correct_S1, mask & ~correct_S1
+    mismatch_ST = (batch.rollout_logprobs_ST - batch.old_logprobs_ST).abs()
+
+    def total(values_ST, where_ST):
+        return torch.where(where_ST, values_ST, 0.0).sum()
+
+    totals = {"entropy_mean": total(batch.entropy_ST, mask), "entropy_correct_mean": total(batch.entropy_ST, correct),
+              "entropy_failed_mean": total(batch.entropy_ST, failed),
+              "rollout_logprob_mismatch": total(mismatch_ST, mask),
+              **{key: batch.mismatch_sums[key] for key in MISMATCH_METRICS}}
+    weights = {"tokens": mask.sum(), "correct_tokens": correct.sum(), "failed_tokens": failed.sum()}
+    return totals, weights

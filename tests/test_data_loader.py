@@ -12,7 +12,8 @@ from megatron_gtpo.data import PromptLoader
 def _loaders(num_prompts: int, prompts_per_step: int, dp_size: int, seed: int = 3, shuffle: bool = True):
     items = [f"prompt-{i}" for i in range(num_prompts)]
     return [
-        PromptLoader(items, prompts_per_step=prompts_per_step, dp_rank=rank, dp_size=dp_size, seed=seed, shuffle=shuffle)
+        PromptLoader(items, prompts_per_step=prompts_per_step, dp_rank=rank, dp_size=dp_size, seed=seed,
+                     shuffle=shuffle)
         for rank in range(dp_size)
     ]
 
@@ -59,7 +60,8 @@ def test_shuffling_is_seeded_and_differs_across_epochs():
     orders = [loader.epoch_order(epoch) for epoch in range(4)]
     assert all(sorted(order) == list(range(50)) for order in orders)
     assert len({tuple(order) for order in orders}) == 4  # each epoch reshuffles
-    assert orders == [_loaders(50, 10, 1, seed=11)[0].epoch_order(epoch) for epoch in range(4)]  # same seed, same orders
+    # same seed, same orders
+    assert orders == [_loaders(50, 10, 1, seed=11)[0].epoch_order(epoch) for epoch in range(4)]
     assert orders[0] != _loaders(50, 10, 1, seed=12)[0].epoch_order(0)
     assert orders[0] != list(range(50))
     unshuffled = _loaders(50, 10, 1, shuffle=False)[0]

@@ -66,7 +66,8 @@ def test_jsonl_with_default_and_custom_field_mappings(tmp_path):
         ([json.dumps({"id": "a", "problem": "p", "answer": "  "})], r"bad\.jsonl:1: field 'answer' is empty"),
         ([json.dumps({"id": "a", "problem": ["p"], "answer": "1"})], r"bad\.jsonl:1: field 'problem' must be a string"),
         (["[1, 2]"], r"bad\.jsonl:1: a row must be a JSON object"),
-        ([json.dumps({"id": "a", "problem": "p", "answer": "1"})] * 2, r"bad\.jsonl:2: duplicate id 'a' \(first at .*bad\.jsonl:1\)"),
+        ([json.dumps({"id": "a", "problem": "p", "answer": "1"})] * 2,
+         r"bad\.jsonl:2: duplicate id 'a' \(first at .*bad\.jsonl:1\)"),
         (["", "  "], r"bad\.jsonl: the dataset is empty"),
     ],
 )
@@ -120,7 +121,8 @@ def test_bundled_eval_sets_are_the_documented_copies():
 def test_repair_control_characters_on_dapo_quirks():
     assert repair_control_characters("in the form \x0crac{m}{n}") == "in the form \\frac{m}{n}"
     assert repair_control_characters("$=\x08eta$") == "$=\\beta$"
-    assert repair_control_characters("a_{2},\text{...},\triangle ABC, 2 \times 3") == "a_{2},\\text{...},\\triangle ABC, 2 \\times 3"
+    assert (repair_control_characters("a_{2},\text{...},\triangle ABC, 2 \times 3")
+            == "a_{2},\\text{...},\\triangle ABC, 2 \\times 3")
     assert repair_control_characters("$x \\le\x14 2y$ di\x0bfference \x88x") == "$x \\le 2y$ difference x"
     # real tabs and newlines stay
     for text in ("\t For each positive i", "{\n\tdraw((i,-1))", "\\begin{cases}\n\tn^n & k = 0", "plain text"):
@@ -135,7 +137,8 @@ def test_dapo_rows_are_repaired_and_wrapped_in_the_dapo_prompt(tmp_path):
         json.dumps({"id": "dapo-0", "problem": "What is $1+1$?", "answer": "2"}),
     ])
     records = load_dataset(path)
-    assert [r.problem for r in records] == ["$S=\\text{...}\\frac{a_{i}}{i}$", "$B-A_{1} P-B_{1}=\\beta$", "What is $1+1$?"]
+    assert [r.problem for r in records] == ["$S=\\text{...}\\frac{a_{i}}{i}$", "$B-A_{1} P-B_{1}=\\beta$",
+                                            "What is $1+1$?"]
     assert load_dataset(path, repair=False)[0].problem == "$S=\text{...}\x0crac{a_{i}}{i}$"
     # the upstream prompt, as quoted in /work/shared/data/README.md
     assert DAPO_TEMPLATE.user_text("What is $1+1$?") == (
@@ -183,7 +186,8 @@ def test_templates_render_chat_and_plain_prompts(hf_tokenizer):
 
 
 def test_tokenize_prompts_indexes_samples_and_drops_overlong_prompts(hf_tokenizer):
-    records = [PromptRecord("short", "1+1?", "2"), PromptRecord("long", "x " * 200, "0"), PromptRecord("mid", "2+2?", "4")]
+    records = [PromptRecord("short", "1+1?", "2"), PromptRecord("long", "x " * 200, "0"),
+               PromptRecord("mid", "2+2?", "4")]
     template = PromptTemplate(chat=False)
     samples = tokenize_prompts(records, hf_tokenizer, template, max_prompt_tokens=50)
     assert [(s.index, s.id, s.answer) for s in samples] == [(0, "short", "2"), (1, "mid", "4")]

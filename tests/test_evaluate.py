@@ -69,7 +69,8 @@ def test_report_metrics_json_and_csv(tmp_path):
     # setA: c = 1 and 3 of n = 4. pass@2: 1 - C(3,2)/C(4,2) = 1/2 and 1 - 0 = 1.
     assert summary["setA"] == pytest.approx({"num_problems": 2, "num_samples": 4, "mean@4": (1 / 4 + 3 / 4) / 2,
                                              "pass@1": 0.5, "pass@2": (0.5 + 1.0) / 2, "pass@4": 1.0})
-    assert summary["setB"] == {"num_problems": 1, "num_samples": 4, "mean@4": 0.0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0}
+    assert summary["setB"] == {"num_problems": 1, "num_samples": 4, "mean@4": 0.0, "pass@1": 0.0, "pass@2": 0.0,
+                               "pass@4": 0.0}
 
     with open(tmp_path / evaluate.RESULTS_JSON, encoding="utf-8") as f:
         report = json.load(f)
@@ -81,7 +82,8 @@ def test_report_metrics_json_and_csv(tmp_path):
     assert report["problems"][0]["predicted_answers"] == ["7", "1", "1", "1"]
     with open(tmp_path / evaluate.RESULTS_CSV, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["dataset"], r["problem_id"], r["num_correct"]) for r in rows] == [("setA", "a1", "1"), ("setA", "a2", "3"), ("setB", "b1", "0")]
+    assert [(r["dataset"], r["problem_id"], r["num_correct"]) for r in rows] == [
+        ("setA", "a1", "1"), ("setA", "a2", "3"), ("setB", "b1", "0")]
     assert float(rows[1]["accuracy"]) == 0.75 and float(rows[0]["pass@2"]) == pytest.approx(0.5)
     with open(tmp_path / evaluate.RESPONSES_JSONL, encoding="utf-8") as f:
         responses = [json.loads(line) for line in f]
@@ -114,7 +116,8 @@ def test_report_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_report({"s": [_result("a", [False])]}, str(tmp_path), ks=[1])
     assert (tmp_path / evaluate.RESULTS_JSON).read_text() == before
-    assert sorted(os.listdir(tmp_path)) == sorted([evaluate.RESULTS_CSV, evaluate.RESULTS_JSON, evaluate.RESPONSES_JSONL])
+    assert sorted(os.listdir(tmp_path)) == sorted([evaluate.RESULTS_CSV, evaluate.RESULTS_JSON,
+                                                   evaluate.RESPONSES_JSONL])
 
 
 class CannedEngine:
@@ -149,8 +152,8 @@ def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
     tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tokenizer"))
     tokenizer = load_tokenizer(tokenizer_dir)
     custom_path = tmp_path / "custom.jsonl"
-    custom_path.write_text("".join(json.dumps({"id": f"c{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
-                                   for i in range(5)))
+    custom_path.write_text("".join(json.dumps({"id": f"c{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)})
+                                   + "\n" for i in range(5)))
     datasets = {"aime25": load_dataset("aime25"), "custom": load_dataset(str(custom_path))}
     n = 4
     num_correct = {r.id: position % (n + 1) for records in datasets.values() for position, r in enumerate(records)}
@@ -180,7 +183,8 @@ def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
 
     for name, records in datasets.items():
         counts = [num_correct[r.id] for r in records]
-        expected = {"num_problems": len(records), "num_samples": n, f"mean@{n}": sum(c / n for c in counts) / len(counts)}
+        expected = {"num_problems": len(records), "num_samples": n,
+                    f"mean@{n}": sum(c / n for c in counts) / len(counts)}
         for k in (1, 2, 4):  # the default ks for n = 4
             expected[f"pass@{k}"] = sum(float(_closed_form_pass_at_k(n, c, k)) for c in counts) / len(counts)
         assert summary[name] == pytest.approx(expected)

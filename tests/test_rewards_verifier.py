@@ -28,7 +28,8 @@ def _answers(path: str, every: int) -> list[str]:
 
 def _sampled_answers() -> dict[str, list[str]]:
     """Deterministic samples: all of MATH-500 and AIME, every 10th GSM8K answer, every 100th DAPO answer."""
-    answers = {name: _answers(os.path.join(EVAL_SETS_DIR, f"{name}.jsonl"), 1) for name in ("math500", "aime24", "aime25")}
+    answers = {name: _answers(os.path.join(EVAL_SETS_DIR, f"{name}.jsonl"), 1)
+               for name in ("math500", "aime24", "aime25")}
     if os.path.exists(os.path.join(DATA_DIR, "gsm8k_test.jsonl")):
         answers["gsm8k"] = _answers(os.path.join(DATA_DIR, "gsm8k_test.jsonl"), 10)
         answers["dapo"] = _answers(os.path.join(DATA_DIR, "dapo_math_17k.jsonl"), 100)

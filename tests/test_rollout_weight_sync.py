@@ -22,7 +22,7 @@ def _sync(model_dir, tp, pp, vpp, bucket_sizes):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, layer_offset, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
-    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination, pack_bucket
+    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination
 
     groups = initialize_parallel(tp, pp, virtual_pipeline_parallel=vpp)
     with HFCheckpoint(model_dir) as ckpt:

@@ -316,7 +316,8 @@ def test_compare_algorithms_tool_runs_each_algorithm_from_the_same_seeds(tmp_pat
 def test_bfloat16_run_checkpoints_and_resumes(tmp_path):
     """bf16 as on a GPU: every parameter in bf16 (the local spec builds its norms in fp32; two parameter dtypes split
     the distributed optimizer's buffers and its checkpoint failed to save), a checkpoint, then a resume."""
-    bf16 = ["model.dtype=bfloat16", "parallel.tensor=1", "data.prompts_per_step=8", "warm_start.steps=0", "checkpoint.save_every=1"]
+    bf16 = ["model.dtype=bfloat16", "parallel.tensor=1", "data.prompts_per_step=8", "warm_start.steps=0",
+            "checkpoint.save_every=1"]
     res = run_train(tmp_path, 1, bf16 + ["steps=1"])
     assert res.returncode == 0, res.stderr[-3000:]
     tensors = checkpoint_tensors(tmp_path / "checkpoints" / "step_00000001")

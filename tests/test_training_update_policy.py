@@ -81,8 +81,6 @@ ON_POLICY_CASES = [(algorithm, plan) for algorithm in ("gtpo", "grpo_s")
 def _on_policy(rank, world_size):
     """Per case: the update's ratio and approx KL, the plan's micro-batch count and largest micro-batch, and the
     largest difference between the step batch's old log-probs and the scoring path's, sequence by sequence."""
-    import torch
-
     from megatron_gtpo.training.forward import make_micro_batches, next_token_logprobs_and_entropy
 
     exp = _experience(4)

@@ -6,8 +6,9 @@ The trainer hands its state to the one checkpoint writer (checkpoint/megatron_ch
 tensors, readable at any TP/PP), trainer_state.json, config.yaml, rng/rank_*.pt, the checkpoint metadata (so that
 `score --load`, `model.load` and the converters read it like any converted one) and manifest.json (every file's size
 and checksum); `latest` names the newest complete one. The writer renames a checkpoint into place only when
-complete, so a crash mid-save never leaves a directory that looks complete; only the last `keep_last` are kept. A resume checks the checkpoint's files against its manifest first: one damaged on disk since (a truncated
-or corrupted shard) is named and passed over for the newest intact one before it.
+complete, so a crash mid-save never leaves a directory that looks complete; only the last `keep_last` are kept.
+A resume checks the checkpoint's files against its manifest first: one damaged on disk since (a truncated or
+corrupted shard) is named and passed over for the newest intact one before it.
 """
 from __future__ import annotations
 

@@ -184,7 +184,8 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
     planned = [[_planned(rows, sequences, prompt_lengths, response_lengths, parallel, pack) for rows in mini]
                for mini in plan]
     index_S = torch.arange(len(sequences), device=device)
-    return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G, sequence_lengths=[len(s) for s in sequences],
+    return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G,
+                     sequence_lengths=[len(s) for s in sequences],
                      response_lengths=response_lengths, group_index_S=index_S // G, response_index_S=index_S % G,
                      mask_ST=torch.arange(T, device=device) < lengths_S[:, None],
                      rollout_logprobs_ST=rollout.to(device), correct_NG=exp.correct_NG.to(device),

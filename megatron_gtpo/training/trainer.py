@@ -58,8 +58,8 @@ class Trainer:
         self.algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
         self.start_step = checkpointing.restore(self)  # 0 without a checkpoint
         self.sync_weights()  # an external engine starts from the (restored) policy
-        par = self.parallel
-        self.is_logging_rank = par.is_last_stage and par.tp_rank == 0 and par.dp_rank == 0
+        self.is_logging_rank = (self.parallel.is_last_stage and self.parallel.tp_rank == 0
+                                and self.parallel.dp_rank == 0)
         os.makedirs(cfg.logging.output_dir, exist_ok=True)
         self.logger = MetricsLogger(cfg.logging.output_dir, enabled=self.is_logging_rank, start_step=self.start_step,
                                     total_steps=cfg.steps, tensorboard=cfg.logging.tensorboard,

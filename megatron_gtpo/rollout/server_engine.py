@@ -13,7 +13,8 @@ The server object is a `vllm_engine.VLLMServer` in the same process (colocated m
     dtype: torch.dtype (the engine's weight dtype: the expected checksums are taken after a cast to it)
 
 `generate` and `sync_weights` are collective over the model-parallel group: the destination calls the server,
-and its outcome (result or error text) is broadcast to every rank, which returns it or raises.
+and its outcome (result or error text) is broadcast to every rank, which returns it or raises. Responses travel as
+tensors (rollout/transport.py), the small outcomes of a sync as objects.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import Response, SamplingParams, check_prompts
+from .transport import broadcast_responses
 from .weight_sync import DEFAULT_BUCKET_BYTES, hf_weight_buckets, is_sync_destination, policy_checksum_names, \
     tensor_checksum
 
@@ -54,7 +56,8 @@ class ServerEngine:
         outcome = None
         if self.server is not None:
             outcome = attempt(lambda: self.server.generate(prompts, params))
-        return unwrap(share_outcome(outcome, self.groups))
+        destination = dist.get_global_rank(self.groups.mp_group, 0)  # lowest rank of the replica: TP 0 of stage 0
+        return unwrap(broadcast_responses(outcome, destination, self.groups.mp_group, self.groups.device))
 
     def _release_cached_memory(self) -> None:
         """Before a colocated engine wakes (its KV cache, its weights) on the model replica's GPUs: every rank of
@@ -112,7 +115,7 @@ def colocated_cuda_devices(*, device_index: int, device_count: int, engine_tp: i
 
 
 def share_outcome(outcome, groups):
-    """The destination's (status, payload) on every rank of the model-parallel group: a broadcast within the first
+    """The destination's small (status, payload), e.g. a policy version, on every rank of the model-parallel group: a broadcast within the first
     stage's TP group, then along each pipeline group. Other ranks pass None."""
     box = [outcome]
     if groups.pp_rank == 0 and groups.tp_size > 1:

@@ -6,8 +6,10 @@ against the pickled Python lists of `broadcast_object_list` (the path it replace
 
 The batch: --prompts x --samples responses of --tokens tokens each (random ids and log-probs; finish reason
 "length").
-Each candidate is timed end to end, from the source's list of `Response` objects to every rank holding its own list
-(encoding, the broadcast, decoding); the time is the slowest rank's, median over --rounds after one warm-up.
+Candidates: "tensors" and "pickled" are timed end to end, from the source's list of `Response` objects to every rank
+holding its own list (encoding, the broadcast, decoding); "tensor wire only" is the tensor path's broadcasts of the
+already encoded tensors (what remains when producer and consumer keep tensors). Times are the slowest rank's,
+median over --rounds after one warm-up.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.rollout.engine import FINISH_LENGTH, Response
-from megatron_gtpo.rollout.transport import broadcast_responses
+from megatron_gtpo.rollout.transport import broadcast_responses, responses_to_tensors
+
+WIRE_SIZES = [0, 0]  # elements of the encoded tensors, for the receiving side of `wire`
 
 
 def parse_args(argv=None):
@@ -51,6 +55,15 @@ def tensors(outcome):
     return broadcast_responses(outcome, 0, dist.group.WORLD, torch.device("cpu"))
 
 
+def wire(encoded):
+    """The tensor path's broadcasts alone (already encoded, not decoded): what the transport itself costs."""
+    ints, logprobs_T = encoded if encoded is not None else (torch.empty(WIRE_SIZES[0], dtype=torch.int32),
+                                                            torch.empty(WIRE_SIZES[1], dtype=torch.float32))
+    dist.broadcast(ints, src=0)
+    dist.broadcast(logprobs_T, src=0)
+    return None
+
+
 def timed(fn, outcome, rounds: int) -> tuple[float, object]:
     times = []
     for _ in range(rounds + 1):
@@ -69,10 +82,15 @@ def main(argv=None):
     rank = dist.get_rank()
     batch = make_batch(args.prompts, args.samples, args.tokens) if rank == 0 else None
     outcome = ("ok", batch) if rank == 0 else None
+    encoded = responses_to_tensors(batch) if rank == 0 else None
+    sizes = torch.tensor([0, 0] if encoded is None else [e.numel() for e in encoded])
+    dist.broadcast(sizes, src=0)
+    WIRE_SIZES[:] = sizes.tolist()
     rows = []
-    for name, fn in [("tensors", tensors), ("pickled", pickled)]:
-        seconds, result = timed(fn, outcome, args.rounds)
-        if rank == 1:  # the receiver got the batch (log-probs: float32 in the tensor path)
+    for name, fn, arg in [("tensors", tensors, outcome), ("pickled", pickled, outcome),
+                          ("tensor wire only", wire, encoded)]:
+        seconds, result = timed(fn, arg, args.rounds)
+        if rank == 1 and result is not None:  # the receiver got the batch (log-probs: float32 in the tensor path)
             reference = make_batch(args.prompts, args.samples, args.tokens)
             got = result[1]
             assert [[r.token_ids for r in rs] for rs in got] == [[r.token_ids for r in rs] for rs in reference]

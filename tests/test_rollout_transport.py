@@ -79,7 +79,7 @@ def _failing_engine(rank, world_size):
     groups = initialize_parallel(1, 2)
 
     class Server:
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, first_prompt=0):
             raise MemoryError("no room for the KV cache")
 
     engine = ServerEngine(Server() if groups.pp_rank == 0 else None, groups,

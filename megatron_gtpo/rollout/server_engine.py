@@ -1,19 +1,21 @@
-"""A `RolloutEngine` for one model-parallel group whose generation runs in a server object held by the group's
-weight-sync destination rank (TP rank 0 of the first pipeline stage). Imports neither vllm nor megatron.
-Before the server wakes, every rank of the group empties its caching allocator (`_release_cached_memory`).
+"""A `RolloutEngine` for one model-parallel group whose generation runs in server objects held by the group's engine
+hosts (rollout/placement.py: by default one, TP rank 0 of the first pipeline stage; colocated vLLM runs one per
+pipeline stage or per TP slice of one). Imports neither vllm nor megatron. Before the servers wake, every rank of the
+group empties its caching allocator (`_release_cached_memory`).
 
 The server object is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a
 `vllm_remote.RemoteVLLMClient` talking to a vLLM server on another node (remote mode). Either way it offers:
 
-    generate(prompts, SamplingParams) -> list[list[Response]]
+    generate(prompts, SamplingParams, first_prompt=0) -> list[list[Response]] (`first_prompt`: the index of
+        prompts[0] in the replica's prompts, so that seeds differ across engines)
     begin_weight_update() -> None
     load_bucket(bucket: list[(hf_name, tensor)]) -> None
     finish_weight_update(expected_checksums: {hf_name: (sum, sum of squares)}) -> int (the new policy version;
         raises if the engine's weights do not have these checksums)
     dtype: torch.dtype (the engine's weight dtype: the expected checksums are taken after a cast to it)
 
-`generate` and `sync_weights` are collective over the model-parallel group: the destination calls the server,
-and its outcome (result or error text) is broadcast to every rank, which returns it or raises. Responses travel as
+`generate` and `sync_weights` are collective over the model-parallel group: each host calls its server, and its
+outcome (result or error text) is broadcast to every rank, which returns it or raises. Responses travel as
 tensors (rollout/transport.py), the small outcomes of a sync as objects.
 """
 from __future__ import annotations
@@ -24,23 +26,28 @@ import torch
 import torch.distributed as dist
 
 from .engine import Response, SamplingParams, check_prompts
+from .placement import split_prompts
 from .transport import broadcast_responses
-from .weight_sync import DEFAULT_BUCKET_BYTES, hf_weight_buckets, is_sync_destination, policy_checksum_names, \
-    tensor_checksum
+from .weight_sync import DEFAULT_BUCKET_BYTES, SINGLE_DESTINATION, hf_weight_buckets, is_sync_destination, \
+    policy_checksum_names, tensor_checksum
 
 
 class ServerEngine:
-    """`RolloutEngine` backed by one server object per model-parallel group (on its sync destination rank).
+    """`RolloutEngine` backed by the server objects of one model-parallel group, one per engine host (`hosts`:
+    (pp_rank, tp_rank) pairs in engine order, rollout/placement.engine_hosts; by default a single server on TP
+    rank 0 of the first pipeline stage).
 
-    `generate` and `sync_weights` are collective over the model-parallel group; every rank returns the same
-    responses, and every rank raises if the server failed. `policy_version` is the server's policy version after
+    `generate` and `sync_weights` are collective over the model-parallel group: the prompts are split across the
+    engines (placement.split_prompts), every rank returns all responses in prompt order, and every rank raises if
+    any server failed. Every host receives the full weights. `policy_version` is the servers' policy version after
     the last successful sync (0 before any).
     """
 
-    def __init__(self, server, groups, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        if (server is not None) != is_sync_destination(groups):
-            raise ValueError("the rollout server must live on the weight-sync destination (TP rank 0 of the first "
-                             "pipeline stage) and only there")
+    def __init__(self, server, groups, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.hosts = [tuple(h) for h in hosts]
+        if (server is not None) != is_sync_destination(groups, self.hosts):
+            raise ValueError(f"a rollout server must live on each engine host {self.hosts} (pp_rank, tp_rank) and "
+                             f"only there; this rank is ({groups.pp_rank}, {groups.tp_rank})")
         self.server = server
         self.groups = groups
         self.shape = shape
@@ -53,11 +60,30 @@ class ServerEngine:
         check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
                       max_new_tokens=params.max_new_tokens)
         self._release_cached_memory()
-        outcome = None
-        if self.server is not None:
-            outcome = attempt(lambda: self.server.generate(prompts, params))
-        destination = dist.get_global_rank(self.groups.mp_group, 0)  # lowest rank of the replica: TP 0 of stage 0
-        return unwrap(broadcast_responses(outcome, destination, self.groups.mp_group, self.groups.device))
+        parts = split_prompts(prompts, len(self.hosts))
+        starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+        responses, failures = [], []
+        for index, (host, part, start) in enumerate(zip(self.hosts, parts, starts)):
+            outcome = None
+            if self.server is not None and host == (self.groups.pp_rank, self.groups.tp_rank):
+                outcome = attempt(lambda: self.server.generate(part, params, first_prompt=start)) if part \
+                    else ("ok", [])
+            # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
+            status, payload = broadcast_responses(outcome, self._global_rank(host), self.groups.mp_group,
+                                                  self.groups.device)
+            if status == "ok":
+                responses += payload
+            else:
+                failures.append(f"engine {index} (host pp_rank, tp_rank = {host}): {payload}")
+        if failures:
+            raise RuntimeError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host rank(s): "
+                               + "; ".join(failures))
+        return responses
+
+    def _global_rank(self, host: tuple[int, int]) -> int:
+        """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""
+        pp_rank, tp_rank = host
+        return dist.get_global_rank(self.groups.mp_group, pp_rank * self.groups.tp_size + tp_rank)
 
     def _release_cached_memory(self) -> None:
         """Before a colocated engine wakes (its KV cache, its weights) on the model replica's GPUs: every rank of
@@ -73,8 +99,9 @@ class ServerEngine:
         self._release_cached_memory()
         if self.server is not None:
             failure = _error_of(self.server.begin_weight_update)
-        for bucket in hf_weight_buckets(model_chunks, groups, self.shape, bucket_bytes=self.bucket_bytes):
-            # Only the destination gets buckets. After a failure the stream is still drained: the other ranks are
+        for bucket in hf_weight_buckets(model_chunks, groups, self.shape, bucket_bytes=self.bucket_bytes,
+                                        destinations=self.hosts):
+            # Only the hosts get buckets. After a failure the stream is still drained: the other ranks are
             # gathering and sending into it.
             for name, tensor in bucket:
                 if name in checksum_names:
@@ -85,43 +112,19 @@ class ServerEngine:
         outcome = None
         if self.server is not None:
             outcome = ("error", failure) if failure else attempt(lambda: self.server.finish_weight_update(expected))
-        self.policy_version = unwrap(share_outcome(outcome, self.groups))
+        outcomes = [share_outcome(outcome if host == (groups.pp_rank, groups.tp_rank) else None,
+                                  self._global_rank(host), self.groups.mp_group) for host in self.hosts]
+        versions = [unwrap(o) for o in outcomes]  # after every broadcast: all ranks raise together
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"the rollout engines report different policy versions {versions} after a sync")
+        self.policy_version = versions[0]
 
 
-def replica_devices_from_destination(groups) -> int:
-    """How many consecutive devices of a node, from the sync destination's on, belong to its model replica: in
-    megatron's rank order (tp-cp-ep-dp-pp, TP adjacent) its TP group; with a single data-parallel replica the
-    pipeline stages follow at a stride of TP, so the whole replica (TP x PP, as far as the node reaches)."""
-    return groups.tp_size if groups.dp_size > 1 else groups.tp_size * groups.pp_size
-
-
-def colocated_cuda_devices(*, device_index: int, device_count: int, engine_tp: int, replica_devices: int,
-                           visible: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for the colocated vLLM engine of one model replica: `engine_tp` devices from the sync
-    destination's own (`device_index` among this process's `device_count` visible devices; `visible` the current
-    CUDA_VISIBLE_DEVICES, if set). vLLM numbers its workers' devices from 0 of what it is given, so without this the
-    engines of every replica on a node would share devices 0..engine_tp-1."""
-    if engine_tp > replica_devices:
-        raise ValueError(f"a colocated vLLM engine at tensor parallel size {engine_tp} would spill over the "
-                         f"{replica_devices} GPU(s) of its model replica onto another replica's; use "
-                         f"rollout.vllm_tensor_parallel <= {replica_devices}")
-    if device_index + engine_tp > device_count:
-        raise ValueError(f"a colocated vLLM engine at tensor parallel size {engine_tp} from GPU {device_index} needs "
-                         f"more than the {device_count} GPUs of this node")
-    ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(device_count)]
-    if len(ids) < device_count:
-        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names fewer than the {device_count} visible GPUs")
-    return ",".join(ids[device_index:device_index + engine_tp])
-
-
-def share_outcome(outcome, groups):
-    """The destination's small (status, payload), e.g. a policy version, on every rank of the model-parallel group: a broadcast within the first
-    stage's TP group, then along each pipeline group. Other ranks pass None."""
+def share_outcome(outcome, src: int, group):
+    """A host's small (status, payload), e.g. a policy version, on every rank of `group` (`src`: the host's global
+    rank; other ranks pass None)."""
     box = [outcome]
-    if groups.pp_rank == 0 and groups.tp_size > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
-    if groups.pp_size > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp_group, 0), group=groups.pp_group)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

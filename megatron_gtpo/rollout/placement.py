@@ -34,19 +34,21 @@ def engine_hosts(*, tp: int, pp: int, engine_tp: int) -> list[tuple[int, int]]:
                      f"pipeline = {tp * pp} (one engine over several whole stages)")
 
 
+def engine_members(*, tp: int, pp: int, engine_tp: int) -> list[list[tuple[int, int]]]:
+    """(pp_rank, tp_rank) of the ranks whose GPUs each engine of a replica uses, host first, in engine order. On
+    CUDA, vLLM worker k of an engine runs on the GPU of its k-th member (consecutive devices from the host's)."""
+    members = []
+    for stage, first in engine_hosts(tp=tp, pp=pp, engine_tp=engine_tp):
+        stages = range(stage, stage + max(1, engine_tp // tp))
+        members.append([(s, first + k) for s in stages for k in range(min(engine_tp, tp))])
+    return members
+
+
 def engine_ranks(*, tp: int, pp: int, dp: int, engine_tp: int) -> list[list[int]]:
     """Global ranks whose GPUs each engine of the job uses, host first: replica-major, then engine order. The global
     rank of (tp_rank, dp_rank, pp_rank) is tp_rank + tp (dp_rank + dp pp_rank) (megatron's order tp-cp-ep-dp-pp)."""
-    def rank(tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return tp_rank + tp * (dp_rank + dp * pp_rank)
-
-    engines = []
-    for replica in range(dp):
-        for stage, first in engine_hosts(tp=tp, pp=pp, engine_tp=engine_tp):
-            span = min(engine_tp, tp)  # ranks taken from each stage
-            stages = range(stage, stage + max(1, engine_tp // tp))
-            engines.append([rank(first + k, replica, s) for s in stages for k in range(span)])
-    return engines
+    return [[t + tp * (replica + dp * s) for s, t in members]
+            for replica in range(dp) for members in engine_members(tp=tp, pp=pp, engine_tp=engine_tp)]
 
 
 def split_counts(num_prompts: int, num_engines: int) -> list[int]:

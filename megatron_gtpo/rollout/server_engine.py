@@ -10,6 +10,8 @@ The server object is a `vllm_engine.VLLMServer` in the same process (colocated m
         prompts[0] in the replica's prompts, so that seeds differ across engines)
     begin_weight_update() -> None
     load_bucket(bucket: list[(hf_name, tensor)]) -> None
+    load_ipc_bucket(names, dtype_names, shapes, {gpu_uuid: rebuild args}) -> None (colocated on CUDA only:
+        cuda_ipc.py)
     finish_weight_update(expected_checksums: {hf_name: (sum, sum of squares)}) -> int (the new policy version;
         raises if the engine's weights do not have these checksums)
     dtype: torch.dtype (the engine's weight dtype: the expected checksums are taken after a cast to it)
@@ -29,7 +31,7 @@ from .engine import Response, SamplingParams, check_prompts
 from .placement import split_prompts
 from .transport import broadcast_responses
 from .weight_sync import DEFAULT_BUCKET_BYTES, SINGLE_DESTINATION, hf_weight_buckets, is_sync_destination, \
-    policy_checksum_names, tensor_checksum
+    pack_on_device, policy_checksum_names, tensor_checksum
 
 
 class ServerEngine:
@@ -43,8 +45,12 @@ class ServerEngine:
     the last successful sync (0 before any).
     """
 
-    def __init__(self, server, groups, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, server, groups, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 ipc_members=None):
         self.hosts = [tuple(h) for h in hosts]
+        # Colocated on CUDA: each engine's member ranks (placement.engine_members, host first), which hand their
+        # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).
+        self.ipc_members = None if ipc_members is None else [[tuple(m) for m in ms] for ms in ipc_members]
         if (server is not None) != is_sync_destination(groups, self.hosts):
             raise ValueError(f"a rollout server must live on each engine host {self.hosts} (pp_rank, tp_rank) and "
                              f"only there; this rank is ({groups.pp_rank}, {groups.tp_rank})")
@@ -93,22 +99,35 @@ class ServerEngine:
         dist.barrier(group=self.groups.mp_group)
 
     def sync_weights(self, model_chunks: list, groups) -> None:
+        """Stream the weights into every engine (all of them to each) and check their checksums. Host path: each host
+        hands its server every bucket (`load_bucket`). IPC path (`ipc_members`): every member rank receives every
+        bucket on its GPU and exports it (cuda_ipc.py); the handles are gathered over the replica and each host
+        hands its server those of its members (`load_ipc_bucket`)."""
         checksum_names = set(policy_checksum_names(self.shape))
         expected: dict[str, tuple[float, float]] = {}
         failure = None
         self._release_cached_memory()
         if self.server is not None:
             failure = _error_of(self.server.begin_weight_update)
+        destinations = self.hosts if self.ipc_members is None else [m for ms in self.ipc_members for m in ms]
         for bucket in hf_weight_buckets(model_chunks, groups, self.shape, bucket_bytes=self.bucket_bytes,
-                                        destinations=self.hosts):
-            # Only the hosts get buckets. After a failure the stream is still drained: the other ranks are
+                                        destinations=destinations):
+            # Only the destinations get buckets. After a failure the stream is still drained: the other ranks are
             # gathering and sending into it.
-            for name, tensor in bucket:
-                if name in checksum_names:
-                    expected[name] = tensor_checksum(tensor.to(self.server.dtype))
-            if failure is None:
-                failure = _error_of(partial(self.server.load_bucket, bucket))
+            if self.server is not None:
+                for name, tensor in bucket:
+                    if name in checksum_names:
+                        expected[name] = tensor_checksum(tensor.to(self.server.dtype))
+            if self.ipc_members is None:
+                if failure is None:
+                    failure = _error_of(partial(self.server.load_bucket, bucket))
+            else:
+                failure = self._load_by_ipc(bucket, failure)
             del bucket
+        if self.ipc_members is not None:
+            from . import cuda_ipc
+
+            cuda_ipc.collect()
         outcome = None
         if self.server is not None:
             outcome = ("error", failure) if failure else attempt(lambda: self.server.finish_weight_update(expected))
@@ -118,6 +137,26 @@ class ServerEngine:
         if len(set(versions)) != 1:
             raise RuntimeError(f"the rollout engines report different policy versions {versions} after a sync")
         self.policy_version = versions[0]
+
+    def _load_by_ipc(self, bucket: list, failure: str | None) -> str | None:
+        """One bucket by CUDA IPC (collective over the replica: every rank is an engine member). Returns the first
+        failure so far (this rank's export or, on a host, its server's load)."""
+        from . import cuda_ipc
+
+        names, dtype_names, shapes, flat = pack_on_device(bucket)
+        exported = attempt(lambda: cuda_ipc.export_buffer(flat))
+        everyone: list = [None] * dist.get_world_size(self.groups.mp_group)
+        dist.all_gather_object(everyone, exported, group=self.groups.mp_group)
+        me = (self.groups.pp_rank, self.groups.tp_rank)
+        if self.server is not None and failure is None:
+            members = next(ms for ms in self.ipc_members if ms[0] == me)
+            mine = [everyone[p * self.groups.tp_size + t] for p, t in members]
+            errors = [payload for status, payload in mine if status != "ok"]
+            failure = f"exporting a bucket by CUDA IPC: {errors[0]}" if errors else _error_of(partial(
+                self.server.load_ipc_bucket, names, dtype_names, shapes, dict(payload for _, payload in mine)))
+        dist.barrier(group=self.groups.mp_group)  # every rank keeps its buffer until its engine has loaded it
+        del flat
+        return failure
 
 
 def share_outcome(outcome, src: int, group):

@@ -19,15 +19,19 @@ tensors (transport.py).
   pipeline broadcasts through the single HF<->Megatron mapping, buckets of bounded bytes, a decoder layer never
   split) into every engine, then verifies the policy version.
 
-Weight update path: per bucket, `collective_rpc("gtpo_load_weights", ...)` on every vLLM worker, which calls the
-model runner's `reload_weights(weights_iterator=...)` (vLLM's in-place reload: it re-runs the per-layer post-load
-processing, e.g. the CPU backend's weight repacking; a plain `load_weights` would fail on repacked parameters).
-Layers absent from a bucket keep their current weights. The worker methods come from `GTPOWorkerExtension`
-(vLLM's `worker_extension_cls`), so nothing is pickled as code; a bucket travels through vLLM's msgpack RPC as one
-byte string (`pack_bucket`: vLLM decodes tensors in RPC arguments only for msgspec-typed parameters), i.e. through
-host memory. On GPUs this path is bounded by host copies; vLLM's CUDA-IPC / NCCL weight-transfer backends would avoid
-them and are not used here (untested: no GPU here). Extra memory on the destination rank during a sync: the bucket
-(weight_sync.py) plus its packed host copy, so about 2 x bucket_bytes. After the last bucket the prefix cache is
+Weight update path: per bucket, a `collective_rpc` on every vLLM worker, which calls the model runner's
+`reload_weights(weights_iterator=...)` (vLLM's in-place reload: it re-runs the per-layer post-load processing, e.g.
+the CPU backend's weight repacking; a plain `load_weights` would fail on repacked parameters). Layers absent from a
+bucket keep their current weights. The worker methods come from `GTPOWorkerExtension` (vLLM's
+`worker_extension_cls`), so nothing is pickled as code. How a bucket reaches the workers:
+- on CUDA (`gtpo_load_ipc`, rollout/cuda_ipc.py): every training rank under an engine holds the bucket on its GPU,
+  packs it there into one buffer and exports a CUDA IPC handle; each worker opens the handle of its own GPU and
+  vLLM's weight loaders copy its shard, device to device. No host copy; the RPC carries only the handles. Extra
+  memory per GPU: the bucket plus its packed copy, about 2 x bucket_bytes. NOT run on a GPU here.
+- elsewhere (`gtpo_load_weights`, the CPU path): the host's bucket travels through vLLM's msgpack RPC as one byte
+  string (`pack_bucket`: vLLM decodes tensors in RPC arguments only for msgspec-typed parameters), through host
+  memory, and every worker receives all of it. Extra memory on the host rank: the bucket plus its packed host copy.
+After the last bucket the prefix cache is
 reset (cached KV blocks belong to the old weights) and `gtpo_policy_checksums` makes every worker record the new
 policy version and return float64 checksums of all RMSNorm weights (trained, unsharded and unrepacked in vLLM at any
 TP), which must equal those of the tensors that were sent, cast to vLLM's dtype; otherwise `sync_weights` raises on
@@ -80,6 +84,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 from contextlib import contextmanager
 
 import torch
@@ -91,11 +96,13 @@ from vllm.platforms import current_platform
 
 from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 
+from .cuda_ipc import import_buffer
 from .engine import Response, SamplingParams
-from .placement import colocated_cuda_devices, engine_hosts
+from .placement import colocated_cuda_devices, engine_hosts, engine_members
 from .server_engine import ServerEngine
 from .vllm_remote import broadcast_from_trainer, join_weight_group
-from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, pack_bucket, tensor_checksum, unpack_bucket
+from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, pack_bucket, tensor_checksum, unpack_bucket, \
+    unpack_flat
 
 # vLLM logs a warning for every layer that a partial (bucketed) in-place reload does not touch.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
@@ -124,6 +131,13 @@ class GTPOWorkerExtension:
                           payload: bytes) -> None:
         """Load a packed bucket (`pack_bucket`) in place; parameters not in it keep their values."""
         self._gtpo_reload(unpack_bucket(names, dtype_names, shapes, payload))
+
+    def gtpo_load_ipc(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                      handles_pickled: bytes) -> None:
+        """Load a bucket exported by CUDA IPC on this worker's own GPU (rollout/cuda_ipc.py) in place: the handles
+        are keyed by GPU UUID; vLLM's weight loaders copy this worker's shard of each tensor, on this GPU."""
+        flat = import_buffer(pickle.loads(handles_pickled), self.device)
+        self._gtpo_reload(unpack_flat(flat, names, dtype_names, shapes))
 
     def gtpo_join_weight_group(self, host: str, port: int, prefix: str, world_size: int, timeout_s: float) -> int:
         """Join the remote trainer's weight broadcast group (vllm_remote.py) as rank 1 + this worker's rank; returns
@@ -211,6 +225,12 @@ class VLLMServer:
     def load_bucket(self, bucket: list) -> None:
         self.llm.collective_rpc("gtpo_load_weights", args=pack_bucket(bucket))
 
+    def load_ipc_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                        handles: dict[str, tuple]) -> None:
+        """Colocated on CUDA: every worker opens the bucket exported on its own GPU (rollout/cuda_ipc.py). The
+        handles travel pickled: their rebuild arguments hold torch types that vLLM's msgpack RPC does not carry."""
+        self.llm.collective_rpc("gtpo_load_ipc", args=(names, dtype_names, shapes, pickle.dumps(handles)))
+
     def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:
         """Reset the prefix cache, bump and record the policy version, and check the checksums on every worker.
         Returns the new version; RuntimeError if any worker disagrees."""
@@ -279,18 +299,21 @@ class VLLMEngine(ServerEngine):
         CUDA_VISIBLE_DEVICES, inside VLLMServer (not run on a GPU here)."""
         engine_tp = server_kwargs.get("tensor_parallel_size", 1)
         hosts = engine_hosts(tp=groups.tp_size, pp=groups.pp_size, engine_tp=engine_tp)
+        cuda = current_platform.device_type == "cuda"
         server = None
         if is_sync_destination(groups, hosts):
             devices = {}
-            if current_platform.device_type == "cuda":
+            if cuda:
                 devices["CUDA_VISIBLE_DEVICES"] = colocated_cuda_devices(
                     device_index=torch.cuda.current_device(), device_count=torch.cuda.device_count(),
                     engine_tp=engine_tp, tp=groups.tp_size, dp=groups.dp_size,
                     visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
             with _environment(devices):
                 server = VLLMServer(hf_model_dir, **server_kwargs)
+        # On CUDA the weights reach the workers by IPC on their own GPUs (cuda_ipc.py); elsewhere through the RPC.
+        members = engine_members(tp=groups.tp_size, pp=groups.pp_size, engine_tp=engine_tp) if cuda else None
         return cls(server, groups, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), hosts=hosts,
-                   bucket_bytes=bucket_bytes)
+                   bucket_bytes=bucket_bytes, ipc_members=members)
 
 
 @contextmanager

@@ -193,25 +193,41 @@ def pack_bucket(bucket: list) -> tuple[list[str], list[str], list[list[int]], me
     for msgspec-typed parameters, so the tensors travel as one byte string (names, dtypes and shapes beside it).
     One host copy of the bucket is made, tensor by tensor straight from the device into its slice (no per-tensor
     host copies, no device-side concatenation); the byte string is a view of it."""
+    names, dtype_names, shapes, flat = _pack(bucket, torch.device("cpu"))
+    return names, dtype_names, shapes, memoryview(flat.numpy())
+
+
+def pack_on_device(bucket: list) -> tuple[list[str], list[str], list[list[int]], torch.Tensor]:
+    """A bucket as one flat uint8 tensor on its own device (one device-to-device copy), laid out as `pack_bucket`:
+    the buffer one CUDA IPC handle exports (rollout/cuda_ipc.py)."""
+    return _pack(bucket, bucket[0][1].device)
+
+
+def _pack(bucket: list, device: torch.device):
     sizes = [t.numel() * t.element_size() for _, t in bucket]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     offset = 0
     for (_, t), size in zip(bucket, sizes):
         flat[offset:offset + size].copy_(t.detach().reshape(-1).view(torch.uint8))
         offset += size
     return ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            [list(t.shape) for _, t in bucket], memoryview(flat.numpy()))
+            [list(t.shape) for _, t in bucket], flat)
 
 
 def unpack_bucket(names: list[str], dtype_names: list[str], shapes: list[list[int]],
                   payload: bytes) -> list[tuple[str, torch.Tensor]]:
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return unpack_flat(torch.frombuffer(bytearray(payload), dtype=torch.uint8), names, dtype_names, shapes)
+
+
+def unpack_flat(flat: torch.Tensor, names: list[str], dtype_names: list[str],
+                shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    """Views of a packed bucket's tensors in a flat uint8 tensor (host or device). ValueError if the sizes differ."""
+    dtypes = [getattr(torch, name) for name in dtype_names]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"packed bucket holds {flat.numel()} bytes, its tensors need {sum(sizes)}")
     weights, offset = [], 0
-    for name, dtype_name, shape in zip(names, dtype_names, shapes):
-        dtype = getattr(torch, dtype_name)
-        nbytes = math.prod(shape) * dtype.itemsize
+    for name, dtype, shape, nbytes in zip(names, dtypes, shapes, sizes):
         weights.append((name, flat[offset:offset + nbytes].view(dtype).reshape(shape)))
         offset += nbytes
-    if offset != len(payload):
-        raise ValueError(f"packed bucket holds {len(payload)} bytes, its tensors need {offset}")
     return weights

@@ -72,7 +72,7 @@ class ServerEngine:
         for index, (host, part, start) in enumerate(zip(self.hosts, parts, starts)):
             outcome = None
             if self.server is not None and host == (self.groups.pp_rank, self.groups.tp_rank):
-                outcome = attempt(lambda: self.server.generate(part, params, first_prompt=start)) if part \
+                outcome = attempt(partial(self.server.generate, part, params, first_prompt=start)) if part \
                     else ("ok", [])
             # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
             status, payload = broadcast_responses(outcome, self._global_rank(host), self.groups.mp_group,
@@ -144,7 +144,7 @@ class ServerEngine:
         from . import cuda_ipc
 
         names, dtype_names, shapes, flat = pack_on_device(bucket)
-        exported = attempt(lambda: cuda_ipc.export_buffer(flat))
+        exported = attempt(partial(cuda_ipc.export_buffer, flat))
         everyone: list = [None] * dist.get_world_size(self.groups.mp_group)
         dist.all_gather_object(everyone, exported, group=self.groups.mp_group)
         me = (self.groups.pp_rank, self.groups.tp_rank)

@@ -110,8 +110,8 @@ def _owner_stages(local_names: list[str], groups) -> dict[str, int]:
 def hf_weight_buckets(model_chunks: list, groups, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       destinations=SINGLE_DESTINATION) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of (hf_name, full HF tensor) on every destination rank (`is_sync_destination`), the same
-    buckets on each; yield nothing elsewhere. Collective over the model-parallel group: every rank must exhaust the iterator. See the module doc
-    for the protocol and the memory bound.
+    buckets on each; yield nothing elsewhere. Collective over the model-parallel group: every rank must exhaust the
+    iterator. See the module doc for the protocol and the memory bound.
 
     Not decorated with torch.no_grad(): its generator wrapper holds the last yielded bucket while it produces the
     next one, i.e. two buckets at once (measured); the tensors are detached where they are read instead."""

@@ -10,9 +10,8 @@ checkpoint needed); `--layers` keeps only the first N decoder layers so that a r
 a colocated engine lives) preallocates "engine weights": one tensor per HF tensor, on its device, as an engine holds
 them. The candidates take turns, one call each per round (round 0 is a warm-up):
   sync      rollout/weight_sync.hf_weight_buckets (TP gathers through the single HF<->Megatron mapping, pipeline
-            sends, buckets of --bucket-mb) with `copy_` of every received tensor into the engine weights: the
-            project's part of a weight sync. (VLLMEngine adds vLLM's own reload, and, colocated, a host copy of each
-            bucket for vLLM's RPC: see rollout/vllm_engine.py.)
+            transfers, buckets of --bucket-mb) to the default destination, with `copy_` of every received tensor
+            into the engine weights: the stream and the load without the hand-over (see phased).
   phased    the engine's own path with each phase timed (GPU synchronised between phases): gather = the stream
             above (TP gathers, pipeline broadcasts, HF conversion); transport = on CUDA, packing each bucket into one
             buffer on the GPU and exporting its CUDA IPC handle (rollout/cuda_ipc.py; the worker's opening of the

@@ -69,17 +69,24 @@ def test_engines_that_do_not_fit_their_gpus_are_refused(kwargs, message):
 
 
 class _EchoServer:
-    """A stand-in engine: each prompt's response repeats its ids, tagged with the serving host (as the finish
-    reason cannot carry it, the last token is the host's index)."""
+    """A stand-in engine: each prompt's response repeats its ids, tagged with the serving host (the last token is
+    the host's index). Each call takes 0.5 s and records when it ran, so that the test can see the engines generate
+    at the same time rather than one after the other."""
 
     def __init__(self, index):
         self.index = index
         self.calls = []
+        self.intervals = []
 
     def generate(self, prompts, params, first_prompt=0):
+        import time
+
         from megatron_gtpo.rollout.engine import Response
 
         self.calls.append((len(prompts), first_prompt))
+        start = time.time()
+        time.sleep(0.5)
+        self.intervals.append((start, time.time()))
         return [[Response(list(p) + [self.index], [-0.5] * (len(p) + 1), "length")] for p in prompts]
 
 
@@ -100,7 +107,8 @@ def _split_across_hosts(rank, world_size):
         engine = ServerEngine(server, groups, SimpleNamespace(vocab_size=100, max_position_embeddings=64),
                               hosts=hosts)
         responses = engine.generate([[i, i + 1] for i in range(num_prompts)], SamplingParams(max_new_tokens=1))
-        out.append(([r.token_ids for rs in responses for r in rs], None if server is None else server.calls))
+        out.append(([r.token_ids for rs in responses for r in rs], None if server is None else server.calls,
+                    None if server is None else server.intervals))
     return out
 
 
@@ -110,12 +118,15 @@ def test_prompts_are_split_across_hosts_and_come_back_in_order():
         counts = split_counts(num_prompts, len(engine_hosts(tp=tp, pp=pp, engine_tp=engine_tp)))
         serving = [i for i, c in enumerate(counts) for _ in range(c)]
         expected = [[i, i + 1, engine] for i, engine in enumerate(serving)]
-        for tokens, _ in results:  # every rank holds every response, in prompt order, from the engine that served it
+        for tokens, _, _ in results:  # every rank holds every response, in prompt order, from the engine that served
             assert tokens == expected, (tp, pp, engine_tp)
         # Each host served its contiguous part once, told where it starts (seeds); empty parts call nothing.
         starts = [sum(counts[:i]) for i in range(len(counts))]
-        calls = [c for _, c in results if c is not None]
+        calls = [c for _, c, _ in results if c is not None]
         assert sorted(calls) == sorted([[(c, s)] if c else [] for c, s in zip(counts, starts)]), (tp, pp, engine_tp)
+        # The engines generated at the same time: every call began before any ended.
+        intervals = [i for _, _, ivs in results if ivs for i in ivs]
+        assert max(start for start, _ in intervals) < min(end for _, end in intervals), (tp, pp, engine_tp)
 
 
 def _release_before_wake(rank, world_size):

@@ -67,16 +67,18 @@ class ServerEngine:
                       max_new_tokens=params.max_new_tokens)
         self._release_cached_memory()
         parts = split_prompts(prompts, len(self.hosts))
-        starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+        me = (self.groups.pp_rank, self.groups.tp_rank)
+        mine = None
+        if self.server is not None:  # every host generates its part at once, before any answer is shared
+            index = self.hosts.index(me)
+            start = sum(len(p) for p in parts[:index])
+            mine = attempt(partial(self.server.generate, parts[index], params, first_prompt=start)) \
+                if parts[index] else ("ok", [])
         responses, failures = [], []
-        for index, (host, part, start) in enumerate(zip(self.hosts, parts, starts)):
-            outcome = None
-            if self.server is not None and host == (self.groups.pp_rank, self.groups.tp_rank):
-                outcome = attempt(partial(self.server.generate, part, params, first_prompt=start)) if part \
-                    else ("ok", [])
+        for index, host in enumerate(self.hosts):
             # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
-            status, payload = broadcast_responses(outcome, self._global_rank(host), self.groups.mp_group,
-                                                  self.groups.device)
+            status, payload = broadcast_responses(mine if host == me else None, self._global_rank(host),
+                                                  self.groups.mp_group, self.groups.device)
             if status == "ok":
                 responses += payload
             else:

@@ -10,15 +10,20 @@ checkpoint needed); `--layers` keeps only the first N decoder layers so that a r
 a colocated engine lives) preallocates "engine weights": one tensor per HF tensor, on its device, as an engine holds
 them. The candidates take turns, one call each per round (round 0 is a warm-up):
   sync      rollout/weight_sync.hf_weight_buckets (TP gathers through the single HF<->Megatron mapping, pipeline
-            sends, buckets of --bucket-mb) with `copy_` of every received tensor into the engine weights: the
-            project's part of a weight sync. (VLLMEngine adds vLLM's own reload, and, colocated, a host copy of each
-            bucket for vLLM's RPC: see rollout/vllm_engine.py.)
+            transfers, buckets of --bucket-mb) to the default destination, with `copy_` of every received tensor
+            into the engine weights: the stream and the load without the hand-over (see phased).
+  phased    the engine's own path with each phase timed (GPU synchronised between phases): gather = the stream
+            above (TP gathers, pipeline broadcasts, HF conversion); transport = on CUDA, packing each bucket into one
+            buffer on the GPU and exporting its CUDA IPC handle (rollout/cuda_ipc.py; the worker's opening of the
+            handle, in another process, is not timed), on CPU the host path (`pack_bucket` to bytes and
+            `unpack_bucket`, as vLLM's RPC carries them); load = `copy_` of every tensor into the engine weights
+            (what vLLM's weight loaders do, without their sharding).
   copy      one `copy_` of a flat tensor of the same total bytes into another on the destination device: the
             device-to-device (on CPU: memory-to-memory) bandwidth that bounds any sync.
   gather    (TP > 1, PP = 1) one `dist.gather` onto the destination of a flat 1/TP share of those bytes from every
             TP rank: what the transport alone costs (gloo over TCP on CPU, NCCL on GPUs).
-Reported per candidate: median seconds, GB/s (model bytes / median), and the ratio to copy. The issue's target for a
-single H100 (TP=1, real 1.5B/7B shape, bf16): sync at least 50% of copy.
+Reported per candidate: median seconds, GB/s (model bytes / median), and the ratio to copy; then phased's split. The
+issue's target for a single H100 (TP=1, 7B shape, bf16): a sync within 2x the copy.
 """
 from __future__ import annotations
 
@@ -57,7 +62,9 @@ def main(argv=None) -> int:
     from megatron_gtpo.models.hf_mapping import hf_tensor_shape
     from megatron_gtpo.models.qwen2 import Qwen2Shape, build_model
     from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
-    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination, sync_units
+    from megatron_gtpo.rollout.cuda_ipc import export_buffer
+    from megatron_gtpo.rollout.weight_sync import (hf_weight_buckets, is_sync_destination, pack_bucket, pack_on_device,
+                                                   sync_units, unpack_bucket, unpack_flat)
 
     dtype = getattr(torch, args.dtype)
     groups = initialize_parallel(args.tp, args.pp)
@@ -87,7 +94,35 @@ def main(argv=None) -> int:
         if destination:
             flat_dst.copy_(flat_src)
 
-    candidates = {"sync": sync, "copy": copy}
+    def phased():
+        """The engine's own path, phase by phase: the stream, the hand-over, the load into the engine's tensors."""
+        times = {"gather": 0.0, "transport": 0.0, "load": 0.0}
+        start = time.perf_counter()
+
+        def lap(phase):
+            nonlocal start
+            _synchronize(device)
+            now = time.perf_counter()
+            times[phase] += now - start
+            start = now
+
+        for bucket in hf_weight_buckets(chunks, groups, shape, bucket_bytes=bucket_bytes):
+            lap("gather")
+            if torch.cuda.is_available():  # (the CPU platform's device is "cuda" too) pack on the GPU, export by IPC
+                names, dtype_names, shapes, flat = pack_on_device(bucket)
+                export_buffer(flat)
+                views = unpack_flat(flat, names, dtype_names, shapes)
+            else:  # the host path through vLLM's RPC: pack into host bytes, the worker unpacks a copy
+                views = unpack_bucket(*pack_bucket(bucket))
+            lap("transport")
+            for name, tensor in views:
+                engine[name].copy_(tensor)
+            lap("load")
+            del bucket, views
+        phase_seconds.append(times)
+
+    phase_seconds: list[dict] = []
+    candidates = {"sync": sync, "copy": copy, "phased": phased}
     if args.tp > 1 and args.pp == 1:  # the transport alone: one flat gather of the same bytes
         # Allocated only here: at TP=1 a model-sized buffer more would not fit beside a 7B bf16 model on one GPU.
         share = torch.empty(model_bytes // args.tp, dtype=torch.uint8, device=device)
@@ -110,15 +145,16 @@ def main(argv=None) -> int:
             if round_index:
                 seconds[name].append(time.perf_counter() - start)
     if dist.get_rank() == 0:
-        report(args, groups, shape, model_bytes, seconds, device)
+        phases = {p: statistics.median(t[p] for t in phase_seconds[1:]) for p in ("gather", "transport", "load")}
+        report(args, groups, shape, model_bytes, seconds, phases, device)
     dist.destroy_process_group()
     return 0
 
 
-def report(args, groups, shape, model_bytes, seconds, device) -> None:
+def report(args, groups, shape, model_bytes, seconds, phases, device) -> None:
     median = {name: statistics.median(s) for name, s in seconds.items()}
     rate = {name: model_bytes / median[name] / 1e9 for name in median}
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+    device_name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else \
         f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M')}", "",
@@ -130,7 +166,8 @@ def report(args, groups, shape, model_bytes, seconds, device) -> None:
         f"Device: {device_name}; torch {torch.__version__}; backend {dist.get_backend()}.", "",
         "| candidate | median s | GB/s | / copy |", "|---|---:|---:|---:|",
         *(f"| {name} | {median[name]:.3f} | {rate[name]:.2f} | {rate[name] / rate['copy']:.3f} |" for name in median),
-        "",
+        "", f"phased, per phase (median s; {'CUDA IPC' if torch.cuda.is_available() else 'host bytes'} transport): "
+        + ", ".join(f"{p} {t:.3f} ({t / median['copy']:.2f} x copy)" for p, t in phases.items()), "",
     ]
     text = "\n".join(lines)
     print(text)

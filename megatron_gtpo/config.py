@@ -393,11 +393,12 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
     need(r.engine != "vllm_remote" or len(r.vllm_remote_addresses) == dp,
          f"rollout.vllm_remote_addresses: {len(r.vllm_remote_addresses)} given, but there are {dp} data-parallel "
          f"replicas (one vLLM server each)")
-    replica = tp if dp > 1 else tp * pp  # GPUs of one replica from its first (rollout/server_engine.py)
-    need(r.engine != "vllm" or r.vllm_tensor_parallel <= replica,
-         f"rollout.vllm_tensor_parallel: a colocated vLLM engine runs on its model replica's GPUs, "
-         f"{replica} here (parallel.tensor{'' if dp > 1 else ' x parallel.pipeline'} with {dp} data-parallel "
-         f"replica{'s' if dp > 1 else ''}); got {r.vllm_tensor_parallel}")
+    vtp = r.vllm_tensor_parallel  # colocated engines tile the replica's GPUs (rollout/placement.py)
+    need(r.engine != "vllm" or tp % vtp == 0 or (dp == 1 and vtp % tp == 0 and pp % (vtp // tp) == 0),
+         f"rollout.vllm_tensor_parallel: colocated vLLM engines tile their model replica's GPUs: it must divide "
+         f"parallel.tensor = {tp} (engines per pipeline stage), or, with a single data-parallel replica, be a "
+         f"multiple of it dividing parallel.tensor x parallel.pipeline = {tp * pp}; got {vtp} with {dp} "
+         f"data-parallel replica{'s' if dp > 1 else ''}")
     need(d.prompts_per_step % (dp * d.mini_batches_per_step) == 0,
          f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data-parallel size x "
          f"mini_batches_per_step = {dp} x {d.mini_batches_per_step}")

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_gtpo.distributed.vocab_parallel import WORKSPACE_BYTES_PER_ELEMENT, chunk_tokens_for_budget
 from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+from megatron_gtpo.rollout.placement import engine_hosts
 
 GIB = float(2**30)
 BYTES_PER_ELEMENT = {"bfloat16": 2, "float32": 4}
@@ -137,6 +138,10 @@ def check_layout(shape: Qwen2Shape, layout: Layout, workload: Workload | None = 
             if vllm_tp > settings.gpus_per_node:
                 raise ValueError(f"vLLM tensor parallel size {vllm_tp} exceeds the {settings.gpus_per_node} GPUs of "
                                  f"a node (one engine runs on one node)")
+            engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp)  # ValueError if no tiling
+            if vllm_tp > layout.tensor and layout.data > 1:
+                raise ValueError(f"vLLM tensor parallel size {vllm_tp} spans pipeline stages, whose GPUs are not "
+                                 f"consecutive with DP={layout.data}; use a divisor of TP={layout.tensor}")
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -269,14 +274,17 @@ def generation_flops(shape: Qwen2Shape, *, num_sequences: int, prompt_tokens: in
 
 
 def vllm_tensor_parallel(shape: Qwen2Shape, layout: Layout, settings: Settings) -> int:
-    """The given vLLM TP size, else the largest divisor of the attention heads up to the GPUs of one model replica
-    on one node: its TP group, or TP x PP with a single data-parallel replica (one vLLM engine per replica, on its
-    own GPUs: rollout/server_engine.colocated_cuda_devices)."""
+    """The given vLLM TP size, else the largest divisor of the training TP (within a node) that divides the attention
+    heads: colocated engines then tile every GPU, TP / vLLM TP of them per pipeline stage (rollout/placement.py)."""
     if settings.vllm_tensor_parallel is not None:
         return settings.vllm_tensor_parallel
-    replica = layout.tensor if layout.data > 1 else layout.tensor * layout.pipeline
-    limit = min(replica, settings.gpus_per_node)
-    return max(v for v in range(1, limit + 1) if shape.num_attention_heads % v == 0)
+    limit = min(layout.tensor, settings.gpus_per_node)
+    return max(v for v in range(1, limit + 1) if layout.tensor % v == 0 and shape.num_attention_heads % v == 0)
+
+
+def rollout_engines(layout: Layout, vllm_tp: int) -> int:
+    """Colocated vLLM engines of the whole job (rollout/placement.engine_hosts per replica, times DP)."""
+    return layout.data * len(engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp))
 
 
 @dataclass
@@ -375,9 +383,11 @@ def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), set
         transient = stage.transient * (1 + settings.allocator_slack_fraction)
         return stage.persistent + transient + overhead + vllm_asleep
 
-    # vLLM: its share of every GPU, its weights (bf16, split over vLLM's TP), the KV cache that is left.
+    # vLLM: its share of every GPU, its weights (bf16: every engine holds the whole model, split over vLLM's TP),
+    # the KV cache that is left.
     colocated = settings.vllm_memory_fraction is not None
     vllm_tp = vllm_tensor_parallel(shape, layout, settings)
+    engines = rollout_engines(layout, vllm_tp) if colocated else 0
     vllm_budget = settings.vllm_memory_fraction * gpu if colocated else 0.0
     vllm_weights = total_parameter_count(shape) * 2.0 / vllm_tp if colocated else 0.0
     vllm_overhead = settings.vllm_overhead_gib * GIB if colocated else 0.0
@@ -387,7 +397,7 @@ def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), set
     kv_bytes_per_token = 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * 2  # K and V, bf16
     kv_tokens = max(0, int(kv_bytes // kv_bytes_per_token)) if colocated else 0
     full_sequences = kv_tokens // workload.max_sequence_tokens
-    sequences_per_engine = workload.sequences_per_step // layout.data  # one engine per model replica
+    sequences_per_engine = math.ceil(workload.sequences_per_step / engines) if colocated else 0
 
     chosen = stages(settings.distributed_optimizer, settings.recompute_activations)
     worst = max(chosen, key=lambda st: (training_peak(st), st.persistent))
@@ -431,7 +441,9 @@ def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), set
             reasons.append(f"vLLM's KV cache ({max(kv_bytes, 0) / GIB:.2f} GiB) cannot hold one sequence of "
                            f"{workload.max_sequence_tokens} tokens; raise vllm_memory_fraction or vLLM's TP")
     kv_cache = {"bytes_per_token": kv_bytes_per_token, "tokens": kv_tokens, "full_length_sequences": full_sequences,
-                "vllm_tensor_parallel": vllm_tp if colocated else None, "sequences_per_engine": sequences_per_engine,
+                "vllm_tensor_parallel": vllm_tp if colocated else None, "engines": engines,
+                "engines_per_replica": engines // layout.data, "gpus_generating": engines * vllm_tp,
+                "kv_cache_gib_per_gpu": max(kv_bytes, 0) / GIB, "sequences_per_engine": sequences_per_engine,
                 "waves_at_full_length": math.ceil(sequences_per_engine / full_sequences) if full_sequences else None}
     return Plan(model=model_name, layout=layout, workload=workload, settings=settings,
                 params_total=total_parameter_count(shape),

@@ -98,14 +98,19 @@ def test_the_model_must_split_at_the_layout():
         validate_layout(cfg, shape=shape)
 
 
-def test_colocated_vllm_engine_must_fit_in_its_replica():
-    cfg = load_config(None, ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl", "rollout.engine=vllm",
-                             "parallel.tensor=2", "parallel.pipeline=2", "rollout.vllm_tensor_parallel=4",
-                             "data.prompts_per_step=8"])
-    validate_layout(cfg, world_size=4)  # one replica: its TP x PP = 4 GPUs
-    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: .* 2 here \(parallel.tensor with 2 "
-                                          r"data-parallel replicas\); got 4"):
-        validate_layout(cfg, world_size=8)
+def test_colocated_vllm_engines_must_tile_their_replica():
+    def config(vllm_tp):
+        return load_config(None, ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl", "rollout.engine=vllm",
+                                  "parallel.tensor=2", "parallel.pipeline=2", f"rollout.vllm_tensor_parallel={vllm_tp}",
+                                  "data.prompts_per_step=8"])
+    validate_layout(config(4), world_size=4)  # one replica: one engine over its TP x PP = 4 consecutive GPUs
+    validate_layout(config(2), world_size=8)  # an engine per stage
+    validate_layout(config(1), world_size=8)  # two engines per stage
+    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: .* must divide parallel.tensor = 2 .* "
+                                          r"got 4 with 2 data-parallel replicas"):
+        validate_layout(config(4), world_size=8)
+    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: .* got 3 with 1 data-parallel replica$"):
+        validate_layout(config(3), world_size=4)
     with pytest.raises(ConfigError, match="rollout.vllm_tensor_parallel: must be >= 1"):
         load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.vllm_tensor_parallel=0"])
 

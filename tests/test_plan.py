@@ -366,3 +366,33 @@ def test_logprob_workspaces_equal_what_the_vocab_parallel_op_allocates():
     assert planned.logprob_workspaces == 2 * 8 * vocab_local * 4
     with pytest.raises(ValueError, match="budget must be positive"):
         chunk_tokens_for_budget(0, vocab_local)
+
+
+def test_rollout_layout_and_kv_cache_per_gpu_for_32b_at_tp8_pp2_dp2():
+    """The colocated rollout of a 32B TP8 PP2 DP2 job (rollout/placement.py): an engine per pipeline stage of each
+    replica, 4 engines on all 32 GPUs, each holding the whole model over its 8 GPUs; the KV cache per GPU is vLLM's
+    share of the GPU less its weights and overhead, worked out here by hand."""
+    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-32b"))
+    settings = Settings(vllm_memory_fraction=0.5, vllm_tensor_parallel=8)
+    result = plan(shape, Layout(tensor=8, pipeline=2, data=2), Workload(), settings)
+    kv = result.kv_cache
+    assert (kv["engines"], kv["engines_per_replica"], kv["gpus_generating"]) == (4, 2, 32)
+    # vLLM's half of an 80 GiB GPU less the whole model in bf16 over the engine's 8 GPUs, less its overhead.
+    kv_gib = 0.5 * 80 - result.params_total * 2 / 8 / 2**30 - settings.vllm_overhead_gib
+    assert kv["kv_cache_gib_per_gpu"] == pytest.approx(kv_gib)
+    per_token = 2 * 64 * 1 * 128 * 2  # K and V, 64 layers, 8 KV heads / 8 GPUs, head_dim 128, bf16
+    assert kv["bytes_per_token"] == per_token
+    assert kv["tokens"] == int(kv_gib * 2**30 // per_token)
+    assert kv["sequences_per_engine"] == 128 * 16 // 4
+
+
+def test_default_vllm_tp_tiles_every_gpu_and_bad_ones_are_refused():
+    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))
+    kv = plan(shape, Layout(tensor=4, pipeline=2, data=1), Workload(), Settings()).kv_cache
+    assert (kv["vllm_tensor_parallel"], kv["engines"], kv["gpus_generating"]) == (4, 2, 8)
+    kv = plan(shape, Layout(tensor=1, pipeline=1, data=8), Workload(), Settings()).kv_cache
+    assert (kv["vllm_tensor_parallel"], kv["engines"], kv["gpus_generating"]) == (1, 8, 8)
+    with pytest.raises(ValueError, match="spans pipeline stages"):
+        plan(shape, Layout(tensor=2, pipeline=2, data=2), Workload(), Settings(vllm_tensor_parallel=4))
+    with pytest.raises(ValueError, match="must divide the training tensor parallel size 4"):
+        plan(shape, Layout(tensor=4, pipeline=1, data=2), Workload(), Settings(vllm_tensor_parallel=7))

@@ -1,36 +1,132 @@
-"""Where a colocated vLLM engine runs on CUDA (rollout/server_engine.colocated_cuda_devices): on its own model
-replica's GPUs, from the sync destination's. Pure arithmetic on device lists, checked by hand; no GPU needed."""
+"""Where a replica's rollout engines run and which prompts each serves (rollout/placement.py): pure arithmetic on
+ranks and lists, checked against hand-written layouts; no GPU needed. Then the engine group logic
+(server_engine.ServerEngine) on 2-4 gloo ranks with stand-in servers: the prompt split across hosts, responses
+reassembled in prompt order on every rank, and the memory release before a colocated engine wakes."""
 from types import SimpleNamespace
 
 import pytest
 
-from megatron_gtpo.rollout.server_engine import colocated_cuda_devices, replica_devices_from_destination
+from distributed_harness import run_distributed
+from megatron_gtpo.rollout.placement import (colocated_cuda_devices, engine_hosts, engine_ranks, split_counts,
+                                             split_prompts)
 
 
-def test_each_replica_engine_gets_its_own_gpus():
-    # 8 GPUs, training TP=4 x DP=2: the destinations sit on GPUs 0 and 4; vLLM TP=4 each.
-    assert colocated_cuda_devices(device_index=0, device_count=8, engine_tp=4, replica_devices=4,
-                                  visible=None) == "0,1,2,3"
-    assert colocated_cuda_devices(device_index=4, device_count=8, engine_tp=4, replica_devices=4,
-                                  visible=None) == "4,5,6,7"
+def test_tp8_pp2_dp2_on_32_gpus_every_gpu_in_one_engine():
+    # megatron's rank order tp-cp-ep-dp-pp: stage s of replica d holds ranks 8 (d + 2 s) .. + 7.
+    assert engine_hosts(tp=8, pp=2, engine_tp=8) == [(0, 0), (1, 0)]
+    engines = engine_ranks(tp=8, pp=2, dp=2, engine_tp=8)
+    assert engines == [list(range(0, 8)), list(range(16, 24)),  # replica 0: stage 0, stage 1
+                       list(range(8, 16)), list(range(24, 32))]  # replica 1
+    # At vLLM TP=4: two engines per stage, eight in all, still covering every GPU once.
+    engines4 = engine_ranks(tp=8, pp=2, dp=2, engine_tp=4)
+    assert engines4[:4] == [[0, 1, 2, 3], [4, 5, 6, 7], [16, 17, 18, 19], [20, 21, 22, 23]]
+    assert sorted(r for e in engines4 for r in e) == list(range(32))
+
+
+@pytest.mark.parametrize("tp,pp,dp,engine_tp,expected", [
+    (2, 2, 1, 2, [[0, 1], [2, 3]]),  # one engine per stage
+    (2, 2, 1, 4, [[0, 1, 2, 3]]),  # one engine over both stages (the GPUs are consecutive at DP=1)
+    (2, 2, 1, 1, [[0], [1], [2], [3]]),
+    (1, 1, 4, 1, [[0], [1], [2], [3]]),  # pure data parallelism: an engine per GPU
+    (1, 4, 1, 2, [[0, 1], [2, 3]]),  # two stages per engine
+])
+def test_small_layouts(tp, pp, dp, engine_tp, expected):
+    assert engine_ranks(tp=tp, pp=pp, dp=dp, engine_tp=engine_tp) == expected
+
+
+@pytest.mark.parametrize("tp,pp,engine_tp", [(4, 2, 3), (2, 3, 4), (2, 2, 8)])
+def test_engines_that_fit_no_layout_are_refused(tp, pp, engine_tp):
+    with pytest.raises(ValueError, match=f"tensor parallel size {engine_tp} must divide"):
+        engine_hosts(tp=tp, pp=pp, engine_tp=engine_tp)
+
+
+@pytest.mark.parametrize("num_prompts,engines,counts", [(10, 4, [3, 3, 2, 2]), (8, 2, [4, 4]), (1, 3, [1, 0, 0]),
+                                                         (0, 2, [0, 0])])
+def test_prompt_split_is_contiguous_and_even(num_prompts, engines, counts):
+    prompts = [[i] for i in range(num_prompts)]
+    assert split_counts(num_prompts, engines) == counts
+    parts = split_prompts(prompts, engines)
+    assert [len(p) for p in parts] == counts
+    assert [p for part in parts for p in part] == prompts
+
+
+def test_each_engine_gets_its_own_gpus():
+    # 8 GPUs, training TP=4 x DP=2 (hosts on GPUs 0 and 4), vLLM TP=4.
+    assert colocated_cuda_devices(device_index=0, device_count=8, engine_tp=4, tp=4, dp=2, visible=None) == "0,1,2,3"
+    assert colocated_cuda_devices(device_index=4, device_count=8, engine_tp=4, tp=4, dp=2, visible=None) == "4,5,6,7"
     # A scheduler's own CUDA_VISIBLE_DEVICES: indices are positions in it, the result names the same devices.
-    assert colocated_cuda_devices(device_index=2, device_count=4, engine_tp=2, replica_devices=2,
+    assert colocated_cuda_devices(device_index=2, device_count=4, engine_tp=2, tp=2, dp=1,
                                   visible="3, 5,6,7") == "6,7"
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(device_index=0, device_count=8, engine_tp=8, replica_devices=4), "spill over the 4 GPU"),
-    (dict(device_index=6, device_count=8, engine_tp=4, replica_devices=8), "from GPU 6 needs more than the 8 GPUs"),
+    (dict(device_index=0, device_count=8, engine_tp=8, tp=4, dp=2), "span pipeline stages"),
+    (dict(device_index=6, device_count=8, engine_tp=4, tp=4, dp=1), "from GPU 6 needs more than the 8 GPUs"),
 ])
-def test_engines_that_do_not_fit_are_refused(kwargs, message):
+def test_engines_that_do_not_fit_their_gpus_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         colocated_cuda_devices(visible=None, **kwargs)
 
 
-def test_replica_devices_follow_megatron_rank_order():
-    # TP adjacent; PP stages at a stride of TP x DP, so consecutive only with one data-parallel replica.
-    assert replica_devices_from_destination(SimpleNamespace(tp_size=4, pp_size=2, dp_size=2)) == 4
-    assert replica_devices_from_destination(SimpleNamespace(tp_size=2, pp_size=2, dp_size=1)) == 4
+class _EchoServer:
+    """A stand-in engine: each prompt's response repeats its ids, tagged with the serving host (the last token is
+    the host's index). Each call takes 0.5 s and records when it ran, so that the test can see the engines generate
+    at the same time rather than one after the other."""
+
+    def __init__(self, index):
+        self.index = index
+        self.calls = []
+        self.intervals = []
+
+    def generate(self, prompts, params, first_prompt=0):
+        import time
+
+        from megatron_gtpo.rollout.engine import Response
+
+        self.calls.append((len(prompts), first_prompt))
+        start = time.time()
+        time.sleep(0.5)
+        self.intervals.append((start, time.time()))
+        return [[Response(list(p) + [self.index], [-0.5] * (len(p) + 1), "length")] for p in prompts]
+
+
+LAYOUTS = [(2, 2, 1, 7), (2, 2, 2, 5), (2, 2, 4, 3), (4, 1, 2, 1)]  # (tp, pp, engine_tp, prompts) on 4 ranks
+
+
+def _split_across_hosts(rank, world_size):
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.rollout.engine import SamplingParams
+    from megatron_gtpo.rollout.server_engine import ServerEngine
+
+    out = []
+    for tp, pp, engine_tp, num_prompts in LAYOUTS:
+        groups = initialize_parallel(tp, pp)
+        hosts = engine_hosts(tp=tp, pp=pp, engine_tp=engine_tp)
+        me = (groups.pp_rank, groups.tp_rank)
+        server = _EchoServer(hosts.index(me)) if me in hosts else None
+        engine = ServerEngine(server, groups, SimpleNamespace(vocab_size=100, max_position_embeddings=64),
+                              hosts=hosts)
+        responses = engine.generate([[i, i + 1] for i in range(num_prompts)], SamplingParams(max_new_tokens=1))
+        out.append(([r.token_ids for rs in responses for r in rs], None if server is None else server.calls,
+                    None if server is None else server.intervals))
+    return out
+
+
+def test_prompts_are_split_across_hosts_and_come_back_in_order():
+    per_rank = run_distributed(_split_across_hosts, 4, timeout_s=180)
+    for (tp, pp, engine_tp, num_prompts), results in zip(LAYOUTS, zip(*per_rank)):
+        counts = split_counts(num_prompts, len(engine_hosts(tp=tp, pp=pp, engine_tp=engine_tp)))
+        serving = [i for i, c in enumerate(counts) for _ in range(c)]
+        expected = [[i, i + 1, engine] for i, engine in enumerate(serving)]
+        for tokens, _, _ in results:  # every rank holds every response, in prompt order, from the engine that served
+            assert tokens == expected, (tp, pp, engine_tp)
+        # Each host served its contiguous part once, told where it starts (seeds); empty parts call nothing.
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        calls = [c for _, c, _ in results if c is not None]
+        assert sorted(calls) == sorted([[(c, s)] if c else [] for c, s in zip(counts, starts)]), (tp, pp, engine_tp)
+        # The engines generated at the same time: every call began before any ended.
+        intervals = [i for _, _, ivs in results if ivs for i in ivs]
+        assert max(start for start, _ in intervals) < min(end for _, end in intervals), (tp, pp, engine_tp)
 
 
 def _release_before_wake(rank, world_size):
@@ -47,7 +143,7 @@ def _release_before_wake(rank, world_size):
     torch.cuda.empty_cache = lambda: events.append(("empty_cache", time.monotonic()))
 
     class Server:  # the colocated vLLM server as ServerEngine sees it: waking happens inside generate
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, first_prompt=0):
             events.append(("wake", time.monotonic()))
             return [[Response([1], [-0.5], "length")] for _ in prompts]
 
@@ -62,8 +158,6 @@ def _release_before_wake(rank, world_size):
 def test_every_rank_releases_cached_memory_before_the_engine_wakes():
     """A colocated engine's KV cache and weights wake on every GPU of the model replica: each rank's caching
     allocator must have given its cached blocks back first (torch.cuda.empty_cache on all ranks, then the wake)."""
-    from distributed_harness import run_distributed
-
     destination, other = run_distributed(_release_before_wake, 2, timeout_s=120)
     wake = [t for name, t in destination if name == "wake"]
     releases = [t for events in (destination, other) for name, t in events if name == "empty_cache"]

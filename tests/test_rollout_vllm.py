@@ -22,8 +22,10 @@ VOCAB = 1000
 PROMPTS = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
 # The vLLM CPU attention backend needs head_dim 64: hidden 256 over 4 heads.
 SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2)
-# (TP, PP) of the Megatron model on 2 ranks (rank 0 is the sync destination in all), then vLLM's tensor_parallel_size,
-# which is independent of it. Consecutive layouts with the same vLLM TP share one vLLM server (it is restarted when
+# (TP, PP) of the Megatron model on 2 ranks, then vLLM's tensor_parallel_size, which decides the engines
+# (rollout/placement.py): at TP=2 -> vLLM TP=1 an engine per TP rank, at PP=2 -> vLLM TP=1 an engine per stage (two
+# vLLM engines, each serving part of the prompts and receiving the whole model), at PP=2 -> vLLM TP=2 one engine
+# over both stages. Consecutive layouts with the same vLLM TP on a host share its vLLM server (it is restarted when
 # the vLLM TP changes). At vLLM TP=2 every bucket goes to both vLLM workers, each loading its own shards.
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 2, 2)]
 BUCKET_BYTES = 1_500_000  # a bit more than one decoder layer (1.3 MB): 4-5 buckets per sync
@@ -68,6 +70,19 @@ def _record_worker_replies(server) -> dict[str, list[int]]:
     return replies
 
 
+def _record_prompts_served(server) -> list[tuple[int, int]]:
+    """Make the server's generate record (number of prompts, first_prompt) of each call."""
+    served: list[tuple[int, int]] = []
+    generate = server.generate
+
+    def recording(prompts, params, first_prompt=0):
+        served.append((len(prompts), first_prompt))
+        return generate(prompts, params, first_prompt)
+
+    server.generate = recording
+    return served
+
+
 def _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out: dict) -> None:
     """Flip every TP shard of the MLP output projections, sync, and record both engines' greedy outputs."""
     with torch.no_grad():
@@ -85,31 +100,35 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
+    from megatron_gtpo.rollout.placement import engine_hosts
     from megatron_gtpo.rollout.vllm_engine import VLLMEngine
     from megatron_gtpo.rollout.weight_sync import is_sync_destination
     from megatron_gtpo.training.forward import make_micro_batches, next_token_logprobs_and_entropy
 
-    server, results, replies = None, [], {}
+    server, results, replies, served = None, [], {}, []
     try:
         for tp, pp, vllm_tp in LAYOUTS:
             groups = initialize_parallel(tp, pp)
-            if is_sync_destination(groups) and (server is None or server.num_workers != vllm_tp):
-                if server is not None:
-                    server.close()
-                    server = None
+            hosts = engine_hosts(tp=tp, pp=pp, engine_tp=vllm_tp)
+            host = is_sync_destination(groups, hosts)
+            if server is not None and (not host or server.num_workers != vllm_tp):
+                server.close()
+                server = None
+            if host and server is None:
                 server = _start_vllm_server(vllm_dir, vllm_tp)
                 replies = _record_worker_replies(server)
+                served = _record_prompts_served(server)
             replies.clear()  # this layout's RPCs only
+            served.clear()
             with HFCheckpoint(megatron_dir) as ckpt:
                 shape = ckpt.shape
                 chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank)
                 load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
             builtin = BuiltinEngine(chunks, groups, VOCAB)
-            engine = VLLMEngine(server if is_sync_destination(groups) else None, groups, shape,
-                                bucket_bytes=BUCKET_BYTES)
+            engine = VLLMEngine(server if host else None, groups, shape, hosts=hosts, bucket_bytes=BUCKET_BYTES)
             greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
             out = {"sleep_supported": None if server is None else server.sleep_supported,
-                   "num_workers": None if server is None else server.num_workers}
+                   "num_workers": None if server is None else server.num_workers, "engines": len(hosts)}
             out["before_sync"] = engine.generate(PROMPTS, greedy)
             engine.sync_weights(chunks, groups)
             out["version_1"] = engine.policy_version
@@ -132,6 +151,7 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
             _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out)
             out["worker_replies"] = {method: sorted(set(counts)) for method, counts in replies.items()}
             out["loads"] = len(replies.get("gtpo_load_weights", []))
+            out["served"] = list(served) if host else None  # (prompts, first_prompt) per generate call
             results.append(out)
     finally:
         if server is not None:
@@ -167,6 +187,13 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints):
         for other in results[1:]:  # every rank of the model-parallel group gets the same responses
             for key in ("vllm_greedy", "vllm_sampled", "vllm_stop", "vllm_greedy_changed", "version_2"):
                 assert other[key] == ref[key], f"{layout}: ranks disagree on {key}"
+        # The prompts were split across the engines: each host served its contiguous part (3 prompts: 2 + 1), in
+        # each of the 6 generate calls.
+        engines = ref["engines"]
+        assert engines == 2 // vllm_tp, layout
+        parts = sorted({tuple(r["served"]) for r in results if r["served"] is not None})
+        expected_parts = [((2, 0),) * 6, ((1, 2),) * 6] if engines == 2 else [((3, 0),) * 6]
+        assert parts == sorted(expected_parts), (layout, parts)
         # Policy versions count the syncs since the server started; each sync's checksums were checked on every one
         # of its workers (finish_weight_update), and every worker loaded every bucket.
         if vllm_tp != server_tp:  # a new server

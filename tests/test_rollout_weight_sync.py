@@ -2,6 +2,7 @@
 
 The reference is the HF checkpoint the model was loaded from (every tensor must come back bit-exactly) plus one
 perturbation made on a single TP rank's shard, whose HF effect is worked out here by hand."""
+import time
 import weakref
 
 import pytest
@@ -15,10 +16,11 @@ DELTA = 0.5
 
 
 def _sync_all_layouts(rank, world_size, model_dirs, layouts, bucket_sizes):
-    return [_sync(model_dir, tp, pp, vpp, bucket_sizes) for model_dir, (tp, pp, vpp) in zip(model_dirs, layouts)]
+    return [_sync(model_dir, tp, pp, vpp, destinations, bucket_sizes if len(destinations) == 1 else bucket_sizes[-1:])
+            for model_dir, (tp, pp, vpp, destinations) in zip(model_dirs, layouts)]
 
 
-def _sync(model_dir, tp, pp, vpp, bucket_sizes):
+def _sync(model_dir, tp, pp, vpp, destinations, bucket_sizes):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, layer_offset, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
@@ -39,13 +41,17 @@ def _sync(model_dir, tp, pp, vpp, bucket_sizes):
                     p.add_(DELTA)
     params = [p for c in chunks for p in c.parameters()]
 
-    out = {"destination": is_sync_destination(groups), "runs": []}
+    out = {"destination": is_sync_destination(groups, destinations), "runs": []}
     for bucket_bytes in bucket_sizes:
         received, bucket_stats, alive_after_next = {}, [], []
         previous_refs = []
-        for bucket in hf_weight_buckets(chunks, groups, shape, bucket_bytes=bucket_bytes):
+        for bucket in hf_weight_buckets(chunks, groups, shape, bucket_bytes=bucket_bytes, destinations=destinations):
             # The previous bucket must be gone once the next one exists (we dropped our references to it).
-            alive_after_next.append(sum(r() is not None for r in previous_refs))
+            alive = sum(r() is not None for r in previous_refs)
+            if alive:  # a gloo worker thread may still hold its last broadcast's tensor a moment after completing it
+                time.sleep(0.5)
+                alive = sum(r() is not None for r in previous_refs)
+            alive_after_next.append(alive)
             bucket_stats.append(([n for n, _ in bucket], sum(t.numel() * t.element_size() for _, t in bucket)))
             previous_refs = [weakref.ref(t) for _, t in bucket
                              if not any(t.data_ptr() == p.data_ptr() for p in params)]
@@ -68,43 +74,55 @@ def tiny_models(tmp_path_factory):
 
 def test_weight_sync_streams_exact_hf_tensors_in_bounded_buckets(tiny_models):
     untied, tied = tiny_models
-    layouts = [(2, 1, None), (1, 2, 2)]  # untied at TP=2; tied at PP=2 x VPP=2 (4 virtual stages of 1 layer)
+    # Untied at TP=2; tied at PP=2 x VPP=2 (4 virtual stages of 1 layer); to the single default destination, then
+    # to every rank as engine hosts (rollout/placement.py: an engine per TP rank; an engine per stage), each of
+    # which must receive the whole model (the last bucket size only).
+    one = [(0, 0)]
+    layouts = [(2, 1, None, one), (1, 2, 2, one), (2, 1, None, [(0, 0), (0, 1)]), (1, 2, 2, [(0, 0), (1, 0)])]
     tiny, huge = 1, 1 << 40
     layer_bytes = sum(t.numel() * 4 for n, t in load_file(str(untied / "model.safetensors")).items()
                       if n.startswith("model.layers.0."))
     mid = 2 * layer_bytes + 1  # room for two decoder layers, not three
-    per_rank = run_distributed(_sync_all_layouts, 2, args=([str(untied), str(tied)], layouts, [tiny, huge, mid]),
+    model_dirs = [untied, tied, untied, tied]
+    per_rank = run_distributed(_sync_all_layouts, 2, args=([str(d) for d in model_dirs], layouts, [tiny, huge, mid]),
                                timeout_s=300)
-    for (model_dir, (tp, pp, vpp)), results in zip([(untied, layouts[0]), (tied, layouts[1])], zip(*per_rank)):
-        assert sum(r["destination"] for r in results) == 1
+    for (model_dir, (tp, pp, vpp, destinations)), results in zip(zip(model_dirs, layouts), zip(*per_rank)):
+        assert sum(r["destination"] for r in results) == len(destinations)
         for r in results:
             if not r["destination"]:
                 assert all(run["buckets"] == [] for run in r["runs"])  # other ranks yield nothing
-        dest = next(r for r in results if r["destination"])
-        expected = load_file(str(model_dir / "model.safetensors"))
-        # Hand-worked HF effect of +DELTA on the last TP rank's fc1 shard of layer 1 = [gate rows; up rows] of
-        # that rank: the last 1/tp of the gate_proj and up_proj rows.
-        rows = 128 // tp
-        for proj in ("gate_proj", "up_proj"):
-            expected[f"model.layers.1.mlp.{proj}.weight"][128 - rows:] += DELTA
-        if "lm_head.weight" in expected and model_dir == tied:
-            del expected["lm_head.weight"]
-        for bucket_bytes, run in zip([tiny, huge, mid], dest["runs"]):
-            assert sorted(run["received"]) == sorted(expected), f"TP={tp} PP={pp}: wrong set of tensors"
-            for name, want in expected.items():
-                assert torch.equal(run["received"][name], want), f"TP={tp} PP={pp}: {name} differs"
-            sizes = [size for _, size in run["buckets"]]
-            largest_unit = max(layer_bytes, expected["model.embed_tokens.weight"].numel() * 4)
-            assert max(sizes) <= max(bucket_bytes, largest_unit), (bucket_bytes, sizes)
-            assert all(n == 0 for n in run["alive_after_next"]), "an earlier bucket outlived the next one"
-            for names, _ in run["buckets"]:  # a decoder layer is never split between buckets
-                layers = {n.split(".")[2] for n in names if n.startswith("model.layers.")}
-                for layer in layers:
-                    assert sum(n.startswith(f"model.layers.{layer}.") for n in names) == 12
-        tiny_run, huge_run, mid_run = dest["runs"]
-        assert len(huge_run["buckets"]) == 1
-        assert len(tiny_run["buckets"]) == 4 + 2 + (0 if model_dir == tied else 1)  # each unit alone
-        assert 2 < len(mid_run["buckets"]) < len(tiny_run["buckets"])
+        for dest in [r for r in results if r["destination"]]:
+            _check_received(dest, model_dir, tied, tp, pp, [tiny, huge, mid][-len(dest["runs"]):], layer_bytes)
+
+
+def _check_received(dest, model_dir, tied, tp, pp, bucket_sizes, layer_bytes):
+    """One destination's buckets: bit-exact HF tensors, each bucket bounded, decoder layers never split."""
+    expected = load_file(str(model_dir / "model.safetensors"))
+    # Hand-worked HF effect of +DELTA on the last TP rank's fc1 shard of layer 1 = [gate rows; up rows] of
+    # that rank: the last 1/tp of the gate_proj and up_proj rows.
+    rows = 128 // tp
+    for proj in ("gate_proj", "up_proj"):
+        expected[f"model.layers.1.mlp.{proj}.weight"][128 - rows:] += DELTA
+    if "lm_head.weight" in expected and model_dir == tied:
+        del expected["lm_head.weight"]
+    for bucket_bytes, run in zip(bucket_sizes, dest["runs"]):
+        assert sorted(run["received"]) == sorted(expected), f"TP={tp} PP={pp}: wrong set of tensors"
+        for name, want in expected.items():
+            assert torch.equal(run["received"][name], want), f"TP={tp} PP={pp}: {name} differs"
+        sizes = [size for _, size in run["buckets"]]
+        largest_unit = max(layer_bytes, expected["model.embed_tokens.weight"].numel() * 4)
+        assert max(sizes) <= max(bucket_bytes, largest_unit), (bucket_bytes, sizes)
+        assert all(n == 0 for n in run["alive_after_next"]), "an earlier bucket outlived the next one"
+        for names, _ in run["buckets"]:  # a decoder layer is never split between buckets
+            layers = {n.split(".")[2] for n in names if n.startswith("model.layers.")}
+            for layer in layers:
+                assert sum(n.startswith(f"model.layers.{layer}.") for n in names) == 12
+    if len(dest["runs"]) == 1:
+        return
+    tiny_run, huge_run, mid_run = dest["runs"]
+    assert len(huge_run["buckets"]) == 1
+    assert len(tiny_run["buckets"]) == 4 + 2 + (0 if model_dir == tied else 1)  # each unit alone
+    assert 2 < len(mid_run["buckets"]) < len(tiny_run["buckets"])
 
 
 # --- Peak extra memory of a sync on the destination rank, measured: resident set size sampled while the buckets

@@ -51,9 +51,10 @@ def parse_args(argv=None):
                      help="activation profile: te (Transformer Engine, flash attention; GPUs) or local (CPU path)")
     mem.add_argument("--vllm-memory-fraction", type=float, help="vLLM's share of each GPU (default 0.5)")
     mem.add_argument("--no-vllm", action="store_true", help="no colocated vLLM engine")
-    mem.add_argument("--vllm-tp", type=int, help="vLLM tensor parallel size (default: the config's "
-                                                 "rollout.vllm_tensor_parallel, else the largest divisor of the "
-                                                 "attention heads <= min(TP x PP, GPUs per node))")
+    mem.add_argument("--vllm-tp", type=int, help="vLLM tensor parallel size of each colocated engine (default: the "
+                                                 "config's rollout.vllm_tensor_parallel, else the largest divisor of "
+                                                 "TP that divides the attention heads, within a node: TP / it "
+                                                 "engines per pipeline stage)")
     mem.add_argument("--vllm-overhead-gib", type=float, default=Settings.vllm_overhead_gib)
     mem.add_argument("--framework-overhead-gib", type=float, default=Settings.framework_overhead_gib)
     mem.add_argument("--allocator-slack", type=float, default=Settings.allocator_slack_fraction,
@@ -144,10 +145,13 @@ def format_table(result: dict) -> str:
         v = result["variants_gib"]
         lines.append(f"  {label:<24} {v[name + '_no_recompute']:9.2f}   {v[name + '_recompute']:9.2f}")
     if kv["vllm_tensor_parallel"] is not None:
-        lines += ["", f"vLLM (TP={kv['vllm_tensor_parallel']}): KV cache {kv['tokens']:,} tokens "
-                      f"({kv['bytes_per_token']:,} B/token) = {kv['full_length_sequences']} full-length sequences at "
-                      f"once; {kv['sequences_per_engine']} sequences per engine per step "
-                      f"({kv['waves_at_full_length']} waves at full length)"]
+        lines += ["", f"rollout: {kv['engines']} colocated vLLM engines of TP={kv['vllm_tensor_parallel']} "
+                      f"({kv['engines_per_replica']} per model replica), {kv['gpus_generating']} of "
+                      f"{lay['world_size']} GPUs generating, each engine with the whole model",
+                  f"vLLM KV cache: {kv['kv_cache_gib_per_gpu']:.2f} GiB per GPU = {kv['tokens']:,} tokens per engine "
+                  f"({kv['bytes_per_token']:,} B/token per GPU) = {kv['full_length_sequences']} full-length "
+                  f"sequences at once; {kv['sequences_per_engine']} sequences per engine per step "
+                  f"({kv['waves_at_full_length']} waves at full length)"]
     lines += ["", "FLOPs per step (" + fl["note"] + ")"]
     for key in ("generate", "old_logprob", "update", "total"):
         lines.append(f"  {key:<12} {fl[key]:.3e}")

@@ -1,19 +1,24 @@
-"""A `RolloutEngine` for one model-parallel group whose generation runs in a server object held by the group's
-weight-sync destination rank (TP rank 0 of the first pipeline stage). Imports neither vllm nor megatron.
-Before the server wakes, every rank of the group empties its caching allocator (`_release_cached_memory`).
+"""A `RolloutEngine` for one model-parallel group whose generation runs in server objects held by the group's engine
+hosts (rollout/placement.py: by default one, TP rank 0 of the first pipeline stage; colocated vLLM runs one per
+pipeline stage or per TP slice of one). Imports neither vllm nor megatron. Before the servers wake, every rank of the
+group empties its caching allocator (`_release_cached_memory`).
 
 The server object is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a
 `vllm_remote.RemoteVLLMClient` talking to a vLLM server on another node (remote mode). Either way it offers:
 
-    generate(prompts, SamplingParams) -> list[list[Response]]
+    generate(prompts, SamplingParams, first_prompt=0) -> list[list[Response]] (`first_prompt`: the index of
+        prompts[0] in the replica's prompts, so that seeds differ across engines)
     begin_weight_update() -> None
     load_bucket(bucket: list[(hf_name, tensor)]) -> None
+    load_ipc_bucket(names, dtype_names, shapes, {gpu_uuid: rebuild args}) -> None (colocated on CUDA only:
+        cuda_ipc.py)
     finish_weight_update(expected_checksums: {hf_name: (sum, sum of squares)}) -> int (the new policy version;
         raises if the engine's weights do not have these checksums)
     dtype: torch.dtype (the engine's weight dtype: the expected checksums are taken after a cast to it)
 
-`generate` and `sync_weights` are collective over the model-parallel group: the destination calls the server,
-and its outcome (result or error text) is broadcast to every rank, which returns it or raises.
+`generate` and `sync_weights` are collective over the model-parallel group: each host calls its server, and its
+outcome (result or error text) is broadcast to every rank, which returns it or raises. Responses travel as
+tensors (rollout/transport.py), the small outcomes of a sync as objects.
 """
 from __future__ import annotations
 
@@ -23,22 +28,32 @@ import torch
 import torch.distributed as dist
 
 from .engine import Response, SamplingParams, check_prompts
-from .weight_sync import DEFAULT_BUCKET_BYTES, hf_weight_buckets, is_sync_destination, policy_checksum_names, \
-    tensor_checksum
+from .placement import split_prompts
+from .transport import broadcast_responses
+from .weight_sync import DEFAULT_BUCKET_BYTES, SINGLE_DESTINATION, hf_weight_buckets, is_sync_destination, \
+    pack_on_device, policy_checksum_names, tensor_checksum
 
 
 class ServerEngine:
-    """`RolloutEngine` backed by one server object per model-parallel group (on its sync destination rank).
+    """`RolloutEngine` backed by the server objects of one model-parallel group, one per engine host (`hosts`:
+    (pp_rank, tp_rank) pairs in engine order, rollout/placement.engine_hosts; by default a single server on TP
+    rank 0 of the first pipeline stage).
 
-    `generate` and `sync_weights` are collective over the model-parallel group; every rank returns the same
-    responses, and every rank raises if the server failed. `policy_version` is the server's policy version after
+    `generate` and `sync_weights` are collective over the model-parallel group: the prompts are split across the
+    engines (placement.split_prompts), every rank returns all responses in prompt order, and every rank raises if
+    any server failed. Every host receives the full weights. `policy_version` is the servers' policy version after
     the last successful sync (0 before any).
     """
 
-    def __init__(self, server, groups, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        if (server is not None) != is_sync_destination(groups):
-            raise ValueError("the rollout server must live on the weight-sync destination (TP rank 0 of the first "
-                             "pipeline stage) and only there")
+    def __init__(self, server, groups, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 ipc_members=None):
+        self.hosts = [tuple(h) for h in hosts]
+        # Colocated on CUDA: each engine's member ranks (placement.engine_members, host first), which hand their
+        # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).
+        self.ipc_members = None if ipc_members is None else [[tuple(m) for m in ms] for ms in ipc_members]
+        if (server is not None) != is_sync_destination(groups, self.hosts):
+            raise ValueError(f"a rollout server must live on each engine host {self.hosts} (pp_rank, tp_rank) and "
+                             f"only there; this rank is ({groups.pp_rank}, {groups.tp_rank})")
         self.server = server
         self.groups = groups
         self.shape = shape
@@ -51,10 +66,32 @@ class ServerEngine:
         check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
                       max_new_tokens=params.max_new_tokens)
         self._release_cached_memory()
-        outcome = None
-        if self.server is not None:
-            outcome = attempt(lambda: self.server.generate(prompts, params))
-        return unwrap(share_outcome(outcome, self.groups))
+        parts = split_prompts(prompts, len(self.hosts))
+        me = (self.groups.pp_rank, self.groups.tp_rank)
+        mine = None
+        if self.server is not None:  # every host generates its part at once, before any answer is shared
+            index = self.hosts.index(me)
+            start = sum(len(p) for p in parts[:index])
+            mine = attempt(partial(self.server.generate, parts[index], params, first_prompt=start)) \
+                if parts[index] else ("ok", [])
+        responses, failures = [], []
+        for index, host in enumerate(self.hosts):
+            # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
+            status, payload = broadcast_responses(mine if host == me else None, self._global_rank(host),
+                                                  self.groups.mp_group, self.groups.device)
+            if status == "ok":
+                responses += payload
+            else:
+                failures.append(f"engine {index} (host pp_rank, tp_rank = {host}): {payload}")
+        if failures:
+            raise RuntimeError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host rank(s): "
+                               + "; ".join(failures))
+        return responses
+
+    def _global_rank(self, host: tuple[int, int]) -> int:
+        """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""
+        pp_rank, tp_rank = host
+        return dist.get_global_rank(self.groups.mp_group, pp_rank * self.groups.tp_size + tp_rank)
 
     def _release_cached_memory(self) -> None:
         """Before a colocated engine wakes (its KV cache, its weights) on the model replica's GPUs: every rank of
@@ -64,61 +101,71 @@ class ServerEngine:
         dist.barrier(group=self.groups.mp_group)
 
     def sync_weights(self, model_chunks: list, groups) -> None:
+        """Stream the weights into every engine (all of them to each) and check their checksums. Host path: each host
+        hands its server every bucket (`load_bucket`). IPC path (`ipc_members`): every member rank receives every
+        bucket on its GPU and exports it (cuda_ipc.py); the handles are gathered over the replica and each host
+        hands its server those of its members (`load_ipc_bucket`)."""
         checksum_names = set(policy_checksum_names(self.shape))
         expected: dict[str, tuple[float, float]] = {}
         failure = None
         self._release_cached_memory()
         if self.server is not None:
             failure = _error_of(self.server.begin_weight_update)
-        for bucket in hf_weight_buckets(model_chunks, groups, self.shape, bucket_bytes=self.bucket_bytes):
-            # Only the destination gets buckets. After a failure the stream is still drained: the other ranks are
+        destinations = self.hosts if self.ipc_members is None else [m for ms in self.ipc_members for m in ms]
+        for bucket in hf_weight_buckets(model_chunks, groups, self.shape, bucket_bytes=self.bucket_bytes,
+                                        destinations=destinations):
+            # Only the destinations get buckets. After a failure the stream is still drained: the other ranks are
             # gathering and sending into it.
-            for name, tensor in bucket:
-                if name in checksum_names:
-                    expected[name] = tensor_checksum(tensor.to(self.server.dtype))
-            if failure is None:
-                failure = _error_of(partial(self.server.load_bucket, bucket))
+            if self.server is not None:
+                for name, tensor in bucket:
+                    if name in checksum_names:
+                        expected[name] = tensor_checksum(tensor.to(self.server.dtype))
+            if self.ipc_members is None:
+                if failure is None:
+                    failure = _error_of(partial(self.server.load_bucket, bucket))
+            else:
+                failure = self._load_by_ipc(bucket, failure)
             del bucket
+        if self.ipc_members is not None:
+            from . import cuda_ipc
+
+            cuda_ipc.collect()
         outcome = None
         if self.server is not None:
             outcome = ("error", failure) if failure else attempt(lambda: self.server.finish_weight_update(expected))
-        self.policy_version = unwrap(share_outcome(outcome, self.groups))
+        outcomes = [share_outcome(outcome if host == (groups.pp_rank, groups.tp_rank) else None,
+                                  self._global_rank(host), self.groups.mp_group) for host in self.hosts]
+        versions = [unwrap(o) for o in outcomes]  # after every broadcast: all ranks raise together
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"the rollout engines report different policy versions {versions} after a sync")
+        self.policy_version = versions[0]
+
+    def _load_by_ipc(self, bucket: list, failure: str | None) -> str | None:
+        """One bucket by CUDA IPC (collective over the replica: every rank is an engine member). Returns the first
+        failure so far (this rank's export or, on a host, its server's load)."""
+        from . import cuda_ipc
+
+        names, dtype_names, shapes, flat = pack_on_device(bucket)
+        exported = attempt(partial(cuda_ipc.export_buffer, flat))
+        everyone: list = [None] * dist.get_world_size(self.groups.mp_group)
+        dist.all_gather_object(everyone, exported, group=self.groups.mp_group)
+        me = (self.groups.pp_rank, self.groups.tp_rank)
+        if self.server is not None and failure is None:
+            members = next(ms for ms in self.ipc_members if ms[0] == me)
+            mine = [everyone[p * self.groups.tp_size + t] for p, t in members]
+            errors = [payload for status, payload in mine if status != "ok"]
+            failure = f"exporting a bucket by CUDA IPC: {errors[0]}" if errors else _error_of(partial(
+                self.server.load_ipc_bucket, names, dtype_names, shapes, dict(payload for _, payload in mine)))
+        dist.barrier(group=self.groups.mp_group)  # every rank keeps its buffer until its engine has loaded it
+        del flat
+        return failure
 
 
-def replica_devices_from_destination(groups) -> int:
-    """How many consecutive devices of a node, from the sync destination's on, belong to its model replica: in
-    megatron's rank order (tp-cp-ep-dp-pp, TP adjacent) its TP group; with a single data-parallel replica the
-    pipeline stages follow at a stride of TP, so the whole replica (TP x PP, as far as the node reaches)."""
-    return groups.tp_size if groups.dp_size > 1 else groups.tp_size * groups.pp_size
-
-
-def colocated_cuda_devices(*, device_index: int, device_count: int, engine_tp: int, replica_devices: int,
-                           visible: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for the colocated vLLM engine of one model replica: `engine_tp` devices from the sync
-    destination's own (`device_index` among this process's `device_count` visible devices; `visible` the current
-    CUDA_VISIBLE_DEVICES, if set). vLLM numbers its workers' devices from 0 of what it is given, so without this the
-    engines of every replica on a node would share devices 0..engine_tp-1."""
-    if engine_tp > replica_devices:
-        raise ValueError(f"a colocated vLLM engine at tensor parallel size {engine_tp} would spill over the "
-                         f"{replica_devices} GPU(s) of its model replica onto another replica's; use "
-                         f"rollout.vllm_tensor_parallel <= {replica_devices}")
-    if device_index + engine_tp > device_count:
-        raise ValueError(f"a colocated vLLM engine at tensor parallel size {engine_tp} from GPU {device_index} needs "
-                         f"more than the {device_count} GPUs of this node")
-    ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(device_count)]
-    if len(ids) < device_count:
-        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names fewer than the {device_count} visible GPUs")
-    return ",".join(ids[device_index:device_index + engine_tp])
-
-
-def share_outcome(outcome, groups):
-    """The destination's (status, payload) on every rank of the model-parallel group: a broadcast within the first
-    stage's TP group, then along each pipeline group. Other ranks pass None."""
+def share_outcome(outcome, src: int, group):
+    """A host's small (status, payload), e.g. a policy version, on every rank of `group` (`src`: the host's global
+    rank; other ranks pass None)."""
     box = [outcome]
-    if groups.pp_rank == 0 and groups.tp_size > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
-    if groups.pp_size > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp_group, 0), group=groups.pp_group)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

@@ -1,30 +1,37 @@
 """vLLM rollouts with weight sync from the Megatron model. The ONLY module of the project that imports vllm.
 
-Layout. Each model-parallel group (one model replica: TP x PP ranks) has one vLLM engine, owned by the weight sync's
-destination rank (TP rank 0 of the first pipeline stage) and running in vLLM's own engine-core process (vLLM's
-default V1 multiprocessing), so vLLM's torch.distributed world never meets the training job's. vLLM's
-`tensor_parallel_size` is independent of the training TP (vLLM starts its own workers for it), but on CUDA the
-engine must fit on its replica's own GPUs, which `VLLMEngine.create` gives it through CUDA_VISIBLE_DEVICES
-(server_engine.colocated_cuda_devices; the config refuses a larger rollout.vllm_tensor_parallel).
+Layout (rollout/placement.py). Each model-parallel group (one model replica: TP x PP ranks) runs colocated vLLM
+engines that together cover its GPUs: at vLLM `tensor_parallel_size` = the training TP, one engine per pipeline
+stage, on that stage's GPUs, owned by the stage's TP rank 0 (at a divisor of the training TP, TP / vLLM TP engines
+per stage); at a multiple of it, one engine over several whole stages (with a single data-parallel replica only).
+Each engine runs in vLLM's own engine-core process (vLLM's default V1 multiprocessing), so vLLM's torch.distributed
+world never meets the training job's, and on CUDA on its own GPUs, which `VLLMEngine.create` gives it through
+CUDA_VISIBLE_DEVICES (placement.colocated_cuda_devices). The replica's prompts are split across its engines; every
+engine receives the full weights in each sync (weight_sync.py); the responses reach every rank of the replica as
+tensors (transport.py).
 
-- `VLLMServer` wraps the `vllm.LLM` on that rank: generation from token ids (no tokenizer), in-place weight reload
+- `VLLMServer` wraps the `vllm.LLM` on a host rank: generation from token ids (no tokenizer), in-place weight reload
   from buckets of HF-named tensors, policy-version checks, sleep/wake. The remote mode (vllm_remote.py) runs the
   same class in a server process on a rollout node.
 - `VLLMEngine` (a `server_engine.ServerEngine`) implements `RolloutEngine` for the whole model-parallel group:
-  `generate` runs on the server and broadcasts the responses to every rank of the group; `sync_weights` streams
-  the Megatron weights through `weight_sync.hf_weight_buckets` (TP gather + pipeline sends through the single
-  HF<->Megatron mapping, buckets of bounded bytes, a decoder layer never split) into vLLM, then verifies the policy
-  version.
+  `generate` runs each engine's share of the prompts on its server and broadcasts the responses to every rank of
+  the group; `sync_weights` streams the Megatron weights through `weight_sync.hf_weight_buckets` (TP gather +
+  pipeline broadcasts through the single HF<->Megatron mapping, buckets of bounded bytes, a decoder layer never
+  split) into every engine, then verifies the policy version.
 
-Weight update path: per bucket, `collective_rpc("gtpo_load_weights", ...)` on every vLLM worker, which calls the
-model runner's `reload_weights(weights_iterator=...)` (vLLM's in-place reload: it re-runs the per-layer post-load
-processing, e.g. the CPU backend's weight repacking; a plain `load_weights` would fail on repacked parameters).
-Layers absent from a bucket keep their current weights. The worker methods come from `GTPOWorkerExtension`
-(vLLM's `worker_extension_cls`), so nothing is pickled as code; a bucket travels through vLLM's msgpack RPC as one
-byte string (`pack_bucket`: vLLM decodes tensors in RPC arguments only for msgspec-typed parameters), i.e. through
-host memory. On GPUs this path is bounded by host copies; vLLM's CUDA-IPC / NCCL weight-transfer backends would avoid
-them and are not used here (untested: no GPU here). Extra memory on the destination rank during a sync: the bucket
-(weight_sync.py) plus its packed host copy, so about 2 x bucket_bytes. After the last bucket the prefix cache is
+Weight update path: per bucket, a `collective_rpc` on every vLLM worker, which calls the model runner's
+`reload_weights(weights_iterator=...)` (vLLM's in-place reload: it re-runs the per-layer post-load processing, e.g.
+the CPU backend's weight repacking; a plain `load_weights` would fail on repacked parameters). Layers absent from a
+bucket keep their current weights. The worker methods come from `GTPOWorkerExtension` (vLLM's
+`worker_extension_cls`), so nothing is pickled as code. How a bucket reaches the workers:
+- on CUDA (`gtpo_load_ipc`, rollout/cuda_ipc.py): every training rank under an engine holds the bucket on its GPU,
+  packs it there into one buffer and exports a CUDA IPC handle; each worker opens the handle of its own GPU and
+  vLLM's weight loaders copy its shard, device to device. No host copy; the RPC carries only the handles. Extra
+  memory per GPU: the bucket plus its packed copy, about 2 x bucket_bytes. NOT run on a GPU here.
+- elsewhere (`gtpo_load_weights`, the CPU path): the host's bucket travels through vLLM's msgpack RPC as one byte
+  string (`pack_bucket`: vLLM decodes tensors in RPC arguments only for msgspec-typed parameters), through host
+  memory, and every worker receives all of it. Extra memory on the host rank: the bucket plus its packed host copy.
+After the last bucket the prefix cache is
 reset (cached KV blocks belong to the old weights) and `gtpo_policy_checksums` makes every worker record the new
 policy version and return float64 checksums of all RMSNorm weights (trained, unsharded and unrepacked in vLLM at any
 TP), which must equal those of the tensors that were sent, cast to vLLM's dtype; otherwise `sync_weights` raises on
@@ -77,6 +84,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 from contextlib import contextmanager
 
 import torch
@@ -88,10 +96,13 @@ from vllm.platforms import current_platform
 
 from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 
+from .cuda_ipc import import_buffer
 from .engine import Response, SamplingParams
-from .server_engine import ServerEngine, colocated_cuda_devices, replica_devices_from_destination
+from .placement import colocated_cuda_devices, engine_hosts, engine_members
+from .server_engine import ServerEngine
 from .vllm_remote import broadcast_from_trainer, join_weight_group
-from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, pack_bucket, tensor_checksum, unpack_bucket
+from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, pack_bucket, tensor_checksum, unpack_bucket, \
+    unpack_flat
 
 # vLLM logs a warning for every layer that a partial (bucketed) in-place reload does not touch.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
@@ -120,6 +131,13 @@ class GTPOWorkerExtension:
                           payload: bytes) -> None:
         """Load a packed bucket (`pack_bucket`) in place; parameters not in it keep their values."""
         self._gtpo_reload(unpack_bucket(names, dtype_names, shapes, payload))
+
+    def gtpo_load_ipc(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                      handles_pickled: bytes) -> None:
+        """Load a bucket exported by CUDA IPC on this worker's own GPU (rollout/cuda_ipc.py) in place: the handles
+        are keyed by GPU UUID; vLLM's weight loaders copy this worker's shard of each tensor, on this GPU."""
+        flat = import_buffer(pickle.loads(handles_pickled), self.device)
+        self._gtpo_reload(unpack_flat(flat, names, dtype_names, shapes))
 
     def gtpo_join_weight_group(self, host: str, port: int, prefix: str, world_size: int, timeout_s: float) -> int:
         """Join the remote trainer's weight broadcast group (vllm_remote.py) as rank 1 + this worker's rank; returns
@@ -183,14 +201,16 @@ class VLLMServer:
         self._asleep: set[str] = set()  # tags currently asleep
         self._weights_discarded = False  # level-2 sleep: a full sync must come before generating
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 first_prompt: int = 0) -> list[list[Response]]:
+        """[prompt][n] responses; `first_prompt` is the index of prompts[0] among the replica's prompts (seeds)."""
         if self._weights_discarded:
             raise RuntimeError("the vLLM weights were discarded by a level-2 sleep; call sync_weights first")
         self._wake(["weights", "kv_cache"])
         requests = [VLLMSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-            logprobs=0, detokenize=False, seed=params.seed * _SEED_STRIDE + i * params.n)
+            logprobs=0, detokenize=False, seed=params.seed * _SEED_STRIDE + (first_prompt + i) * params.n)
             for i in range(len(prompts))]
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
@@ -204,6 +224,12 @@ class VLLMServer:
 
     def load_bucket(self, bucket: list) -> None:
         self.llm.collective_rpc("gtpo_load_weights", args=pack_bucket(bucket))
+
+    def load_ipc_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                        handles: dict[str, tuple]) -> None:
+        """Colocated on CUDA: every worker opens the bucket exported on its own GPU (rollout/cuda_ipc.py). The
+        handles travel pickled: their rebuild arguments hold torch types that vLLM's msgpack RPC does not carry."""
+        self.llm.collective_rpc("gtpo_load_ipc", args=(names, dtype_names, shapes, pickle.dumps(handles)))
 
     def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:
         """Reset the prefix cache, bump and record the policy version, and check the checksums on every worker.
@@ -261,26 +287,33 @@ def _response(sample) -> Response:
 
 
 class VLLMEngine(ServerEngine):
-    """`RolloutEngine` backed by one VLLMServer per model-parallel group, on its sync destination rank (the group
-    logic, shared with the remote mode, is `server_engine.ServerEngine`)."""
+    """`RolloutEngine` backed by the colocated VLLMServers of one model-parallel group, one per engine host
+    (rollout/placement.py; the group logic, shared with the remote mode, is `server_engine.ServerEngine`)."""
 
     @classmethod
     def create(cls, hf_model_dir: str, groups, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
-        """Start the server on the destination rank (collective only in that every rank must call it). On CUDA its
-        engine runs on the replica's own GPUs, from the destination's (server_engine.colocated_cuda_devices): vLLM
-        starts its engine process, which inherits CUDA_VISIBLE_DEVICES, inside VLLMServer (not run on a GPU here)."""
+        """Start a server on each engine host (collective only in that every rank must call it): at vLLM
+        tensor_parallel_size = the training TP (or a divisor), one engine per pipeline stage (or per TP slice of
+        one), so that every GPU of the replica generates. On CUDA each engine runs on its own ranks' GPUs, from its
+        host's (placement.colocated_cuda_devices): vLLM starts its engine process, which inherits
+        CUDA_VISIBLE_DEVICES, inside VLLMServer (not run on a GPU here)."""
+        engine_tp = server_kwargs.get("tensor_parallel_size", 1)
+        hosts = engine_hosts(tp=groups.tp_size, pp=groups.pp_size, engine_tp=engine_tp)
+        cuda = current_platform.device_type == "cuda"
         server = None
-        if is_sync_destination(groups):
+        if is_sync_destination(groups, hosts):
             devices = {}
-            if current_platform.device_type == "cuda":
+            if cuda:
                 devices["CUDA_VISIBLE_DEVICES"] = colocated_cuda_devices(
                     device_index=torch.cuda.current_device(), device_count=torch.cuda.device_count(),
-                    engine_tp=server_kwargs.get("tensor_parallel_size", 1),
-                    replica_devices=replica_devices_from_destination(groups),
+                    engine_tp=engine_tp, tp=groups.tp_size, dp=groups.dp_size,
                     visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
             with _environment(devices):
                 server = VLLMServer(hf_model_dir, **server_kwargs)
-        return cls(server, groups, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), bucket_bytes=bucket_bytes)
+        # On CUDA the weights reach the workers by IPC on their own GPUs (cuda_ipc.py); elsewhere through the RPC.
+        members = engine_members(tp=groups.tp_size, pp=groups.pp_size, engine_tp=engine_tp) if cuda else None
+        return cls(server, groups, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), hosts=hosts,
+                   bucket_bytes=bucket_bytes, ipc_members=members)
 
 
 @contextmanager

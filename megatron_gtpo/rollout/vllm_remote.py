@@ -63,7 +63,7 @@ from .engine import Response, SamplingParams
 from .server_engine import ServerEngine, attempt, share_outcome, unwrap
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: generate carries first_prompt
 _ROOT = "gtpo_remote"
 _CHUNK_BYTES = 4 * 2**20  # the libuv TCPStore refuses values over 8 MiB
 _POLL_S = 0.05
@@ -160,8 +160,9 @@ class RemoteVLLMClient:
             raise self._broke("joining the weight broadcast group", e, reply_key) from None
         self._reply(reply_key, "join", connect_timeout_s)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
-        responses, version = self._call("generate", (prompts, params), self.request_timeout_s)
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+                 first_prompt: int = 0) -> list[list[Response]]:
+        responses, version = self._call("generate", (prompts, params, first_prompt), self.request_timeout_s)
         if version != self.policy_version:
             raise RuntimeError(f"policy version mismatch: the vLLM server at {self.address} generated with policy "
                                f"version {version}, the last one synced is {self.policy_version}")
@@ -253,7 +254,7 @@ class VLLMRemoteEngine(ServerEngine):
             if outcome[0] == "ok":
                 client = outcome[1]
                 outcome = ("ok", client.policy_version)
-        version = unwrap(share_outcome(outcome, groups))
+        version = unwrap(share_outcome(outcome, dist.get_global_rank(groups.mp_group, 0), groups.mp_group))
         engine = cls(client, groups, shape, bucket_bytes=bucket_bytes)
         engine.policy_version = version
         return engine

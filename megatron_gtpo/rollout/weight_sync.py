@@ -1,19 +1,23 @@
-"""Megatron model shards -> full Hugging Face tensors, streamed in bounded-size buckets to one destination rank.
+"""Megatron model shards -> full Hugging Face tensors, streamed in bounded-size buckets to the destination ranks.
 
-`hf_weight_buckets` is collective over the model-parallel group (every TP and PP rank of one model replica
-iterates it). Tensor by tensor, in Hugging Face file order, through the ONE mapping of models/hf_mapping.py:
+The destinations are the hosts of a replica's rollout engines (rollout/placement.engine_hosts), given as
+(pp_rank, tp_rank) pairs; by default only TP rank 0 of the first pipeline stage. Every destination receives EVERY
+tensor: an engine on stage 1's GPUs needs stage 0's layers too. `hf_weight_buckets` is collective over the
+model-parallel group (every TP and PP rank of one model replica iterates it). Tensor by tensor, in Hugging Face file
+order, through the ONE mapping of models/hf_mapping.py:
 
-1. the pipeline stage holding the megatron tensor gathers its TP shards onto its TP rank 0 (`dist.gather` on the
-   TP group; replicated tensors need no gather);
-2. that rank turns the shards into the HF tensors (`megatron_shards_to_hf`: q/k/v split, gate/up split, vocab
+1. the pipeline stage holding the megatron tensor collects its TP shards on the TP ranks that hold a destination on
+   some stage (`dist.gather` onto TP rank 0 when that is the only one, else `dist.all_gather`; replicated tensors
+   need neither);
+2. those ranks turn the shards into the HF tensors (`megatron_shards_to_hf`: q/k/v split, gate/up split, vocab
    padding dropped, ...);
-3. if that stage is not the first one, it sends them (send/recv on the pipeline group) to the destination: TP rank 0
-   of the first pipeline stage, where the rollout engine lives;
-4. the destination collects whole units in a bucket and yields the bucket (a list of (hf_name, tensor)) when the
+3. if destinations on other stages share that TP rank, the owning stage broadcasts the HF tensors along its
+   pipeline group (stages there without a destination receive and drop them);
+4. each destination collects whole units in a bucket and yields the bucket (a list of (hf_name, tensor)) when the
    next unit would take it past `bucket_bytes`. A unit is everything of one decoder layer (or one non-layer tensor):
    engines that post-process weights per layer (vLLM's in-place reload) must see a layer's tensors together.
 
-Memory: the destination holds at most one bucket: max(bucket_bytes, the largest unit) bytes (the caller must drop a
+Memory: each destination holds at most one bucket: max(bucket_bytes, the largest unit) bytes (the caller must drop a
 bucket before asking for the next; the generator keeps no reference to it), plus, transiently, one more copy of the
 megatron tensor being converted (its gathered TP shards, while its HF form joins the bucket). Never the whole model
 (tests/test_rollout_weight_sync.py measures the resident set). A tied output layer is not sent (it IS the embedding).
@@ -72,9 +76,13 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
     return float(t.sum()), float((t * t).sum())
 
 
-def is_sync_destination(groups) -> bool:
-    """The rank that receives the full HF tensors: TP rank 0 of the first pipeline stage."""
-    return groups.tp_rank == 0 and groups.pp_rank == 0
+SINGLE_DESTINATION = ((0, 0),)  # (pp_rank, tp_rank): TP rank 0 of the first pipeline stage
+
+
+def is_sync_destination(groups, destinations=SINGLE_DESTINATION) -> bool:
+    """Whether this rank receives the full HF tensors: its (pp_rank, tp_rank) is one of `destinations` (the hosts of
+    its replica's engines, rollout/placement.engine_hosts; by default TP rank 0 of the first stage only)."""
+    return (groups.pp_rank, groups.tp_rank) in set(destinations)
 
 
 def _local_parameters(model_chunks: list) -> dict[str, torch.Tensor]:
@@ -99,22 +107,27 @@ def _owner_stages(local_names: list[str], groups) -> dict[str, int]:
     return owners
 
 
-def hf_weight_buckets(model_chunks: list, groups, shape, *,
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield buckets of (hf_name, full HF tensor) on the destination rank (`is_sync_destination`); yield nothing
-    elsewhere. Collective over the model-parallel group: every rank must exhaust the iterator. See the module doc
-    for the protocol and the memory bound.
+def hf_weight_buckets(model_chunks: list, groups, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      destinations=SINGLE_DESTINATION) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield buckets of (hf_name, full HF tensor) on every destination rank (`is_sync_destination`), the same
+    buckets on each; yield nothing elsewhere. Collective over the model-parallel group: every rank must exhaust the
+    iterator. See the module doc for the protocol and the memory bound.
 
     Not decorated with torch.no_grad(): its generator wrapper holds the last yielded bucket while it produces the
     next one, i.e. two buckets at once (measured); the tensors are detached where they are read instead."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+    destinations = set(destinations)
+    if not destinations or any(not (0 <= p < groups.pp_size and 0 <= t < groups.tp_size) for p, t in destinations):
+        raise ValueError(f"sync destinations {sorted(destinations)} must be (pp_rank, tp_rank) pairs of this "
+                         f"{groups.pp_size} x {groups.tp_size} replica")
     local = _local_parameters(model_chunks)
     owners = _owner_stages(list(local), groups)
     dtype = next(iter(local.values())).dtype
-    destination = is_sync_destination(groups)
-    tp_root = dist.get_global_rank(groups.tp_group, 0) if groups.tp_size > 1 else None
-    first_stage_peer = dist.get_global_rank(groups.pp_group, 0) if groups.pp_size > 1 else None
+    destination = is_sync_destination(groups, destinations)
+    # TP ranks that convert the HF tensors on the owning stage: those of a destination on any stage.
+    converters = {t for _, t in destinations}
+    column_stages = {p for p, t in destinations if t == groups.tp_rank}  # destinations along my pipeline group
 
     bucket: list[tuple[str, torch.Tensor]] = []
     bucket_size = 0
@@ -131,12 +144,9 @@ def hf_weight_buckets(model_chunks: list, groups, shape, *,
                                f"the checkpoint shape")
             hf_tensors = None
             if owner == groups.pp_rank:
-                hf_tensors = _gather_to_hf(mapping, local[mapping.megatron_name], groups, shape, tp_root)
-            if owner != 0 and groups.tp_rank == 0:  # stage `owner` -> first stage, along the pipeline group
-                if groups.pp_rank == owner:
-                    _send_all(hf_tensors, first_stage_peer, groups.pp_group)
-                elif destination:
-                    hf_tensors = _recv_all(mapping, shape, dtype, dist.get_global_rank(groups.pp_group, owner), groups)
+                hf_tensors = _gather_to_hf(mapping, local[mapping.megatron_name], groups, shape, converters)
+            if column_stages - {owner}:  # stage `owner` -> the other stages' destinations, along the pipeline group
+                hf_tensors = _broadcast_all(hf_tensors, mapping, shape, dtype, owner, groups)
             if destination:
                 bucket += list(zip(mapping.hf_names, hf_tensors))
             del hf_tensors  # the generator frame must not keep a yielded bucket's tensors alive
@@ -146,29 +156,36 @@ def hf_weight_buckets(model_chunks: list, groups, shape, *,
         yield bucket
 
 
-def _send_all(tensors: list[torch.Tensor], dst: int, group) -> None:
+def _broadcast_all(tensors: list[torch.Tensor] | None, mapping, shape, dtype, owner: int,
+                   groups) -> list[torch.Tensor]:
+    """The owning stage's HF tensors on every stage of this pipeline group (a destination's column). Stages with
+    no destination in the column receive them too (one broadcast serves all) and drop them."""
+    if groups.pp_rank == owner:
+        tensors = [t.contiguous() for t in tensors]
+    else:
+        tensors = [torch.empty(hf_tensor_shape(name, shape), dtype=dtype, device=groups.device)
+                   for name in mapping.hf_names]
+    src = dist.get_global_rank(groups.pp_group, owner)
     for tensor in tensors:
-        dist.send(tensor.contiguous(), dst=dst, group=group)
-
-
-def _recv_all(mapping, shape, dtype, src: int, groups) -> list[torch.Tensor]:
-    tensors = []
-    for name in mapping.hf_names:
-        tensor = torch.empty(hf_tensor_shape(name, shape), dtype=dtype, device=groups.device)
-        dist.recv(tensor, src=src, group=groups.pp_group)
-        tensors.append(tensor)
+        dist.broadcast(tensor, src=src, group=groups.pp_group)
     return tensors
 
 
 @torch.no_grad()
-def _gather_to_hf(mapping, param: torch.Tensor, groups, shape, tp_root) -> list[torch.Tensor] | None:
-    """On the owning stage: the HF tensors on its TP rank 0 (None on the other TP ranks)."""
+def _gather_to_hf(mapping, param: torch.Tensor, groups, shape, converters: set[int]) -> list[torch.Tensor] | None:
+    """On the owning stage: the HF tensors on the TP ranks in `converters` (None on the others). The shards are
+    gathered onto TP rank 0 when it is the only converter, else all-gathered."""
+    converts = groups.tp_rank in converters
     if mapping.layout == REPLICATED or groups.tp_size == 1:
-        return megatron_shards_to_hf(mapping, [param.detach()], shape) if groups.tp_rank == 0 else None
+        return megatron_shards_to_hf(mapping, [param.detach()], shape) if converts else None
     shard = param.detach().contiguous()
-    shards = [torch.empty_like(shard) for _ in range(groups.tp_size)] if groups.tp_rank == 0 else None
-    dist.gather(shard, gather_list=shards, dst=tp_root, group=groups.tp_group)
-    return megatron_shards_to_hf(mapping, shards, shape) if groups.tp_rank == 0 else None
+    if converters == {0}:
+        shards = [torch.empty_like(shard) for _ in range(groups.tp_size)] if converts else None
+        dist.gather(shard, gather_list=shards, dst=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
+    else:
+        shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
+        dist.all_gather(shards, shard, group=groups.tp_group)
+    return megatron_shards_to_hf(mapping, shards, shape) if converts else None
 
 
 def pack_bucket(bucket: list) -> tuple[list[str], list[str], list[list[int]], memoryview]:
@@ -176,25 +193,41 @@ def pack_bucket(bucket: list) -> tuple[list[str], list[str], list[list[int]], me
     for msgspec-typed parameters, so the tensors travel as one byte string (names, dtypes and shapes beside it).
     One host copy of the bucket is made, tensor by tensor straight from the device into its slice (no per-tensor
     host copies, no device-side concatenation); the byte string is a view of it."""
+    names, dtype_names, shapes, flat = _pack(bucket, torch.device("cpu"))
+    return names, dtype_names, shapes, memoryview(flat.numpy())
+
+
+def pack_on_device(bucket: list) -> tuple[list[str], list[str], list[list[int]], torch.Tensor]:
+    """A bucket as one flat uint8 tensor on its own device (one device-to-device copy), laid out as `pack_bucket`:
+    the buffer one CUDA IPC handle exports (rollout/cuda_ipc.py)."""
+    return _pack(bucket, bucket[0][1].device)
+
+
+def _pack(bucket: list, device: torch.device):
     sizes = [t.numel() * t.element_size() for _, t in bucket]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     offset = 0
     for (_, t), size in zip(bucket, sizes):
         flat[offset:offset + size].copy_(t.detach().reshape(-1).view(torch.uint8))
         offset += size
     return ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            [list(t.shape) for _, t in bucket], memoryview(flat.numpy()))
+            [list(t.shape) for _, t in bucket], flat)
 
 
 def unpack_bucket(names: list[str], dtype_names: list[str], shapes: list[list[int]],
                   payload: bytes) -> list[tuple[str, torch.Tensor]]:
-    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return unpack_flat(torch.frombuffer(bytearray(payload), dtype=torch.uint8), names, dtype_names, shapes)
+
+
+def unpack_flat(flat: torch.Tensor, names: list[str], dtype_names: list[str],
+                shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    """Views of a packed bucket's tensors in a flat uint8 tensor (host or device). ValueError if the sizes differ."""
+    dtypes = [getattr(torch, name) for name in dtype_names]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"packed bucket holds {flat.numel()} bytes, its tensors need {sum(sizes)}")
     weights, offset = [], 0
-    for name, dtype_name, shape in zip(names, dtype_names, shapes):
-        dtype = getattr(torch, dtype_name)
-        nbytes = math.prod(shape) * dtype.itemsize
+    for name, dtype, shape, nbytes in zip(names, dtypes, shapes, sizes):
         weights.append((name, flat[offset:offset + nbytes].view(dtype).reshape(shape)))
         offset += nbytes
-    if offset != len(payload):
-        raise ValueError(f"packed bucket holds {len(payload)} bytes, its tensors need {offset}")
     return weights

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import yaml
 
 ALGORITHMS = ("gtpo", "grpo_s", "grpo", "dapo")
+SYNTHETIC_TASK_NAMES = ("addition", "scratchpad_addition")  # data/synthetic_tasks.py (a test checks they agree)
 
 
 class ConfigError(ValueError):
@@ -107,6 +108,7 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: str = "jsonl"  # jsonl | synthetic
+    task: str = "addition"  # the synthetic task (data/synthetic_tasks.py): addition | scratchpad_addition
     path: str | None = None
     prompt_field: str = "problem"
     answer_field: str = "answer"
@@ -178,6 +180,7 @@ _CHOICES = {
     "algorithm.rollout_is": ("none", "token", "sequence"),
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
+    "data.task": SYNTHETIC_TASK_NAMES,
     "data.template": ("chat", "plain", "dapo"),
 }
 

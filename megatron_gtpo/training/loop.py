@@ -35,4 +35,6 @@ def train(cfg: TrainConfig) -> None:
             save_checkpoint(run, step + 1)
         if stopping:
             break
+    if cfg.steps == 0:  # a warm-start-only run: its checkpoint is where RL runs start from (model.load)
+        save_checkpoint(run, 0)
     run.logger.close()

@@ -57,11 +57,12 @@ def _math_reward_pool(cfg: TrainConfig) -> Callable[[list[str], list[str]], list
 
 def build_task(cfg: TrainConfig) -> Task:
     if cfg.data.source == "synthetic":
-        from megatron_gtpo.data import synthetic
+        from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 
+        synthetic = SYNTHETIC_TASKS[cfg.data.task]
         hf_config = synthetic.tiny_model_hf_config() if cfg.model.tiny_synthetic else None
-        return Task(synthetic.addition_problems(), synthetic.CharTokenizer(),
-                    lambda texts, refs: [synthetic.exact_match_reward(t, r) for t, r in zip(texts, refs)],
+        return Task(synthetic.train_problems(), synthetic.tokenizer(),
+                    lambda texts, refs: [synthetic.reward(t, r) for t, r in zip(texts, refs)],
                     hf_config or _model_hf_config(cfg))
     from megatron_gtpo.data.datasets import load_dataset
     from megatron_gtpo.data.records import FieldMapping
@@ -358,15 +359,15 @@ def combine_update_metrics(results: list[dict], groups: ParallelGroups) -> dict:
 def warm_start(run: Run) -> dict:
     """Supervised warm-start on the task's reference answers (synthetic task only: it knows the answer tokens), each
     prompt with its answer as a group of one response, through the step batch and its micro-batch plan."""
-    from megatron_gtpo.data.synthetic import answer_token_ids
+    from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
     from megatron_gtpo.rollout.engine import Response
 
     cfg, groups = run.cfg, run.groups
+    demonstration = SYNTHETIC_TASKS[cfg.data.task].demonstration
     results = []
     for _ in range(cfg.warm_start.steps):
         prompts = run.loader.next_batch().items
-        answers = [[Response(answer_token_ids(p.answer), [0.0] * len(answer_token_ids(p.answer)), "stop")]
-                   for p in prompts]
+        answers = [[Response(demonstration(p), [0.0] * len(demonstration(p)), "stop")] for p in prompts]
         no_reward = torch.zeros(len(prompts), 1)
         exp = Experience([p.prompt_token_ids for p in prompts], answers, no_reward, no_reward)
         batch = build_step_batch(exp, groups, mini_batches=[list(range(len(prompts)))],

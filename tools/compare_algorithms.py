@@ -84,12 +84,13 @@ def _run(cmd: list[str], log_path: str) -> None:
 def _train_command(args, out: str, sets: list[str]) -> list[str]:
     sets = [f"logging.output_dir={out}", "checkpoint.resume=false", "checkpoint.save_every=0", *args.overrides,
             *sets]
-    return [sys.executable, "-m", "megatron_gtpo.train", "--config", args.config, *sum((["--set", s] for s in sets), [])]
+    return [sys.executable, "-m", "megatron_gtpo.train", "--config", args.config,
+            *(part for s in sets for part in ("--set", s))]
 
 
 def _eval_command(args, checkpoint: str, output: str, seed: int) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--config", args.config,
-            *sum((["--set", s] for s in args.overrides), []), "--evaluate", checkpoint, "--eval-output", output,
+            *(part for s in args.overrides for part in ("--set", s)), "--evaluate", checkpoint, "--eval-output", output,
             "--eval-seed", str(seed), "--eval-samples", str(args.eval_samples),
             "--pass-k", *map(str, args.pass_k), *(["--heldout-problems", str(args.heldout_problems)]
                                                   if args.heldout_problems else [])]
@@ -193,6 +194,10 @@ def collect(args, variants: list[Variant]) -> tuple[dict, dict]:
     return curves, scalars
 
 
+def _first_last(per_seed: list[dict], key: str, digits: int = 3) -> str:
+    return f"{_cell([s[key][0] for s in per_seed], digits)} -> {_cell([s[key][1] for s in per_seed], digits)}"
+
+
 def tables(args, scalars: dict) -> str:
     n, ks = args.eval_samples, args.pass_k
     acc = [f"| variant | Mean@{n} before | Mean@{n} after | "
@@ -201,24 +206,22 @@ def tables(args, scalars: dict) -> str:
     dyn = ["| variant | entropy (first -> last) | entropy correct (last) | entropy failed (last) | "
            "length (first -> last) | clip low (mean of last) | clip high (mean of last) |", "|---" * 7 + "|"]
     for label, per_seed in scalars.items():
-        cells = [_cell([s["before"][f"mean@{n}"] for s in per_seed]), _cell([s["after"][f"mean@{n}"] for s in per_seed])]
+        cells = [_cell([s["before"][f"mean@{n}"] for s in per_seed]),
+                 _cell([s["after"][f"mean@{n}"] for s in per_seed])]
         for k in ks:
             cells += [_cell([s["before"][f"pass@{k}"] for s in per_seed]),
                       _cell([s["after"][f"pass@{k}"] for s in per_seed])]
         acc.append(f"| {label} | {' | '.join(cells)} | {_cell([s['auc'] for s in per_seed])} |")
 
-        def first_last(key, digits=3):
-            return (f"{_cell([s[key][0] for s in per_seed], digits)} -> "
-                    f"{_cell([s[key][1] for s in per_seed], digits)}")
-
-        dyn.append(f"| {label} | {first_last('entropy_mean')} | "
+        dyn.append(f"| {label} | {_first_last(per_seed, 'entropy_mean')} | "
                    f"{_cell([s['entropy_correct_mean'][1] for s in per_seed])} | "
                    f"{_cell([s['entropy_failed_mean'][1] for s in per_seed])} | "
-                   f"{first_last('response_length_mean', 1)} | "
+                   f"{_first_last(per_seed, 'response_length_mean', 1)} | "
                    f"{_cell([s['clip_frac_low'][1] for s in per_seed], 4)} | "
                    f"{_cell([s['clip_frac_high'][1] for s in per_seed], 4)} |")
     return ("Held-out accuracy (Mean@n, unbiased Pass@k) before RL (the shared warm start) and after, and the area "
-            "under the training outcome-reward curve (`accuracy`; its mean height over the RL steps):\n\n" + "\n".join(acc)
+            "under the training outcome-reward curve (`accuracy`; its mean height over the RL steps):\n\n"
+            + "\n".join(acc)
             + f"\n\nTraining dynamics; first / last = mean over the first / last {args.window} RL steps:\n\n"
             + "\n".join(dyn) + "\n")
 

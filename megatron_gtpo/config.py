@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, resolve_algorithm
+from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 
 ALGORITHMS = ALGORITHM_NAMES  # the registry's names (algorithms/registry.py): the only list of algorithms
 
@@ -109,6 +110,7 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: str = "jsonl"  # jsonl | synthetic
+    task: str = "addition"  # the synthetic task (data/synthetic_tasks.py): addition | scratchpad_addition
     path: str | None = None
     prompt_field: str = "problem"
     answer_field: str = "answer"
@@ -180,6 +182,7 @@ _CHOICES = {
     "algorithm.rollout_is": ("none", "token", "sequence"),
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
+    "data.task": tuple(SYNTHETIC_TASKS),  # data/synthetic_tasks.py: the only list of tasks
     "data.template": ("chat", "plain", "dapo"),
 }
 

@@ -50,3 +50,59 @@ def plot_runs(runs: dict[str, list[dict]], path: str, title: str, panels=PLOTTED
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def mean_and_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1 in the denominator; 0.0 for a single value) of the known values
+    (None and NaN left out: a metric without a value at some step); (NaN, NaN) when none is known."""
+    known = [v for v in values if v is not None and v == v]
+    if not known:
+        return float("nan"), float("nan")
+    mean = sum(known) / len(known)
+    if len(known) == 1:
+        return mean, 0.0
+    return mean, (sum((v - mean) ** 2 for v in known) / (len(known) - 1)) ** 0.5
+
+
+def normalized_auc(values: list[float]) -> float:
+    """Area under a per-step curve (trapezoids, unit step) divided by its length in steps: the curve's mean height,
+    comparable across runs of the same length (a single value is its own height)."""
+    if not values:
+        raise ValueError("normalized_auc needs at least one value")
+    if len(values) == 1:
+        return float(values[0])
+    return sum((a + b) / 2 for a, b in zip(values, values[1:])) / (len(values) - 1)
+
+
+def plot_bands(runs: dict[str, list[list[dict]]], path: str, title: str, panels=PLOTTED) -> None:
+    """One panel per metric; per label, the mean over its runs (seeds) at each step with a band of ± one sample
+    standard deviation. Steps where a run has no value (null) are averaged over the runs that have one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(3, len(panels))
+    rows_of_panels = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.6 * columns, 3.4 * rows_of_panels), squeeze=False)
+    for ax, (key, label) in zip(axes.flat, panels):
+        for name, seeds in runs.items():
+            steps = sorted({r["step"] for rows in seeds for r in rows})
+            by_step = [[r[key] for rows in seeds for r in rows if r["step"] == step] for step in steps]
+            stats = [mean_and_spread(values) for values in by_step]
+            means = [m for m, _ in stats]
+            line, = ax.plot(steps, means, lw=1.2, label=name)
+            ax.fill_between(steps, [m - s for m, s in stats], [m + s for m, s in stats], color=line.get_color(),
+                            alpha=0.15, lw=0)
+        ax.set_xlabel("RL step")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from megatron_gtpo.config import load_config
 from trainer_runs import DEMO_CONFIG, checkpoint_tensors, read_metrics, run_train, train_command
@@ -295,22 +296,31 @@ def test_unreachable_remote_vllm_server_fails_fast_naming_the_address(tmp_path):
     assert time.monotonic() - start < 90
 
 
-def test_compare_algorithms_tool_runs_each_algorithm_from_the_same_seeds(tmp_path):
-    """tools/compare_algorithms.py, shortened: GTPO and GRPO-S (both with dynamic sampling) see the same warm start
-    and the same first rollouts, so their step-0 rollout metrics are equal; the table and the plot are written."""
+def test_compare_algorithms_tool_runs_each_algorithm_from_the_same_warm_start(tmp_path):
+    """tools/compare_algorithms.py, shortened (two algorithms, one seed, two steps, tiny batches): GTPO and DAPO
+    start from the one warm-start checkpoint with the same seed, so their step-0 rollouts are equal; each run's final
+    checkpoint and the warm start are evaluated on the held-out split; the tables and the plot are written."""
     tool = os.path.join(os.path.dirname(__file__), "..", "tools", "compare_algorithms.py")
-    res = subprocess.run([sys.executable, tool, "--output-dir", str(tmp_path), "--steps", "2", "--window", "1",
-                          "--algorithms", "gtpo", "grpo_s", "--set", "warm_start.steps=5",
-                          "--set", "data.prompts_per_step=8", "--set", "logging.progress_bar=false"],
+    res = subprocess.run([sys.executable, tool, "--output-dir", str(tmp_path), "--algorithms", "gtpo", "dapo",
+                          "--seeds", "3", "--steps", "2", "--window", "1", "--eval-samples", "2", "--pass-k", "1", "2",
+                          "--heldout-problems", "4", "--set", "warm_start.steps=3", "--set", "data.prompts_per_step=4"],
                          capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    runs = {name: [r for r in read_metrics(tmp_path / name) if r["step"] >= 0] for name in ("gtpo", "grpo_s")}
-    assert [r["step"] for r in runs["gtpo"]] == [r["step"] for r in runs["grpo_s"]] == [0, 1]
-    for key in ("reward_mean", "accuracy", "response_length_mean", "groups_generated"):
-        assert runs["gtpo"][0][key] == runs["grpo_s"][0][key], key
-    table = (tmp_path / "comparison.md").read_text()
-    assert "| gtpo |" in table and "| grpo_s |" in table
-    assert (tmp_path / "comparison.png").stat().st_size > 10_000
+    assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-4000:]
+    runs = {name: [r for r in read_metrics(tmp_path / name / "seed3") if r["step"] >= 0] for name in ("gtpo", "dapo")}
+    assert [r["step"] for r in runs["gtpo"]] == [r["step"] for r in runs["dapo"]] == [0, 1]
+    for key in ("accuracy", "response_length_mean", "groups_generated"):
+        assert runs["gtpo"][0][key] == runs["dapo"][0][key], key
+    warm = tmp_path / "warm_start" / "checkpoints" / "step_00000000"
+    for name in ("gtpo", "dapo"):  # both RL runs started from the warm start's checkpoint
+        config = yaml.safe_load((tmp_path / name / "seed3" / "checkpoints" / "config.yaml").read_text())
+        assert config["model"]["load"] == str(warm) and config["seed"] == config["data"]["seed"] == 3
+    for path in (tmp_path / "gtpo" / "seed3", tmp_path / "dapo" / "seed3", tmp_path / "warm_start"):
+        evaluation = json.loads(next(path.glob("*heldout_eval.json")).read_text())
+        assert evaluation["num_problems"] == 4 and evaluation["num_samples"] == 2
+        assert 0.0 <= evaluation["mean@2"] <= evaluation["pass@2"] <= 1.0
+    table = (tmp_path / "algorithms.md").read_text()
+    assert "| gtpo |" in table and "| dapo |" in table and "Mean@2 before" in table
+    assert (tmp_path / "main.png").stat().st_size > 10_000
 
 
 def test_bfloat16_run_checkpoints_and_resumes(tmp_path):

@@ -16,24 +16,29 @@ VOCAB_SIZE = 16
 
 
 class CharTokenizer:
-    """Character tokenizer of the synthetic task (implements the data.tokenizer.Tokenizer protocol's core)."""
+    """Character tokenizer of the synthetic tasks (implements the data.tokenizer.Tokenizer protocol's core): PAD,
+    BOS, EOS, then one id per symbol; `vocab_size` may exceed the ids used (the model's embedding rows)."""
 
     eos_token_id = EOS_ID
     pad_token_id = PAD_ID
     bos_token_id = BOS_ID
-    vocab_size = VOCAB_SIZE
+
+    def __init__(self, symbols: str = _SYMBOLS, vocab_size: int = VOCAB_SIZE):
+        if _FIRST_SYMBOL_ID + len(symbols) > vocab_size:
+            raise ValueError(f"{len(symbols)} symbols do not fit a vocabulary of {vocab_size}")
+        self.symbols, self.vocab_size = symbols, vocab_size
 
     def encode(self, text: str) -> list[int]:
-        bad = sorted(set(text) - set(_SYMBOLS))
+        bad = sorted(set(text) - set(self.symbols))
         if bad:
-            raise ValueError(f"characters {bad} are not in the synthetic vocabulary {_SYMBOLS!r}")
-        return [_FIRST_SYMBOL_ID + _SYMBOLS.index(c) for c in text]
+            raise ValueError(f"characters {bad} are not in the synthetic vocabulary {self.symbols!r}")
+        return [_FIRST_SYMBOL_ID + self.symbols.index(c) for c in text]
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         out = []
         for t in token_ids:
-            if t >= _FIRST_SYMBOL_ID and t - _FIRST_SYMBOL_ID < len(_SYMBOLS):
-                out.append(_SYMBOLS[t - _FIRST_SYMBOL_ID])
+            if t >= _FIRST_SYMBOL_ID and t - _FIRST_SYMBOL_ID < len(self.symbols):
+                out.append(self.symbols[t - _FIRST_SYMBOL_ID])
             elif t == EOS_ID and not skip_special_tokens:
                 out.append("</s>")
         return "".join(out)

@@ -1,6 +1,6 @@
 """The task: prompts, a tokenizer, a batched reward on decoded text and the model's HF config, built from the
-config's data and model sections (`build_task`): the synthetic addition task of the CPU demo, or math problems from a
-JSONL file scored by math-verify in a pool of worker processes."""
+config's data and model sections (`build_task`): a synthetic task built in code (data/synthetic_tasks.py), or math
+problems from a JSONL file scored by math-verify in a pool of worker processes."""
 from __future__ import annotations
 
 import os
@@ -12,12 +12,14 @@ from megatron_gtpo.config import TrainConfig
 
 @dataclass
 class Task:
-    """Prompts (PromptSample items), a tokenizer and a batched reward on decoded text."""
+    """Prompts (PromptSample items), a tokenizer and a batched reward on decoded text; a synthetic task also knows
+    each prompt's reference response (the supervised warm start's target)."""
 
     samples: list
     tokenizer: object
     score: Callable[[list[str], list[str]], list[float]]  # (response texts, reference answers) -> rewards
     hf_config: dict
+    demonstration: Callable[[object], list[int]] | None = None  # PromptSample -> reference response token ids
 
 
 def _math_reward_pool(cfg: TrainConfig) -> Callable[[list[str], list[str]], list[float]]:
@@ -38,12 +40,13 @@ def _math_reward_pool(cfg: TrainConfig) -> Callable[[list[str], list[str]], list
 
 def build_task(cfg: TrainConfig) -> Task:
     if cfg.data.source == "synthetic":
-        from megatron_gtpo.data import synthetic
+        from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 
+        synthetic = SYNTHETIC_TASKS[cfg.data.task]
         hf_config = synthetic.tiny_model_hf_config() if cfg.model.tiny_synthetic else None
-        return Task(synthetic.addition_problems(), synthetic.CharTokenizer(),
-                    lambda texts, refs: [synthetic.exact_match_reward(t, r) for t, r in zip(texts, refs)],
-                    hf_config or _model_hf_config(cfg))
+        return Task(synthetic.train_problems(), synthetic.tokenizer(),
+                    lambda texts, refs: [synthetic.reward(t, r) for t, r in zip(texts, refs)],
+                    hf_config or _model_hf_config(cfg), demonstration=synthetic.demonstration)
     from megatron_gtpo.data.datasets import load_dataset
     from megatron_gtpo.data.records import FieldMapping
     from megatron_gtpo.data.templates import PROMPT_STYLES, tokenize_prompts

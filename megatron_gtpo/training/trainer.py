@@ -71,6 +71,8 @@ class Trainer:
         self.stop = StopSignal.install()  # SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint, then exit
         if self.start_step == 0 and self.cfg.warm_start.steps:
             self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **self.warm_start()})
+            if self.cfg.steps == 0:  # a warm-start-only run: its checkpoint is where RL runs start (model.load)
+                checkpointing.save(self, 0)
         self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference
         for step in range(self.start_step, self.cfg.steps):
             timer, metrics = PhaseTimer(), MetricReducer(self.parallel.device)
@@ -92,17 +94,16 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ the phases
 
     def warm_start(self) -> dict:
-        """Supervised warm-start on the task's reference answers (synthetic task only: it knows the answer tokens), each
-        prompt with its answer as a group of one response, through the step batch and its micro-batch plan."""
-        from megatron_gtpo.data.synthetic import answer_token_ids
+        """Supervised warm-start on the task's reference responses (`Task.demonstration`: synthetic tasks only), each
+        prompt with its reference as a group of one response, through the step batch and its micro-batch plan."""
         from megatron_gtpo.rollout.engine import Response
 
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
         for _ in range(cfg.warm_start.steps):
             prompts = self.loader.next_batch().items
-            answers = [[Response(answer_token_ids(p.answer), [0.0] * len(answer_token_ids(p.answer)), "stop")]
-                       for p in prompts]
+            targets = [self.task.demonstration(p) for p in prompts]
+            answers = [[Response(target, [0.0] * len(target), "stop")] for target in targets]
             no_reward = torch.zeros(len(prompts), 1)
             exp = Experience([p.prompt_token_ids for p in prompts], answers, no_reward, no_reward)
             batch = build_step_batch(exp, parallel, mini_batches=[list(range(len(prompts)))],

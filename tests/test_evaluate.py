@@ -121,6 +121,8 @@ class CannedEngine:
     """Test double of the rollout engine: answers problem p (found by its text in the decoded prompt) with
     `num_correct[p]` correct responses, then wrong ones; records every call."""
 
+    share = evaluate.ReplicaShare()
+
     def __init__(self, tokenizer, records, num_correct):
         self.tokenizer = tokenizer
         self.records = records
@@ -143,6 +145,9 @@ class CannedEngine:
                 responses.append(self.tokenizer.encode(text) + [self.tokenizer.eos_token_id])
             outputs.append(responses)
         return outputs
+
+    def close(self):
+        self.closed = True
 
 
 def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):

@@ -376,6 +376,7 @@ def build_builtin_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> Gene
     under torchrun with world size a multiple of TP x PP (data-parallel replicas), batches capped by
     --max-batch-rows / --max-batch-tokens."""
     import torch
+    import torch.distributed as dist
 
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.qwen2 import Qwen2Shape, build_model
@@ -391,7 +392,7 @@ def build_builtin_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> Gene
     shape = Qwen2Shape.from_hf(hf_config)
     share = ReplicaShare(groups.dp_rank, groups.dp_size, leader=groups.tp_rank == 0 and groups.pp_rank == 0)
     engine = BuiltinEngine(chunks, groups, vocab_size=shape.vocab_size, max_batch_size=args.max_batch_rows,
-                           max_batch_tokens=args.max_batch_tokens, progress=groups.rank == 0)
+                           max_batch_tokens=args.max_batch_tokens, progress=dist.get_rank() == 0)
     return _RolloutEngineAdapter(engine, tokenizer.eos_token_id, share, vocab_size=shape.vocab_size,
                                  max_positions=shape.max_position_embeddings)
 

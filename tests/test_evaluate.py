@@ -242,3 +242,113 @@ def test_cli_end_to_end_with_the_builtin_engine_at_tp2(tmp_path):
     assert res.stderr.count("generating:   0%") == 1, res.stderr[-3000:]
     assert res.stdout.count("dataset  num_problems") == 1, res.stdout
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in res.stderr  # CUDA advice that means nothing on the CPU
+
+
+# ---- the memory-bounded built-in engine, data-parallel replicas, and the engine flags ----
+
+NEW_TOKENS = 6
+SAMPLES = 3
+
+
+def _problems_file(path, count=5):
+    """Problems of different lengths, the longest second (a batch's longest row is not always its last)."""
+    path.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} plus {'1 ' * (3 * ((2 * i + 2) % 5))}?",
+                                        "answer": str(i + 1)}) + "\n" for i in range(count)))
+    return path
+
+
+def _evaluate_runs(rank, world_size, model_dir, tokenizer_dir, data, out_root, runs):
+    """`evaluate.main` with the built-in engine once per (name, flags) in this rank (flags may name {row}: the
+    slots of one longest row, learnt from the first run; {three_rows}; {row_minus_1}). Returns per run: the response token ids [problem][sample]
+    and the KV caches the engine allocated [(rows, slots per row, dtype)] (on rank 0 only), or the error text."""
+    import torch
+    from megatron.core.inference import contexts
+
+    caches, tokens = [], []
+
+    class RecordingContext(contexts.StaticInferenceContext):
+        def increment_sequence_len_offset(self, tokens_in_step):
+            if self.sequence_len_offset == 0:  # after the prefill: the cache is allocated at its full size
+                keys, _ = next(iter(self.key_value_memory_dict.values()))  # [slots per row, rows, heads, dim]
+                caches.append((keys.shape[1], keys.shape[0], str(keys.dtype).removeprefix("torch.")))
+            super().increment_sequence_len_offset(tokens_in_step)
+
+    contexts.StaticInferenceContext = RecordingContext
+    adapter_generate = evaluate._RolloutEngineAdapter.generate
+
+    def recording_generate(self, prompts, **kwargs):
+        out = adapter_generate(self, prompts, **kwargs)
+        tokens.extend(out)
+        return out
+
+    evaluate._RolloutEngineAdapter.generate = recording_generate
+    results, row_slots = {}, None
+    for name, flags in runs:
+        caches.clear()
+        tokens.clear()
+        flags = [f.format(row=row_slots, three_rows=3 * (row_slots or 0), row_minus_1=(row_slots or 0) - 1)
+                 for f in flags]
+        argv = ["--model", model_dir, "--tokenizer", tokenizer_dir, "--datasets", f"five={data}", "--plain",
+                "--suffix", "", "--output-dir", os.path.join(out_root, name), "--num-samples", str(SAMPLES),
+                "--max-new-tokens", str(NEW_TOKENS), "--seed", "7", "--num-reward-workers", "1", *flags]
+        try:
+            evaluate.main(argv)
+        except ValueError as e:
+            results[name] = str(e)
+            continue
+        row_slots = row_slots or caches[0][1]
+        gathered = [None] * world_size
+        torch.distributed.all_gather_object(gathered, tokens)
+        results[name] = {"tokens": [per_prompt for rank_tokens in gathered for per_prompt in rank_tokens],
+                         "caches": list(caches)}
+    return results
+
+
+def test_bounded_builtin_engine_gives_the_same_responses_at_any_cap_and_obeys_it(tmp_path):
+    """The caps on rows and on KV-cache slots per batch change no response, greedy or sampled: each row draws
+    from its own seeded stream. (With one generator shared by a batch, as before, the sampled runs differ.)"""
+    from distributed_harness import run_distributed
+    from tiny_models import make_tiny_qwen2
+
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
+    make_tiny_qwen2(tmp_path / "model", vocab_size=400, num_layers=2)
+    data = _problems_file(tmp_path / "five.jsonl")
+    greedy, bf16 = ["--temperature", "0"], ["--temperature", "0", "--dtype", "bfloat16"]
+    runs = [("greedy", greedy), ("greedy_rows2", greedy + ["--max-batch-rows", "2"]),
+            ("greedy_tokens1", greedy + ["--max-batch-tokens", "{row}"]),
+            ("greedy_tokens3", greedy + ["--max-batch-tokens", "{three_rows}"]),
+            ("sampled", []), ("sampled_rows4", ["--max-batch-rows", "4"]),
+            ("sampled_tokens", ["--max-batch-tokens", "{three_rows}", "--max-batch-rows", "2"]),
+            ("bf16", bf16 + ["--max-batch-rows", "4"]), ("too_small", ["--max-batch-tokens", "{row_minus_1}"])]
+    (results,) = run_distributed(_evaluate_runs, 1, args=(str(tmp_path / "model"), tokenizer_dir, str(data),
+                                                           str(tmp_path / "out"), runs), timeout_s=600)
+    rows = 5 * SAMPLES
+    (unbounded,) = results["greedy"]["caches"]
+    assert unbounded[0] == rows and unbounded[2] == "float32"
+    row_slots = unbounded[1]  # the longest prompt + NEW_TOKENS
+    caps = {"greedy_rows2": (2, None), "greedy_tokens1": (None, row_slots), "greedy_tokens3": (None, 3 * row_slots),
+            "sampled_rows4": (4, None), "sampled_tokens": (2, 3 * row_slots), "bf16": (4, None)}
+    for name, (max_rows, max_slots) in caps.items():
+        caches = results[name]["caches"]
+        assert sum(batch_rows for batch_rows, _, _ in caches) == rows, name  # every row once
+        assert len(caches) > 1, name  # the cap did split the rows
+        for batch_rows, slots_per_row, _ in caches:
+            assert max_rows is None or batch_rows <= max_rows, (name, caches)
+            assert max_slots is None or batch_rows * slots_per_row <= max_slots, (name, caches)
+    assert [c[0] for c in results["greedy_tokens1"]["caches"]] == [1] * rows
+    for name in ("greedy_rows2", "greedy_tokens1", "greedy_tokens3"):
+        assert results[name]["tokens"] == results["greedy"]["tokens"], name
+    for name in ("sampled_rows4", "sampled_tokens"):
+        assert results[name]["tokens"] == results["sampled"]["tokens"], name
+    assert results["sampled"]["tokens"] != results["greedy"]["tokens"]
+    assert all(len(set(map(tuple, per_prompt))) > 1 for per_prompt in results["sampled"]["tokens"])  # samples differ
+    # --dtype bfloat16: the model computes in bfloat16 (its KV cache is), every row is answered.
+    assert {c[2] for c in results["bf16"]["caches"]} == {"bfloat16"}
+    assert [len(per_prompt) for per_prompt in results["bf16"]["tokens"]] == [SAMPLES] * 5
+    assert f"max_batch_tokens={row_slots - 1} cannot hold one row: prompts[1] has" in results["too_small"]
+    responses = [json.loads(line) for line in (tmp_path / "out" / "sampled" / "eval_responses.jsonl").open()]
+    assert [(r["problem_id"], r["sample_index"]) for r in responses] == [(f"p{i}", j) for i in range(5)
+                                                                         for j in range(SAMPLES)]
+    assert {"response", "extracted_answer", "correct"} <= set(responses[0])
+    settings = json.loads((tmp_path / "out" / "bf16" / "eval_results.json").read_text())["settings"]
+    assert (settings["engine"], settings["dtype"]) == ("builtin", "bfloat16")

@@ -346,6 +346,16 @@ def test_bounded_builtin_engine_gives_the_same_responses_at_any_cap_and_obeys_it
     assert {c[2] for c in results["bf16"]["caches"]} == {"bfloat16"}
     assert [len(per_prompt) for per_prompt in results["bf16"]["tokens"]] == [SAMPLES] * 5
     assert f"max_batch_tokens={row_slots - 1} cannot hold one row: prompts[1] has" in results["too_small"]
+
+    # Two data-parallel replicas (2 ranks at TP=1): problems 0-2 on one, 3-4 on the other, gathered by rank 0.
+    dp_runs = [("greedy_dp2", greedy + ["--max-batch-rows", "2"])]
+    per_rank = run_distributed(_evaluate_runs, 2, args=(str(tmp_path / "model"), tokenizer_dir, str(data),
+                                                        str(tmp_path / "out"), dp_runs), timeout_s=600)
+    assert per_rank[0]["greedy_dp2"]["tokens"] == results["greedy"]["tokens"]
+    assert sum(batch_rows for batch_rows, _, _ in per_rank[1]["greedy_dp2"]["caches"]) == 2 * SAMPLES  # its share
+    assert (tmp_path / "out" / "greedy_dp2" / "eval_responses.jsonl").read_text() == \
+        (tmp_path / "out" / "greedy" / "eval_responses.jsonl").read_text()
+
     responses = [json.loads(line) for line in (tmp_path / "out" / "sampled" / "eval_responses.jsonl").open()]
     assert [(r["problem_id"], r["sample_index"]) for r in responses] == [(f"p{i}", j) for i in range(5)
                                                                          for j in range(SAMPLES)]

@@ -362,3 +362,64 @@ def test_bounded_builtin_engine_gives_the_same_responses_at_any_cap_and_obeys_it
     assert {"response", "extracted_answer", "correct"} <= set(responses[0])
     settings = json.loads((tmp_path / "out" / "bf16" / "eval_results.json").read_text())["settings"]
     assert (settings["engine"], settings["dtype"]) == ("builtin", "bfloat16")
+
+
+def test_replica_calls_split_every_problem_once_across_replicas():
+    from megatron_gtpo.evaluate import ReplicaShare, replica_calls
+
+    assert replica_calls(10, prompts_per_call=4, share=ReplicaShare()) == [range(0, 4), range(4, 8), range(8, 10)]
+    # 30 problems on 8 replicas: calls of at most ceil(30 / 8) = 4 prompts, so that every replica gets some.
+    shares = [replica_calls(30, prompts_per_call=256, share=ReplicaShare(r, 8)) for r in range(8)]
+    assert all(shares) and max(len(c) for calls in shares for c in calls) == 4
+    assert sorted(p for calls in shares for c in calls for p in c) == list(range(30))
+    assert replica_calls(2, prompts_per_call=8, share=ReplicaShare(2, 3)) == []  # more replicas than problems
+    with pytest.raises(ValueError, match="prompts_per_call must be >= 1"):
+        replica_calls(3, prompts_per_call=0, share=ReplicaShare())
+
+
+def test_batch_ranges_hand_cases():
+    from megatron_gtpo.rollout.builtin import batch_ranges
+
+    lengths = [3, 5, 2, 2, 6]
+    assert batch_ranges(lengths, max_new_tokens=4, max_rows=None, max_tokens=None) == [range(0, 5)]
+    assert batch_ranges(lengths, max_new_tokens=4, max_rows=2, max_tokens=None) == [range(0, 2), range(2, 4),
+                                                                                      range(4, 5)]
+    # rows x (longest + 4) <= 20: [3, 5] -> 2 x 9 = 18; [2, 2] -> 12, + 6 -> 3 x 10 = 30 > 20
+    assert batch_ranges(lengths, max_new_tokens=4, max_rows=None, max_tokens=20) == [range(0, 2), range(2, 4),
+                                                                                       range(4, 5)]
+    assert batch_ranges(lengths, max_new_tokens=4, max_rows=None, max_tokens=10) == [range(i, i + 1)
+                                                                                       for i in range(5)]
+    with pytest.raises(ValueError, match=r"max_batch_tokens=9 cannot hold one row: prompts\[2\] has 6 tokens"):
+        batch_ranges(lengths, max_new_tokens=4, max_rows=None, max_tokens=9, rows_per_prompt=2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine", "vllm", "--max-batch-rows", "4"], "--max-batch-rows belong to the built-in engine"),
+    (["--engine", "vllm", "--tp", "2"], "--tp belong to the built-in engine"),
+    (["--max-batch-tokens", "0"], "--max-batch-tokens must be >= 1"),
+    (["--dtype", "float16"], "invalid choice: 'float16'"),
+    (["--engine", "vllm", "--vllm-tp", "0"], "--vllm-tp must be >= 1"),
+])
+def test_engine_flag_errors(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--model", "m", "--output-dir", "o", *flags])
+    assert message in capsys.readouterr().err
+    assert evaluate.parse_args(["--model", "m", "--output-dir", "o"]).dtype == "float32"
+    assert evaluate.parse_args(["--model", "m", "--output-dir", "o", "--engine", "vllm"]).dtype == "bfloat16"
+
+
+def test_vllm_engine_without_vllm_is_a_user_error(tmp_path):
+    """Where vLLM is not installed (this venv; tests/test_rollout_vllm.py runs it where it is): exit 2, one line."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
+    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.evaluate", "--engine", "vllm", "--model", tokenizer_dir,
+                          "--datasets", "aime24", "--output-dir", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "megatron_gtpo.evaluate: error: --engine vllm needs vLLM, which does not import here" in res.stderr
+    assert "Traceback" not in res.stderr

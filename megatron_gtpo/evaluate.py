@@ -432,7 +432,7 @@ def build_vllm_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> Generat
     server = vllm_engine.VLLMServer(
         args.model, dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.vllm_kv_cache_bytes, tensor_parallel_size=args.vllm_tp,
-        max_model_len=args.max_model_len, seed=args.seed, sleep_level=None)
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, sleep_level=None)
     return _RolloutEngineAdapter(server, tokenizer.eos_token_id, ReplicaShare(rank, world_size),
                                  vocab_size=shape.vocab_size, max_positions=server.max_model_len)
 
@@ -496,6 +496,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="vllm: fraction of each GPU for weights, activations and KV cache")
     parser.add_argument("--vllm-kv-cache-bytes", type=int,
                         help="vllm: KV-cache bytes per worker instead of the memory fraction (required on CPU)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="vllm: no CUDA graphs / compilation (starts faster, decodes slower)")
     parser.add_argument("--max-model-len", type=int,
                         help="vllm: longest prompt + response it must hold (default: the model's positions)")
     parser.add_argument("--tokenizer", help="HF tokenizer directory or SentencePiece .model (default: --model's, "
@@ -532,6 +534,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.engine == "vllm" and builtin_only:
         parser.error(f"{', '.join(builtin_only)} belong to the built-in engine; vLLM uses --vllm-tp and its own "
                      "batching")
+    if args.engine == "vllm" and args.temperature == 0 and args.num_samples > 1:
+        parser.error(f"vLLM samples greedily (--temperature 0) only with --num-samples 1, got {args.num_samples}")
     args.dtype = args.dtype or DEFAULT_DTYPE[args.engine]
     args.ks = args.ks or _default_ks(args.num_samples)
     if any(not 1 <= k <= args.num_samples for k in args.ks):

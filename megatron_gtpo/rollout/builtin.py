@@ -2,8 +2,14 @@
 
 How a batch is generated:
 
-- rows = prompts x n (row i * n + j is sample j of prompt i), processed in batches of at most `max_batch_size`;
-  the KV cache is a `megatron.core.inference.contexts.StaticInferenceContext` (one cache offset for all rows);
+- rows = prompts x n (row i * n + j is sample j of prompt i), processed in consecutive batches of at most
+  `max_batch_size` rows and at most `max_batch_tokens` KV-cache token slots (`batch_ranges`); the KV cache is a
+  `megatron.core.inference.contexts.StaticInferenceContext` (one cache offset for all rows) of rows x (longest
+  prompt of the batch + max_new_tokens) slots per layer, so `max_batch_tokens` bounds its memory;
+- each row samples from a torch.Generator of its own, seeded by `engine.response_seed` (the call's seed, its
+  prompt index and sample index) and drawn from only at the positions where the row generates: a response depends
+  on its prompt and that seed, not on which rows share its batch, so the batch caps change no sampled token (greedy
+  decoding: no token either, up to the float rounding of other batch shapes);
 - prompts of different lengths, two schemes (`prompt_alignment`):
   "left_pad" (the default where it is exact, see below): prompts are left-padded to the longest and prefilled in one
   forward pass with an explicit boolean attention mask (causal, and padding keys masked out) that is also passed at
@@ -38,8 +44,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from .engine import FINISH_LENGTH, FINISH_STOP, Response, SamplingParams, check_prompts
+from .engine import FINISH_LENGTH, FINISH_STOP, Response, SamplingParams, check_prompts, response_seed
 from .sampling import sample_next_tokens
 
 
@@ -58,21 +65,24 @@ class BuiltinEngine:
     """
 
     def __init__(self, model_chunks: list, groups, vocab_size: int, *, max_batch_size: int | None = None,
-                 prompt_alignment: str = "auto"):
-        """`prompt_alignment`: "left_pad", "teacher_force" or "auto" (left_pad where the attention honours explicit
-        masks, else teacher_force); see the module doc."""
+                 max_batch_tokens: int | None = None, prompt_alignment: str = "auto", progress: bool = False):
+        """`max_batch_size` / `max_batch_tokens`: caps on the rows and on the KV-cache token slots of one batch
+        (None: no cap; see the module doc). `prompt_alignment`: "left_pad", "teacher_force" or "auto" (left_pad
+        where the attention honours explicit masks, else teacher_force). `progress`: a progress bar over the rows."""
         if not model_chunks:
             raise ValueError("model_chunks is empty")
         if prompt_alignment not in ("auto", "left_pad", "teacher_force"):
             raise ValueError(f"prompt_alignment must be 'auto', 'left_pad' or 'teacher_force', got "
                              f"{prompt_alignment!r}")
-        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
-                                           or max_batch_size < 1):
-            raise ValueError(f"max_batch_size must be None or an int >= 1, got {max_batch_size!r}")
+        for name, cap in (("max_batch_size", max_batch_size), ("max_batch_tokens", max_batch_tokens)):
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {cap!r}")
         self.model_chunks = model_chunks
         self.models = [unwrap_chunk(c) for c in model_chunks]
         self.groups = groups
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.progress = progress
         config = self.models[0].config
         padded_vocab = self.models[0].vocab_size
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded_vocab:
@@ -103,12 +113,15 @@ class BuiltinEngine:
         check_prompts(prompts, vocab_size=self.vocab_size, max_positions=self.max_positions,
                       max_new_tokens=params.max_new_tokens)
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        batch = self.max_batch_size or len(rows)
-        generator = torch.Generator(device=self.groups.device).manual_seed(params.seed)
+        seeds = [response_seed(params.seed, i, j, params.n) for i in range(len(prompts)) for j in range(params.n)]
+        batches = batch_ranges([len(r) for r in rows], max_new_tokens=params.max_new_tokens,
+                               max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
         responses: list[Response] = []
-        with self._inference_mode():
-            for start in range(0, len(rows), batch):
-                responses += self._generate_batch(rows[start:start + batch], params, generator)
+        with self._inference_mode(), tqdm(total=len(rows), desc="decoding", unit="row", leave=False,
+                                          disable=not self.progress) as bar:
+            for batch in batches:
+                responses += self._generate_batch([rows[r] for r in batch], [seeds[r] for r in batch], params)
+                bar.update(len(batch))
         return [responses[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     @contextlib.contextmanager
@@ -132,10 +145,12 @@ class BuiltinEngine:
                 if not model.pre_process:
                     model.set_input_tensor(None)
 
-    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, generator) -> list[Response]:
+    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Response]:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         device = self.groups.device
+        generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds] \
+            if self.groups.is_last_stage and not params.greedy else None
         width = max(len(r) for r in rows)
         context = StaticInferenceContext(max_batch_size=len(rows), max_sequence_length=width + params.max_new_tokens)
         stop_ids = set(params.stop_token_ids)
@@ -160,7 +175,9 @@ class BuiltinEngine:
         while active:
             logits_BV = self._forward(feed_BS, context, _attention_mask(key_is_pad_BK, feed_BS.shape[1], position))
             context.enable_decode_mode()
-            tokens, logprobs = self._sample_and_share(logits_BV, len(active), params, generator)
+            # Rows still inside their prompt (teacher forcing) draw nothing: their prediction is discarded.
+            drawing = generators and [generators[row] if position >= prompt_end[row] else None for row in active]
+            tokens, logprobs = self._sample_and_share(logits_BV, len(active), params, drawing)
             keep, next_tokens = [], []
             for b, row in enumerate(active):
                 if position < prompt_end[row]:  # teacher forcing: still inside its prompt, feed the prompt token
@@ -216,13 +233,14 @@ class BuiltinEngine:
         context.increment_sequence_len_offset(seq)
         return logits_BV
 
-    def _sample_and_share(self, logits_BV, batch: int, params: SamplingParams, generator):
-        """Sample on the last stage; every rank of the model-parallel group gets (token ids, log-probs) as lists."""
+    def _sample_and_share(self, logits_BV, batch: int, params: SamplingParams, generators):
+        """Sample on the last stage (one generator, or None, per row: sample_next_tokens); every rank of the
+        model-parallel group gets (token ids, log-probs) as lists."""
         groups = self.groups
         if groups.is_last_stage:
             tokens_B, logprobs_B = sample_next_tokens(
                 logits_BV, vocab_size=self.vocab_size, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, generator=generator)
+                top_p=params.top_p, generator=generators)
             # float64 carries token ids exactly (< 2**53) and the float32 log-probs unchanged: one message.
             shared_2B = torch.stack([tokens_B.double(), logprobs_B.double()])
             if groups.tp_size > 1:
@@ -233,6 +251,26 @@ class BuiltinEngine:
             dist.broadcast(shared_2B, src=groups.last_stage_global_rank, group=groups.pp_group)
         tokens, logprobs = shared_2B.cpu().tolist()
         return [int(t) for t in tokens], logprobs
+
+
+def batch_ranges(row_lengths: list[int], *, max_new_tokens: int, max_rows: int | None, max_tokens: int | None,
+                 rows_per_prompt: int = 1) -> list[range]:
+    """Consecutive row ranges covering every row, each as long as the caps allow: at most `max_rows` rows, and rows x
+    (its longest row + max_new_tokens) <= `max_tokens` (the batch's KV-cache token slots); None = no cap.
+    ValueError if one row alone exceeds max_tokens (named by its prompt, row // rows_per_prompt)."""
+    batches, start, width = [], 0, 0
+    for row, length in enumerate(row_lengths):
+        if max_tokens is not None and length + max_new_tokens > max_tokens:
+            raise ValueError(f"max_batch_tokens={max_tokens} cannot hold one row: prompts[{row // rows_per_prompt}] "
+                             f"has {length} tokens + max_new_tokens={max_new_tokens}")
+        width = max(width, length)
+        count = row - start + 1
+        if (max_rows is not None and count > max_rows) or \
+                (max_tokens is not None and count * (width + max_new_tokens) > max_tokens):
+            batches.append(range(start, row))
+            start, width = row, length
+    batches.append(range(start, len(row_lengths)))
+    return batches
 
 
 def _attention_honours_masks(model) -> bool:

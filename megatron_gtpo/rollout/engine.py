@@ -18,12 +18,21 @@ from dataclasses import dataclass
 from typing import Protocol
 
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
+_SEED_STRIDE = 1_000_003  # > any prompts x n of one call: the rows of calls with seeds s and s + 1 never share a seed
+
+
+def response_seed(seed: int, prompt_index: int, sample_index: int, n: int) -> int:
+    """The seed of sample `sample_index` of prompt `prompt_index` in a call with `SamplingParams(seed=seed, n=n)`:
+    every response of a call gets its own random stream, a function of these numbers only (not of batching)."""
+    return seed * _SEED_STRIDE + prompt_index * n + sample_index
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. `seed` seeds the engine's torch.Generator: a fixed seed, the same prompts and the same TP/PP
-    give the same responses. Callers that want different samples per step or per data-parallel replica vary it."""
+    """How to sample. `seed`: sample j of prompt i draws from its own random stream, seeded `response_seed(seed, i,
+    j, n)` (the built-in engine's torch.Generator per row; vLLM's per-request seed): a fixed seed, the same prompts
+    and the same TP/PP give the same responses. Callers that want different samples per step or per data-parallel
+    replica vary it."""
 
     n: int = 1  # responses per prompt
     temperature: float = 1.0  # 0 = greedy

@@ -41,7 +41,7 @@ def filter_top_k_top_p(scaled_logits_BV: torch.Tensor, *, top_k: int, top_p: flo
 
 
 def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
-                       top_p: float = 1.0, generator: torch.Generator | None = None):
+                       top_p: float = 1.0, generator: torch.Generator | list[torch.Generator | None] | None = None):
     """Sample one token per row.
 
     Args:
@@ -49,8 +49,10 @@ def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature:
         vocab_size: the true vocabulary; columns >= vocab_size are padding and are never sampled.
         temperature: > 0 samples from softmax(logits / temperature) restricted by top_k / top_p; 0 is greedy
             (argmax, ties to the lowest id).
-        generator: the torch.Generator to draw from (on logits_BV's device). Same generator state and same logits
-            give the same tokens.
+        generator: the torch.Generator to draw from (on logits_BV's device), or one per row: each row then draws
+            from its own only, so its token does not depend on the other rows; a row given None draws nothing and
+            takes the most likely token that top-k / top-p keep. Same generator states and same logits give the
+            same tokens.
 
     Returns:
         (tokens_B int64, logprobs_B float32 (float64 for float64 logits)): logprobs_B[b] = log softmax(logits[b] /
@@ -75,8 +77,22 @@ def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature:
         # generator draw per row and token, and no host synchronisation (torch.multinomial would need none either,
         # but this makes the draw a plain function of the generator's stream).
         # E is clamped away from 0 so that p / E stays finite (and 0 / E = 0 for filtered-out tokens, never NaN).
-        race_BV = torch.empty_like(probs_BV).exponential_(generator=generator)
+        race_BV = _exponential_race(probs_BV, generator)
         race_BV.clamp_(min=torch.finfo(race_BV.dtype).tiny)
         tokens_B = torch.argmax(probs_BV / race_BV, dim=-1)
     logprobs_B = torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
     return tokens_B, logprobs_B
+
+
+def _exponential_race(probs_BV: torch.Tensor, generator) -> torch.Tensor:
+    """Exp(1) draws shaped like probs_BV: from one generator for the batch, or row by row from each row's own (1 for
+    a row without one)."""
+    if not isinstance(generator, (list, tuple)):
+        return torch.empty_like(probs_BV).exponential_(generator=generator)
+    if len(generator) != probs_BV.shape[0]:
+        raise ValueError(f"one generator per row expected: {len(generator)} for {probs_BV.shape[0]} rows")
+    race_BV = torch.ones_like(probs_BV)
+    for row_V, row_generator in zip(race_BV, generator):
+        if row_generator is not None:
+            row_V.exponential_(generator=row_generator)
+    return race_BV

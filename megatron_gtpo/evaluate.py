@@ -442,7 +442,7 @@ def build_vllm_engine(args: argparse.Namespace, tokenizer: Tokenizer) -> Generat
 def _replica_cuda_devices(vllm_tp: int, device_count: int) -> str:
     """CUDA_VISIBLE_DEVICES of this rank's vLLM replica: local rank r takes GPUs r x vllm_tp .. (r + 1) x vllm_tp - 1
     of those this node shows it."""
-    from megatron_gtpo.rollout.server_engine import colocated_cuda_devices
+    from megatron_gtpo.rollout.placement import colocated_cuda_devices
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -451,7 +451,7 @@ def _replica_cuda_devices(vllm_tp: int, device_count: int) -> str:
                          f"{local_world_size * vllm_tp} GPUs, the node shows {device_count}; launch "
                          f"--nproc_per_node {max(1, device_count // vllm_tp)}")
     return colocated_cuda_devices(device_index=local_rank * vllm_tp, device_count=device_count, engine_tp=vllm_tp,
-                                  replica_devices=vllm_tp, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+                                  tp=vllm_tp, dp=1, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def _default_tokenizer(model: str) -> str:

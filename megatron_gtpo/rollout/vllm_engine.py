@@ -57,7 +57,8 @@ value minus log(kept mass): use the built-in engine or top_k = 0, top_p = 1 wher
 
 vLLM stops only at `stop_token_ids` (`ignore_eos=True`: the model's EOS is not special unless listed), includes the
 stop token in the response, and reports "stop" / "length" like the built-in engine. Seeds: prompt i gets the vLLM
-seed `seed * 1_000_003 + i * n` and vLLM gives its j-th sample that plus j, so all samples of a call differ.
+seed `engine.response_seed(seed, i, 0, n)` and vLLM gives its j-th sample that plus j (= response_seed(seed, i, j,
+n), the built-in engine's stream for the same sample), so all samples of a call differ.
 
 Memory budget. `gpu_memory_utilization` is vLLM's fraction of the device's memory for weights, activations and KV
 cache. On the CPU backend the fraction is of the first NUMA node's memory, minus the worker's whole resident set
@@ -97,7 +98,7 @@ from vllm.platforms import current_platform
 from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 
 from .cuda_ipc import import_buffer
-from .engine import Response, SamplingParams
+from .engine import Response, SamplingParams, response_seed
 from .placement import colocated_cuda_devices, engine_hosts, engine_members
 from .server_engine import ServerEngine
 from .vllm_remote import broadcast_from_trainer, join_weight_group
@@ -107,7 +108,6 @@ from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, pack_bucket,
 # vLLM logs a warning for every layer that a partial (bucketed) in-place reload does not touch.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
-_SEED_STRIDE = 1_000_003
 _CHECKSUM_RTOL = 1e-9  # float64 sums of identical values; only the summation order may differ between devices
 
 
@@ -210,7 +210,7 @@ class VLLMServer:
         requests = [VLLMSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-            logprobs=0, detokenize=False, seed=params.seed * _SEED_STRIDE + (first_prompt + i) * params.n)
+            logprobs=0, detokenize=False, seed=response_seed(params.seed, first_prompt + i, 0, params.n))
             for i in range(len(prompts))]
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,

@@ -99,8 +99,8 @@ def _eval_command(args, checkpoint: str, output: str, seed: int) -> list[str]:
 def evaluate_checkpoint(args) -> None:
     """Held-out Mean@n / Pass@k of one checkpoint (this process; the --evaluate mode)."""
     from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
-    from megatron_gtpo.evaluate import (ProblemResult, SamplingSettings, build_engine, generate_responses,
-                                        summarize)
+    from megatron_gtpo.evaluate import (ProblemResult, ReplicaShare, SamplingSettings, build_builtin_engine,
+                                        generate_responses, replica_calls, summarize)
 
     cfg = load_config(args.config, args.overrides)
     task = SYNTHETIC_TASKS[cfg.data.task]
@@ -108,10 +108,12 @@ def evaluate_checkpoint(args) -> None:
         raise ValueError(f"data.task: {cfg.data.task} has no held-out split to evaluate on")
     problems = task.heldout_problems()[:args.heldout_problems or None]
     tokenizer = task.tokenizer()
-    engine = build_engine(argparse.Namespace(model=args.evaluate, tp=1, pp=1), tokenizer)
+    engine = build_builtin_engine(argparse.Namespace(model=args.evaluate, tp=1, pp=1, dtype="float32",
+                                                     max_batch_rows=None, max_batch_tokens=None), tokenizer)
     sampling = SamplingSettings(num_samples=args.eval_samples, temperature=cfg.rollout.temperature, top_p=1.0,
                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=args.eval_seed)
-    responses = generate_responses(engine, [p.prompt_token_ids for p in problems], sampling, prompts_per_call=64,
+    calls = replica_calls(len(problems), prompts_per_call=64, share=ReplicaShare())
+    responses = generate_responses(engine, [p.prompt_token_ids for p in problems], sampling, calls=calls,
                                    progress=False)
     results, lengths = [], []
     for problem, samples in zip(problems, responses):

@@ -44,12 +44,7 @@ def plot_runs(runs: dict[str, list[dict]], path: str, title: str, panels=PLOTTED
         ax.grid(alpha=0.3)
     if len(runs) > 1:
         axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    _save_atomically(fig, title, path, dpi=110)
 
 
 def mean_and_spread(values: list[float]) -> tuple[float, float]:
@@ -100,9 +95,16 @@ def plot_bands(runs: dict[str, list[list[dict]]], path: str, title: str, panels=
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
+    _save_atomically(fig, title, path, dpi=80)
+
+
+def _save_atomically(fig, title: str, path: str, *, dpi: int) -> None:
+    """Title, layout, then the PNG written under a temporary name and renamed (never a half-written plot)."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title)
     fig.tight_layout()
     tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=80)
+    fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
     os.replace(tmp, path)

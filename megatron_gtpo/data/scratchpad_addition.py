@@ -29,7 +29,8 @@ from __future__ import annotations
 import random
 
 from .records import PromptSample
-from .synthetic import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+from . import synthetic
+from .synthetic import BOS_ID, EOS_ID, CharTokenizer
 
 SYMBOLS = "0123456789+=,:"
 VOCAB_SIZE = 20
@@ -101,11 +102,6 @@ def demonstration(sample: PromptSample) -> list[int]:
 
 
 def tiny_model_hf_config() -> dict:
-    """The Qwen2 config.json of the study's model (random init; head_dim 16): prompt 9 + response 32 tokens fit."""
-    return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-        "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": VOCAB_SIZE, "tie_word_embeddings": False,
-        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.02,
-        "use_sliding_window": False, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
-    }
+    """The Qwen2 config.json of the study's model (synthetic.tiny_model_hf_config at this vocabulary): prompt 9 +
+    response 32 tokens fit its 64 positions."""
+    return synthetic.tiny_model_hf_config(VOCAB_SIZE)

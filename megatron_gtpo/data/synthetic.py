@@ -66,12 +66,13 @@ def exact_match_reward(response: str, reference: str) -> float:
     return 1.0 if response == reference + "</s>" else 0.0
 
 
-def tiny_model_hf_config() -> dict:
-    """The Qwen2 config.json of the demo model (random init; head_dim 16; vocabulary padded to 1024 in megatron)."""
+def tiny_model_hf_config(vocab_size: int = VOCAB_SIZE) -> dict:
+    """The Qwen2 config.json of the synthetic tasks' model (random init; head_dim 16; 64 positions; the vocabulary
+    padded to 1024 in megatron); `vocab_size`: the task's character vocabulary."""
     return {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
         "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": VOCAB_SIZE, "tie_word_embeddings": False,
+        "num_key_value_heads": 2, "vocab_size": vocab_size, "tie_word_embeddings": False,
         "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.02,
         "use_sliding_window": False, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
     }

@@ -11,37 +11,37 @@ from .model_setup import PolicyModel
 from .task import Task
 
 
-def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, groups: ParallelGroups):
-    """The engine of rollout.engine (`groups`: the ParallelGroups), started from the policy's weights."""
+def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups):
+    """The engine of rollout.engine started from the policy's weights."""
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
-    engine = {"builtin": lambda: BuiltinEngine(policy.chunks, groups, vocab_size=shape.vocab_size),
-              "vllm": lambda: _vllm_engine(cfg, task, groups),
-              "vllm_remote": lambda: _vllm_remote_engine(cfg, shape, groups)}[cfg.rollout.engine]()
+    engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size),
+              "vllm": lambda: _vllm_engine(cfg, task, parallel),
+              "vllm_remote": lambda: _vllm_remote_engine(cfg, shape, parallel)}[cfg.rollout.engine]()
     r = cfg.rollout
-    if r.engine != "builtin" and (r.top_k or r.top_p < 1) and groups.world_rank == 0:
+    if r.engine != "builtin" and (r.top_k or r.top_p < 1) and parallel.world_rank == 0:
         print("warning: with top_k / top_p, vLLM reports log-probs of the truncated distribution, the builtin engine "
               "and the old-policy pass those of the full one (rollout/engine.py): rollout_logprob_mismatch then "
               "includes -log(kept probability mass)", file=sys.stderr)
     return engine
 
 
-def _vllm_engine(cfg: TrainConfig, task: Task, groups: ParallelGroups):
+def _vllm_engine(cfg: TrainConfig, task: Task, parallel: ParallelGroups):
     from megatron_gtpo.rollout.vllm_engine import VLLMEngine
 
     r = cfg.rollout
-    return VLLMEngine.create(r.vllm_hf_dir or cfg.model.hf_dir, groups, dtype=cfg.model.dtype,
+    return VLLMEngine.create(r.vllm_hf_dir or cfg.model.hf_dir, parallel, dtype=cfg.model.dtype,
                              gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                              kv_cache_memory_bytes=r.vllm_kv_cache_memory_bytes,
                              tensor_parallel_size=r.vllm_tensor_parallel, seed=cfg.seed)
 
 
-def _vllm_remote_engine(cfg: TrainConfig, shape, groups: ParallelGroups):
+def _vllm_remote_engine(cfg: TrainConfig, shape, parallel: ParallelGroups):
     from megatron_gtpo.rollout.vllm_remote import VLLMRemoteEngine, parse_address
 
     r = cfg.rollout
     for address in r.vllm_remote_addresses:
         parse_address(address)  # every rank fails alike on a malformed address
-    return VLLMRemoteEngine.connect(r.vllm_remote_addresses[groups.dp_rank], groups, shape,
+    return VLLMRemoteEngine.connect(r.vllm_remote_addresses[parallel.dp_rank], parallel, shape,
                                     connect_timeout_s=r.vllm_remote_connect_timeout_s,
                                     request_timeout_s=r.vllm_remote_request_timeout_s)

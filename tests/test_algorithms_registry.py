@@ -78,14 +78,19 @@ def test_advantages_dispatch_to_the_right_function_with_the_config_scalars():
         _configured("gtpo").advantages(rewards)
 
 
-def test_configured_loss_takes_the_config_settings_over_the_defaults():
-    rewards, entropy, mask = _batch(3)
+def _loss_inputs(batch_seed: int, logprob_seed: int):
+    """A batch flattened to [B, T] with old / new log-probs and GRPO's per-sequence advantages, float64."""
+    rewards, entropy, mask = _batch(batch_seed)
     B, T = mask.shape[0] * mask.shape[1], mask.shape[2]
-    mask_BT = mask.reshape(B, T)
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(logprob_seed)
     old = -torch.rand(B, T, generator=gen, dtype=torch.float64)
     logprobs = old + 0.5 * torch.randn(B, T, generator=gen, dtype=torch.float64)
-    adv_B = grpo_advantages(rewards).reshape(B)
+    return rewards, entropy, mask, mask.reshape(B, T), old, logprobs, grpo_advantages(rewards).reshape(B)
+
+
+def test_configured_loss_takes_the_config_settings_over_the_defaults():
+    rewards, entropy, mask, mask_BT, old, logprobs, adv_B = _loss_inputs(3, 4)
+    B = mask_BT.shape[0]
     loss, _ = _configured("grpo_s", "algorithm.eps_high=0.4", "algorithm.sequence_ratio=geometric").policy_loss(
         logprobs, old, adv_B, mask_BT, loss_normalizer=B)
     expected, _ = sequence_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B, sequence_ratio="geometric",
@@ -96,13 +101,8 @@ def test_configured_loss_takes_the_config_settings_over_the_defaults():
 
 
 def test_policy_loss_uses_the_spec_settings_and_overrides():
-    rewards, entropy, mask = _batch(1)
-    B, T = mask.shape[0] * mask.shape[1], mask.shape[2]
-    mask_BT = mask.reshape(B, T)
-    gen = torch.Generator().manual_seed(2)
-    old = -torch.rand(B, T, generator=gen, dtype=torch.float64)
-    logprobs = old + 0.5 * torch.randn(B, T, generator=gen, dtype=torch.float64)
-    adv_B = grpo_advantages(rewards).reshape(B)
+    rewards, entropy, mask, mask_BT, old, logprobs, adv_B = _loss_inputs(1, 2)
+    B, T = mask_BT.shape
     adv_BT = gtpo_advantages(rewards, entropy, mask).reshape(B, T)
 
     loss, _ = resolve_algorithm("dapo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0)

@@ -362,9 +362,10 @@ def validate(cfg: TrainConfig) -> None:
     validate_layout(cfg)
 
 
-def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=None) -> None:
+def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=None, accelerator=None) -> None:
     """Every rule of the parallel layout, in one place: TP / PP / VPP / SP on their own; with `world_size`, TP x PP
-    against it, the data-parallel size against the batch and the vLLM engines; with `shape` (models.qwen2.Qwen2Shape),
+    against it, the data-parallel size against the batch and the vLLM engines, and what the machine
+    (`accelerator`, models/accelerator.py; default this process's) can run; with `shape` (models.qwen2.Qwen2Shape),
     attention heads, KV heads, FFN width and layers against TP / PP. `validate` runs the first part when the config is
     loaded; the trainer runs all of it before any process group exists."""
     def need(cond, msg):
@@ -385,11 +386,12 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
             raise ConfigError(f"parallel.tensor / parallel.pipeline: the model cannot be split so: {e}") from None
     if world_size is None:
         return
-    import torch
+    from megatron_gtpo.models.accelerator import Accelerator
+    from megatron_gtpo.models.qwen2 import SEQUENCE_PARALLEL_NEEDS_TE
 
-    need(not par.sequence_parallel or torch.cuda.is_available(),
-         "parallel.sequence_parallel: needs CUDA (Transformer Engine or apex norms); megatron-core's torch norm, the "
-         "only one on the CPU, refuses it")
+    accelerator = accelerator or Accelerator.probe()
+    need(not par.sequence_parallel or accelerator.transformer_engine,
+         f"parallel.sequence_parallel: {SEQUENCE_PARALLEL_NEEDS_TE}")
     need(world_size % (tp * pp) == 0,
          f"parallel: world size {world_size} is not divisible by tensor x pipeline = {tp} x {pp}")
     dp = world_size // (tp * pp)

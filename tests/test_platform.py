@@ -1,4 +1,5 @@
 """The CPU platform layer: megatron-core's CUDA assumptions are mapped onto the CPU, only when CUDA is absent."""
+import os
 import subprocess
 import sys
 
@@ -74,3 +75,43 @@ def test_bare_package_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+def _fake_dev(directory, *names):
+    directory.mkdir(exist_ok=True)
+    for name in names:
+        (directory / name).touch()
+    return str(directory)
+
+
+def test_gpus_are_found_by_their_device_nodes(tmp_path):
+    from megatron_gtpo.distributed.platform import visible_nvidia_gpus
+
+    dev = _fake_dev(tmp_path / "dev", "nvidia10", "nvidia2", "nvidiactl", "nvidia-uvm", "null")
+    assert visible_nvidia_gpus(dev) == ["nvidia2", "nvidia10"]
+    assert visible_nvidia_gpus(str(tmp_path / "absent")) == []
+
+
+def test_gpus_that_torch_cannot_use_are_refused_unless_hidden_or_allowed(tmp_path):
+    from megatron_gtpo.distributed.platform import GpuWithoutCuda, check_gpus_are_usable
+
+    dev = _fake_dev(tmp_path / "dev", "nvidia0", "nvidia1", "nvidiactl")
+    with pytest.raises(GpuWithoutCuda, match=r"2 NVIDIA GPU\(s\) \(nvidia0, nvidia1\) but torch .* cannot use them: "
+                                             r"it is a CPU-only build\. .* MEGATRON_GTPO_ALLOW_CPU=1"):
+        check_gpus_are_usable(dev, environ={})
+    check_gpus_are_usable(dev, environ={"MEGATRON_GTPO_ALLOW_CPU": "1"})
+    check_gpus_are_usable(dev, environ={"CUDA_VISIBLE_DEVICES": ""})
+    check_gpus_are_usable(_fake_dev(tmp_path / "driver-only", "nvidiactl"), environ={})  # no GPU node: no GPU
+
+
+def test_the_cpu_platform_does_not_start_on_gpus_torch_cannot_use(tmp_path):
+    """What a run on an old driver meets: the trainer's first distributed call refuses, naming the cause."""
+    dev = _fake_dev(tmp_path / "dev", "nvidia0")
+    code = ("from megatron_gtpo.distributed import platform\n"
+            "try:\n"
+            f"    platform.activate_cpu_platform(dev={dev!r})\n"
+            "except platform.GpuWithoutCuda as e:\n"
+            "    print('refused' if not platform.is_cpu_platform_active() else 'active')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_GTPO_ALLOW_CPU", "CUDA_VISIBLE_DEVICES")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "refused", out.stderr

@@ -18,10 +18,14 @@ maps all of them onto the CPU:
 
 `activate_cpu_platform()` is the one place this happens. It is a no-op when CUDA is available, idempotent, and must
 run before megatron-core builds anything (it is called by `megatron_gtpo.distributed.initialize_parallel`).
-`torch.cuda.is_available()` keeps returning False, so code can still ask what the hardware really is.
+`torch.cuda.is_available()` keeps returning False, so code can still ask what the hardware really is. It refuses to
+start on a machine whose NVIDIA GPUs torch cannot use (`GpuWithoutCuda`): a driver too old for torch's CUDA, or a CPU
+build of torch, would otherwise train on the CPU without a word.
 """
 from __future__ import annotations
 
+import os
+import re
 import warnings
 
 import torch
@@ -100,13 +104,45 @@ def device_audit() -> DeviceAudit | None:
     return _mode.audit if _mode is not None else None
 
 
-def activate_cpu_platform() -> bool:
-    """Install the CPU stand-ins if CUDA is absent. Returns True if the CPU platform is (now) active."""
+ALLOW_CPU_ENV = "MEGATRON_GTPO_ALLOW_CPU"
+
+
+class GpuWithoutCuda(OSError):
+    """NVIDIA GPUs are present, but this torch cannot use them."""
+
+
+def visible_nvidia_gpus(dev: str = "/dev") -> list[str]:
+    """The NVIDIA GPU device nodes of this machine (/dev/nvidia0, ...), whatever torch was built for."""
+    if not os.path.isdir(dev):
+        return []
+    return sorted((n for n in os.listdir(dev) if re.fullmatch(r"nvidia\d+", n)), key=lambda n: int(n[6:]))
+
+
+def check_gpus_are_usable(dev: str = "/dev", environ=None) -> None:
+    """GpuWithoutCuda when this machine has NVIDIA GPUs that torch cannot use, unless they are hidden on purpose
+    (CUDA_VISIBLE_DEVICES empty or -1) or MEGATRON_GTPO_ALLOW_CPU=1 says to run on the CPU anyway."""
+    env = os.environ if environ is None else environ
+    gpus = visible_nvidia_gpus(dev)
+    if not gpus or torch.cuda.is_available() or env.get(ALLOW_CPU_ENV, "") not in ("", "0") \
+            or env.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return
+    why = ("it is a CPU-only build" if torch.version.cuda is None else
+           f"it is built for CUDA {torch.version.cuda}, and torch.cuda.is_available() is False: usually an NVIDIA "
+           f"driver too old for that CUDA (PyPI's torch 2.13 needs a driver for CUDA 13, >= 580; see nvidia-smi)")
+    raise GpuWithoutCuda(f"this machine has {len(gpus)} NVIDIA GPU(s) ({', '.join(gpus)}) but torch "
+                         f"{torch.__version__} cannot use them: {why}. Install a torch that matches the driver, or "
+                         f"set {ALLOW_CPU_ENV}=1 to run on the CPU anyway")
+
+
+def activate_cpu_platform(dev: str = "/dev") -> bool:
+    """Install the CPU stand-ins if CUDA is absent. Returns True if the CPU platform is (now) active. GpuWithoutCuda
+    when the machine has NVIDIA GPUs (device nodes under `dev`) that torch cannot use."""
     global _mode
     if torch.cuda.is_available():
         return False
     if _mode is not None:
         return True
+    check_gpus_are_usable(dev)
 
     # Expected on a CPU machine, and printed by every rank on every step otherwise.
     for message in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .accelerator import Accelerator, fusion_settings
+
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 
 # Megatron pads the vocabulary so that every TP rank holds an equal, 128-aligned slice. We pad to a multiple of
@@ -20,6 +22,11 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 # distributed checkpoint written at one TP reloads at another without touching the embedding shapes.
 VOCAB_DIVISIBLE_BY = 128
 VOCAB_TP_INDEPENDENT_MULTIPLE = 1024
+
+
+SEQUENCE_PARALLEL_NEEDS_TE = (
+    "sequence parallelism needs Transformer Engine's layer spec (CUDA and a working transformer_engine.pytorch): "
+    "megatron-core's local spec builds torch norms, which refuse it")
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
@@ -117,8 +124,11 @@ class Qwen2Shape:
 def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                                virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
                                params_dtype: torch.dtype = torch.float32, layers_per_stage: list[int] | None = None,
-                               recompute_activations: bool = False):
-    """The megatron-core TransformerConfig of a Qwen2 config.json, for the given parallel layout.
+                               recompute_activations: bool = False, accelerator: Accelerator | None = None,
+                               transformer_engine: bool = False, packed_sequences: bool = False):
+    """The megatron-core TransformerConfig of a Qwen2 config.json, for the given parallel layout, layer spec
+    (`transformer_engine`) and machine (`accelerator`, default this process's: models/accelerator.py decides the
+    fusions). `packed_sequences`: the model will see packed rows (data.pack_sequences).
 
     Qwen2: GQA (num_query_groups = num_key_value_heads), bias on q/k/v only, RMSNorm, SwiGLU, RoPE (rope_theta is
     passed to GPTModel, which owns the rotary embedding). Dropout is 0 (RL fine-tuning, and exact parity with HF).
@@ -127,10 +137,11 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
 
     shape = Qwen2Shape.from_hf(hf_config)
     shape.check_parallel(tensor_parallel, pipeline_parallel, layers_per_stage)
-    on_gpu = torch.cuda.is_available()
-    if sequence_parallel and not on_gpu:
-        raise ValueError("sequence parallelism needs CUDA (Transformer Engine or apex norms): megatron-core's torch "
-                         "norm, the only one on CPU, refuses it")
+    accelerator = accelerator or Accelerator.probe()
+    if transformer_engine and not accelerator.transformer_engine:
+        raise ValueError("the Transformer Engine layer spec needs CUDA and a working transformer_engine.pytorch")
+    if sequence_parallel and not transformer_engine:
+        raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
     uneven = {}
     if layers_per_stage is not None and pipeline_parallel > 1:
         uneven = dict(num_layers_in_first_pipeline_stage=layers_per_stage[0],
@@ -165,14 +176,7 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
         attention_softmax_in_fp32=True,
         variable_seq_lengths=True,  # RL micro-batches have different lengths
         moe_token_dispatcher_type="alltoall",  # no MoE here; the default "allgather" vetoes variable_seq_lengths
-        # Fusions need CUDA kernels (apex / TE / triton); off on CPU.
-        bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=not on_gpu,
+        **fusion_settings(accelerator, transformer_engine=transformer_engine, packed_sequences=packed_sequences),
         recompute_granularity="full" if recompute_activations else None,
         recompute_method="uniform" if recompute_activations else None,
         recompute_num_layers=1 if recompute_activations else None,
@@ -180,24 +184,11 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     )
 
 
-def transformer_engine_available() -> bool:
-    """TE is used only when it imports and CUDA is present (it has no CPU kernels)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401  (this is the one place that probes it)
-    except ImportError:
-        return False
-    return True
-
-
-def layer_spec(use_transformer_engine: bool | None = None):
+def layer_spec(transformer_engine: bool):
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
-    if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_available()
-    if use_transformer_engine:
+    if transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
@@ -206,26 +197,33 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
                 params_dtype: torch.dtype = torch.float32, layers_per_stage: list[int] | None = None,
                 recompute_activations: bool = False, use_transformer_engine: bool | None = None,
-                parallel_output: bool = True, meta_device: bool = False) -> list:
+                parallel_output: bool = True, meta_device: bool = False, accelerator: Accelerator | None = None,
+                packed_sequences: bool = False) -> list:
     """This rank's model chunks (one per virtual pipeline stage; a list of one without VPP), on the current CUDA
     device (on the CPU platform, the logical device the audit tracks).
 
     Needs megatron's parallel state initialised (distributed.initialize_parallel). The vocabulary is padded with
     `padded_vocab_size`; the padded logits are masked by every consumer (vocab-parallel op, scoring, generation).
-    `meta_device=True` builds shapes only (no memory, no initialisation): for parameter counts and planning.
+    The layer spec is Transformer Engine's where `accelerator` (default: this process's) runs it, unless
+    `use_transformer_engine` says otherwise. `meta_device=True` builds shapes only (no memory, no initialisation;
+    the local spec unless asked otherwise, which has the same parameters): for parameter counts, planning, and
+    building a GPU run's model on a CPU (`accelerator=Accelerator(cuda=True, ...)`).
     """
     import contextlib
 
     from megatron.core.models.gpt import GPTModel
 
     shape = Qwen2Shape.from_hf(hf_config)
+    accelerator = accelerator or Accelerator.probe()
+    if use_transformer_engine is None:
+        use_transformer_engine = accelerator.transformer_engine and not meta_device
     config = transformer_config_from_hf(
         hf_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         virtual_pipeline_parallel=virtual_pipeline_parallel, sequence_parallel=sequence_parallel,
-        params_dtype=params_dtype, layers_per_stage=layers_per_stage, recompute_activations=recompute_activations)
+        params_dtype=params_dtype, layers_per_stage=layers_per_stage, recompute_activations=recompute_activations,
+        accelerator=accelerator, transformer_engine=use_transformer_engine, packed_sequences=packed_sequences)
     if meta_device:
         config.use_cpu_initialization, config.perform_initialization = True, False
-        use_transformer_engine = False
     spec = layer_spec(use_transformer_engine)
     num_chunks = virtual_pipeline_parallel or 1
     chunks = []

@@ -53,13 +53,17 @@ def materialize_adam_state(optimizer) -> None:
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-def build_chunks(cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups) -> list:
+def build_chunks(cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups, *, meta_device: bool = False,
+                 accelerator=None) -> list:
+    """This rank's model chunks as the config describes them (weights not loaded). `meta_device` and `accelerator`
+    (models/accelerator.py) build on a CPU what a GPU run builds, for the configuration tests."""
     from megatron_gtpo.models.qwen2 import build_model
 
     return build_model(hf_config, tensor_parallel=parallel.tp_size, pipeline_parallel=parallel.pp_size,
                        pp_rank=parallel.pp_rank, virtual_pipeline_parallel=parallel.vpp_size,
                        sequence_parallel=parallel.sequence_parallel, params_dtype=_DTYPES[cfg.model.dtype],
-                       recompute_activations=cfg.model.recompute_activations)
+                       recompute_activations=cfg.model.recompute_activations,
+                       packed_sequences=cfg.data.pack_sequences, meta_device=meta_device, accelerator=accelerator)
 
 
 def load_initial_weights(cfg: TrainConfig, chunks: list, parallel: ParallelGroups) -> None:

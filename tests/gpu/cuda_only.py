@@ -10,6 +10,11 @@ pytestmark = pytest.mark.gpu
 
 
 def skip_without_cuda() -> None:
+    """Skip on a machine without GPUs; fail on one whose GPUs torch cannot use (an old driver, a CPU build of torch),
+    where a skip would pass for a GPU run."""
+    from megatron_gtpo.distributed.platform import check_gpus_are_usable
+
+    check_gpus_are_usable()
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); run on a GPU with `make test-gpu`",
                     allow_module_level=True)

@@ -35,7 +35,8 @@ def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
     $MEGATRON_GTPO_GPU_RESULTS when set."""
     from megatron_gtpo.config import load_config
     from megatron_gtpo.data.synthetic import tiny_model_hf_config
-    from megatron_gtpo.models.qwen2 import Qwen2Shape, transformer_engine_available
+    from megatron_gtpo.models.accelerator import Accelerator
+    from megatron_gtpo.models.qwen2 import Qwen2Shape
     from megatron_gtpo.planning import Layout, plan, settings_from_config, workload_from_config
 
     # The synthetic prompts are 5 tokens; the planner sizes activations for max_prompt_tokens.
@@ -45,9 +46,8 @@ def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
     assert code == 0
     cfg = load_config(DEMO_CONFIG, overrides)
     # The trainer takes the Transformer Engine spec whenever TE imports (no config key chooses the local spec).
-    kernels = "te" if transformer_engine_available() else "local"
-    settings = settings_from_config(cfg, kernels=kernels, gpu_memory_gib=torch.cuda.get_device_properties(0)
-                                    .total_memory / 2**30)
+    settings = settings_from_config(cfg, kernels=Accelerator.probe().layer_spec,
+                                    gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
     expected = plan(Qwen2Shape.from_hf(tiny_model_hf_config()), Layout(), workload_from_config(cfg), settings,
                     model_name="cpu_demo tiny")
     gib = 2**30

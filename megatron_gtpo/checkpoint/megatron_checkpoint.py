@@ -291,16 +291,26 @@ def _point_latest_and_prune(directory: str, keep_last: int) -> None:
 def load_checkpoint(directory: str, model_chunks: list, *, extra_sharded_state: dict | None = None) -> dict:
     """Load the model weights (resharded to this rank's TP/PP layout) into `model_chunks`, plus `extra_sharded_state`
     (sharded state dicts shaped like the ones saved); returns the loaded extra state. Collective. Keys of the
-    checkpoint that are not asked for (optimizer state, when loading the model alone) are not read.
-
-    Module `_extra_state` entries (Transformer Engine FP8 scaling state; None in the local spec) are restored when
-    the checkpoint has them and otherwise left as they are: converter output holds weights only."""
+    checkpoint that are not asked for (optimizer state, when loading the model alone) are not read."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     check_intact(directory, group=dist.group.WORLD)  # a damaged file is named, not met as a reader's EOFError
     read_checkpoint_metadata(directory)
+    state = model_state_to_load(directory, model_chunks)
+    extra = dict(extra_sharded_state or {})
+    loaded = dist_checkpointing.load({**state, **extra}, directory)
+    load_model_state(directory, model_chunks, loaded)
+    return {key: loaded[key] for key in extra}
+
+
+def model_state_to_load(directory: str, model_chunks: list) -> dict:
+    """The chunks' sharded state dict (`model_sharded_state_dict`) as the checkpoint in `directory` can fill it.
+    Module `_extra_state` entries (Transformer Engine's FP8 scaling state; None in the local spec) are asked for
+    only when the checkpoint has them: one written with the local spec, or by a converter (weights only), loads into
+    a TE model. ValueError naming the model tensors the checkpoint lacks."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
     available = stored_keys(directory)
     state = model_sharded_state_dict(model_chunks)
     missing = []
@@ -316,15 +326,19 @@ def load_checkpoint(directory: str, model_chunks: list, *, extra_sharded_state: 
     if missing:
         raise ValueError(f"checkpoint {directory!r} lacks model tensors {sorted(set(missing))[:8]} (it was written "
                          f"for a different model, or is incomplete)")
-    extra = dict(extra_sharded_state or {})
-    loaded = dist_checkpointing.load({**state, **extra}, directory)
-    for chunk, key in zip(_unwrapped(model_chunks), state):
+    return state
+
+
+def load_model_state(directory: str, model_chunks: list, loaded: dict) -> None:
+    """Put the model part of `loaded` (what dist_checkpointing.load returned for `model_state_to_load`) into the
+    chunks; every parameter must be set (the `_extra_state` left out there stays as it is)."""
+    chunks = _unwrapped(model_chunks)
+    for chunk, key in zip(chunks, model_state_keys(len(chunks))):
         result = chunk.load_state_dict(loaded[key], strict=False)
         not_loaded = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if not_loaded or result.unexpected_keys:
             raise ValueError(f"loading {directory!r} into the model left parameters {not_loaded} unset and "
                              f"{result.unexpected_keys} unexpected")
-    return {key: loaded[key] for key in extra}
 
 
 def load_model_only(directory: str, model_chunks: list) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
-from megatron_gtpo.checkpoint.megatron_checkpoint import (HF_FILES_DIR, LATEST, model_state_keys, save_checkpoint,
+from megatron_gtpo.checkpoint.megatron_checkpoint import (HF_FILES_DIR, LATEST, load_model_state, save_checkpoint,
                                                           series_members)
 from megatron_gtpo.config import config_text, save_config, to_dict
 
@@ -57,20 +57,23 @@ class StopSignal:
         return bool(flag.item())
 
 
-def _sharded_state(trainer, *, is_loading: bool) -> dict:
-    """The model chunks' and the optimizer's sharded state (the optimizer's refers to the model's)."""
-    from megatron_gtpo.checkpoint.megatron_checkpoint import model_sharded_state_dict
+def _sharded_state(trainer, *, loading_from: str | None = None) -> dict:
+    """The model chunks' and the optimizer's sharded state (the optimizer's refers to the model's); to be filled from
+    the checkpoint `loading_from`, as much of the model's as it holds (`model_state_to_load`)."""
+    from megatron_gtpo.checkpoint.megatron_checkpoint import model_sharded_state_dict, model_state_to_load
 
     policy = trainer.policy
-    if is_loading:
+    if loading_from is not None:
         # A fresh torch Adam has no per-parameter state (no 'step'), and the DistributedOptimizer's state_dict
         # needs one; megatron-core's own loader fills it with placeholder values that the load then overwrites.
         for optimizer in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]):
             optimizer._init_optimizer_states_with_dummy_values()
-    model = model_sharded_state_dict(policy.chunks)
+        model = model_state_to_load(loading_from, policy.chunks)
+    else:
+        model = model_sharded_state_dict(policy.chunks)
     optimizer = policy.optimizer.sharded_state_dict(
         {k: v for sd in model.values() for k, v in sd.items()} if len(model) > 1 else model["model"],
-        is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
+        is_loading=loading_from is not None, metadata=_OPTIMIZER_METADATA)
     return {**model, "optimizer": optimizer}
 
 
@@ -144,7 +147,7 @@ def save(trainer, step: int) -> str:
     cfg, parallel = trainer.cfg, trainer.parallel
     root = cfg.checkpoint_dir
     directory = os.path.join(root, f"{STEP_PREFIX}{step:08d}")
-    state = _sharded_state(trainer, is_loading=False)
+    state = _sharded_state(trainer)
     trainer_state = {"step": step, "loader": trainer.loader.state_dict(),
                      "scheduler": trainer.policy.scheduler.state_dict(), "layout": _layout(parallel),
                      "hf_config": trainer.task.hf_config, "vocab_size": trainer.vocab_size, "config": to_dict(cfg)}
@@ -218,10 +221,8 @@ def restore(trainer) -> int:
     if (state["vocab_size"] != trainer.vocab_size
             or state["hf_config"]["hidden_size"] != trainer.task.hf_config["hidden_size"]):
         raise ValueError(f"checkpoint {directory} is of a different model than the configured one")
-    loaded = dist_checkpointing.load(_sharded_state(trainer, is_loading=True), directory)
-    chunks = trainer.policy.chunks
-    for chunk, key in zip(chunks, model_state_keys(len(chunks))):
-        chunk.load_state_dict(loaded[key])
+    loaded = dist_checkpointing.load(_sharded_state(trainer, loading_from=directory), directory)
+    load_model_state(directory, trainer.policy.chunks, loaded)
     _load_optimizer_state(trainer.policy.optimizer, loaded["optimizer"])
     trainer.policy.scheduler.load_state_dict(state["scheduler"])
     trainer.loader.load_state_dict(state["loader"])

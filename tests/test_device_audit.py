@@ -108,3 +108,76 @@ def test_rl_loss_with_host_tensors_is_caught(on_device):
         assert error is None
     else:
         assert error is not None and "mixes host tensor(s)" in error
+
+
+def _collectives_with_planted_host_tensors(rank, world_size):
+    """A host tensor handed to a collective or a point-to-point op on a group that is NCCL on a GPU (the world, a
+    megatron group) raises; the same on a group created as gloo, and device tensors anywhere, do not."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.distributed.device_audit import DeviceMixError
+
+    parallel = initialize_parallel(2, 1)
+    caught = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            caught[name] = None
+        except DeviceMixError as e:
+            caught[name] = str(e)
+
+    host, device = torch.ones(2), torch.ones(2, device=parallel.device)
+    peer = 1 - rank
+    attempt("all_reduce host / tp group", lambda: dist.all_reduce(host, group=parallel.tp_group))
+    attempt("broadcast host / world", lambda: dist.broadcast(host, src=0))
+    attempt("all_gather_into_tensor host", lambda: dist.all_gather_into_tensor(
+        torch.empty(4, device=parallel.device), host, group=parallel.tp_group))
+    attempt("all_to_all_single host", lambda: dist.all_to_all_single(torch.empty(2), host))
+    attempt("batch_isend_irecv host", lambda: dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, host, peer), dist.P2POp(dist.irecv, torch.empty(2), peer)]))
+    attempt("all_reduce device / tp group", lambda: dist.all_reduce(device, group=parallel.tp_group))
+    attempt("all_reduce host / megatron's gloo group", lambda: dist.all_reduce(
+        host, group=ps.get_data_parallel_group_gloo()))
+    gloo = dist.new_group([0, 1], backend="gloo")
+    attempt("all_reduce host / new gloo group", lambda: dist.all_reduce(host, group=gloo))
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, device, peer),
+                                       dist.P2POp(dist.irecv, torch.empty(2, device=parallel.device), peer)])
+    for request in requests:
+        request.wait()
+    caught["batch_isend_irecv device"] = None
+    return caught
+
+
+def test_host_tensors_in_collectives_on_nccl_groups_are_caught():
+    caught = run_distributed(_collectives_with_planted_host_tensors, 2, timeout_s=120)[0]
+    for name, error in caught.items():
+        if "host" in name and "gloo" not in name:
+            assert error is not None and "on a process group that is NCCL on a GPU" in error, name
+        else:
+            assert error is None, (name, error)
+
+
+def _groups_of_a_training_step(rank, world_size):
+    from test_training_update_policy import _experience, _policy_run, _step
+
+    from megatron_gtpo.distributed import warm_up_communicators
+    from megatron_gtpo.distributed.platform import device_audit
+
+    run = _policy_run("gtpo", tp=2, pp=2, tied=True)
+    warmed = warm_up_communicators()
+    audit = device_audit()
+    audit.collective_groups.clear()
+    _step(run, _experience(4))
+    used = [g for g in audit.collective_groups if not any(g is h for h in audit.gloo_groups)]
+    return len(used), [str(g) for g in used if not any(g is w or (g is None and w is None) for w in warmed)]
+
+
+def test_engine_start_warms_every_group_a_training_step_communicates_over():
+    """start_colocated_servers creates the NCCL communicators of the groups warm_up_communicators names before a
+    colocated engine sizes its memory: a training step (old-policy pass, advantages, update with the distributed
+    optimizer, tied embeddings across two stages) must use no other group."""
+    for used, missing in run_distributed(_groups_of_a_training_step, 4, timeout_s=300):
+        assert used >= 5 and missing == [], missing

@@ -163,3 +163,62 @@ def test_every_rank_releases_cached_memory_before_the_engine_wakes():
     releases = [t for events in (destination, other) for name, t in events if name == "empty_cache"]
     assert len(wake) == 1 and len(releases) == 2
     assert max(releases) < wake[0]
+
+
+def _start_engines(rank, world_size, fail_on_rank):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.rollout.server_engine import start_colocated_servers
+
+    parallel = initialize_parallel(2, 1)  # 2 replicas of TP=2; an engine at vLLM TP=2 on each TP rank 0
+    events = []
+    torch.cuda.empty_cache = lambda: events.append(("empty_cache", time.monotonic()))
+    all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        events.append(("collective", time.monotonic(), tuple(dist.get_process_group_ranks(group or dist.group.WORLD))))
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = recording_all_reduce
+
+    def start_server():
+        events.append(("start", time.monotonic()))
+        if rank == fail_on_rank:
+            raise RuntimeError("out of memory while profiling")
+        time.sleep(1.0)  # vLLM profiles the free memory meanwhile
+        events.append(("up", time.monotonic()))
+        return "server"
+
+    try:
+        server = start_colocated_servers(parallel, [(0, 0)], start_server)
+    except RuntimeError as e:
+        return str(e)
+    torch.cuda.empty_cache()  # what the first weight sync does next
+    groups = [tuple(dist.get_process_group_ranks(g)) for g in (parallel.tp_group, parallel.dp_group,
+                                                                   parallel.pp_group, parallel.mp_group)]
+    return server, events, groups
+
+
+def test_colocated_engines_start_on_released_memory_with_warm_groups_and_all_ranks_wait_for_them():
+    """Before any engine starts, every rank has emptied its cache and run a collective on each of its process groups
+    (NCCL makes a communicator at a group's first collective); no rank frees memory again until every engine is up."""
+    per_rank = run_distributed(_start_engines, 4, args=(None,), timeout_s=120)
+    assert [server for server, _, _ in per_rank] == ["server", None, "server", None]
+    starts = [t for _, events, _ in per_rank for name, t, *_ in events if name == "start"]
+    ups = [t for _, events, _ in per_rank for name, t, *_ in events if name == "up"]
+    assert len(starts) == len(ups) == 2
+    for _, events, groups in per_rank:
+        releases = [t for name, t, *_ in events if name == "empty_cache"]
+        warmed = {event[2] for event in events if event[0] == "collective" and event[1] < min(starts)}
+        assert len(releases) == 2 and releases[0] < min(starts) and releases[1] > max(ups)
+        assert set(groups) <= warmed and (0, 1, 2, 3) in warmed
+
+
+def test_an_engine_that_fails_to_start_fails_every_rank():
+    errors = run_distributed(_start_engines, 4, args=(2,), timeout_s=120)
+    assert all(e == "1 rollout engine(s) failed to start: rank 2: RuntimeError: out of memory while profiling"
+               for e in errors), errors

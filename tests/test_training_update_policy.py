@@ -29,7 +29,7 @@ def _experience(num_prompt_groups, seed=0):
     return Experience(prompts, responses, correct, correct.clone())
 
 
-def _policy_run(algorithm, overrides=()):
+def _policy_run(algorithm, overrides=(), *, tp=1, pp=1, tied=False):
     """The trainer's components for the phases below: parallel groups, the policy, the configured algorithm."""
     from types import SimpleNamespace
 
@@ -42,11 +42,12 @@ def _policy_run(algorithm, overrides=()):
 
     import torch
 
-    parallel = initialize_parallel(1, 1)
+    parallel = initialize_parallel(tp, pp)
     torch.manual_seed(0)
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01",
                              f"algorithm.name={algorithm}", *overrides])
-    policy = wrap_for_training(cfg, build_chunks(cfg, tiny_model_hf_config(), parallel), train_steps=4)
+    hf_config = dict(tiny_model_hf_config(), tie_word_embeddings=tied)
+    policy = wrap_for_training(cfg, build_chunks(cfg, hf_config, parallel), train_steps=4)
     return SimpleNamespace(cfg=cfg, parallel=parallel, policy=policy,
                            algorithm=configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens),
                            vocab_size=Qwen2Shape.from_hf(tiny_model_hf_config()).vocab_size)
@@ -66,7 +67,8 @@ def _step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_equ
     if rollout_equals_old and batch.old_logprobs_ST is not None:
         batch.rollout_logprobs_ST = batch.old_logprobs_ST.clone()
     correct_rollout(batch, **correction)
-    global_advantages(run.algorithm.advantages, run.algorithm.uses_entropy, batch, run.parallel)
+    if run.parallel.is_last_stage:
+        global_advantages(run.algorithm.advantages, run.algorithm.uses_entropy, batch, run.parallel)
     metrics = MetricReducer(run.parallel.device)
     update_policy(run.policy, batch, run.parallel, run.algorithm, metrics, epochs=1, vocab_size=run.vocab_size,
                   temperature=1.0, chunk_tokens=None)

@@ -16,11 +16,18 @@ allows 0-dim host tensors next to CUDA ones, and so does the audit). Copies are 
 Transfers between places copy, as they would on a GPU: `.cuda()` of a host tensor returns a new tensor, so the host
 original stays host.
 
+Collectives and point-to-point ops (`wrap_collectives`): on a GPU every process group is NCCL unless it was created
+as gloo (`new_group(backend="gloo")`, as megatron-core makes its *_GLOO groups), and NCCL takes only CUDA tensors.
+A host tensor given to torch.distributed on any other group raises DeviceMixError. The audit also remembers which
+groups carried collectives (`collective_groups`).
+
 The audit runs inside the platform's TorchFunctionMode (distributed/platform.py) and only where the CPU platform is
 active; with CUDA present nothing here runs.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 
 import torch
@@ -37,6 +44,8 @@ class DeviceAudit:
     def __init__(self):
         self._places: dict[int, tuple[weakref.ref, bool]] = {}
         self.host_syncs = 0  # device -> host reads (.item(), .tolist(), .cpu(), ...): each is a sync on CUDA
+        self.gloo_groups: list = []  # process groups created as gloo: host tensors are theirs
+        self.collective_groups: list = []  # every group that carried a collective (None: the default group)
 
     def place(self, tensor: torch.Tensor) -> bool | None:
         """DEVICE, HOST, or None (unknown)."""
@@ -161,6 +170,79 @@ class DeviceAudit:
             f"{[tuple(t.shape) for t in device]}: on CUDA this fails (Expected all tensors to be on the same "
             f"device). Create the host tensor(s) on the training device (device=groups.device) or move them with "
             f".to(device) once, outside the per-micro-batch path")
+
+
+    # -- torch.distributed -----------------------------------------------------------------------------------------
+    def collective(self, name: str, group, tensors: list) -> None:
+        """DeviceMixError when a host tensor goes to a collective `name` on a group that is NCCL on a GPU."""
+        if not any(group is g for g in self.collective_groups):
+            self.collective_groups.append(group)
+        if any(group is g for g in self.gloo_groups):
+            return
+        host = [tuple(t.shape) for t in tensors if self.place(t) == HOST]
+        if host:
+            raise DeviceMixError(
+                f"torch.distributed.{name} got host tensor(s) {host} on a process group that is NCCL on a GPU, "
+                f"which takes CUDA tensors only: create them on the training device (device=parallel.device), or "
+                f"use a group created with backend='gloo'")
+
+
+# The ops that move tensors, and the arguments that hold them.
+_COLLECTIVE_TENSORS = {
+    "all_reduce": ("tensor",), "broadcast": ("tensor",), "reduce": ("tensor",),
+    "all_gather": ("tensor_list", "tensor"), "all_gather_into_tensor": ("output_tensor", "input_tensor"),
+    "reduce_scatter": ("output", "input_list"), "reduce_scatter_tensor": ("output", "input"),
+    "all_to_all": ("output_tensor_list", "input_tensor_list"), "all_to_all_single": ("output", "input"),
+    "gather": ("tensor", "gather_list"), "scatter": ("tensor", "scatter_list"),
+    "send": ("tensor",), "recv": ("tensor",), "isend": ("tensor",), "irecv": ("tensor",),
+}
+
+
+def wrap_collectives(audit: DeviceAudit) -> None:
+    """Route torch.distributed's collectives, point-to-point ops and new_group through the audit. Only the public
+    names are replaced: torch's own object collectives (all_gather_object, ...) call the originals, with the tensors
+    torch picks for the group's backend. isend / irecv are replaced in distributed_c10d as well, because
+    P2POp accepts only the functions that module holds."""
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    original_new_group = c10d.new_group
+
+    @functools.wraps(original_new_group)
+    def new_group(*args, **kwargs):
+        group = original_new_group(*args, **kwargs)
+        backend = inspect.signature(original_new_group).bind(*args, **kwargs).arguments.get("backend")
+        if backend is not None and str(backend).lower() == "gloo":
+            audit.gloo_groups.append(group)
+        return group
+
+    dist.new_group = new_group
+    for name, tensor_args in _COLLECTIVE_TENSORS.items():
+        wrapper = _audited(getattr(c10d, name), name, tensor_args, audit)
+        setattr(dist, name, wrapper)
+        if name in ("isend", "irecv"):
+            setattr(c10d, name, wrapper)
+    original_batch = c10d.batch_isend_irecv
+
+    @functools.wraps(original_batch)
+    def batch_isend_irecv(p2p_op_list):
+        for op in p2p_op_list:
+            audit.collective("batch_isend_irecv", op.group, [op.tensor])
+        return original_batch(p2p_op_list)
+
+    dist.batch_isend_irecv = batch_isend_irecv
+
+
+def _audited(original, name: str, tensor_args: tuple, audit: DeviceAudit):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments
+        audit.collective(name, arguments.get("group"), _tensors([arguments.get(a) for a in tensor_args]))
+        return original(*args, **kwargs)
+
+    return call
 
 
 _INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.Tensor.index_put)

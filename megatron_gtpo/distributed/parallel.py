@@ -174,6 +174,27 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
     )
 
 
+def warm_up_communicators() -> list:
+    """One small all-reduce on every process group training communicates over, in the same order on every rank;
+    returns those groups. NCCL creates a group's communicator, and its device buffers, lazily at the group's first
+    collective; a colocated rollout engine sizes its KV cache from the free GPU memory when it starts, so the
+    communicators must exist before that (rollout/server_engine.start_colocated_servers). Only these groups: each
+    communicator costs GPU memory, and megatron-core creates many groups a dense model never uses.
+    tests/test_device_audit.py checks that a training step communicates over no other group."""
+    from megatron.core import parallel_state as ps
+
+    groups = [dist.group.WORLD, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+              ps.get_data_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True),
+              ps.get_intra_distributed_optimizer_instance_group(), ps.get_model_parallel_group()]
+    if ps.is_rank_in_embedding_group():  # tied embeddings across the first and last stage
+        groups.append(ps.get_embedding_group())
+    probe = torch.zeros(1, device=torch.cuda.current_device())
+    for group in groups:
+        dist.all_reduce(probe, group=group)
+    torch.cuda.synchronize()
+    return groups
+
+
 def destroy_parallel() -> None:
     from megatron.core import parallel_state as ps
 

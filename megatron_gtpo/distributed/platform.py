@@ -9,7 +9,8 @@ maps all of them onto the CPU:
   bare int ordinal) to the CPU, keeps `Tensor.cuda()` and `Tensor.to("cuda")` on the CPU, and makes
   `Tensor.type()` report `torch.cuda.*Tensor` for CPU tensors (the only thing megatron inspects it for);
 - the same mode runs the device audit (device_audit.py): every tensor keeps the place it would have on a GPU, and a
-  host tensor meeting a device tensor raises DeviceMixError, so the CPU runs catch what would fail on CUDA;
+  host tensor meeting a device tensor, or going to a collective on a group that is NCCL on a GPU, raises
+  DeviceMixError, so the CPU runs catch what would fail on CUDA;
 - `torch.Generator(device="cuda")` gives a CPU generator;
 - `torch.cuda.{current_device, synchronize, manual_seed, get_rng_state, set_rng_state, ...}` get CPU stand-ins,
   so megatron's RNG tracker forks and restores the CPU generator exactly as it would the CUDA one;
@@ -31,7 +32,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .device_audit import DeviceAudit, wrap_parameter_new
+from .device_audit import DeviceAudit, wrap_collectives, wrap_parameter_new
 
 _CPU = torch.device("cpu")
 _mode: "_CudaOnCpuMode | None" = None
@@ -174,6 +175,7 @@ def activate_cpu_platform(dev: str = "/dev") -> bool:
     torch.Generator = _CpuGenerator
     audit = DeviceAudit()
     wrap_parameter_new(audit)
+    wrap_collectives(audit)
     # Entered once and never exited: the mode stays on the stack for the life of the process.
     _mode = _CudaOnCpuMode(audit)
     _mode.__enter__()

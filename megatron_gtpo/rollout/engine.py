@@ -32,7 +32,12 @@ class SamplingParams:
     """How to sample. `seed`: sample j of prompt i draws from its own random stream, seeded `response_seed(seed, i,
     j, n)` (the built-in engine's torch.Generator per row; vLLM's per-request seed): a fixed seed, the same prompts
     and the same TP/PP give the same responses. Callers that want different samples per step or per data-parallel
-    replica vary it."""
+    replica vary it.
+
+    `per_request_seeds=False` (vLLM only; the built-in engine always seeds each response) lets vLLM draw from its one
+    engine-wide stream, seeded once when it starts: vLLM 0.32 samples seeded requests one at a time, a kernel each
+    per decode step. Responses then depend on everything the engine generated before, so a resumed run (a new
+    engine) samples differently from an uninterrupted one (docs/algorithms.md, "Sampling seeds")."""
 
     n: int = 1  # responses per prompt
     temperature: float = 1.0  # 0 = greedy
@@ -41,6 +46,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    per_request_seeds: bool = True
 
     def __post_init__(self):
         def is_int(x):

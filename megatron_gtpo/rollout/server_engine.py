@@ -27,6 +27,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.distributed import warm_up_communicators
+
 from .engine import Response, SamplingParams, check_prompts
 from .placement import split_prompts
 from .transport import broadcast_responses
@@ -159,6 +161,28 @@ class ServerEngine:
         dist.barrier(group=self.groups.mp_group)  # every rank keeps its buffer until its engine has loaded it
         del flat
         return failure
+
+
+def start_colocated_servers(groups, hosts, start_server):
+    """Start this rank's server (`start_server()`, on an engine host; None elsewhere) once the GPUs are ready for it,
+    and return only when every engine of the job is up. Collective over the default group; every rank raises if any
+    engine failed to start.
+
+    A colocated vLLM engine sizes its KV cache from the GPU's free memory while it starts, and asserts that no other
+    process frees memory meanwhile (vLLM 0.32, v1/worker/gpu_worker.py). So every rank first gives its cached blocks
+    back and creates the NCCL communicators of its process groups (NCCL makes them at a group's first collective:
+    made later, they would take memory the engine counted as free); then the hosts start their engines, and no rank
+    goes on (to a weight sync that empties its cache, say) before all are up."""
+    torch.cuda.empty_cache()
+    warm_up_communicators()
+    dist.barrier()
+    outcome = attempt(start_server) if (groups.pp_rank, groups.tp_rank) in hosts else ("ok", None)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, outcome[1] if outcome[0] == "error" else None)
+    failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} rollout engine(s) failed to start: " + "; ".join(failed))
+    return outcome[1]
 
 
 def share_outcome(outcome, src: int, group):

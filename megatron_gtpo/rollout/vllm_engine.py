@@ -100,9 +100,9 @@ from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 from .cuda_ipc import import_buffer
 from .engine import Response, SamplingParams, response_seed
 from .placement import colocated_cuda_devices, engine_hosts, engine_members
-from .server_engine import ServerEngine
+from .server_engine import ServerEngine, start_colocated_servers
 from .vllm_remote import broadcast_from_trainer, join_weight_group
-from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination, pack_bucket, tensor_checksum, unpack_bucket, \
+from .weight_sync import DEFAULT_BUCKET_BYTES, pack_bucket, tensor_checksum, unpack_bucket, \
     unpack_flat
 
 # vLLM logs a warning for every layer that a partial (bucketed) in-place reload does not touch.
@@ -210,7 +210,8 @@ class VLLMServer:
         requests = [VLLMSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-            logprobs=0, detokenize=False, seed=response_seed(params.seed, first_prompt + i, 0, params.n))
+            logprobs=0, detokenize=False,
+            seed=response_seed(params.seed, first_prompt + i, 0, params.n) if params.per_request_seeds else None)
             for i in range(len(prompts))]
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
@@ -300,8 +301,8 @@ class VLLMEngine(ServerEngine):
         engine_tp = server_kwargs.get("tensor_parallel_size", 1)
         hosts = engine_hosts(tp=groups.tp_size, pp=groups.pp_size, engine_tp=engine_tp)
         cuda = current_platform.device_type == "cuda"
-        server = None
-        if is_sync_destination(groups, hosts):
+
+        def start_server() -> VLLMServer:
             devices = {}
             if cuda:
                 devices["CUDA_VISIBLE_DEVICES"] = colocated_cuda_devices(
@@ -309,7 +310,9 @@ class VLLMEngine(ServerEngine):
                     engine_tp=engine_tp, tp=groups.tp_size, dp=groups.dp_size,
                     visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
             with _environment(devices):
-                server = VLLMServer(hf_model_dir, **server_kwargs)
+                return VLLMServer(hf_model_dir, **server_kwargs)
+
+        server = start_colocated_servers(groups, hosts, start_server)
         # On CUDA the weights reach the workers by IPC on their own GPUs (cuda_ipc.py); elsewhere through the RPC.
         members = engine_members(tp=groups.tp_size, pp=groups.pp_size, engine_tp=engine_tp) if cuda else None
         return cls(server, groups, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), hosts=hosts,

@@ -1,9 +1,10 @@
 """The trainer: its components are built once from the config, its phases are methods, and `train` is the RL loop.
 
 Read top to bottom: `__init__` builds the task, checks the parallel layout, starts the process groups, and builds the
-policy (model, optimizer, LR schedule), the KL reference, the rollout engine, the prompt loader and the configured
-algorithm, then resumes from the newest checkpoint. `train` runs the steps; each step's phases add fields to one step
-batch (step_batch.py) and record metrics into one reducer (reduction.py). docs/architecture.md walks through it.
+policy (model, optimizer, LR schedule), the KL reference, the prompt loader and the configured algorithm, resumes
+from the newest checkpoint, and starts the rollout engine. `train` runs the steps; each step's phases add fields to
+one step batch (step_batch.py) and record metrics into one reducer (reduction.py). docs/architecture.md walks
+through it.
 """
 from __future__ import annotations
 
@@ -52,11 +53,12 @@ class Trainer:
             padded_vocab_size(shape.vocab_size, self.parallel.tp_size) // self.parallel.tp_size)
         self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
         self.reference = ReferencePolicy.build(cfg, self.task.hf_config, self.parallel)  # None without a KL term
-        self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
         self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
         self.algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
         self.start_step = checkpointing.restore(self)  # 0 without a checkpoint
+        # Last: a colocated engine sizes its memory from what the training state leaves free.
+        self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
         self.sync_weights()  # an external engine starts from the (restored) policy
         self.is_logging_rank = (self.parallel.is_last_stage and self.parallel.tp_rank == 0
                                 and self.parallel.dp_rank == 0)
@@ -210,7 +212,7 @@ class Trainer:
         seed = (self.cfg.seed * 1_000_003 + step * 7_919 + round_index * 104_729 + self.parallel.dp_rank) % 2**31
         return SamplingParams(n=r.num_responses_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=(self.task.tokenizer.eos_token_id,),
-                              seed=seed)
+                              seed=seed, per_request_seeds=r.seeded_sampling)
 
     def score_responses(self, prompts: list, responses: list[list]) -> torch.Tensor:
         """[N, G] rewards, computed once per model replica (its first rank) and broadcast to the replica's ranks."""

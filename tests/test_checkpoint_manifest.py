@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from cli_runs import assert_one_clean_error
 from trainer_runs import read_metrics, run_train
 
@@ -46,6 +48,7 @@ def test_manifest_names_the_missing_truncated_or_corrupted_file(tmp_path):
     assert find_damage(str(tmp_path)).endswith(f"{os.path.join('rng', 'rank_0.pt')} is missing")
 
 
+@pytest.mark.slow
 def test_resume_passes_over_a_damaged_checkpoint_or_stops_when_none_is_intact(tmp_path):
     """A real trainer checkpoint (TP=2, two ranks): a truncated shard of the newest checkpoint makes the relaunch
     resume from the one before it, saying so; with every checkpoint damaged it stops with one message."""

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cli_runs import assert_one_clean_error, worker_frames
 from tiny_models import make_tiny_qwen2
 from trainer_runs import train_command
@@ -21,6 +23,7 @@ def test_train_with_a_misspelled_config_key(tmp_path):
     assert_one_clean_error(res, "megatron_gtpo.train: error: unknown config key optim.learning_rate")
 
 
+@pytest.mark.slow
 def test_evaluate_with_a_missing_data_file(tmp_path):
     make_tiny_qwen2(tmp_path / "model", num_layers=1)
     res = _torchrun(["-m", "megatron_gtpo.evaluate", "--model", str(tmp_path / "model"), "--datasets",
@@ -29,6 +32,7 @@ def test_evaluate_with_a_missing_data_file(tmp_path):
                                 f"'math500') or an existing file, got '{tmp_path / 'missing.jsonl'}'")
 
 
+@pytest.mark.slow
 def test_score_with_kv_heads_that_do_not_divide_tp(tmp_path):
     make_tiny_qwen2(tmp_path / "model", num_layers=1, num_kv_heads=1)
     tokens = tmp_path / "in.jsonl"
@@ -39,6 +43,7 @@ def test_score_with_kv_heads_that_do_not_divide_tp(tmp_path):
                                 "by TP=2")
 
 
+@pytest.mark.slow
 def test_an_unexpected_error_keeps_one_traceback(tmp_path):
     """...and a warning or log record that every rank emits alike is printed once."""
     script = tmp_path / "fails.py"

@@ -1,6 +1,6 @@
 """HF <-> Megatron checkpoint converters in one process: bit-exact round trips, dtypes, tied embeddings, sharding,
 side files, atomic output and error messages. Loading the result with megatron at other TP/PP layouts is in
-test_converters_megatron.py, scoring it in test_converters_score.py."""
+test_converters_megatron.py, scoring it in test_score.py."""
 import json
 import os
 import shutil
@@ -287,6 +287,7 @@ def _tool(name, *args):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_command_line_tools(models, tmp_path):
     mg, hf2 = str(tmp_path / "mg"), str(tmp_path / "hf2")
     res = _tool("convert_hf_to_megatron.py", "--hf-dir", str(models["tied"]), "--output-dir", mg, "--tp", "2",

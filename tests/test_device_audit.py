@@ -62,6 +62,7 @@ def _rules(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_audit_rules():
     out = run_distributed(_rules, 1, timeout_s=120)[0]
     assert out["places"] == ("cuda:0", True, "cpu", False)
@@ -101,6 +102,7 @@ def _policy_loss_with_host_tensors(rank, world_size, on_device):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_device", [True, False], ids=["device-tensors", "host-tensors"])
 def test_rl_loss_with_host_tensors_is_caught(on_device):
     error = run_distributed(_policy_loss_with_host_tensors, 1, args=(on_device,), timeout_s=120)[0]

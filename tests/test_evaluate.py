@@ -214,6 +214,7 @@ def test_cli_argument_errors_and_model_that_is_not_one(tmp_path, capsys):
         evaluate.main(["--model", tokenizer_dir, "--datasets", "aime24", "--output-dir", str(tmp_path / "o")])
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_with_the_builtin_engine_at_tp2(tmp_path):
     """torchrun, TP=2, a tiny random Qwen2 with the test tokenizer's vocabulary, 5 problems x 2 samples."""
     import subprocess
@@ -309,6 +310,7 @@ def _evaluate_runs(rank, world_size, model_dir, tokenizer_dir, data, out_root, r
     return results
 
 
+@pytest.mark.slow
 def test_bounded_builtin_engine_gives_the_same_responses_at_any_cap_and_obeys_it(tmp_path):
     """The caps on rows and on KV-cache slots per batch change no response, greedy or sampled: each row draws
     from its own seeded stream. (With one generator shared by a batch, as before, the sampled runs differ.)"""
@@ -412,6 +414,7 @@ def test_engine_flag_errors(flags, message, capsys):
     assert evaluate.parse_args(["--model", "m", "--output-dir", "o", "--engine", "vllm"]).dtype == "bfloat16"
 
 
+@pytest.mark.slow
 def test_vllm_engine_without_vllm_is_a_user_error(tmp_path):
     """Where vLLM is not installed (this venv; tests/test_rollout_vllm.py runs it where it is): exit 2, one line."""
     import importlib.util

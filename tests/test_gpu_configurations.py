@@ -109,6 +109,7 @@ def outcomes():
     return run_distributed(_build_every_configuration, TP, args=(MACHINES,), timeout_s=600)[0]
 
 
+@pytest.mark.slow
 def test_every_gpu_configuration_builds_with_only_available_fusions(outcomes):
     assert len(outcomes) == len(MACHINES) * len(QWEN25_MODEL_NAMES) * len(CHOICES)
     violations = {key: bad for key, (status, bad) in outcomes.items() if status != "refused" and bad}

@@ -23,6 +23,7 @@ def _hang(rank, world_size):
     time.sleep(60)
 
 
+@pytest.mark.slow
 def test_collects_results_by_rank():
     assert run_distributed(_allreduce_rank, 2, timeout_s=120) == [3.0, 3.0]
 
@@ -32,6 +33,7 @@ def test_error_on_one_rank_is_reported_with_traceback():
         run_distributed(_raise_on_rank_one, 2, timeout_s=120)
 
 
+@pytest.mark.slow
 def test_hang_is_a_timeout_naming_ranks():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
         run_distributed(_hang, 2, timeout_s=5, init_process_group=False)

@@ -16,6 +16,8 @@ import pytest
 
 from distributed_harness import free_port
 
+pytestmark = pytest.mark.slow  # two network namespaces, a training run across them
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 NODE = os.path.join(REPO, "examples", "slurm", "node.sh")
 SUBNET = "10.203.77"

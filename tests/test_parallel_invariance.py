@@ -148,6 +148,7 @@ def _assert_same(a, b, what):
         assert torch.allclose(w_a[name], w_b[name], rtol=1e-5, atol=1e-5), f"{what}: {name}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LOSS_LEVELS)
 def test_micro_batch_size_4_vs_1(reference, level):
     _, results = reference
@@ -180,6 +181,7 @@ def test_token_budgets_and_packing_match_sequence_counts(reference, level, plan)
                  f"{level} loss, micro-batches of 4 sequences vs plan {plan}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_layouts_match_single_process(reference, tp, pp):
     path, base = reference

@@ -103,6 +103,7 @@ def _meta_param_counts(rank, world_size, names):
     return counts
 
 
+@pytest.mark.slow
 def test_real_sizes_build_on_meta_device_with_published_parameter_counts():
     from distributed_harness import run_distributed
 

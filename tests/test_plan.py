@@ -82,6 +82,7 @@ def _meta_parameter_counts(layouts):
     return counts
 
 
+@pytest.mark.slow
 def test_parameter_counts_equal_meta_device_models(measurements):
     per_rank = [rank["meta_counts"] for rank in measurements]
     for i, (name, tp, pp, vpp) in enumerate(META_LAYOUTS):

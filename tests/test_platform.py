@@ -48,6 +48,7 @@ def _platform_checks(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_cuda_requests_land_on_cpu_and_rng_tracker_works():
     out = run_distributed(_platform_checks, 1, timeout_s=120)[0]
     assert out["made_devices"] == {"cuda:0"} and out["made_storage"] == {"cpu"}

@@ -47,6 +47,7 @@ def tiny_models(tmp_path_factory):
 SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_logits_match_transformers(tiny_models, tp, pp):
     dirs = [str(path) for path, _ in tiny_models]

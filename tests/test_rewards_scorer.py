@@ -56,6 +56,7 @@ def test_pathological_expression_times_out_to_zero_within_the_limit():
     assert elapsed_s < TIMEOUT_S + KILL_GRACE_S + SLACK_S, elapsed_s
 
 
+@pytest.mark.slow
 def test_worker_that_ignores_its_timer_is_killed_and_the_rest_of_its_chunk_still_scored():
     with RewardScorer(reward_ignoring_alarms, num_workers=1, chunk_size=5, timeout_s=TIMEOUT_S,
                       kill_grace_s=KILL_GRACE_S) as scorer:

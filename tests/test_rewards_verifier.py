@@ -101,6 +101,7 @@ def scorer():
         yield scorer
 
 
+@pytest.mark.slow
 def test_reference_answers_verify_in_equivalent_forms_and_not_against_other_answers(scorer):
     responses, references, expected, labels = [], [], [], []
     for dataset, answers in _sampled_answers().items():

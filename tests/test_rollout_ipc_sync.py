@@ -62,6 +62,7 @@ def _ipc_sync(rank, world_size, model_dir):
     return out
 
 
+@pytest.mark.slow
 def test_every_engine_gets_the_whole_model_from_its_own_gpus(tmp_path):
     make_tiny_qwen2(tmp_path, vocab_size=1000, num_layers=2, num_heads=4, num_kv_heads=2, seed=3)
     expected = load_file(str(tmp_path / "model.safetensors"))

@@ -155,6 +155,7 @@ def _release_before_wake(rank, world_size):
     return events
 
 
+@pytest.mark.slow
 def test_every_rank_releases_cached_memory_before_the_engine_wakes():
     """A colocated engine's KV cache and weights wake on every GPU of the model replica: each rank's caching
     allocator must have given its cached blocks back first (torch.cuda.empty_cache on all ranks, then the wake)."""

@@ -91,6 +91,7 @@ def _failing_engine(rank, world_size):
     return None
 
 
+@pytest.mark.slow
 def test_an_engine_failure_is_raised_on_every_rank():
     messages = run_distributed(_failing_engine, 2, timeout_s=120)
     assert all(m is not None and "MemoryError: no room for the KV cache" in m for m in messages), messages

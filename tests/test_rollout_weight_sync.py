@@ -72,6 +72,7 @@ def tiny_models(tmp_path_factory):
     return untied, tied
 
 
+@pytest.mark.slow
 def test_weight_sync_streams_exact_hf_tensors_in_bounded_buckets(tiny_models):
     untied, tied = tiny_models
     # Untied at TP=2; tied at PP=2 x VPP=2 (4 virtual stages of 1 layer); to the single default destination, then
@@ -184,6 +185,7 @@ def _peak_sync_memory(rank, world_size, model_dir, bucket_sizes, packed):
     return {"destination": is_sync_destination(groups), "peaks": peaks, "sent": sent}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["buckets", "packed-for-rpc"])
 def test_bucket_size_bounds_the_peak_extra_memory(tmp_path, packed):
     make_tiny_qwen2(tmp_path, seed=7, **BIG)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from distributed_harness import free_port
+from megatron_gtpo.checkpoint import convert_hf_to_megatron
 from tiny_models import make_tiny_qwen2
 
 SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0], [4]]
@@ -39,12 +40,23 @@ def _reference(hf, seq, temperature):
     return lp, ent
 
 
-@pytest.mark.parametrize("nproc,flags", [(2, ["--tp", "2"]), (2, ["--pp", "2"])], ids=["tp2", "pp2"])
-def test_score_matches_float64_reference(model_and_input, nproc, flags):
-    root, hf, inp = model_and_input
-    out = root / f"out_{'_'.join(flags)}.jsonl"
-    res = _run_score(["--hf", str(root / "hf"), "--input", str(inp), "--output", str(out), "--temperature", "0.7",
-                      "--micro-batch-size", "3", *flags], nproc=nproc)
+# The model from its HF directory, or from the converter's Megatron checkpoint written at another TP than the one
+# it is scored at; tied and untied embeddings.
+@pytest.mark.slow
+@pytest.mark.parametrize("tie,convert_tp,flags", [(True, None, ["--tp", "2"]), (False, 1, ["--tp", "2"]),
+                                                  (True, 2, ["--pp", "2"])],
+                         ids=["hf-tied-tp2", "untied-converted-tp1-scored-tp2", "tied-converted-tp2-scored-pp2"])
+def test_score_matches_float64_reference(tmp_path, tie, convert_tp, flags):
+    hf = make_tiny_qwen2(tmp_path / "hf", tie=tie, vocab_size=1000, num_layers=4, seed=7 + tie)
+    source = ["--hf", str(tmp_path / "hf")]
+    if convert_tp is not None:
+        convert_hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), tensor_parallel=convert_tp,
+                               progress=False)
+        source = ["--load", str(tmp_path / "mg")]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"token_ids": s}) + "\n" for s in SEQUENCES))
+    res = _run_score([*source, "--input", str(inp), "--output", str(out), "--temperature", "0.7",
+                      "--micro-batch-size", "3", *flags], nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == len(SEQUENCES)

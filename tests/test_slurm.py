@@ -23,6 +23,8 @@ import pytest
 
 from distributed_harness import free_port
 
+pytestmark = pytest.mark.slow  # a real SLURM, training runs under it
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 LAUNCH = os.path.join(REPO, "examples", "slurm", "launch.sh")
 NODE = os.path.join(REPO, "examples", "slurm", "node.sh")

@@ -15,6 +15,8 @@ import yaml
 from megatron_gtpo.config import load_config
 from trainer_runs import DEMO_CONFIG, checkpoint_tensors, read_metrics, run_train, train_command
 
+pytestmark = pytest.mark.slow  # whole training runs under torchrun
+
 REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip_frac_low", "clip_frac_high",
             "grad_norm", "tokens_per_s", "accuracy", "response_length_max", "response_clip_ratio",
             "entropy_correct_mean", "entropy_failed_mean", "approx_kl", "groups_kept", "no_group_kept",

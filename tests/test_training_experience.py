@@ -57,6 +57,7 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
             "prompt_draws": calls["prompts"]}
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks():
     rank0, rank1 = run_distributed(_collect, 2, args=("fills", True), timeout_s=120)
     # Both ranks run 2 rounds and draw prompts twice; rank 0 generates only in the round it needed.
@@ -73,6 +74,7 @@ def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks()
     assert rank1["stats"]["accuracy"] == pytest.approx(5 / 12) and rank1["stats"]["response_length_mean"] == 2.0
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_stops_after_the_extra_round_bound():
     rank0, rank1 = run_distributed(_collect, 2, args=("bounded", True), timeout_s=120)
     assert rank0["stats"]["sampling_rounds"] == rank1["stats"]["sampling_rounds"] == 3  # 1 + max_extra_rounds
@@ -81,6 +83,7 @@ def test_dynamic_sampling_stops_after_the_extra_round_bound():
     assert len(rank0["prompts"]) == TARGET_GROUPS
 
 
+@pytest.mark.slow
 def test_without_dynamic_sampling_one_round_keeps_uninformative_groups():
     rank0, rank1 = run_distributed(_collect, 2, args=("bounded", False), timeout_s=120)
     for out in (rank0, rank1):
@@ -150,6 +153,7 @@ def _global_advantages(rank, world_size, scenario, algorithm):
             "shape": None if mine is None else list(mine.shape)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(GLOBAL_BATCHES))
 @pytest.mark.parametrize("algorithm", ["gtpo", "grpo_s", "dapo"])
 def test_global_advantages_span_every_data_parallel_rank(scenario, algorithm):

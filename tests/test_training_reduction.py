@@ -54,6 +54,7 @@ def _expected(sequence_level):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_level", [False, True], ids=["token_loss", "sequence_loss"])
 def test_metrics_reduce_over_micro_batches_steps_and_ranks(sequence_level):
     rank0, rank1 = run_distributed(_reduce, 2, args=(sequence_level, {}), timeout_s=120)
@@ -66,6 +67,7 @@ def test_metrics_reduce_over_micro_batches_steps_and_ranks(sequence_level):
     assert "ref_kl" not in rank0  # optional and not recorded: left out
 
 
+@pytest.mark.slow
 def test_a_wrongly_declared_reduction_gives_another_value():
     """The test above catches a wrong declaration: each of these gives a value it rejects."""
     from megatron_gtpo.training.reduction import Metric, Reduce

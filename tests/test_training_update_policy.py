@@ -113,6 +113,7 @@ def on_policy():
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ON_POLICY_CASES,
                          ids=lambda c: f"{c[0]}-{c[1][0]}seq-{c[1][1]}tok" + ("-packed" if c[1][2] else ""))
 def test_on_policy_first_mini_batch_has_ratio_exactly_one(on_policy, case):
@@ -150,6 +151,7 @@ def _corrected(rank, world_size):
     return same, all(torch.equal(a, b) for a, b in zip(plain, binding))
 
 
+@pytest.mark.slow
 def test_corrections_leave_the_update_unchanged_when_rollout_equals_old():
     (result,) = run_distributed(_corrected, 1, timeout_s=300)
     same, control_same = result
@@ -170,6 +172,7 @@ def _update_then_empty(rank, world_size):
             run.policy.scheduler.num_steps == schedule_steps)
 
 
+@pytest.mark.slow
 def test_an_empty_mini_batch_skips_the_optimizer_and_the_lr_schedule():
     (result,) = run_distributed(_update_then_empty, 1, timeout_s=240)
     first_steps, second_steps, empty, unchanged, schedule_unchanged = result

@@ -176,6 +176,7 @@ def references():
     return {name: _reference(case) for name, case in CASES.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,tp_sizes", [(1, (1,)), (2, (2,)), (4, (4, 2))])
 def test_matches_float64_reference_across_tp_ranks(world_size, tp_sizes, references):
     """Outputs and the three gradients on every rank and chunking, with padding, temperature, bf16, [s, b, V];

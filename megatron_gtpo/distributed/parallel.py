@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.process_lifetime import end_with_the_run
+
 from .platform import activate_cpu_platform
 
 BACKENDS = ("nccl", "gloo")
@@ -126,11 +128,13 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
     """Start torch.distributed (unless already started) and megatron's model-parallel state; seed the RNGs.
 
     Rank layout is megatron's default order (tp-cp-ep-dp-pp): TP ranks are adjacent. On a machine without CUDA the
-    CPU platform layer is activated first, so megatron-core runs unmodified on gloo.
+    CPU platform layer is activated first, so megatron-core runs unmodified on gloo. megatron-core's checkpoint writer
+    processes end with the rank, and the rank with its torchrun agent, even after a SIGKILL (process_lifetime.py).
     """
     if sequence_parallel and tensor_parallel == 1:
         raise ValueError("sequence parallelism needs tensor parallel size > 1")
     activate_cpu_platform()
+    end_with_the_run()
     backend = _pick_backend(backend)
     launch = read_launch_env()
     check_parallel_layout(launch.world_size, tensor_parallel, pipeline_parallel, virtual_pipeline_parallel)

@@ -17,6 +17,11 @@ process with threads (torch, NCCL), and spawn would re-import the trainer's `__m
 megatron) into every reward worker. A worker imports only the reward function's module. The reward function
 is pickled by reference, so it must be a module-level function (or a picklable callable object).
 
+Workers end with the process that started them, even one killed with SIGKILL: between items a worker exits when
+its inbox pipe closes; one started from the parent's main thread is also killed with the parent mid-item (the
+kernel's parent-death signal, process_lifetime.die_with_parent), where its own timer may never fire. The signal
+follows the thread that started the worker, so a worker started from another thread has the pipe alone.
+
 Exceptions raised by the reward function are NOT turned into 0.0: they point at a bug (the math verifier
 catches parse failures itself), so `score` raises RuntimeError with the worker's traceback.
 """
@@ -39,13 +44,15 @@ from typing import Protocol, Sequence
 
 from tqdm import tqdm
 
+from megatron_gtpo.process_lifetime import die_with_parent
+
 logger = logging.getLogger(__name__)
 
 _PACKAGE_PARENT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # os._exit skips interpreter teardown (sympy's module graph makes it take most of a second).
 _WORKER_BOOTSTRAP = (
     "import os, sys; from megatron_gtpo.rewards.scorer import _worker_main; "
-    "_worker_main(int(sys.argv[1]), int(sys.argv[2])); sys.stdout.flush(); sys.stderr.flush(); os._exit(0)"
+    "_worker_main(*map(int, sys.argv[1:4])); sys.stdout.flush(); sys.stderr.flush(); os._exit(0)"
 )
 _STATUS_OK, _STATUS_TIMEOUT, _STATUS_ERROR = "ok", "timeout", "error"
 
@@ -87,8 +94,11 @@ def _score_one(reward_fn: RewardFn, response: str, reference: str, timeout_s: fl
     return _STATUS_OK, reward
 
 
-def _worker_main(inbox_fd: int, outbox_fd: int) -> None:
-    """Worker process: receive the set-up message, then score chunks, sending one result per item."""
+def _worker_main(inbox_fd: int, outbox_fd: int, parent_pid: int) -> None:
+    """Worker process: receive the set-up message, then score chunks, sending one result per item. `parent_pid`: the
+    process whose death kills this one (0: none)."""
+    if parent_pid:
+        die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
     inbox = Connection(inbox_fd, writable=False)
     outbox = Connection(outbox_fd, readable=False)
@@ -120,9 +130,12 @@ class _Worker:
         outbox_read, outbox_write = os.pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT_DIR, env.get("PYTHONPATH")]))
+        # The parent-death signal fires when the starting thread ends: tie the worker to this process only from the
+        # main thread, which ends with it.
+        parent_pid = os.getpid() if threading.current_thread() is threading.main_thread() else 0
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_BOOTSTRAP, str(inbox_read), str(outbox_write)],
+                [sys.executable, "-c", _WORKER_BOOTSTRAP, str(inbox_read), str(outbox_write), str(parent_pid)],
                 pass_fds=(inbox_read, outbox_write),
                 stdin=subprocess.DEVNULL,
                 env=env,

@@ -57,11 +57,11 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
     """Run the trainer's main with the old-policy pass observed; write this rank's record."""
     import torch
 
-    import megatron_gtpo.training.experience as experience
+    import megatron_gtpo.training.old_policy as old_policy
     from megatron_gtpo.train import main
     from megatron_gtpo.training.trainer import Trainer
 
-    op = experience.vocab_parallel_logprobs_and_entropy
+    op = old_policy.vocab_parallel_logprobs_and_entropy
     state = {"scoring": False, "op_s": 0.0, "reference_s": 0.0, "added_s": 0.0, "run": None}
     steps = []
 
@@ -93,12 +93,12 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
             state["added_s"] += time.perf_counter() - added
         return out
 
-    score_old_policy = Trainer.score_old_policy
+    old_policy_pass = Trainer.old_policy_pass
 
     def observed_score(trainer, batch):
         state.update(scoring=True, op_s=0.0, reference_s=0.0, added_s=0.0, run=trainer)
         try:
-            score_old_policy(trainer, batch)
+            old_policy_pass(trainer, batch)
         finally:
             state["scoring"] = False
         lengths = batch.sequence_lengths
@@ -106,8 +106,8 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
                       "sequences": len(lengths), "entropy_op_s": state["op_s"],
                       "reference_op_s": state["reference_s"], "added_s": state["added_s"]})
 
-    experience.vocab_parallel_logprobs_and_entropy = timed_op
-    Trainer.score_old_policy = observed_score
+    old_policy.vocab_parallel_logprobs_and_entropy = timed_op
+    Trainer.old_policy_pass = observed_score
     status = main(train_argv)
     run = state["run"]
     if run is not None:

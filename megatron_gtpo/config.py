@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, resolve_algorithm
+from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 
 ALGORITHMS = ALGORITHM_NAMES  # the registry's names (algorithms/registry.py): the only list of algorithms
@@ -422,7 +423,4 @@ def config_text(cfg: TrainConfig) -> str:
 
 
 def save_config(cfg: TrainConfig, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(config_text(cfg))
-    os.replace(tmp, path)
+    write_atomically(path, config_text(cfg))

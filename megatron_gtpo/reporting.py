@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+from megatron_gtpo.atomic_files import write_atomically
+
 PLOTTED = (("reward_mean", "mean reward"), ("entropy_mean", "mean token entropy (nats)"),
            ("response_length_mean", "mean response length (tokens)"))
 
@@ -104,7 +106,7 @@ def _save_atomically(fig, title: str, path: str, *, dpi: int) -> None:
 
     fig.suptitle(title)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=dpi)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 
+from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.cli import run_cli
 
 
@@ -44,11 +45,7 @@ def read_token_ids(path: str, *, vocab_size: int, max_positions: int) -> list[li
 
 
 def write_jsonl_atomically(path: str, rows: list[dict]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def parse_args(argv=None):
@@ -69,7 +66,7 @@ def parse_args(argv=None):
 
 def _model_source(args):
     """(hf config dict, loader(model_chunks, groups)) for --hf or --load."""
-    from megatron_gtpo.models.sources import ModelSource
+    from megatron_gtpo.checkpoint.sources import ModelSource
 
     if args.hf:
         from megatron_gtpo.models.qwen2 import load_hf_config

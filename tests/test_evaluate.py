@@ -11,7 +11,10 @@ import pytest
 
 from megatron_gtpo import evaluate
 from megatron_gtpo.data import BOXED_SUFFIX, load_dataset, load_tokenizer
-from megatron_gtpo.evaluate import ProblemResult, mean_at_k, pass_at_k, write_report
+from megatron_gtpo.evaluation import replicas
+from megatron_gtpo.evaluation.passk import ProblemResult, mean_at_k, pass_at_k
+from megatron_gtpo.evaluation.report import RESPONSES_JSONL, RESULTS_CSV, RESULTS_JSON, format_summary, write_report
+from megatron_gtpo.rollout.engine import Response
 from test_tokenizers import QWEN_DEFAULT_SYSTEM, build_hf_tokenizer_dir
 
 
@@ -72,7 +75,7 @@ def test_report_metrics_json_and_csv(tmp_path):
     assert summary["setB"] == {"num_problems": 1, "num_samples": 4, "mean@4": 0.0, "pass@1": 0.0, "pass@2": 0.0,
                                "pass@4": 0.0}
 
-    with open(tmp_path / evaluate.RESULTS_JSON, encoding="utf-8") as f:
+    with open(tmp_path / RESULTS_JSON, encoding="utf-8") as f:
         report = json.load(f)
     assert report["settings"] == {"model": "m"} and report["summary"] == json.loads(json.dumps(summary))
     assert [(p["dataset"], p["problem_id"], p["num_correct"], p["correct"]) for p in report["problems"]] == [
@@ -80,20 +83,20 @@ def test_report_metrics_json_and_csv(tmp_path):
         ("setB", "b1", 0, [False] * 4),
     ]
     assert report["problems"][0]["predicted_answers"] == ["7", "1", "1", "1"]
-    with open(tmp_path / evaluate.RESULTS_CSV, encoding="utf-8", newline="") as f:
+    with open(tmp_path / RESULTS_CSV, encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["dataset"], r["problem_id"], r["num_correct"]) for r in rows] == [
         ("setA", "a1", "1"), ("setA", "a2", "3"), ("setB", "b1", "0")]
     assert float(rows[1]["accuracy"]) == 0.75 and float(rows[0]["pass@2"]) == pytest.approx(0.5)
-    with open(tmp_path / evaluate.RESPONSES_JSONL, encoding="utf-8") as f:
+    with open(tmp_path / RESPONSES_JSONL, encoding="utf-8") as f:
         responses = [json.loads(line) for line in f]
     assert len(responses) == 12 and responses[5] == {
         "dataset": "setA", "problem_id": "a2", "sample_index": 1, "response": "a2 sample 1: \\boxed{7}",
         "extracted_answer": "7", "correct": True}
     assert "response" not in report["problems"][0] and "responses" not in report["problems"][0]
-    assert sorted(os.listdir(tmp_path)) == sorted([evaluate.RESULTS_CSV, evaluate.RESULTS_JSON,
-                                                   evaluate.RESPONSES_JSONL])  # no temporary files left
-    assert evaluate.format_summary(summary).splitlines() == [
+    assert sorted(os.listdir(tmp_path)) == sorted([RESULTS_CSV, RESULTS_JSON,
+                                                   RESPONSES_JSONL])  # no temporary files left
+    assert format_summary(summary).splitlines() == [
         "dataset  num_problems  num_samples  mean@4  pass@1  pass@2  pass@4",
         "------------------------------------------------------------------",
         "setA                2            4  0.5000  0.5000  0.7500  1.0000",
@@ -107,7 +110,7 @@ def test_report_metrics_json_and_csv(tmp_path):
 
 def test_report_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
     write_report({"s": [_result("a", [True])]}, str(tmp_path), ks=[1])
-    before = (tmp_path / evaluate.RESULTS_JSON).read_text()
+    before = (tmp_path / RESULTS_JSON).read_text()
 
     def failing_fsync(fd):
         raise OSError("disk full")
@@ -115,16 +118,14 @@ def test_report_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", failing_fsync)
     with pytest.raises(OSError, match="disk full"):
         write_report({"s": [_result("a", [False])]}, str(tmp_path), ks=[1])
-    assert (tmp_path / evaluate.RESULTS_JSON).read_text() == before
-    assert sorted(os.listdir(tmp_path)) == sorted([evaluate.RESULTS_CSV, evaluate.RESULTS_JSON,
-                                                   evaluate.RESPONSES_JSONL])
+    assert (tmp_path / RESULTS_JSON).read_text() == before
+    assert sorted(os.listdir(tmp_path)) == sorted([RESULTS_CSV, RESULTS_JSON,
+                                                   RESPONSES_JSONL])
 
 
 class CannedEngine:
-    """Test double of the rollout engine: answers problem p (found by its text in the decoded prompt) with
-    `num_correct[p]` correct responses, then wrong ones; records every call."""
-
-    share = evaluate.ReplicaShare()
+    """Test double of a rollout engine (rollout.engine.RolloutEngine.generate): answers problem p (found by its text
+    in the decoded prompt) with `num_correct[p]` correct responses, then wrong ones; records every call."""
 
     def __init__(self, tokenizer, records, num_correct):
         self.tokenizer = tokenizer
@@ -132,20 +133,22 @@ class CannedEngine:
         self.num_correct = num_correct
         self.calls = []
 
-    def generate(self, prompts_token_ids, *, n, temperature, top_p, max_new_tokens, seed):
-        self.calls.append({"num_prompts": len(prompts_token_ids), "n": n, "temperature": temperature,
-                           "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
-                           "prompts": [self.tokenizer.decode(ids) for ids in prompts_token_ids]})
+    def generate(self, prompts, params):
+        self.calls.append({"num_prompts": len(prompts), "n": params.n, "temperature": params.temperature,
+                           "top_p": params.top_p, "max_new_tokens": params.max_new_tokens, "seed": params.seed,
+                           "stop_token_ids": params.stop_token_ids,
+                           "prompts": [self.tokenizer.decode(ids) for ids in prompts]})
         outputs = []
         for prompt_text in self.calls[-1]["prompts"]:
             (record,) = [r for r in self.records if f"user\n{r.problem}\n" in prompt_text]
             responses = []
-            for sample in range(n):
+            for sample in range(params.n):
                 if sample < self.num_correct[record.id]:
                     text = f"Adding up, we get $\\boxed{{{record.answer}}}$."
                 else:
                     text = f"So the answer is \\boxed{{{int(record.answer) + 1}}}" if sample % 2 else "I give up."
-                responses.append(self.tokenizer.encode(text) + [self.tokenizer.eos_token_id])
+                ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
+                responses.append(Response(ids, [0.0] * len(ids), "stop"))
             outputs.append(responses)
         return outputs
 
@@ -165,21 +168,24 @@ def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
     engine = CannedEngine(tokenizer, [r for records in datasets.values() for r in records], num_correct)
     created = []
 
-    def engine_factory(args, tok):
+    def replica_factory(args, tok):
         created.append((args.model, tok.vocab_size))
-        return engine
+        return replicas.Replica(engine, replicas.ReplicaShare(), tok.eos_token_id, vocab_size=tok.vocab_size,
+                                max_positions=4096)
 
     output_dir = tmp_path / "eval"
     summary = evaluate.main(
         ["--model", tokenizer_dir, "--datasets", "aime25", f"custom={custom_path}", "--output-dir", str(output_dir),
          "--num-samples", str(n), "--temperature", "0.6", "--top-p", "0.95", "--max-new-tokens", "512",
          "--seed", "10", "--prompts-per-call", "8", "--num-reward-workers", "1"],
-        engine_factory=engine_factory,
+        replica_factory=replica_factory,
     )
     assert created == [(tokenizer_dir, tokenizer.vocab_size)]
     # aime25 in calls of 8, 8, 8, 6 prompts, then custom in one call of 5; seeds offset by the first prompt index
     assert [(c["num_prompts"], c["seed"]) for c in engine.calls] == [(8, 10), (8, 18), (8, 26), (6, 34), (5, 10)]
-    assert {(c["n"], c["temperature"], c["top_p"], c["max_new_tokens"]) for c in engine.calls} == {(n, 0.6, 0.95, 512)}
+    assert {(c["n"], c["temperature"], c["top_p"], c["max_new_tokens"], c["stop_token_ids"]) for c in engine.calls} \
+        == {(n, 0.6, 0.95, 512, (tokenizer.eos_token_id,))}
+    assert engine.closed
     first_problem = datasets["aime25"][0].problem
     assert engine.calls[0]["prompts"][0] == (
         f"<|im_start|>system\n{QWEN_DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\n{first_problem}{BOXED_SUFFIX}"
@@ -193,14 +199,14 @@ def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
         for k in (1, 2, 4):  # the default ks for n = 4
             expected[f"pass@{k}"] = sum(float(_closed_form_pass_at_k(n, c, k)) for c in counts) / len(counts)
         assert summary[name] == pytest.approx(expected)
-    with open(output_dir / evaluate.RESULTS_JSON, encoding="utf-8") as f:
+    with open(output_dir / RESULTS_JSON, encoding="utf-8") as f:
         report = json.load(f)
     assert report["settings"]["seed"] == 10 and report["settings"]["template"]["suffix"] == BOXED_SUFFIX
     problems = {(p["dataset"], p["problem_id"]): p for p in report["problems"]}
     assert len(problems) == 35
     c2 = problems[("custom", "c2")]  # 2 correct of 4: "4", "4", then no answer (sample 2), "5" (sample 3)
     assert c2["correct"] == [True, True, False, False] and c2["predicted_answers"] == ["4", "4", None, "5"]
-    with open(output_dir / evaluate.RESULTS_CSV, encoding="utf-8", newline="") as f:
+    with open(output_dir / RESULTS_CSV, encoding="utf-8", newline="") as f:
         assert len(list(csv.DictReader(f))) == 35
 
 
@@ -280,14 +286,16 @@ def _evaluate_runs(rank, world_size, model_dir, tokenizer_dir, data, out_root, r
             super().increment_sequence_len_offset(tokens_in_step)
 
     contexts.StaticInferenceContext = RecordingContext
-    adapter_generate = evaluate._RolloutEngineAdapter.generate
+    from megatron_gtpo.rollout.builtin import BuiltinEngine
 
-    def recording_generate(self, prompts, **kwargs):
-        out = adapter_generate(self, prompts, **kwargs)
-        tokens.extend(out)
+    engine_generate = BuiltinEngine.generate
+
+    def recording_generate(self, prompts, params):
+        out = engine_generate(self, prompts, params)
+        tokens.extend([r.token_ids for r in group] for group in out)
         return out
 
-    evaluate._RolloutEngineAdapter.generate = recording_generate
+    BuiltinEngine.generate = recording_generate
     results, row_slots = {}, None
     for name, flags in runs:
         caches.clear()
@@ -368,7 +376,8 @@ def test_bounded_builtin_engine_gives_the_same_responses_at_any_cap_and_obeys_it
 
 
 def test_replica_calls_split_every_problem_once_across_replicas():
-    from megatron_gtpo.evaluate import ReplicaShare, replica_calls
+    from megatron_gtpo.evaluation.replicas import ReplicaShare
+    from megatron_gtpo.evaluation.run import replica_calls
 
     assert replica_calls(10, prompts_per_call=4, share=ReplicaShare()) == [range(0, 4), range(4, 8), range(8, 10)]
     # 30 problems on 8 replicas: calls of at most ceil(30 / 8) = 4 prompts, so that every replica gets some.
@@ -437,11 +446,11 @@ def test_vllm_replica_gpus_follow_the_local_rank(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert evaluate._replica_cuda_devices(2, 8) == "6,7"
+    assert replicas.replica_cuda_devices(2, 8) == "6,7"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2,4,6,8,10,12,14")
-    assert evaluate._replica_cuda_devices(1, 8) == "2"
+    assert replicas.replica_cuda_devices(1, 8) == "2"
     with pytest.raises(ValueError, match=r"8 replica\(s\) on this node x --vllm-tp 2 need 16 GPUs, the node shows "
                                          r"8; launch --nproc_per_node 4"):
-        evaluate._replica_cuda_devices(2, 8)
+        replicas.replica_cuda_devices(2, 8)

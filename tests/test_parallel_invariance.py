@@ -63,7 +63,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
     from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.model_setup import wrap_for_training
     from megatron_gtpo.distributed.platform import device_audit
-    from megatron_gtpo.training.experience import score_old_policy
+    from megatron_gtpo.training.old_policy import old_policy_pass
     from megatron_gtpo.training.reduction import MetricReducer
     from megatron_gtpo.training.update import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
@@ -88,7 +88,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
         policy = wrap_for_training(cfg, chunks, train_steps=1)
         batch = build_step_batch(exp, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
                                  max_tokens=plan[1], pack=plan[2])
-        score_old_policy(policy.chunks, batch, groups, vocab_size=shape.vocab_size, temperature=0.9)
+        old_policy_pass(policy.chunks, batch, groups, vocab_size=shape.vocab_size, temperature=0.9)
         scored = batch.old_logprobs_ST.cpu() if groups.is_last_stage else None  # [S, T] of this DP rank
         if groups.is_last_stage:
             T = batch.mask_ST.shape[1]

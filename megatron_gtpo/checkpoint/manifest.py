@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 
+from megatron_gtpo.atomic_files import write_atomically
+
 MANIFEST = "manifest.json"
 _READ_BYTES = 16 << 20
 
@@ -59,10 +61,7 @@ def write_manifest(directory: str, *, group=None) -> None:
         files = listed[0]
     entries = _shared_out(lambda paths: [(p, _file_entry(os.path.join(directory, p))) for p in paths], files, group)
     if group is None or _is_first(group):
-        tmp = os.path.join(directory, MANIFEST + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"files": dict(entries)}, f, indent=1)
-        os.replace(tmp, os.path.join(directory, MANIFEST))
+        write_atomically(os.path.join(directory, MANIFEST), json.dumps({"files": dict(entries)}, indent=1))
 
 
 def _is_first(group) -> bool:

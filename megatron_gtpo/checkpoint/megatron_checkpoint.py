@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.models.hf_mapping import LOCAL_TO_TE
 from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
 
@@ -280,10 +281,7 @@ def _remove_stale_temporaries(directory: str) -> None:
 
 def _point_latest_and_prune(directory: str, keep_last: int) -> None:
     root, name = os.path.split(os.path.abspath(directory))
-    tmp = os.path.join(root, LATEST + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(name + "\n")
-    os.replace(tmp, os.path.join(root, LATEST))
+    write_atomically(os.path.join(root, LATEST), name + "\n")
     for old in series_members(root, _series_prefix(directory))[:-keep_last]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 

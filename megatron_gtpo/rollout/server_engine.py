@@ -4,7 +4,7 @@ pipeline stage or per TP slice of one). Imports neither vllm nor megatron. Befor
 group empties its caching allocator (`_release_cached_memory`).
 
 The server object is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a
-`vllm_remote.RemoteVLLMClient` talking to a vLLM server on another node (remote mode). Either way it offers:
+`vllm_remote_client.RemoteVLLMClient` talking to a vLLM server on another node (remote mode). Either way it offers:
 
     generate(prompts, SamplingParams, first_prompt=0) -> list[list[Response]] (`first_prompt`: the index of
         prompts[0] in the replica's prompts, so that seeds differ across engines)

@@ -100,10 +100,9 @@ from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 from .cuda_ipc import import_buffer
 from .engine import Response, SamplingParams, response_seed
 from .placement import colocated_cuda_devices, engine_hosts, engine_members
+from .remote_channel import broadcast_from_trainer, join_weight_group
 from .server_engine import ServerEngine, start_colocated_servers
-from .vllm_remote import broadcast_from_trainer, join_weight_group
-from .weight_sync import DEFAULT_BUCKET_BYTES, pack_bucket, tensor_checksum, unpack_bucket, \
-    unpack_flat
+from .weight_sync import DEFAULT_BUCKET_BYTES, pack_bucket, tensor_checksum, unpack_bucket, unpack_flat
 
 # vLLM logs a warning for every layer that a partial (bucketed) in-place reload does not touch.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
@@ -140,7 +139,7 @@ class GTPOWorkerExtension:
         self._gtpo_reload(unpack_flat(flat, names, dtype_names, shapes))
 
     def gtpo_join_weight_group(self, host: str, port: int, prefix: str, world_size: int, timeout_s: float) -> int:
-        """Join the remote trainer's weight broadcast group (vllm_remote.py) as rank 1 + this worker's rank; returns
+        """Join the remote trainer's weight broadcast group (remote_channel.py) as rank 1 + this worker's rank; returns
         the probe value the trainer broadcasts first."""
         self.gtpo_weight_group = join_weight_group(host, port, prefix, 1 + self.rank, world_size, self.device,
                                                    timeout_s)

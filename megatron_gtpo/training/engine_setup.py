@@ -37,7 +37,8 @@ def _vllm_engine(cfg: TrainConfig, task: Task, parallel: ParallelGroups):
 
 
 def _vllm_remote_engine(cfg: TrainConfig, shape, parallel: ParallelGroups):
-    from megatron_gtpo.rollout.vllm_remote import VLLMRemoteEngine, parse_address
+    from megatron_gtpo.rollout.remote_channel import parse_address
+    from megatron_gtpo.rollout.vllm_remote_client import VLLMRemoteEngine
 
     r = cfg.rollout
     for address in r.vllm_remote_addresses:

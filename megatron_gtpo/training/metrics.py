@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
+from megatron_gtpo.atomic_files import write_atomically
+
 
 class PhaseTimer:
     """Wall time of named phases of one step (seconds)."""
@@ -54,10 +56,7 @@ class MetricsLogger:
             return
         with open(self.path, encoding="utf-8") as f:
             kept = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+        write_atomically(self.path, "".join(kept))
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:

@@ -42,7 +42,7 @@ class ReferencePolicy:
     def pin(self, policy_chunks: list, parallel: ParallelGroups, *, resumed: bool) -> None:
         """Fix the reference weights before the first RL step (collective)."""
         if self.source is not None:
-            from megatron_gtpo.models.sources import ModelSource
+            from megatron_gtpo.checkpoint.sources import ModelSource
 
             ModelSource.detect(self.source).load_into(self.chunks, parallel)
             return

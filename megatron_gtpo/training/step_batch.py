@@ -170,7 +170,7 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
     micro-batches (one row of several sequences each, forward.py) instead of padded ones."""
     device, G = parallel.device, exp.group_size
     sequences = exp.sequences()
-    prompt_lengths = exp.response_starts()
+    prompt_lengths = exp.prompt_lengths()
     responses = [r for group in exp.responses for r in group]
     response_lengths = [len(r.token_ids) for r in responses]
     T = max(response_lengths, default=0)

@@ -61,6 +61,6 @@ def build_task(cfg: TrainConfig) -> Task:
 
 
 def _model_hf_config(cfg: TrainConfig) -> dict:
-    from megatron_gtpo.models.sources import ModelSource
+    from megatron_gtpo.checkpoint.sources import ModelSource
 
     return ModelSource.detect(cfg.model.hf_dir or cfg.model.load).hf_config()

@@ -13,18 +13,20 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_gtpo.algorithms import configure_algorithm, informative_groups
+from megatron_gtpo.algorithms import configure_algorithm
 from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS
 from megatron_gtpo.config import TrainConfig, to_dict, validate_layout
 from megatron_gtpo.distributed import initialize_parallel, read_launch_env
 from megatron_gtpo.rollout.engine import SamplingParams
 
 from . import checkpointing
+from .advantages import global_advantages
 from .checkpointing import StopSignal
 from .engine_setup import build_engine
-from .experience import Experience, collect_experience, correct_rollout, global_advantages, score_old_policy
+from .experience import Experience, collect_experience
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel
+from .old_policy import correct_rollout, old_policy_pass
 from .reduction import WARM_START_METRICS, MetricReducer
 from .reference import ReferencePolicy
 from .step_batch import StepBatch, build_step_batch
@@ -81,7 +83,7 @@ class Trainer:
             experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
             with timer("old_logprob"):
                 batch = self.build_step_batch(experience)  # tokens, masks, group index, the micro-batch plan
-                self.score_old_policy(batch)  # old log-probs, entropies; the rollout mismatch correction
+                self.old_policy_pass(batch)  # old log-probs, entropies; the rollout mismatch correction
             with timer("advantages"):
                 self.compute_advantages(batch)  # the configured algorithm's, over the global batch
             with timer("update"):
@@ -143,8 +145,7 @@ class Trainer:
                                  self.sampling_params(step, 0), self.parallel,
                                  target_prompt_groups=self.cfg.data.prompts_per_step // self.parallel.dp_size,
                                  dynamic_sampling=self.algorithm.dynamic_sampling,
-                                 max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty,
-                                 informative=informative_groups)
+                                 max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty)
         stats = exp.stats
         metrics.add({k: stats[k] for k in ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio",
                                            "response_length_max", "groups_kept", "groups_generated",
@@ -159,11 +160,11 @@ class Trainer:
                                 max_sequences=d.micro_batch_size, max_tokens=d.max_tokens_per_micro_batch,
                                 pack=d.pack_sequences)
 
-    def score_old_policy(self, batch: StepBatch) -> None:
+    def old_policy_pass(self, batch: StepBatch) -> None:
         """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
         mismatch correction's loss mask and importance weights."""
         a = self.cfg.algorithm
-        score_old_policy(self.policy.chunks, batch, self.parallel, vocab_size=self.vocab_size,
+        old_policy_pass(self.policy.chunks, batch, self.parallel, vocab_size=self.vocab_size,
                          temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
                          reference_chunks=self.reference.chunks if self.reference else None)
         correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,

@@ -13,7 +13,7 @@ class ModelSource:
 
     @classmethod
     def detect(cls, path: str) -> "ModelSource":
-        from megatron_gtpo.checkpoint.megatron_checkpoint import METADATA_FILE
+        from .megatron_checkpoint import METADATA_FILE
 
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist")
@@ -26,21 +26,21 @@ class ModelSource:
 
     def hf_config(self) -> dict:
         if self.is_megatron_checkpoint:
-            from megatron_gtpo.checkpoint.megatron_checkpoint import read_checkpoint_metadata
+            from .megatron_checkpoint import read_checkpoint_metadata
 
             return read_checkpoint_metadata(self.path).hf_config
-        from .qwen2 import load_hf_config
+        from megatron_gtpo.models.qwen2 import load_hf_config
 
         return load_hf_config(self.path)
 
     def load_into(self, model_chunks: list, groups) -> None:
         """Copy the weights into this rank's chunks (any TP/PP)."""
         if self.is_megatron_checkpoint:
-            from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_only
+            from .megatron_checkpoint import load_model_only
 
             load_model_only(self.path, model_chunks)
             return
-        from .hf_checkpoint import HFCheckpoint, load_hf_weights
+        from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
 
         with HFCheckpoint(self.path) as ckpt:
             load_hf_weights(model_chunks, ckpt, tp_rank=groups.tp_rank, tp_size=groups.tp_size)

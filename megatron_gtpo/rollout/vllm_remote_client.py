@@ -1,0 +1,170 @@
+"""The trainer's side of a vLLM rollout server on another node (docs/remote_rollout.md): `VLLMRemoteEngine.connect`
+gives a `RolloutEngine` with the semantics of the colocated `vllm_engine.VLLMEngine` (both are
+`server_engine.ServerEngine`): the weight-sync destination rank talks to the server through a `RemoteVLLMClient`;
+every rank of the model-parallel group gets the responses, or raises when the server failed. After a transport
+failure a client refuses further calls; after an error the server reported, the session stays usable. Imports no
+vllm.
+"""
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .engine import Response, SamplingParams
+from .remote_channel import (
+    PROTOCOL,
+    ROOT,
+    broadcast_from_trainer,
+    parse_address,
+    post_message,
+    session_key,
+    take_message,
+    weight_group,
+    weights_prefix,
+)
+from .server_engine import ServerEngine, attempt, share_outcome, unwrap
+from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
+
+
+class RemoteVLLMClient:
+    """The trainer's handle on one vLLM server: the `server` object of a ServerEngine (docs/remote_rollout.md has
+    the protocol)."""
+
+    def __init__(self, address: str, shape, device: torch.device, *, connect_timeout_s: float = 300.0,
+                 request_timeout_s: float = 1800.0):
+        host, port = parse_address(address)
+        self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        # On the CPU platform the training device is host memory under a CUDA name (distributed/device_audit.py):
+        # there the weights leave from the host, over gloo, to vLLM's CPU workers.
+        device = device if torch.cuda.is_available() else torch.device("cpu")
+        self.device = device
+        self._broken: str | None = None
+        self.group = None
+        try:
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_timeout_s))
+            self.session = self.store.add(f"{ROOT}/sessions", 1)
+        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError or DistStoreError, by version
+            raise ConnectionError(f"no vLLM server answered at {address} within {connect_timeout_s:g} s "
+                                  f"({type(e).__name__}: {e})") from None
+        self._seq = 0
+        info = self._call("hello", dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape),
+                                        device_type=device.type), connect_timeout_s)
+        self.dtype = getattr(torch, info["dtype"])
+        self.policy_version = info["version"]
+        reply_key = self._request("join", connect_timeout_s)
+        try:  # the server's workers join at the same time; then a probe checks that the group works
+            self.group = weight_group(self.store, weights_prefix(self.session), 0, 1 + info["num_workers"],
+                                      device, connect_timeout_s)
+            broadcast_from_trainer(self.group, torch.tensor([self.session], dtype=torch.int64, device=device))
+        except Exception as e:  # noqa: BLE001 - the server's own account, if it has one, says more
+            raise self._broke("joining the weight broadcast group", e, reply_key) from None
+        self._reply(reply_key, "join", connect_timeout_s)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+                 first_prompt: int = 0) -> list[list[Response]]:
+        responses, version = self._call("generate", (prompts, params, first_prompt), self.request_timeout_s)
+        if version != self.policy_version:
+            raise RuntimeError(f"policy version mismatch: the vLLM server at {self.address} generated with policy "
+                               f"version {version}, the last one synced is {self.policy_version}")
+        return responses
+
+    def begin_weight_update(self) -> None:
+        self._call("begin", None, self.request_timeout_s)
+
+    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        reply_key = self._request("bucket", ([n for n, _ in bucket],
+                                             [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                                             [list(t.shape) for _, t in bucket]))
+        try:
+            for _, tensor in bucket:
+                broadcast_from_trainer(self.group, tensor.detach().to(self.device).contiguous())
+        except Exception as e:  # noqa: BLE001
+            raise self._broke("broadcasting a weight bucket", e, reply_key) from None
+        self._reply(reply_key, "bucket", self.request_timeout_s)
+
+    def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:
+        version = self._call("finish", expected_checksums, self.request_timeout_s)
+        if version != self.policy_version + 1:
+            raise RuntimeError(f"policy version mismatch after the weight sync: the vLLM server at {self.address} "
+                               f"reports {version}, expected {self.policy_version + 1}")
+        self.policy_version = version
+        return version
+
+    def close(self, *, shutdown_server: bool = False) -> None:
+        """End the session (the server then waits for the next trainer), or stop the server."""
+        if self._broken is None:
+            self._call("shutdown" if shutdown_server else "close", None, self.connect_timeout_s)
+            self._broken = "the session was closed"
+        self.group = None
+
+    def _call(self, op: str, payload, timeout_s: float):
+        return self._reply(self._request(op, payload), op, timeout_s)
+
+    def _request(self, op: str, payload) -> str:
+        if self._broken is not None:
+            raise RuntimeError(f"the connection to the vLLM server at {self.address} is unusable: {self._broken}")
+        key = session_key(self.session, self._seq)
+        self._seq += 1
+        try:
+            post_message(self.store, f"{key}/req", (op, payload))
+        except Exception as e:  # noqa: BLE001
+            raise self._broke(f"sending {op!r}", e) from None
+        return f"{key}/rep"
+
+    def _reply(self, reply_key: str, op: str, timeout_s: float):
+        try:
+            status, payload = take_message(self.store, reply_key, timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise self._broke(f"waiting for the reply to {op!r}", e) from None
+        if status != "ok":
+            raise RuntimeError(f"the vLLM server at {self.address} failed in {op!r}: {payload}")
+        return payload
+
+    def _broke(self, what: str, error: Exception, reply_key: str | None = None) -> RuntimeError:
+        """Mark the connection unusable and describe why (with the server's own error when it sent one)."""
+        if isinstance(error, dist.DistNetworkError):
+            cause = "lost the connection (did the server die?)"
+        elif isinstance(error, dist.DistStoreError):
+            cause = "no answer in time (is the server hung, busy, or serving another trainer?)"
+        else:
+            cause = "failed"
+        self._broken = f"{what}: {cause}: {type(error).__name__}: {error}"
+        if reply_key is not None and not isinstance(error, dist.DistNetworkError):
+            try:
+                if self.store.check([reply_key]):
+                    self._broken += f"; the server reported: {take_message(self.store, reply_key, 1.0)[1]}"
+            except Exception:  # noqa: BLE001 - the original failure is what gets reported
+                pass
+        return RuntimeError(f"vLLM server at {self.address}, {self._broken}")
+
+
+class VLLMRemoteEngine(ServerEngine):
+    """`RolloutEngine` for one model-parallel group backed by a vLLM server on another node (module doc)."""
+
+    @classmethod
+    def connect(cls, address: str, groups, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                connect_timeout_s: float = 300.0, request_timeout_s: float = 1800.0) -> VLLMRemoteEngine:
+        """Collective over the model-parallel group: the sync destination connects (waiting up to
+        `connect_timeout_s` for the server to answer and be ready); every rank raises if that failed."""
+        client, outcome = None, None
+        if is_sync_destination(groups):
+            outcome = attempt(lambda: RemoteVLLMClient(address, shape, groups.device,
+                                                       connect_timeout_s=connect_timeout_s,
+                                                       request_timeout_s=request_timeout_s))
+            if outcome[0] == "ok":
+                client = outcome[1]
+                outcome = ("ok", client.policy_version)
+        version = unwrap(share_outcome(outcome, dist.get_global_rank(groups.mp_group, 0), groups.mp_group))
+        engine = cls(client, groups, shape, bucket_bytes=bucket_bytes)
+        engine.policy_version = version
+        return engine
+
+    def close(self, *, shutdown_server: bool = False) -> None:
+        """End this trainer's session (every rank may call it; only the destination talks to the server)."""
+        if self.server is not None:
+            self.server.close(shutdown_server=shutdown_server)

@@ -1,0 +1,64 @@
+"""The old-policy pass: a forward-only pass of the step batch under the weights that sampled it (or, with a
+reference, the KL reference's), at the training TP/PP, then the rollout mismatch correction. Both add fields to the
+step batch (step_batch.py)."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron_gtpo.algorithms.rollout_correction import rollout_correction
+from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
+
+from .forward import next_token_targets, run_forward
+from .step_batch import StepBatch
+
+
+def old_policy_pass(model_chunks: list, batch: StepBatch, parallel: ParallelGroups, *, vocab_size: int,
+                     temperature: float, chunk_tokens: int | None = None,
+                     reference_chunks: list | None = None) -> None:
+    """The forward-only pass over the step batch's micro-batch plan: adds old_logprobs_ST and entropy_ST (the
+    old-policy log-probs and full-vocabulary entropies of every response token, at the training TP/PP) and, with
+    `reference_chunks`, ref_logprobs_ST. On the last pipeline stage only (the only place the loss needs them)."""
+    micro_batches = batch.micro_batches()
+    if not micro_batches:
+        return
+    score = partial(_response_logprobs_and_entropy, batch=batch, micro_batches=micro_batches, parallel=parallel,
+                    vocab_size=vocab_size, temperature=temperature, chunk_tokens=chunk_tokens)
+    batch.old_logprobs_ST, batch.entropy_ST = score(model_chunks)
+    if reference_chunks is not None:
+        batch.ref_logprobs_ST, _ = score(reference_chunks)
+
+
+def _response_logprobs_and_entropy(model_chunks, *, batch: StepBatch, micro_batches: list, parallel: ParallelGroups,
+                                   vocab_size: int, temperature: float, chunk_tokens: int | None):
+    """Response-aligned [S, T] float32 log-probs and entropies on the device (None, None off the last stage)."""
+
+    def on_last_stage(inputs, logits_BLV):
+        logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
+            logits_BLV, next_token_targets(inputs.tokens_BL), tp_group=parallel.tp_group, vocab_size=vocab_size,
+            temperature=temperature, chunk_size=chunk_tokens, check_targets=False)  # no sync per micro-batch
+        return logprobs_BL.float(), entropy_BL.float()
+
+    for model in model_chunks:
+        model.eval()
+    outputs = run_forward(model_chunks, [mb.inputs for mb in micro_batches], parallel, on_last_stage)
+    if not parallel.is_last_stage:
+        return None, None
+    logprobs_ST = torch.zeros(batch.mask_ST.shape, device=parallel.device)
+    entropy_ST = torch.zeros_like(logprobs_ST)
+    for mb, (logprobs_BL, entropy_BL) in zip(micro_batches, outputs):
+        width = mb.columns.valid_ST.shape[1]
+        logprobs_ST[mb.columns.sequences_S, :width] = mb.columns.gather(logprobs_BL)
+        entropy_ST[mb.columns.sequences_S, :width] = mb.columns.gather(entropy_BL)
+    return logprobs_ST, entropy_ST
+
+
+def correct_rollout(batch: StepBatch, **settings) -> None:
+    """Adds loss_mask_ST, pg_weights and mismatch_sums (algorithms/rollout_correction.py; `settings` are its
+    rollout_is / rollout_is_cap / rollout_rs / rollout_rs_bounds). Last pipeline stage only."""
+    if batch.old_logprobs_ST is None:
+        return
+    correction = rollout_correction(batch.old_logprobs_ST, batch.rollout_logprobs_ST, batch.mask_ST, **settings)
+    batch.loss_mask_ST, batch.pg_weights, batch.mismatch_sums = correction.keep_ST, correction.weights, \
+        correction.metric_sums

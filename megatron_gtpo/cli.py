@@ -5,8 +5,9 @@
 
 - A user error (a bad config key or value, a missing or unreadable file, a model that cannot be split at the asked
   layout, a damaged checkpoint: ValueError, OSError and KeyError, ConfigError included) ends the process with exit
-  status 2 and one line `PROG: error: MESSAGE`, without a traceback. Set MEGATRON_GTPO_TRACEBACK=1 to get the
-  traceback as well (when the message alone does not tell where the input went wrong).
+  status 2 and one line `PROG: error: MESSAGE`, without a traceback. MEGATRON_GTPO_TRACEBACK=1 (when the message
+  alone does not tell where the input went wrong) re-raises it instead: Python prints the traceback, on every rank
+  that meets it (not once per node), and the process ends with status 1.
 - Any other exception is unexpected: its traceback is printed, and the process ends with status 1.
 - Under a launcher every rank usually meets the same error at the same line. Each distinct message (or traceback)
   is printed once per node, by the first local rank that meets it; a message of a rank's own (its own file, its own

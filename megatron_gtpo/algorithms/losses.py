@@ -27,7 +27,7 @@ Nothing in a term depends on the other micro-batches, so the sum of loss_mb over
 all DP ranks equals the full mini-batch loss, and its gradient equals the full-batch gradient, however the
 mini-batch is split (tests/test_algorithms_losses.py checks this in float64). local_loss_normalizer gives a
 micro-batch's share of the normaliser: the trainer sums it over its micro-batches and all-reduces (SUM)
-over DP before the first forward.
+over DP once per step, as the update phase starts (training/update.py), before the update's first forward.
 
 Handing loss_mb to megatron-core 0.16's schedule (forward_step_calc_loss / finalize_model_grads) without
 changing its value (no context parallelism; the schedule would also scale by the CP size); pick one:

@@ -19,8 +19,9 @@ Megatron-LM does; the trainer adds its own state (optimizer, RNG, data position,
 through `extra_sharded_state`. Loading the model alone reads only the model's keys, so it works on checkpoints with
 or without optimizer state.
 
-`save_checkpoint` is the one checkpoint writer: the converters, the KL reference and the trainer (which adds its
-optimizer state, RNG states and trainer_state.json, docs/checkpoints.md) all write through it. `save_checkpoint` and
+`save_checkpoint` writes the checkpoints of a built model: the KL reference's and the trainer's (which adds its
+optimizer state, RNG states and trainer_state.json). The HF import (hf_import.py) is the format's other writer: it
+streams HF tensors into the same keys in one process, without a model (docs/checkpoints.md). `save_checkpoint` and
 `load_checkpoint` are collective over the default torch.distributed process group (every rank
 calls them; dist_checkpointing coordinates over that group). Tied embeddings: the output layer of the last stage is
 stored under the embedding's key (megatron marks it as a replica), so a tied checkpoint has no `output_layer.weight`.
@@ -196,7 +197,7 @@ def save_checkpoint(directory: str, model_chunks: list, *, hf_config: dict, mode
                     hf_files_from: str | None = None, files: dict[str, str] | None = None,
                     rank_files: dict[str, object] | None = None, force: bool = False,
                     keep_last: int | None = None) -> None:
-    """THE checkpoint writer (model-only checkpoints of the converters and the KL reference, and the trainer's).
+    """The checkpoint writer of a built model (the KL reference's model-only checkpoints, and the trainer's).
 
     Writes this rank's model chunks (`model_state`: their sharded state dict when the caller built it already, e.g.
     for the optimizer's state that refers to it) and `extra_sharded_state` (the trainer's optimizer state, as megatron

@@ -1,7 +1,7 @@
 """Trainer checkpoints: model, optimizer (DistributedOptimizer, fully reshardable), LR schedule, data position,
 RNG states, step and config; every K steps, at the end, and on SIGTERM/SIGUSR1 (SLURM pre-emption).
 
-The trainer hands its state to the one checkpoint writer (checkpoint/megatron_checkpoint.save_checkpoint):
+The trainer hands its state to the collective checkpoint writer (checkpoint/megatron_checkpoint.save_checkpoint):
 <checkpoint dir>/step_00000010/ holds a megatron.core.dist_checkpointing checkpoint (model and optimizer sharded
 tensors, readable at any TP/PP), trainer_state.json, config.yaml, rng/rank_*.pt, the checkpoint metadata (so that
 `score --load`, `model.load` and the converters read it like any converted one) and manifest.json (every file's size

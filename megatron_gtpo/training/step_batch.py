@@ -13,12 +13,14 @@ attention confined to each, forward.py). The old-log-prob pass and the update ru
 on-policy first mini-batch sees the very same computation twice (its importance ratio is exactly 1). The loss
 contract (algorithms/losses.py) makes the update independent of the split and of the packing.
 
-The next-token offset lives here only: in a micro-batch's [B, L] layout column k scores token k + 1, so response
-token t of a sequence that starts at column o of its row with a P-token prompt is scored at column o + P - 1 + t
-(o = 0 unpacked). `MicroBatchColumns` gathers those scores into the response-aligned layout [S_mb, T_mb] that the
-step batch's fields and the losses use, whichever the micro-batch's layout.
+Response columns: in a micro-batch's [B, L] layout column k scores token k + 1 (forward.next_token_targets), so
+response token t of a sequence that starts at column o of its row with a P-token prompt is scored at column
+o + P - 1 + t (o = 0 unpacked); `_planned` is the one place that computes these columns. `MicroBatchColumns` gathers
+those scores into the response-aligned layout [S_mb, T_mb] that the step batch's fields and the losses use,
+whichever the micro-batch's layout, and selects a micro-batch's rows of a field.
 
-Fields, by the phase that adds them (all on parallel.device; per-token ones on the last pipeline stage only):
+Fields, by the phase that adds them (all on parallel.device; build_step_batch's on every pipeline stage, the later
+phases' on the last stage only, elsewhere None and mismatch_sums empty):
     build_step_batch      mask_ST, rollout_logprobs_ST, correct_NG, rewards_NG, group_index_S, response_index_S
     score (old policy)    old_logprobs_ST, entropy_ST, ref_logprobs_ST (with a reference policy)
     correct_rollout       loss_mask_ST (mask_ST less rejected tokens), pg_weights ([S, T] or [S]), mismatch sums

@@ -79,3 +79,33 @@ def test_a_wrongly_declared_reduction_gives_another_value():
     expected = _expected(True)
     for key in wrong:
         assert results[0][key] != pytest.approx(expected[key]), key
+
+
+def _reduce_across_stages(rank, world_size):
+    """Two ranks that stand for two pipeline stages of one replica: each is alone in its data-parallel group."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_gtpo.training.reduction import MetricReducer
+
+    dp_groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    metrics = MetricReducer(torch.device("cpu"))
+    metrics.add({"time_update_s": 1.0 + rank, "response_length_max": 10.0 + rank})
+    if rank == 1:
+        metrics.add({"time_reward_s": 5.0})  # measured on one stage only
+    return metrics.reduce(dp_groups[rank])
+
+
+@pytest.mark.slow
+def test_phase_times_are_the_slowest_of_all_ranks_the_rest_of_the_data_parallel_group():
+    """time_* is the largest over every rank (stages and TP ranks differ in time), not over the DP group only; a
+    metric of the data-parallel reduction stays its own group's."""
+    from megatron_gtpo.training.reduction import Metric, Reduce
+
+    with pytest.raises(ValueError, match="only a MAX or MIN metric"):
+        Metric(Reduce.MEAN, "tokens", over_world=True)
+    rank0, rank1 = run_distributed(_reduce_across_stages, 2, timeout_s=120)
+    for rank, reduced in enumerate((rank0, rank1)):
+        assert reduced["time_update_s"] == 2.0 and reduced["time_reward_s"] == 5.0
+        assert reduced["response_length_max"] == 10.0 + rank
+        assert reduced["time_sync_s"] != reduced["time_sync_s"]  # recorded by no rank: NaN

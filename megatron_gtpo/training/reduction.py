@@ -3,7 +3,9 @@
 A metric is declared once in METRICS: summed, the largest, the smallest, or a mean weighted by a named count
 (response tokens, the loss's terms, generated responses, optimizer steps, padded tokens...). Phases record values
 into a `MetricReducer` as the step goes, on the device (no host read per micro-batch); at the end of the step
-`reduce` makes one all-gather over the data-parallel group and one host read for every metric at once.
+`reduce` makes one all-gather over the data-parallel group and one host read for every metric at once. A metric
+declared `over_world` (the phase times: pipeline stages and TP ranks differ in them) is a largest or smallest over
+every rank instead, through one more small collective, an all-reduce over the default process group.
 
 A metric no rank recorded this step is NaN (written as null), or left out when it is declared optional.
 """
@@ -29,6 +31,11 @@ class Metric:
     weight: str | None = None  # MEAN: the name of the count each recorded value stands for
     kind: type = float  # what the reduced value is written as (int counts, bool flags)
     optional: bool = False  # left out of the step's metrics when no rank recorded it
+    over_world: bool = False  # MAX / MIN over every rank (the default group), not over the data-parallel group
+
+    def __post_init__(self):
+        if self.over_world and self.reduce not in (Reduce.MAX, Reduce.MIN):
+            raise ValueError(f"only a MAX or MIN metric can be reduced over the world, not a {self.reduce.value}")
 
 
 def _mean(weight: str, **kw) -> Metric:
@@ -76,8 +83,9 @@ METRICS: dict[str, Metric] = {
     "empty_mini_batches": Metric(Reduce.MAX, kind=int),  # counted from DP-wide token counts: the same everywhere
     "padding_fraction": _mean("padded_tokens"),  # of the micro-batch plan the old-policy pass and the update ran
     "lr": MAX,
-    # Wall time of the step's phases (training/metrics.PhaseTimer): the slowest rank's.
-    **{f"time_{phase}_s": MAX for phase in ("generate", "reward", "old_logprob", "advantages", "update", "sync")},
+    # Wall time of the step's phases (training/metrics.PhaseTimer): the slowest rank's, of all ranks.
+    **{f"time_{phase}_s": Metric(Reduce.MAX, over_world=True)
+       for phase in ("generate", "reward", "old_logprob", "advantages", "update", "sync")},
     "tokens_per_s": SUM,  # each replica's generated response tokens per second of its step: the run's throughput
 }
 WARM_START_METRICS = ("sft_loss", "num_tokens", "grad_norm", "grad_norm_max", "update_successful", "optimizer_steps")
@@ -85,8 +93,9 @@ STEP_METRICS = tuple(name for name in METRICS if name not in ("sft_loss", "num_t
 
 
 class MetricReducer:
-    """Collects one step's metrics on this rank; `reduce` combines them over the data-parallel group. Values and
-    weights may be Python numbers or 0-dim device tensors (those stay on the device until `reduce`)."""
+    """Collects one step's metrics on this rank; `reduce` combines them over the data-parallel group (`over_world`
+    ones over every rank). Values and weights may be Python numbers or 0-dim device tensors (those stay on the
+    device until `reduce`)."""
 
     def __init__(self, device: torch.device, names: tuple[str, ...] = STEP_METRICS,
                  declared: dict[str, Metric] = METRICS):
@@ -131,12 +140,21 @@ class MetricReducer:
                 self._extremes[i] = torch.maximum(self._extremes[i], signed)
 
     def reduce(self, dp_group) -> dict:
-        """Every declared metric over the data-parallel group (collective: one all-gather, one host read)."""
+        """Every declared metric over the data-parallel group, the `over_world` ones over every rank (collective
+        over the default group: every rank calls it; one all-gather, one all-reduce when this reducer has an
+        `over_world` metric, one host read)."""
         local = torch.stack([self._numerators, self._weights, self._counts, self._extremes])
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(dp_group))]
         dist.all_gather(parts, local, group=dp_group)
         gathered = torch.stack(parts)  # [DP, 4, K]
         summed = torch.cat([gathered[:, :3].sum(0), gathered[:, 3:].amax(0)])
+        world = [i for i, name in enumerate(self.names) if self.declared[name].over_world]
+        if world:
+            # Whether any rank recorded it, and the extreme: both a MAX, so one all-reduce carries them.
+            index = torch.tensor(world, device=self._device)
+            over_world = torch.stack([(self._counts[index] > 0).double(), self._extremes[index]])
+            dist.all_reduce(over_world, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+            summed[2:, index] = over_world
         numerators, weights, counts, extremes = summed.tolist()
         out = {}
         for i, name in enumerate(self.names):

@@ -184,8 +184,9 @@ class Trainer:
 
     def log_metrics(self, step: int, exp: Experience, batch: StepBatch, metrics: MetricReducer,
                     timer: PhaseTimer) -> None:
-        """Records the old-policy pass's token metrics, the learning rate and the timings, reduces every metric over
-        the data-parallel ranks (one collective) and logs them."""
+        """Records the old-policy pass's token metrics, the learning rate and the timings, reduces the metrics over
+        the data-parallel ranks and the timings over all ranks (reduction.py; collective over every rank) and logs
+        them."""
         if batch.entropy_ST is not None:  # the last pipeline stage
             metrics.add_totals(*_token_totals(batch))
         step_time = sum(timer.seconds.values())

@@ -144,7 +144,7 @@ def test_length_penalties_stay_available_to_the_baselines(tmp_path):
 @pytest.mark.parametrize("size", ["7b", "32b"])
 @pytest.mark.parametrize("algorithm", ["gtpo", "grpo_s", "dapo"])
 def test_paper_recipes_hold_the_paper_settings(size, algorithm):
-    """../shared/specs/algorithms.md, "Paper settings": 128 prompts x 16 responses, lr 1e-6, temperature 1.0,
+    """docs/algorithms.md, "Paper settings": 128 prompts x 16 responses, lr 1e-6, temperature 1.0,
     top-p 1.0, prompts up to 2048 and responses up to 4096 tokens, alpha1 = beta1 = 1, alpha2 = beta2 = 0.1."""
     cfg = load_config(os.path.join(EXAMPLES, f"qwen2.5-{size}-{algorithm}.yaml"))
     assert cfg.algorithm.name == algorithm

@@ -24,8 +24,9 @@ from megatron_gtpo.data import (
 )
 from test_tokenizers import QWEN_DEFAULT_SYSTEM, build_hf_tokenizer_dir
 
-DAPO_PATH = "/work/shared/data/dapo_math_17k.jsonl"
-# sha256 of the bundled copies, as listed in /work/shared/data/README.md (and eval_sets/README.md)
+# The full training set, where the README's "From a Hugging Face model" puts it; its test is skipped without it.
+DAPO_PATH = os.path.join(os.path.dirname(__file__), "..", "data", "dapo_math_17k.jsonl")
+# sha256 of the bundled copies, as listed in megatron_gtpo/data/eval_sets/README.md
 EVAL_SET_SHA256 = {
     "aime24": "285e4c992b61539524776465abef981eb96e197e6e7678c03b8f42b7ea671ca6",
     "aime25": "aaf06733eb7e0ab863286969b33b491778739621d791f13cde8cfad77bf42c2a",
@@ -140,7 +141,7 @@ def test_dapo_rows_are_repaired_and_wrapped_in_the_dapo_prompt(tmp_path):
     assert [r.problem for r in records] == ["$S=\\text{...}\\frac{a_{i}}{i}$", "$B-A_{1} P-B_{1}=\\beta$",
                                             "What is $1+1$?"]
     assert load_dataset(path, repair=False)[0].problem == "$S=\text{...}\x0crac{a_{i}}{i}$"
-    # the upstream prompt, as quoted in /work/shared/data/README.md
+    # the upstream prompt of BytedTsinghua-SIA/DAPO-Math-17k, written out
     assert DAPO_TEMPLATE.user_text("What is $1+1$?") == (
         "Solve the following math problem step by step. The last line of your response should be of the form "
         "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"

@@ -17,7 +17,9 @@ import pytest
 
 from megatron_gtpo.rewards import RewardScorer, extract_final_answer, verify_math_answer
 
-DATA_DIR = "/work/shared/data"
+# Full-size answer sets, used when present: the repository's data/ (where the README's "From a Hugging Face model"
+# puts the training data) with dapo_math_17k.jsonl and gsm8k_test.jsonl (GSM8K's test split as {problem, answer}).
+DATA_DIR = os.path.join(os.path.dirname(__file__), "..", "data")
 EVAL_SETS_DIR = os.path.join(os.path.dirname(__file__), "..", "megatron_gtpo", "data", "eval_sets")
 
 
@@ -30,9 +32,9 @@ def _sampled_answers() -> dict[str, list[str]]:
     """Deterministic samples: all of MATH-500 and AIME, every 10th GSM8K answer, every 100th DAPO answer."""
     answers = {name: _answers(os.path.join(EVAL_SETS_DIR, f"{name}.jsonl"), 1)
                for name in ("math500", "aime24", "aime25")}
-    if os.path.exists(os.path.join(DATA_DIR, "gsm8k_test.jsonl")):
-        answers["gsm8k"] = _answers(os.path.join(DATA_DIR, "gsm8k_test.jsonl"), 10)
-        answers["dapo"] = _answers(os.path.join(DATA_DIR, "dapo_math_17k.jsonl"), 100)
+    for name, file, every in (("gsm8k", "gsm8k_test.jsonl", 10), ("dapo", "dapo_math_17k.jsonl", 100)):
+        if os.path.exists(os.path.join(DATA_DIR, file)):
+            answers[name] = _answers(os.path.join(DATA_DIR, file), every)
     return answers
 
 

@@ -1,9 +1,9 @@
 """The CPU platform layer: lets unmodified megatron-core run on a machine without CUDA.
 
-megatron-core assumes CUDA in a handful of places (see shared notes/megatron-on-cpu.md): `device="cuda"` literals
-and `torch.cuda.current_device()` as a device, `Tensor.cuda()`, the model-parallel RNG tracker built on the CUDA
-generator, and `param.type() == 'torch.cuda.FloatTensor'` checks in the optimizer and grad clipping. This module
-maps all of them onto the CPU:
+megatron-core assumes CUDA in a handful of places: `device="cuda"` literals and `torch.cuda.current_device()` as
+a device, `Tensor.cuda()`, the model-parallel RNG tracker built on the CUDA generator, and
+`param.type() == 'torch.cuda.FloatTensor'` checks in the optimizer and grad clipping. This module maps all of them
+onto the CPU:
 
 - a process-wide TorchFunctionMode rewrites every `device=` argument that names CUDA (a string, a torch.device or a
   bare int ordinal) to the CPU, keeps `Tensor.cuda()` and `Tensor.to("cuda")` on the CPU, and makes

@@ -16,6 +16,7 @@ import yaml
 from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, resolve_algorithm
 from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
+from megatron_gtpo.data.templates import DATA_TEMPLATES
 
 ALGORITHMS = ALGORITHM_NAMES  # the registry's names (algorithms/registry.py): the only list of algorithms
 
@@ -118,7 +119,7 @@ class DataConfig:
     path: str | None = None
     prompt_field: str = "problem"
     answer_field: str = "answer"
-    template: str = "chat"  # chat | plain | dapo
+    template: str = "chat"  # chat | dapo | plain (data/templates.py DATA_TEMPLATES)
     prompts_per_step: int = 8  # global, across data-parallel ranks
     micro_batch_size: int = 8  # at most this many sequences per micro-batch
     # At most this many tokens per micro-batch, padding included (None: no token budget). Sequences are sorted by
@@ -187,7 +188,7 @@ _CHOICES = {
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
     "data.task": tuple(SYNTHETIC_TASKS),  # data/synthetic_tasks.py: the only list of tasks
-    "data.template": ("chat", "plain", "dapo"),
+    "data.template": tuple(DATA_TEMPLATES),  # data/templates.py: the only list of templates
 }
 
 

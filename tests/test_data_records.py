@@ -196,3 +196,29 @@ def test_tokenize_prompts_indexes_samples_and_drops_overlong_prompts(hf_tokenize
     assert len(tokenize_prompts(records, hf_tokenizer, template)) == 3
     with pytest.raises(ValueError, match="no prompt left"):
         tokenize_prompts(records, hf_tokenizer, template, max_prompt_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def hf_model_dir(tmp_path_factory):
+    from tiny_models import make_tiny_qwen2
+
+    directory = tmp_path_factory.mktemp("hf_model")
+    make_tiny_qwen2(directory)
+    return build_hf_tokenizer_dir(str(directory))
+
+
+@pytest.mark.parametrize("name", ["chat", "dapo", "plain"])
+def test_data_template_is_the_prompt_the_trainer_tokenizes(tmp_path, hf_model_dir, name):
+    """data.template of the training config: `plain` is the prompt field as it is, without the chat template."""
+    from megatron_gtpo.config import load_config
+    from megatron_gtpo.training.task import build_task
+
+    problem = "What is $1+1$?"
+    data = _write_lines(tmp_path / "set.jsonl", [json.dumps({"id": "q", "problem": problem, "answer": "2"})])
+    cfg = load_config(None, [f"model.hf_dir={hf_model_dir}", f"data.path={data}", f"data.template={name}"])
+    task = build_task(cfg)
+    expected = {"chat": BOXED_TEMPLATE.render(problem, task.tokenizer),
+                "dapo": DAPO_TEMPLATE.render(problem, task.tokenizer), "plain": problem}[name]
+    assert list(task.samples[0].prompt_token_ids) == task.tokenizer.encode(expected)
+    if name != "plain":
+        assert expected.startswith("<|im_start|>system\n")

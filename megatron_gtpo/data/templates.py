@@ -6,6 +6,7 @@
 
 Two instruction styles are predefined: BOXED_TEMPLATE (answer in \\boxed{}, MATH/AIME evaluation style) and
 DAPO_TEMPLATE (DAPO-Math-17k's own prompt, answer on a last line "Answer: ...", verbatim from upstream).
+DATA_TEMPLATES maps the training config's `data.template` to its template.
 """
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ class PromptTemplate:
 BOXED_TEMPLATE = PromptTemplate(suffix=BOXED_SUFFIX)
 DAPO_TEMPLATE = PromptTemplate(prefix=DAPO_PREFIX, suffix=DAPO_SUFFIX)
 PROMPT_STYLES = {"boxed": BOXED_TEMPLATE, "dapo": DAPO_TEMPLATE}
+# data.template: chat = the boxed instruction in the tokenizer's chat template, dapo = DAPO's prompt in it,
+# plain = the prompt field as it is (no instruction, no chat markup: a dataset whose prompts are complete).
+DATA_TEMPLATES = {"chat": BOXED_TEMPLATE, "dapo": DAPO_TEMPLATE, "plain": PromptTemplate(chat=False)}
 
 
 def tokenize_prompts(

@@ -49,14 +49,14 @@ def build_task(cfg: TrainConfig) -> Task:
                     hf_config or _model_hf_config(cfg), demonstration=synthetic.demonstration)
     from megatron_gtpo.data.datasets import load_dataset
     from megatron_gtpo.data.records import FieldMapping
-    from megatron_gtpo.data.templates import PROMPT_STYLES, tokenize_prompts
+    from megatron_gtpo.data.templates import DATA_TEMPLATES, tokenize_prompts
     from megatron_gtpo.data.tokenizer import load_tokenizer
     from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR
 
     tokenizer = load_tokenizer(cfg.model.hf_dir or os.path.join(cfg.model.load, HF_FILES_DIR))
     records = load_dataset(cfg.data.path, FieldMapping(problem=cfg.data.prompt_field, answer=cfg.data.answer_field))
-    template = PROMPT_STYLES["dapo" if cfg.data.template == "dapo" else "boxed"]
-    samples = tokenize_prompts(records, tokenizer, template, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    samples = tokenize_prompts(records, tokenizer, DATA_TEMPLATES[cfg.data.template],
+                               max_prompt_tokens=cfg.data.max_prompt_tokens)
     return Task(samples, tokenizer, _math_reward_pool(cfg), _model_hf_config(cfg))
 
 

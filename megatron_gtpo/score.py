@@ -95,7 +95,7 @@ def main(argv=None) -> int:
 
     from megatron_gtpo.distributed import destroy_parallel, initialize_parallel
     from megatron_gtpo.models.qwen2 import build_model
-    from megatron_gtpo.training.forward import make_micro_batches, next_token_logprobs_and_entropy
+    from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
     groups = initialize_parallel(args.tp, args.pp, sequence_parallel=args.sequence_parallel)
     chunks = build_model(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp, pp_rank=groups.pp_rank,
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     if mine:  # a DP replica with nothing to score skips the schedule (all its ranks agree on that)
         micro_batches = make_micro_batches(mine, args.micro_batch_size, device=groups.device,
                                            pad_to_multiple=args.tp if args.sequence_parallel else 1)
-        outputs = next_token_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=shape.vocab_size,
+        outputs = forward_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=shape.vocab_size,
                                                   temperature=args.temperature, chunk_size=args.chunk_size)
         for mb, (logprobs_BL, entropy_BL) in zip(micro_batches, outputs):
             logprobs_BL, entropy_BL = logprobs_BL.cpu(), entropy_BL.cpu()  # the results leave the device once

@@ -16,8 +16,8 @@ from megatron_gtpo.algorithms import (
     grpo_s_advantages,
     grpo_s_shaped_rewards,
     gtpo_advantages,
-    gtpo_token_rewards,
 )
+from megatron_gtpo.algorithms.advantages import _TYPE_SIGN_12, _affine_in_bonus, _check_shaping_inputs, _gtpo_shaping
 
 NAN = float("nan")
 
@@ -79,6 +79,33 @@ def _dense(nested, mask):
         for g, seq in enumerate(group):
             out[n, g, :len(seq)] = torch.tensor(seq, dtype=torch.float64)
     return out
+
+
+def gtpo_token_rewards(
+    rewards_NG: torch.Tensor,
+    entropy_NGT: torch.Tensor,
+    mask_NGT: torch.Tensor,
+    *,
+    alpha1: float = 1.0,
+    alpha2: float = 0.1,
+    entropy_clip: tuple[float, float] | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """GTPO's shaped token rewards, rpos on successful responses and rneg on failed ones, 0 at padding: what
+    gtpo_advantages z-scores, formed by its own shaping pass (the trainer needs only the advantages).
+
+    With d_t (h_t) the number of successful (failed) responses that have a token at position t:
+        successful i: rpos_{i,t} = alpha1 * r_i + alpha2 * H_{i,t} / (sum_{k in O+} H_{k,t} + eps) * d_t
+        failed j:     rneg_{j,t} = -alpha1
+                                   - alpha2 * (1/(H_{j,t} + eps)) / (sum_{k in O-} 1/(H_{k,t} + eps) + eps) * h_t
+    The sums run over the responses that have a token at t (shorter ones contribute 0). rpos and rneg live on
+    disjoint tokens, so one [N, G, T] tensor holds both. rewards_NG must be exactly 0 or 1.
+    """
+    _check_shaping_inputs(rewards_NG, entropy_NGT, mask_NGT, entropy_clip, eps)
+    shaping = _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, alpha2=alpha2, entropy_clip=entropy_clip, eps=eps)
+    sign_N2 = torch.tensor(_TYPE_SIGN_12, dtype=torch.float64, device=rewards_NG.device).expand(len(rewards_NG), 2)
+    return _affine_in_bonus(shaping, entropy_NGT, mask_NGT, sign_N2, alpha1 * sign_N2, entropy_clip=entropy_clip,
+                            eps=eps)
 
 
 # --------------------------------------------------------------------------------------- hand-computed

@@ -1,4 +1,5 @@
-"""The algorithm registry (names -> advantage function + loss settings) and the import rules of algorithms/."""
+"""The algorithm registry (names -> one entry, resolved once against the config) and the import rules of
+algorithms/."""
 from __future__ import annotations
 
 import ast
@@ -9,6 +10,8 @@ import torch
 
 import megatron_gtpo.algorithms as algorithms
 from megatron_gtpo.algorithms import (
+    ALGORITHM_NAMES,
+    ALGORITHMS,
     Algorithm,
     configure_algorithm,
     grpo_advantages,
@@ -28,21 +31,23 @@ def _batch(seed=0, N=3, G=4, T=6):
     return rewards, entropy, mask
 
 
-def test_spec_defaults_follow_the_spec():
-    grpo, dapo, gtpo, grpo_s = (resolve_algorithm(a) for a in ("grpo", "dapo", "gtpo", "grpo_s"))
-    assert (grpo.eps_low, grpo.eps_high, grpo.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
-    assert (dapo.eps_low, dapo.eps_high, dapo.loss_agg_mode) == (0.2, 0.28, "token-mean")
+def test_entries_follow_the_papers():
+    grpo, dapo, gtpo, grpo_s = (ALGORITHMS[a] for a in (Algorithm.GRPO, Algorithm.DAPO, Algorithm.GTPO,
+                                                         Algorithm.GRPO_S))
+    assert grpo.loss_defaults == dict(eps_low=0.2, eps_high=0.2, loss_agg_mode="seq-mean-token-mean")
+    assert dapo.loss_defaults == dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean")
     assert dapo.dynamic_sampling and dapo.length_penalty == "overlong" and not grpo.dynamic_sampling
-    assert (gtpo.eps_low, gtpo.eps_high, gtpo.loss_agg_mode) == (0.2, 0.28, "token-mean")
-    assert gtpo.token_advantages and gtpo.uses_entropy and not gtpo.sequence_level_loss
-    assert grpo_s.sequence_level_loss and not grpo_s.token_advantages
+    assert gtpo.loss_defaults == dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean")
+    assert gtpo.advantages is gtpo_advantages and gtpo.uses_entropy and not gtpo.sequence_level_loss
+    assert grpo_s.sequence_level_loss and grpo_s.advantages is grpo_s_advantages
+    assert grpo.advantages is dapo.advantages is grpo_advantages and not grpo.uses_entropy
 
 
 @pytest.mark.parametrize("name, expected", [("grpo", Algorithm.GRPO), ("DAPO", Algorithm.DAPO),
                                             ("gtpo", Algorithm.GTPO), ("grpo-s", Algorithm.GRPO_S),
                                             ("grpo_s", Algorithm.GRPO_S), (Algorithm.GTPO, Algorithm.GTPO)])
 def test_resolve_algorithm_by_name(name, expected):
-    assert resolve_algorithm(name).algorithm is expected
+    assert resolve_algorithm(name) is expected
 
 
 def test_resolve_unknown_algorithm_raises():
@@ -51,9 +56,9 @@ def test_resolve_unknown_algorithm_raises():
 
 
 def test_config_choices_are_the_registry_names():
-    from megatron_gtpo.config import ALGORITHMS
+    from megatron_gtpo.config import _CHOICES
 
-    assert ALGORITHMS == tuple(a.value for a in Algorithm) == ("gtpo", "grpo_s", "grpo", "dapo")
+    assert _CHOICES["algorithm.name"] == ALGORITHM_NAMES == ("gtpo", "grpo_s", "grpo", "dapo")
 
 
 def _configured(name, *overrides):
@@ -100,31 +105,33 @@ def test_configured_loss_takes_the_config_settings_over_the_defaults():
     assert _configured("grpo", "algorithm.dynamic_sampling=true").dynamic_sampling is True
 
 
-def test_policy_loss_uses_the_spec_settings_and_overrides():
+def test_each_loss_gets_its_algorithm_defaults_and_the_config_settings():
     rewards, entropy, mask, mask_BT, old, logprobs, adv_B = _loss_inputs(1, 2)
     B, T = mask_BT.shape
     adv_BT = gtpo_advantages(rewards, entropy, mask).reshape(B, T)
 
-    loss, _ = resolve_algorithm("dapo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0)
+    loss, _ = _configured("dapo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0)
     expected, _ = token_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0, loss_agg_mode="token-mean",
                                     eps_low=0.2, eps_high=0.28)
     torch.testing.assert_close(loss, expected)
-    loss, _ = resolve_algorithm("grpo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B)
+    loss, _ = _configured("grpo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B)
     expected, _ = token_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B,
                                     loss_agg_mode="seq-mean-token-mean", eps_low=0.2, eps_high=0.2)
     torch.testing.assert_close(loss, expected)
-    loss, _ = resolve_algorithm("gtpo").policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, eps_high=0.4)
-    expected, _ = token_policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, eps_low=0.2, eps_high=0.4)
+    assert _configured("grpo").loss_agg_mode == "seq-mean-token-mean"
+    gtpo = _configured("gtpo", "algorithm.eps_high=0.4", "algorithm.dual_clip=3.0", "algorithm.entropy_coef=0.01")
+    loss, _ = gtpo.policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, entropy_BT=-old)
+    expected, _ = token_policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, eps_low=0.2, eps_high=0.4,
+                                    dual_clip=3.0, entropy_BT=-old, entropy_coef=0.01)
     torch.testing.assert_close(loss, expected)
-    loss, _ = resolve_algorithm("grpo_s").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B,
-                                                      sequence_ratio="geometric")
-    expected, _ = sequence_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B, sequence_ratio="geometric",
-                                       eps_low=0.2, eps_high=0.28)
+    loss, _ = _configured("grpo_s").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B)
+    expected, _ = sequence_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B, eps_low=0.2, eps_high=0.28)
     torch.testing.assert_close(loss, expected)
 
 
 FORBIDDEN_IMPORTS = ("torch.distributed", "megatron", "vllm", "transformer_engine", "megatron_gtpo.config")
-ALLOWED_TOP_LEVEL = {"__future__", "torch", "typing", "dataclasses", "enum", "logging", "math", "megatron_gtpo"}
+ALLOWED_TOP_LEVEL = {"__future__", "torch", "typing", "dataclasses", "enum", "functools", "logging", "math",
+                     "megatron_gtpo"}
 
 
 def test_algorithms_import_only_torch_and_the_standard_library():

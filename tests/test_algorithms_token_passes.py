@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import megatron_gtpo.algorithms.token_passes as token_passes
-from megatron_gtpo.algorithms import grpo_s_advantages, gtpo_advantages, gtpo_token_rewards
+from megatron_gtpo.algorithms import grpo_s_advantages, gtpo_advantages
+from test_algorithms_advantages import gtpo_token_rewards
 from test_algorithms_advantages import _dense_from_dict, _random_batch, reference_grpo_s, reference_gtpo
 
 SHAPES = [(3, 5, 37), (2, 1, 9), (4, 8, 64), (1, 3, 1)]

@@ -107,10 +107,11 @@ def test_colocated_vllm_engines_must_tile_their_replica():
     validate_layout(config(4), world_size=4)  # one replica: one engine over its TP x PP = 4 consecutive GPUs
     validate_layout(config(2), world_size=8)  # an engine per stage
     validate_layout(config(1), world_size=8)  # two engines per stage
-    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: .* must divide parallel.tensor = 2 .* "
-                                          r"got 4 with 2 data-parallel replicas"):
+    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: an engine at tensor parallel size 4 spans "
+                                          r"pipeline stages, .* \(got 2\); use a divisor of parallel.tensor = 2"):
         validate_layout(config(4), world_size=8)
-    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: .* got 3 with 1 data-parallel replica$"):
+    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: a rollout engine at tensor parallel size 3 "
+                                          r"must divide the training tensor parallel size 2"):
         validate_layout(config(3), world_size=4)
     with pytest.raises(ConfigError, match="rollout.vllm_tensor_parallel: must be >= 1"):
         load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.vllm_tensor_parallel=0"])

@@ -122,7 +122,7 @@ def test_sequence_parallel_is_refused_exactly_where_it_cannot_run(outcomes):
     for (machine, *_, sequence_parallel, _pack, _recompute), (status, detail) in outcomes.items():
         if sequence_parallel and not MACHINES[machine].transformer_engine:
             assert status == "refused", (machine, detail)
-            assert detail.startswith("parallel.sequence_parallel: sequence parallelism needs Transformer Engine")
+            assert detail.startswith("parallel.sequence_parallel: sequence parallelism needs the Transformer Engine")
         else:
             assert status != "refused", (machine, detail)
 

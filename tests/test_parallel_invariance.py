@@ -71,7 +71,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
     groups = initialize_parallel(tp, pp)
     # adam_eps well above float32 noise: the key bias has an analytically zero gradient (softmax ignores a shift
     # shared by all keys), and Adam with a tiny eps would blow its ~1e-9 rounding noise up to +-lr.
-    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01",
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", "steps=1",
                              "optim.adam_eps=1e-4", "optim.grad_clip=1000.0", "rollout.temperature=0.9"])
     exp, old_ST, token_adv_ST, sequence_adv_S = _fixed_batch()
     per_rank = NUM_GROUPS // groups.dp_size
@@ -85,7 +85,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
             chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank)
             load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
             shape = ckpt.shape
-        policy = wrap_for_training(cfg, chunks, train_steps=1)
+        policy = wrap_for_training(cfg, chunks)
         batch = build_step_batch(exp, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
                                  max_tokens=plan[1], pack=plan[2])
         old_policy_pass(policy.chunks, batch, groups, vocab_size=shape.vocab_size, temperature=0.9)

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from distributed_harness import run_distributed
+from megatron_gtpo.layout import ParallelLayout
 from megatron_gtpo.models.qwen2 import Qwen2Shape
 from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
-from megatron_gtpo.planning import (Layout, Settings, Workload, forward_flops, layer_activation_bytes,
+from megatron_gtpo.planning import (Settings, Workload, forward_flops, layer_activation_bytes,
                                     parameter_count, plan, settings_from_config, workload_from_config)
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
@@ -87,7 +88,7 @@ def test_parameter_counts_equal_meta_device_models(measurements):
     per_rank = [rank["meta_counts"] for rank in measurements]
     for i, (name, tp, pp, vpp) in enumerate(META_LAYOUTS):
         shape = Qwen2Shape.from_hf(qwen25_hf_config(name))
-        layout = Layout(tensor=tp, pipeline=pp, data=WORLD // (tp * pp), virtual_pipeline=vpp)
+        layout = ParallelLayout(tensor=tp, pipeline=pp, data=WORLD // (tp * pp), virtual_pipeline=vpp)
         seen = set()
         for rank_counts in per_rank:
             pp_rank, tp_rank, count = rank_counts[i]
@@ -126,9 +127,9 @@ def _measured_training_state(dtype_name, distributed_optimizer):
     dtype = getattr(torch, dtype_name)
     chunks = build_model(SMALL, tensor_parallel=1, pipeline_parallel=1, pp_rank=0, params_dtype=dtype)
     if distributed_optimizer:  # the trainer's own set-up
-        cfg = TrainConfig()
+        cfg = TrainConfig(steps=1)
         cfg.model.dtype = dtype_name
-        policy = wrap_for_training(cfg, chunks, train_steps=1)
+        policy = wrap_for_training(cfg, chunks)
         ddp, optimizer = policy.ddp_chunks[0], policy.optimizer
     else:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
@@ -159,7 +160,7 @@ TRAINING_STATE_CASES = [("float32", True), ("bfloat16", True), ("bfloat16", Fals
 def test_training_state_bytes_equal_measured_tensors(measurements, dtype, distributed_optimizer):
     measured = [rank["training_state"][(dtype, distributed_optimizer)] for rank in measurements]
     shape = Qwen2Shape.from_hf(SMALL)
-    result = plan(shape, Layout(tensor=1, pipeline=1, data=WORLD),
+    result = plan(shape, ParallelLayout(tensor=1, pipeline=1, data=WORLD),
                   Workload(prompts_per_step=WORLD, num_responses_per_prompt=2, max_prompt_tokens=16,
                            max_response_tokens=16),
                   Settings(params_dtype=dtype, distributed_optimizer=distributed_optimizer,
@@ -244,7 +245,7 @@ def test_cli_json_contract_for_the_design_example():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-32b"))
-    layout = Layout(tensor=8, pipeline=2, data=4)
+    layout = ParallelLayout(tensor=8, pipeline=2, data=4)
     assert out["params_per_gpu"] == max(parameter_count(shape, layout, r) for r in range(2))
     assert out["fits"] is True and out["reasons"] == []
     mem = out["memory_gib"]
@@ -321,8 +322,9 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
     shape = Qwen2Shape.from_hf(qwen25_hf_config(model))
     for gpus in RECIPE_GPUS[model]:
         tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-        layout = Layout(tensor=tp, pipeline=pp, data=gpus // (tp * pp), virtual_pipeline=cfg.parallel.virtual_pipeline,
-                        sequence_parallel=cfg.parallel.sequence_parallel)
+        layout = ParallelLayout(tensor=tp, pipeline=pp, data=gpus // (tp * pp),
+                                virtual_pipeline=cfg.parallel.virtual_pipeline,
+                                sequence_parallel=cfg.parallel.sequence_parallel)
         result = plan(shape, layout, workload_from_config(cfg), settings_from_config(cfg))
         assert result.fits, (path, gpus, result.reasons)
 
@@ -339,7 +341,7 @@ def test_logprob_workspaces_equal_what_the_vocab_parallel_op_allocates():
     vocab_local = padded_vocab_size(shape.vocab_size, 1)
     workload = Workload(prompts_per_step=1, num_responses_per_prompt=2, max_prompt_tokens=16, max_response_tokens=16)
     budget_mib = 8 * 2 * vocab_local * 4 / 2**20  # an 8-token chunk: smaller than the 32-token micro-batch
-    planned = plan(shape, Layout(), workload, Settings(vllm_memory_fraction=None, kernels="local",
+    planned = plan(shape, ParallelLayout(), workload, Settings(vllm_memory_fraction=None, kernels="local",
                                                        logprob_workspace_mib=budget_mib)).stages[0]
 
     class Workspaces(TorchDispatchMode):
@@ -375,7 +377,7 @@ def test_rollout_layout_and_kv_cache_per_gpu_for_32b_at_tp8_pp2_dp2():
     share of the GPU less its weights and overhead, worked out here by hand."""
     shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-32b"))
     settings = Settings(vllm_memory_fraction=0.5, vllm_tensor_parallel=8)
-    result = plan(shape, Layout(tensor=8, pipeline=2, data=2), Workload(), settings)
+    result = plan(shape, ParallelLayout(tensor=8, pipeline=2, data=2), Workload(), settings)
     kv = result.kv_cache
     assert (kv["engines"], kv["engines_per_replica"], kv["gpus_generating"]) == (4, 2, 32)
     # vLLM's half of an 80 GiB GPU less the whole model in bf16 over the engine's 8 GPUs, less its overhead.
@@ -389,11 +391,11 @@ def test_rollout_layout_and_kv_cache_per_gpu_for_32b_at_tp8_pp2_dp2():
 
 def test_default_vllm_tp_tiles_every_gpu_and_bad_ones_are_refused():
     shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))
-    kv = plan(shape, Layout(tensor=4, pipeline=2, data=1), Workload(), Settings()).kv_cache
+    kv = plan(shape, ParallelLayout(tensor=4, pipeline=2, data=1), Workload(), Settings()).kv_cache
     assert (kv["vllm_tensor_parallel"], kv["engines"], kv["gpus_generating"]) == (4, 2, 8)
-    kv = plan(shape, Layout(tensor=1, pipeline=1, data=8), Workload(), Settings()).kv_cache
+    kv = plan(shape, ParallelLayout(tensor=1, pipeline=1, data=8), Workload(), Settings()).kv_cache
     assert (kv["vllm_tensor_parallel"], kv["engines"], kv["gpus_generating"]) == (1, 8, 8)
     with pytest.raises(ValueError, match="spans pipeline stages"):
-        plan(shape, Layout(tensor=2, pipeline=2, data=2), Workload(), Settings(vllm_tensor_parallel=4))
+        plan(shape, ParallelLayout(tensor=2, pipeline=2, data=2), Workload(), Settings(vllm_tensor_parallel=4))
     with pytest.raises(ValueError, match="must divide the training tensor parallel size 4"):
-        plan(shape, Layout(tensor=4, pipeline=1, data=2), Workload(), Settings(vllm_tensor_parallel=7))
+        plan(shape, ParallelLayout(tensor=4, pipeline=1, data=2), Workload(), Settings(vllm_tensor_parallel=7))

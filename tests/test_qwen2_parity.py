@@ -12,7 +12,7 @@ def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batc
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
-    from megatron_gtpo.training.forward import make_micro_batches, run_forward
+    from megatron_gtpo.training.forward import make_micro_batches, run_pipeline
 
     groups = initialize_parallel(tp, pp)
 
@@ -29,7 +29,7 @@ def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batc
         for c in chunks:
             c.eval()
         micro_batches = make_micro_batches(sequences, micro_batch_size, device=groups.device)
-        per_model.append(run_forward(chunks, micro_batches, groups, gather_vocab))
+        per_model.append(run_pipeline(chunks, micro_batches, gather_vocab, forward_only=True))
     return per_model if groups.is_last_stage and groups.tp_rank == 0 else None
 
 

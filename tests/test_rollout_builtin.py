@@ -2,7 +2,7 @@
 
 One spawn of 2 ranks runs every check at every layout (spawns cost ~10 s each on this machine); the references are
 computed here, in the test process: transformers' `generate(do_sample=False)` on each prompt alone (no padding),
-and `next_token_logprobs_and_entropy` (the scoring path, a full-sequence forward without a KV cache) inside the
+and `forward_logprobs_and_entropy` (the scoring path, a full-sequence forward without a KV cache) inside the
 ranks.
 """
 import pytest
@@ -29,7 +29,7 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_token):
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
-    from megatron_gtpo.training.forward import make_micro_batches, next_token_logprobs_and_entropy
+    from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
     groups = initialize_parallel(tp, pp, virtual_pipeline_parallel=vpp, sequence_parallel=sp)
     with HFCheckpoint(model_dir) as ckpt:
@@ -71,7 +71,7 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_token):
     def score(responses_per_prompt, temperature):
         seqs = [p + r.token_ids for p, rs in zip(PROMPTS, responses_per_prompt) for r in rs]
         micro_batches = make_micro_batches(seqs, 2, device=groups.device, pad_to_multiple=tp if sp else 1)
-        scored = next_token_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=VOCAB,
+        scored = forward_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=VOCAB,
                                                  temperature=temperature)
         if not groups.is_last_stage:
             return None

@@ -7,8 +7,15 @@ from types import SimpleNamespace
 import pytest
 
 from distributed_harness import run_distributed
-from megatron_gtpo.rollout.placement import (colocated_cuda_devices, engine_hosts, engine_ranks, split_counts,
+from megatron_gtpo.rollout.placement import (colocated_cuda_devices, engine_hosts, engine_members, split_counts,
                                              split_prompts)
+
+
+def engine_ranks(*, tp: int, pp: int, dp: int, engine_tp: int) -> list[list[int]]:
+    """Global ranks whose GPUs each engine of the job uses, host first: replica-major, then engine order. The global
+    rank of (tp_rank, dp_rank, pp_rank) is tp_rank + tp (dp_rank + dp pp_rank) (megatron's order tp-cp-ep-dp-pp)."""
+    return [[t + tp * (replica + dp * s) for s, t in members]
+            for replica in range(dp) for members in engine_members(tp=tp, pp=pp, engine_tp=engine_tp)]
 
 
 def test_tp8_pp2_dp2_on_32_gpus_every_gpu_in_one_engine():

@@ -104,7 +104,7 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
     from megatron_gtpo.rollout.placement import engine_hosts
     from megatron_gtpo.rollout.vllm_engine import VLLMEngine
     from megatron_gtpo.rollout.weight_sync import is_sync_destination
-    from megatron_gtpo.training.forward import make_micro_batches, next_token_logprobs_and_entropy
+    from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
     server, results, replies, served = None, [], {}, []
     try:
@@ -146,7 +146,7 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
             out["vllm_unseeded"] = [engine.generate(PROMPTS, unseeded) for _ in range(2)]
             seqs = [p + r.token_ids for p, rs in zip(PROMPTS, out["vllm_sampled"]) for r in rs]
             micro_batches = make_micro_batches(seqs, 6, device=groups.device)
-            scored = next_token_logprobs_and_entropy(chunks, micro_batches, groups,
+            scored = forward_logprobs_and_entropy(chunks, micro_batches, groups,
                                                      vocab_size=VOCAB, temperature=0.8)
             out["scored"] = [row for logprobs_BL1, _ in scored for row in logprobs_BL1] or None
 

@@ -117,14 +117,14 @@ def _global_advantages(rank, world_size, scenario, algorithm):
     import torch.distributed as dist
     from types import SimpleNamespace
 
-    from megatron_gtpo.algorithms.registry import resolve_algorithm
+    from megatron_gtpo.algorithms.registry import ALGORITHMS, resolve_algorithm
     from megatron_gtpo.training.advantages import global_advantages
 
-    spec = resolve_algorithm(algorithm)
-    groups = SimpleNamespace(dp_group=dist.group.WORLD, dp_rank=rank, device=torch.device("cpu"),
-                             sequence_multiple=1)
-    batches = {r: _step_batch(GLOBAL_BATCHES[scenario][r], r, groups) for r in range(world_size)}
-    global_advantages(spec.advantage_fn, spec.uses_entropy, batches[rank], groups)
+    entry = ALGORITHMS[resolve_algorithm(algorithm)]
+    parallel = SimpleNamespace(dp_group=dist.group.WORLD, dp_rank=rank, device=torch.device("cpu"),
+                               sequence_multiple=1)
+    batches = {r: _step_batch(GLOBAL_BATCHES[scenario][r], r, parallel) for r in range(world_size)}
+    global_advantages(entry.advantages, entry.uses_entropy, batches[rank], parallel)
     mine = batches[rank].advantages
     # Reference: the whole batch in one process (every rank's batch is rebuilt here from the same seeds), its
     # group-major rows reshaped to [n, G, T] (independently of the group index the trainer reads them through).
@@ -135,12 +135,12 @@ def _global_advantages(rank, world_size, scenario, algorithm):
     def per_group(b, values_ST):
         return torch.nn.functional.pad(values_ST, (0, T - values_ST.shape[-1])).view(b.num_prompt_groups, 3, T)
 
-    if spec.uses_entropy:
+    if entry.uses_entropy:
         entropy_NGT = torch.cat([per_group(b, b.entropy_ST) for b in kept])
         mask_NGT = torch.cat([per_group(b, b.mask_ST) for b in kept])
-        whole = spec.advantage_fn(rewards_NG, entropy_NGT, mask_NGT)
+        whole = entry.advantages(rewards_NG, entropy_NGT, mask_NGT)
     else:
-        whole = spec.advantage_fn(rewards_NG)
+        whole = entry.advantages(rewards_NG)
     start = sum(batches[r].num_prompt_groups for r in range(rank))
     own = batches[rank]
     expected = whole[start:start + own.num_prompt_groups]

@@ -44,10 +44,10 @@ def _policy_run(algorithm, overrides=(), *, tp=1, pp=1, tied=False):
 
     parallel = initialize_parallel(tp, pp)
     torch.manual_seed(0)
-    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01",
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", "steps=4",
                              f"algorithm.name={algorithm}", *overrides])
     hf_config = dict(tiny_model_hf_config(), tie_word_embeddings=tied)
-    policy = wrap_for_training(cfg, build_chunks(cfg, hf_config, parallel), train_steps=4)
+    policy = wrap_for_training(cfg, build_chunks(cfg, hf_config, parallel))
     return SimpleNamespace(cfg=cfg, parallel=parallel, policy=policy,
                            algorithm=configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens),
                            vocab_size=Qwen2Shape.from_hf(tiny_model_hf_config()).vocab_size)
@@ -84,7 +84,7 @@ ON_POLICY_CASES = [(algorithm, plan) for algorithm in ("gtpo", "grpo_s")
 def _on_policy(rank, world_size):
     """Per case: the update's ratio and approx KL, the plan's micro-batch count and largest micro-batch, and the
     largest difference between the step batch's old log-probs and the scoring path's, sequence by sequence."""
-    from megatron_gtpo.training.forward import make_micro_batches, next_token_logprobs_and_entropy
+    from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
     exp = _experience(4)
     out = {}
@@ -94,7 +94,7 @@ def _on_policy(rank, world_size):
         for prompt, group in zip(exp.prompt_token_ids, exp.responses):
             for r in group:  # each sequence alone: column P - 1 + t scores response token t
                 sequence = list(prompt) + r.token_ids
-                ((logprobs_BL, _),) = next_token_logprobs_and_entropy(
+                ((logprobs_BL, _),) = forward_logprobs_and_entropy(
                     run.policy.chunks, make_micro_batches([sequence], 1, device=run.parallel.device), run.parallel,
                     vocab_size=run.vocab_size)
                 reference.append(logprobs_BL[0, len(prompt) - 1:len(sequence) - 1])

@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.cli import run_cli
-from megatron_gtpo.config import ALGORITHMS, load_config
+from megatron_gtpo.algorithms import ALGORITHM_NAMES
+from megatron_gtpo.config import load_config
 from megatron_gtpo.reporting import mean_and_spread, normalized_auc, plot_bands, read_rl_metrics, window_means
 
 STUDY_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "algorithm_study.yaml")
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", default="outputs/algorithm_study")
     p.add_argument("--config", default=STUDY_CONFIG)
     p.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every run")
-    p.add_argument("--algorithms", nargs="+", default=["grpo", "dapo", "gtpo", "grpo_s"], choices=ALGORITHMS)
+    p.add_argument("--algorithms", nargs="+", default=["grpo", "dapo", "gtpo", "grpo_s"], choices=ALGORITHM_NAMES)
     p.add_argument("--ablations", action="store_true", help="also run the GTPO / GRPO-S ablations")
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")

@@ -17,7 +17,8 @@ import sys
 from dataclasses import replace
 
 from megatron_gtpo.cli import run_cli
-from megatron_gtpo.planning import (KERNEL_PROFILES, Layout, Settings, Workload, plan, settings_from_config,
+from megatron_gtpo.layout import ParallelLayout
+from megatron_gtpo.planning import (KERNEL_PROFILES, Settings, Workload, plan, settings_from_config,
                                     workload_from_config)
 
 
@@ -78,15 +79,15 @@ def load_model(model: str) -> tuple[str, dict]:
         return model, json.load(f)
 
 
-def build_inputs(args) -> tuple[Layout, Workload, Settings]:
-    workload, settings, layout = Workload(), Settings(), Layout()
+def build_inputs(args) -> tuple[ParallelLayout, Workload, Settings]:
+    workload, settings, layout = Workload(), Settings(), ParallelLayout()
     if args.config:
         from megatron_gtpo.config import load_config
 
         cfg = load_config(args.config)
         workload = workload_from_config(cfg)
         settings = settings_from_config(cfg)
-        layout = Layout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
+        layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                         virtual_pipeline=cfg.parallel.virtual_pipeline,
                         sequence_parallel=cfg.parallel.sequence_parallel)
     pick = lambda value, default: default if value is None else value  # noqa: E731
@@ -101,7 +102,7 @@ def build_inputs(args) -> tuple[Layout, Workload, Settings]:
         dp = gpus // (tp * pp)
     else:
         dp = pick(args.dp, 1)
-    layout = Layout(tensor=tp, pipeline=pp, data=dp, virtual_pipeline=pick(args.vpp, layout.virtual_pipeline),
+    layout = ParallelLayout(tensor=tp, pipeline=pp, data=dp, virtual_pipeline=pick(args.vpp, layout.virtual_pipeline),
                     sequence_parallel=pick(args.sp, layout.sequence_parallel))
     workload = Workload(
         prompts_per_step=pick(args.prompts_per_step, workload.prompts_per_step),

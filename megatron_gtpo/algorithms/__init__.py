@@ -8,7 +8,6 @@ from megatron_gtpo.algorithms.advantages import (
     grpo_s_advantages,
     grpo_s_shaped_rewards,
     gtpo_advantages,
-    gtpo_token_rewards,
 )
 from megatron_gtpo.algorithms.dynamic_sampling import informative_groups
 from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
@@ -17,7 +16,7 @@ from megatron_gtpo.algorithms.registry import (
     ALGORITHM_NAMES,
     ALGORITHMS,
     Algorithm,
-    AlgorithmSpec,
+    AlgorithmEntry,
     ConfiguredAlgorithm,
     configure_algorithm,
     resolve_algorithm,
@@ -27,7 +26,7 @@ __all__ = [
     "ALGORITHMS",
     "ALGORITHM_NAMES",
     "Algorithm",
-    "AlgorithmSpec",
+    "AlgorithmEntry",
     "ConfiguredAlgorithm",
     "configure_algorithm",
     "group_relative_overlong_penalty",
@@ -35,7 +34,6 @@ __all__ = [
     "grpo_s_advantages",
     "grpo_s_shaped_rewards",
     "gtpo_advantages",
-    "gtpo_token_rewards",
     "informative_groups",
     "local_loss_normalizer",
     "overlong_penalty",

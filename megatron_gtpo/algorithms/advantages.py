@@ -173,32 +173,6 @@ def _affine_in_bonus(shaping: _GTPOShaping, entropy_NGT, mask_NGT, slope_N2, int
 _TYPE_SIGN_12 = (1.0, -1.0)  # successful tokens carry +(alpha1 + bonus), failed ones -(alpha1 + bonus)
 
 
-def gtpo_token_rewards(
-    rewards_NG: torch.Tensor,
-    entropy_NGT: torch.Tensor,
-    mask_NGT: torch.Tensor,
-    *,
-    alpha1: float = 1.0,
-    alpha2: float = 0.1,
-    entropy_clip: tuple[float, float] | None = None,
-    eps: float = 1e-8,
-) -> torch.Tensor:
-    """GTPO's shaped token rewards, rpos on successful responses and rneg on failed ones, 0 at padding.
-
-    With d_t (h_t) the number of successful (failed) responses that have a token at position t:
-        successful i: rpos_{i,t} = alpha1 * r_i + alpha2 * H_{i,t} / (sum_{k in O+} H_{k,t} + eps) * d_t
-        failed j:     rneg_{j,t} = -alpha1
-                                   - alpha2 * (1/(H_{j,t} + eps)) / (sum_{k in O-} 1/(H_{k,t} + eps) + eps) * h_t
-    The sums run over the responses that have a token at t (shorter ones contribute 0). rpos and rneg live on
-    disjoint tokens, so one [N, G, T] tensor holds both. rewards_NG must be exactly 0 or 1.
-    """
-    _check_shaping_inputs(rewards_NG, entropy_NGT, mask_NGT, entropy_clip, eps)
-    shaping = _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, alpha2=alpha2, entropy_clip=entropy_clip, eps=eps)
-    sign_N2 = torch.tensor(_TYPE_SIGN_12, dtype=torch.float64, device=rewards_NG.device).expand(len(rewards_NG), 2)
-    return _affine_in_bonus(shaping, entropy_NGT, mask_NGT, sign_N2, alpha1 * sign_N2, entropy_clip=entropy_clip,
-                            eps=eps)
-
-
 def gtpo_advantages(
     rewards_NG: torch.Tensor,
     entropy_NGT: torch.Tensor,
@@ -214,7 +188,12 @@ def gtpo_advantages(
 
         Apos = (rpos - mean(Rpos)) / (std(Rpos) + eps)      Aneg = (rneg - mean(Rneg)) / (std(Rneg) + eps)
 
-    rpos/rneg are gtpo_token_rewards. Rpos (Rneg) is the set of rpos (rneg) values over ALL valid tokens in
+    rpos/rneg are GTPO's shaped token rewards (arXiv 2508.04349, docs/algorithms.md): with d_t (h_t) the number of
+    successful (failed) responses that have a token at position t, and the sums over the responses that have one,
+        successful i: rpos_{i,t} = alpha1 * r_i + alpha2 * H_{i,t} / (sum_{k in O+} H_{k,t} + eps) * d_t
+        failed j:     rneg_{j,t} = -alpha1
+                                   - alpha2 * (1/(H_{j,t} + eps)) / (sum_{k in O-} 1/(H_{k,t} + eps) + eps) * h_t
+    Rpos (Rneg) is the set of rpos (rneg) values over ALL valid tokens in
     scope, the structural zeros included (rpos = 0 on failed tokens, rneg = 0 on successful ones), so with
     alpha2 = 0 both reduce to the z-score of the binary token reward. norm_scope "batch" takes the
     statistics over the whole batch, "group" over each prompt's group.
@@ -235,24 +214,25 @@ def gtpo_advantages(
     check_choice("norm_scope", norm_scope, NORM_SCOPES)
     shaping = _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, alpha2=alpha2, entropy_clip=entropy_clip, eps=eps)
 
-    # Per-type moments over the scope, combined in float64: token count, sum of bonus, sum of squared bonus.
-    moments_S32 = shaping.moments_N32.sum(dim=0, keepdim=True) if norm_scope == "batch" else shaping.moments_N32
-    count_S2, bonus_sum_S2, bonus_sq_sum_S2 = moments_S32.unbind(dim=1)
+    # Per-type moments over each normalisation scope (C: 1 for norm_scope "batch", N for "group"), combined in
+    # float64: token count, sum of bonus, sum of squared bonus.
+    moments_C32 = shaping.moments_N32.sum(dim=0, keepdim=True) if norm_scope == "batch" else shaping.moments_N32
+    count_C2, bonus_sum_C2, bonus_sq_sum_C2 = moments_C32.unbind(dim=1)
     sign_12 = torch.tensor(_TYPE_SIGN_12, dtype=torch.float64, device=rewards_NG.device).view(1, 2)
-    tokens_S1 = count_S2.sum(dim=1, keepdim=True)  # all valid tokens in scope, both types
+    tokens_C1 = count_C2.sum(dim=1, keepdim=True)  # all valid tokens in scope, both types
     # Mean of the signed rewards over all valid tokens (the other type's tokens add zeros).
-    mean_S2 = sign_12 * (alpha1 * count_S2 + bonus_sum_S2) / tokens_S1.clamp(min=1)
+    mean_C2 = sign_12 * (alpha1 * count_C2 + bonus_sum_C2) / tokens_C1.clamp(min=1)
     # Deviation of a type-k token from the mean, in units of its magnitude: offset_k + bonus.
-    offset_S2 = alpha1 - sign_12 * mean_S2
+    offset_C2 = alpha1 - sign_12 * mean_C2
     # In a scope holding one outcome only this is bonus_sq_sum - bonus_sum^2 / count, with nearly equal entropies a
     # tiny fraction of either term (~1e-7 at an entropy spread of 1e-3): float64 keeps it only because
     # token_passes.shaping_moments forms the two moments from centred per-position sums (its docstring says how).
-    centered_sum_sq_S2 = (count_S2 * offset_S2.square() + 2 * offset_S2 * bonus_sum_S2 + bonus_sq_sum_S2
-                          + (tokens_S1 - count_S2) * mean_S2.square())
-    scale_S2 = sign_12 / (_bessel_std(centered_sum_sq_S2, tokens_S1) + eps)
+    centered_sum_sq_C2 = (count_C2 * offset_C2.square() + 2 * offset_C2 * bonus_sum_C2 + bonus_sq_sum_C2
+                          + (tokens_C1 - count_C2) * mean_C2.square())
+    scale_C2 = sign_12 / (_bessel_std(centered_sum_sq_C2, tokens_C1) + eps)
 
     # Per token: A = scale_k * bonus + scale_k * offset_k (one row of statistics per prompt).
-    slope_N2 = scale_S2.expand(len(rewards_NG), 2)
-    intercept_N2 = (scale_S2 * offset_S2).expand(len(rewards_NG), 2)
+    slope_N2 = scale_C2.expand(len(rewards_NG), 2)
+    intercept_N2 = (scale_C2 * offset_C2).expand(len(rewards_NG), 2)
     return _affine_in_bonus(shaping, entropy_NGT, mask_NGT, slope_N2, intercept_N2, entropy_clip=entropy_clip,
                             eps=eps)

@@ -1,11 +1,17 @@
-"""The four algorithms as data: each name maps to its advantage function and its loss settings.
+"""The four algorithms as data: each name maps to one registry entry, resolved once against the run's config.
 
 The registry is the only place an algorithm's name is read: the config's choices (config.py) are its names, and the
-trainer binds its configured algorithm once (`configure_algorithm`) and then calls what that returns; nothing
-downstream branches on the name. Every entry's advantages have ONE written signature,
-`(rewards_NG, entropy_NGT, mask_NGT, config) -> advantages`, where `config` is the run's algorithm section
-(config.AlgorithmConfig, read by attribute: algorithms/ imports no config module) and the estimator passes the
-scalars its pure function takes as keyword arguments. Defaults follow the papers (GTPO / GRPO-S: arXiv 2508.04349):
+trainer resolves its algorithm once (`configure_algorithm`) into a `ConfiguredAlgorithm`, whose two functions have
+ONE written signature whatever the algorithm:
+
+    advantages(rewards_NG, entropy_NGT=None, mask_NGT=None) -> advantages_NGT (per token) or advantages_NG
+    policy_loss(logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, loss_normalizer, **tensors) -> loss, metrics
+
+An entry names its pure advantage function (advantages.py) and the config fields it takes as keywords, its policy
+loss (losses.py) with the loss's defaults and the config fields it takes, and the algorithm's defaults for dynamic
+sampling and the length penalty. Resolving binds the config's values once; nothing downstream branches on the name
+(algorithms/ imports no config module: the config is read by attribute). Defaults follow the papers (GTPO / GRPO-S:
+arXiv 2508.04349):
 
     algorithm  advantages                 policy loss                  clip (low, high)  dyn. sampling  length penalty
     GRPO       grpo_advantages [N, G]     token, seq-mean-token-mean   0.2, 0.2          no             none
@@ -19,8 +25,9 @@ signal); their rewards must stay binary correctness, so no length penalty is add
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -36,87 +43,54 @@ class Algorithm(str, enum.Enum):  # in the order the config lists them: the entr
     DAPO = "dapo"
 
 
+_TOKEN_LOSS_FIELDS = ("dual_clip", "kl_coef", "entropy_coef")  # the config fields every loss takes
+_CLIP_FIELDS = ("eps_low", "eps_high")  # the config's override the entry's default when set
+
+
 @dataclass(frozen=True)
-class AlgorithmSpec:
-    """What an algorithm computes. `estimate_advantages(rewards_NG, entropy_NGT, mask_NGT, config)` reads the
-    advantage's hyper-parameters (alpha1, beta2, norm_scope, ...) from the config; loss settings here are defaults
-    that `policy_loss` overrides (the config's, when set) take precedence over."""
+class AlgorithmEntry:
+    """One algorithm: `advantages(rewards_NG[, entropy_NGT, mask_NGT], **settings)` with `advantage_fields` the
+    config fields passed as settings (the entropy arguments iff `uses_entropy`); `policy_loss` with `loss_defaults`
+    and the config fields `loss_fields`; the defaults of dynamic sampling and of the length penalty ("none" |
+    "overlong")."""
 
-    algorithm: Algorithm
-    advantage_fn: Callable[..., torch.Tensor]  # the pure tensor function (advantages.py)
-    estimate_advantages: Callable[[torch.Tensor, Any, Any, Any], torch.Tensor]  # its written-signature entry
-    uses_entropy: bool  # advantage_fn(rewards_NG, entropy_NGT, mask_NGT, **kw), else advantage_fn(rewards_NG, **kw)
-    token_advantages: bool  # advantage_fn returns advantages_NGT, else advantages_NG
-    sequence_level_loss: bool  # sequence_policy_loss, else token_policy_loss
-    loss_agg_mode: str  # token_policy_loss's mode; "seq-mean-token-mean" for the sequence-level loss
-    eps_low: float
-    eps_high: float
-    dynamic_sampling: bool
-    length_penalty: str  # "none" | "overlong" (DAPO's overlong_penalty added to the reward)
+    advantages: Callable[..., torch.Tensor]
+    advantage_fields: tuple[str, ...]
+    uses_entropy: bool
+    policy_loss: Callable[..., tuple]
+    loss_defaults: dict = field(default_factory=dict)
+    loss_fields: tuple[str, ...] = _TOKEN_LOSS_FIELDS
+    dynamic_sampling: bool = True
+    length_penalty: str = "none"
 
-    def advantages(self, rewards_NG: torch.Tensor, entropy_NGT: torch.Tensor | None, mask_NGT: torch.Tensor | None,
-                   config) -> torch.Tensor:
-        """advantages_NGT (GTPO) or advantages_NG (the others); entropy and mask are needed iff uses_entropy."""
-        if self.uses_entropy and (entropy_NGT is None or mask_NGT is None):
-            raise ValueError(f"{self.algorithm.value} advantages need entropy_NGT and mask_NGT")
-        return self.estimate_advantages(rewards_NG, entropy_NGT, mask_NGT, config)
-
-    def policy_loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, loss_normalizer, **overrides):
-        """loss_mb, metrics of one micro-batch under THE LOSS CONTRACT (losses.py); `advantages` flattened to
-        [B, T] or [B] from what `advantages()` returned."""
-        settings = dict(eps_low=self.eps_low, eps_high=self.eps_high)
-        if self.sequence_level_loss:
-            settings.update(overrides)
-            return sequence_policy_loss(logprobs_BT, old_logprobs_BT, advantages, mask_BT,
-                                        loss_normalizer=loss_normalizer, **settings)
-        settings.update(loss_agg_mode=self.loss_agg_mode, **overrides)
-        return token_policy_loss(logprobs_BT, old_logprobs_BT, advantages, mask_BT,
-                                 loss_normalizer=loss_normalizer, **settings)
+    @property
+    def sequence_level_loss(self) -> bool:
+        """One surrogate term per sequence (GRPO-S), where a per-token weight has no term to multiply."""
+        return self.policy_loss is sequence_policy_loss
 
 
-def _grpo_estimator(rewards_NG, entropy_NGT, mask_NGT, config) -> torch.Tensor:
-    return grpo_advantages(rewards_NG)
-
-
-def _gtpo_estimator(rewards_NG, entropy_NGT, mask_NGT, config) -> torch.Tensor:
-    return gtpo_advantages(rewards_NG, entropy_NGT, mask_NGT, alpha1=config.alpha1, alpha2=config.alpha2,
-                           norm_scope=config.norm_scope, entropy_clip=config.entropy_clip)
-
-
-def _grpo_s_estimator(rewards_NG, entropy_NGT, mask_NGT, config) -> torch.Tensor:
-    return grpo_s_advantages(rewards_NG, entropy_NGT, mask_NGT, beta1=config.beta1, beta2=config.beta2,
-                             entropy_clip=config.entropy_clip)
-
-
-ALGORITHMS: dict[Algorithm, AlgorithmSpec] = {
-    Algorithm.GRPO: AlgorithmSpec(Algorithm.GRPO, grpo_advantages, _grpo_estimator,
-                                  uses_entropy=False, token_advantages=False,
-                                  sequence_level_loss=False, loss_agg_mode="seq-mean-token-mean", eps_low=0.2,
-                                  eps_high=0.2, dynamic_sampling=False, length_penalty="none"),
-    Algorithm.DAPO: AlgorithmSpec(Algorithm.DAPO, grpo_advantages, _grpo_estimator,
-                                  uses_entropy=False, token_advantages=False,
-                                  sequence_level_loss=False, loss_agg_mode="token-mean", eps_low=0.2,
-                                  eps_high=0.28, dynamic_sampling=True, length_penalty="overlong"),
-    Algorithm.GTPO: AlgorithmSpec(Algorithm.GTPO, gtpo_advantages, _gtpo_estimator,
-                                  uses_entropy=True, token_advantages=True,
-                                  sequence_level_loss=False, loss_agg_mode="token-mean", eps_low=0.2,
-                                  eps_high=0.28, dynamic_sampling=True, length_penalty="none"),
-    Algorithm.GRPO_S: AlgorithmSpec(Algorithm.GRPO_S, grpo_s_advantages, _grpo_s_estimator,
-                                    uses_entropy=True,
-                                    token_advantages=False, sequence_level_loss=True,
-                                    loss_agg_mode="seq-mean-token-mean", eps_low=0.2, eps_high=0.28,
-                                    dynamic_sampling=True, length_penalty="none"),
+ALGORITHMS: dict[Algorithm, AlgorithmEntry] = {
+    Algorithm.GRPO: AlgorithmEntry(grpo_advantages, (), False, token_policy_loss,
+                                   dict(eps_low=0.2, eps_high=0.2, loss_agg_mode="seq-mean-token-mean"),
+                                   dynamic_sampling=False),
+    Algorithm.DAPO: AlgorithmEntry(grpo_advantages, (), False, token_policy_loss,
+                                   dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean"),
+                                   length_penalty="overlong"),
+    Algorithm.GTPO: AlgorithmEntry(gtpo_advantages, ("alpha1", "alpha2", "norm_scope", "entropy_clip"), True,
+                                   token_policy_loss, dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean")),
+    Algorithm.GRPO_S: AlgorithmEntry(grpo_s_advantages, ("beta1", "beta2", "entropy_clip"), True,
+                                     sequence_policy_loss, dict(eps_low=0.2, eps_high=0.28),
+                                     loss_fields=_TOKEN_LOSS_FIELDS + ("sequence_ratio",)),
 }
 
 
-def resolve_algorithm(name: str | Algorithm) -> AlgorithmSpec:
-    """The spec of an algorithm given its enum or its name ("grpo", "dapo", "gtpo", "grpo_s"; case-insensitive,
-    "grpo-s" accepted)."""
+def resolve_algorithm(name: str | Algorithm) -> Algorithm:
+    """The algorithm an enum or a name names ("grpo", "dapo", "gtpo", "grpo_s"; case-insensitive, "grpo-s"
+    accepted); ValueError for any other name."""
     if isinstance(name, Algorithm):
-        return ALGORITHMS[name]
-    key = str(name).strip().lower().replace("-", "_")
+        return name
     try:
-        return ALGORITHMS[Algorithm(key)]
+        return Algorithm(str(name).strip().lower().replace("-", "_"))
     except ValueError:
         raise ValueError(f"unknown algorithm {name!r}; expected one of {[a.value for a in Algorithm]}") from None
 
@@ -126,57 +100,57 @@ ALGORITHM_NAMES: tuple[str, ...] = tuple(a.value for a in Algorithm)  # the conf
 
 @dataclass(frozen=True)
 class ConfiguredAlgorithm:
-    """An algorithm bound to the run's algorithm config once: what the trainer calls. `config` is the config's
-    algorithm section (AlgorithmConfig); `max_new_tokens` the rollout's, the overlong penalty's default length."""
+    """An algorithm resolved against the run's config: what the trainer calls (module doc: the two signatures).
+    `loss_agg_mode` is the token loss's aggregation ("seq-mean-token-mean" for the sequence-level loss), from which
+    the update computes its loss normalisers; `length_penalty(lengths_NG, correct_NG) -> penalty_NG` or None."""
 
-    spec: AlgorithmSpec
-    config: Any
-    max_new_tokens: int
-
-    @property
-    def uses_entropy(self) -> bool:
-        return self.spec.uses_entropy
-
-    @property
-    def loss_agg_mode(self) -> str:
-        return self.spec.loss_agg_mode
-
-    @property
-    def dynamic_sampling(self) -> bool:
-        return self.spec.dynamic_sampling if self.config.dynamic_sampling is None else self.config.dynamic_sampling
+    algorithm: Algorithm
+    uses_entropy: bool
+    dynamic_sampling: bool
+    loss_agg_mode: str
+    length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    _advantages: Callable[..., torch.Tensor]
+    _policy_loss: Callable[..., tuple]
 
     def advantages(self, rewards_NG: torch.Tensor, entropy_NGT: torch.Tensor | None = None,
                    mask_NGT: torch.Tensor | None = None) -> torch.Tensor:
-        return self.spec.advantages(rewards_NG, entropy_NGT, mask_NGT, self.config)
+        if not self.uses_entropy:
+            return self._advantages(rewards_NG)
+        if entropy_NGT is None or mask_NGT is None:
+            raise ValueError(f"{self.algorithm.value} advantages need entropy_NGT and mask_NGT")
+        return self._advantages(rewards_NG, entropy_NGT, mask_NGT)
 
     def policy_loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, loss_normalizer, **tensors):
-        """The spec's loss with the config's settings (eps_low / eps_high when set, dual clip, KL and entropy
-        coefficients, GRPO-S's sequence ratio); `tensors`: entropy_BT, ref_logprobs_BT, pg_weights."""
-        c = self.config
-        settings = dict(eps_low=self.spec.eps_low if c.eps_low is None else c.eps_low,
-                        eps_high=self.spec.eps_high if c.eps_high is None else c.eps_high,
-                        dual_clip=c.dual_clip, kl_coef=c.kl_coef, entropy_coef=c.entropy_coef)
-        if self.spec.sequence_level_loss:
-            settings["sequence_ratio"] = c.sequence_ratio
-        return self.spec.policy_loss(logprobs_BT, old_logprobs_BT, advantages, mask_BT,
-                                     loss_normalizer=loss_normalizer, **settings, **tensors)
-
-    @property
-    def length_penalty(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """(lengths_NG, correct_NG) -> penalty_NG added to the rewards, or None (the config's choice, else the
-        algorithm's default)."""
-        c = self.config
-        name = c.length_penalty or self.spec.length_penalty
-        max_len = c.overlong_max_len or self.max_new_tokens
-        return {
-            "none": None,
-            "overlong": lambda lengths_NG, correct_NG: overlong_penalty(
-                lengths_NG, max_len=max_len, cache_len=c.overlong_cache_len or max(1, max_len // 5)),
-            "group_relative": lambda lengths_NG, correct_NG: group_relative_overlong_penalty(
-                lengths_NG, correct_NG, gamma=c.group_relative_gamma),
-        }[name]
+        """loss_mb, metrics of one micro-batch under THE LOSS CONTRACT (losses.py); `advantages` flattened to
+        [B, T] or [B] from what `advantages()` returned; `tensors`: entropy_BT, ref_logprobs_BT, pg_weights."""
+        return self._policy_loss(logprobs_BT, old_logprobs_BT, advantages, mask_BT, loss_normalizer=loss_normalizer,
+                                 **tensors)
 
 
 def configure_algorithm(config, *, max_new_tokens: int) -> ConfiguredAlgorithm:
-    """The algorithm `config.name` names, bound to `config` (an AlgorithmConfig)."""
-    return ConfiguredAlgorithm(resolve_algorithm(config.name), config, max_new_tokens)
+    """The algorithm `config.name` names, resolved against `config` (an AlgorithmConfig): its advantage settings
+    and loss settings bound once (the config's clip range where set, else the algorithm's); `max_new_tokens` is the
+    rollout's, the overlong penalty's default length."""
+    algorithm = resolve_algorithm(config.name)
+    entry = ALGORITHMS[algorithm]
+    loss_settings = {**entry.loss_defaults,
+                     **{k: getattr(config, k) for k in _CLIP_FIELDS if getattr(config, k) is not None},
+                     **{k: getattr(config, k) for k in entry.loss_fields}}
+    return ConfiguredAlgorithm(
+        algorithm=algorithm, uses_entropy=entry.uses_entropy,
+        dynamic_sampling=entry.dynamic_sampling if config.dynamic_sampling is None else config.dynamic_sampling,
+        loss_agg_mode=entry.loss_defaults.get("loss_agg_mode", "seq-mean-token-mean"),
+        length_penalty=_length_penalty(config.length_penalty or entry.length_penalty, config, max_new_tokens),
+        _advantages=partial(entry.advantages, **{k: getattr(config, k) for k in entry.advantage_fields}),
+        _policy_loss=partial(entry.policy_loss, **loss_settings))
+
+
+def _length_penalty(name: str, config, max_new_tokens: int):
+    max_len = config.overlong_max_len or max_new_tokens
+    return {
+        "none": None,
+        "overlong": lambda lengths_NG, correct_NG: overlong_penalty(
+            lengths_NG, max_len=max_len, cache_len=config.overlong_cache_len or max(1, max_len // 5)),
+        "group_relative": lambda lengths_NG, correct_NG: group_relative_overlong_penalty(
+            lengths_NG, correct_NG, gamma=config.group_relative_gamma),
+    }[name]

@@ -31,6 +31,7 @@ from torch.futures import Future
 
 from megatron_gtpo.models.hf_checkpoint import HFCheckpoint
 from megatron_gtpo.models.hf_mapping import FC1, TensorMapping, hf_to_megatron_shard, tensor_mappings
+from megatron_gtpo.layout import ParallelLayout, check_layout
 
 from .atomic_dir import atomic_output_dir
 from .manifest import write_manifest
@@ -187,7 +188,7 @@ def convert_hf_to_megatron(hf_dir: str, output_dir: str, *, tensor_parallel: int
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     ckpt = HFCheckpoint(hf_dir)
-    ckpt.shape.check_parallel(tensor_parallel, pipeline_parallel)
+    check_layout(ParallelLayout(tensor_parallel, pipeline_parallel, None), shape=ckpt.shape)
     importer = _Importer(ckpt, tensor_parallel=tensor_parallel, dtype=dtype)
     dtypes = importer.dtypes
     metadata = CheckpointMetadata(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.layout import ParallelLayout, check_layout
 from megatron_gtpo.process_lifetime import end_with_the_run
 
 from .platform import activate_cpu_platform
@@ -68,7 +69,6 @@ class ParallelGroups:
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     mp_group: dist.ProcessGroup  # tensor x pipeline: the ranks holding one model replica
-    embedding_group: dist.ProcessGroup | None  # first+last pipeline stage, for tied embeddings
     tp_rank: int
     tp_size: int
     pp_rank: int
@@ -80,10 +80,6 @@ class ParallelGroups:
     world_rank: int
     world_size: int
     device: torch.device
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
@@ -98,18 +94,6 @@ class ParallelGroups:
     @property
     def last_stage_global_rank(self) -> int:
         return dist.get_global_rank(self.pp_group, self.pp_size - 1)
-
-
-def check_parallel_layout(world_size: int, tp: int, pp: int, vpp: int | None = None) -> int:
-    """Validate TP/PP against the world size and return DP."""
-    for name, value in (("tensor parallel size", tp), ("pipeline parallel size", pp)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}")
-    if vpp is not None and (vpp < 1 or pp < 2):
-        raise ValueError(f"virtual pipeline size {vpp} needs pipeline parallel size >= 2 (got PP={pp})")
-    return world_size // (tp * pp)
 
 
 def _pick_backend(backend: str | None) -> str:
@@ -131,13 +115,13 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
     CPU platform layer is activated first, so megatron-core runs unmodified on gloo. megatron-core's checkpoint writer
     processes end with the rank, and the rank with its torchrun agent, even after a SIGKILL (process_lifetime.py).
     """
-    if sequence_parallel and tensor_parallel == 1:
-        raise ValueError("sequence parallelism needs tensor parallel size > 1")
     activate_cpu_platform()
     end_with_the_run()
     backend = _pick_backend(backend)
     launch = read_launch_env()
-    check_parallel_layout(launch.world_size, tensor_parallel, pipeline_parallel, virtual_pipeline_parallel)
+    check_layout(ParallelLayout.from_world_size(launch.world_size, tensor=tensor_parallel, pipeline=pipeline_parallel,
+                                                virtual_pipeline=virtual_pipeline_parallel,
+                                                sequence_parallel=sequence_parallel))
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
     if not dist.is_initialized():
@@ -163,11 +147,9 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     torch.manual_seed(stage_seed)
     model_parallel_cuda_manual_seed(stage_seed)
-    embedding_group = ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None
     return ParallelGroups(
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
-        embedding_group=embedding_group,
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tensor_parallel,
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pipeline_parallel,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),

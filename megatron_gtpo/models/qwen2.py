@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from megatron_gtpo.layout import ParallelLayout, check_layout
+
 from .accelerator import Accelerator, fusion_settings
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
@@ -22,11 +24,6 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 # distributed checkpoint written at one TP reloads at another without touching the embedding shapes.
 VOCAB_DIVISIBLE_BY = 128
 VOCAB_TP_INDEPENDENT_MULTIPLE = 1024
-
-
-SEQUENCE_PARALLEL_NEEDS_TE = (
-    "sequence parallelism needs Transformer Engine's layer spec (CUDA and a working transformer_engine.pytorch): "
-    "megatron-core's local spec builds torch norms, which refuse it")
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
@@ -101,31 +98,12 @@ class Qwen2Shape:
             init_std=float(hf_config.get("initializer_range", 0.02)),
         )
 
-    def check_parallel(self, tensor_parallel: int, pipeline_parallel: int,
-                       layers_per_stage: list[int] | None = None) -> None:
-        """Errors for TP/PP layouts this model cannot be split into."""
-        if self.num_attention_heads % tensor_parallel:
-            raise ValueError(f"{self.num_attention_heads} attention heads are not divisible by TP={tensor_parallel}")
-        if self.num_query_groups % tensor_parallel:
-            raise ValueError(f"{self.num_query_groups} query groups (num_key_value_heads) are not divisible by "
-                             f"TP={tensor_parallel}")
-        if self.ffn_hidden_size % tensor_parallel:
-            raise ValueError(f"intermediate_size {self.ffn_hidden_size} is not divisible by TP={tensor_parallel}")
-        if layers_per_stage is not None:
-            if len(layers_per_stage) != pipeline_parallel or sum(layers_per_stage) != self.num_layers \
-                    or min(layers_per_stage) < 1:
-                raise ValueError(f"layers_per_stage {layers_per_stage} must be {pipeline_parallel} positive numbers "
-                                 f"summing to {self.num_layers}")
-        elif self.num_layers % pipeline_parallel:
-            raise ValueError(f"{self.num_layers} layers are not divisible by PP={pipeline_parallel}; pass an "
-                             f"explicit uneven split (layers_per_stage)")
-
 
 def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                                virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
-                               params_dtype: torch.dtype = torch.float32, layers_per_stage: list[int] | None = None,
-                               recompute_activations: bool = False, accelerator: Accelerator | None = None,
-                               transformer_engine: bool = False, packed_sequences: bool = False):
+                               params_dtype: torch.dtype = torch.float32, recompute_activations: bool = False,
+                               accelerator: Accelerator | None = None, transformer_engine: bool = False,
+                               packed_sequences: bool = False):
     """The megatron-core TransformerConfig of a Qwen2 config.json, for the given parallel layout, layer spec
     (`transformer_engine`) and machine (`accelerator`, default this process's: models/accelerator.py decides the
     fusions). `packed_sequences`: the model will see packed rows (data.pack_sequences).
@@ -136,19 +114,11 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     from megatron.core.transformer import TransformerConfig
 
     shape = Qwen2Shape.from_hf(hf_config)
-    shape.check_parallel(tensor_parallel, pipeline_parallel, layers_per_stage)
+    check_layout(ParallelLayout(tensor_parallel, pipeline_parallel, None, virtual_pipeline_parallel, sequence_parallel),
+                 shape=shape, transformer_engine=transformer_engine)  # LayoutError (a ValueError) naming the rule
     accelerator = accelerator or Accelerator.probe()
     if transformer_engine and not accelerator.transformer_engine:
         raise ValueError("the Transformer Engine layer spec needs CUDA and a working transformer_engine.pytorch")
-    if sequence_parallel and not transformer_engine:
-        raise ValueError(SEQUENCE_PARALLEL_NEEDS_TE)
-    uneven = {}
-    if layers_per_stage is not None and pipeline_parallel > 1:
-        uneven = dict(num_layers_in_first_pipeline_stage=layers_per_stage[0],
-                      num_layers_in_last_pipeline_stage=layers_per_stage[-1])
-        if len(set(layers_per_stage[1:-1])) > 1:
-            raise ValueError(f"layers_per_stage {layers_per_stage}: megatron-core allows only the first and last "
-                             f"stages to differ; the middle stages must hold equal numbers of layers")
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -180,7 +150,6 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
         recompute_granularity="full" if recompute_activations else None,
         recompute_method="uniform" if recompute_activations else None,
         recompute_num_layers=1 if recompute_activations else None,
-        **uneven,
     )
 
 
@@ -195,8 +164,8 @@ def layer_spec(transformer_engine: bool):
 
 def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int, pp_rank: int,
                 virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
-                params_dtype: torch.dtype = torch.float32, layers_per_stage: list[int] | None = None,
-                recompute_activations: bool = False, use_transformer_engine: bool | None = None,
+                params_dtype: torch.dtype = torch.float32, recompute_activations: bool = False,
+                use_transformer_engine: bool | None = None,
                 parallel_output: bool = True, meta_device: bool = False, accelerator: Accelerator | None = None,
                 packed_sequences: bool = False) -> list:
     """This rank's model chunks (one per virtual pipeline stage; a list of one without VPP), on the current CUDA
@@ -220,7 +189,7 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
     config = transformer_config_from_hf(
         hf_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         virtual_pipeline_parallel=virtual_pipeline_parallel, sequence_parallel=sequence_parallel,
-        params_dtype=params_dtype, layers_per_stage=layers_per_stage, recompute_activations=recompute_activations,
+        params_dtype=params_dtype, recompute_activations=recompute_activations,
         accelerator=accelerator, transformer_engine=use_transformer_engine, packed_sequences=packed_sequences)
     if meta_device:
         config.use_cpu_initialization, config.perform_initialization = True, False

@@ -2,7 +2,7 @@
 
 Log-prob convention: `Response.logprobs[k]` is the log-probability of `token_ids[k]` under the
 temperature-scaled FULL next-token distribution, log softmax(logits / temperature) over the true vocabulary, i.e.
-exactly what the scoring path (`training.forward.next_token_logprobs_and_entropy`) gives for the same tokens at
+exactly what the scoring path (`training.forward.forward_logprobs_and_entropy`) gives for the same tokens at
 the same temperature. top-k / top-p decide which tokens may be sampled but are NOT folded into the reported
 log-probs (the log-prob under the truncated, renormalised distribution would be logprob - log(kept mass)); this way
 the trainer's rollout-vs-training mismatch compares like with like. Greedy decoding is `temperature == 0`: the

@@ -44,13 +44,6 @@ def engine_members(*, tp: int, pp: int, engine_tp: int) -> list[list[tuple[int, 
     return members
 
 
-def engine_ranks(*, tp: int, pp: int, dp: int, engine_tp: int) -> list[list[int]]:
-    """Global ranks whose GPUs each engine of the job uses, host first: replica-major, then engine order. The global
-    rank of (tp_rank, dp_rank, pp_rank) is tp_rank + tp (dp_rank + dp pp_rank) (megatron's order tp-cp-ep-dp-pp)."""
-    return [[t + tp * (replica + dp * s) for s, t in members]
-            for replica in range(dp) for members in engine_members(tp=tp, pp=pp, engine_tp=engine_tp)]
-
-
 def split_counts(num_prompts: int, num_engines: int) -> list[int]:
     """Prompts per engine, contiguous in prompt order: as even as possible, the first engines taking the remainder."""
     if num_engines < 1 or num_prompts < 0:

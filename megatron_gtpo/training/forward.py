@@ -15,8 +15,10 @@ Two layouts of a micro-batch's rows (`MicroBatch`):
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -35,11 +37,6 @@ class MicroBatch:
     # last segment, so segments tile the row. max_segment: the longest segment's length (host int).
     cu_seqlens: torch.Tensor | None = None
     max_segment: int = 0
-
-    @property
-    def token_mask_BL(self) -> torch.Tensor:
-        """True on real tokens."""
-        return torch.arange(self.tokens_BL.shape[1], device=self.lengths_B.device) < self.lengths_B[:, None]
 
 
 def next_token_targets(tokens_BL: torch.Tensor) -> torch.Tensor:
@@ -124,33 +121,50 @@ def model_forward(model, mb: MicroBatch, *, local_attention: bool):
     return model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None, packed_seq_params=params)
 
 
-def run_forward(model_chunks: list, micro_batches: list[MicroBatch], parallel: ParallelGroups, on_last_stage,
-                *, forward_only: bool = True):
-    """Run megatron's schedule over `micro_batches`; `on_last_stage(micro_batch, logits_BLV_local)` is called on the
-    last pipeline stage and what it returns is collected (a list, in micro-batch order; [] on other stages)."""
+def run_pipeline(model_chunks: list, micro_batches: list, on_last_stage: Callable, *, forward_only: bool,
+                 inputs: Callable[[object], MicroBatch] = lambda mb: mb) -> list:
+    """Megatron-core's pipeline schedule over `micro_batches` (`inputs(mb)` gives each one's model inputs): the one
+    place the project calls it. On the last pipeline stage `on_last_stage(mb, logits_BLV_local)` is called per
+    micro-batch and what it returns is collected, in micro-batch order ([] on the other stages):
+    - forward_only: anything (no autograd graph is built);
+    - else (a training step): megatron's loss-function contract, `(loss, metrics dict)`; the losses are backpropagated
+      and the list holds the metrics dicts."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     local_attention = uses_local_attention(model_chunks[0])
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return model_forward(model, mb, local_attention=local_attention), partial(_collect, mb)
+        return model_forward(model, inputs(mb), local_attention=local_attention), partial(_on_last_stage, mb)
 
-    def _collect(mb, logits, non_loss_data=False):
+    def _on_last_stage(mb, logits, non_loss_data=False):  # megatron passes non_loss_data when collecting outputs
         return on_last_stage(mb, logits)
 
     iterators = [iter(micro_batches) for _ in model_chunks] if len(model_chunks) > 1 else iter(micro_batches)
-    max_len = max(mb.tokens_BL.shape[1] for mb in micro_batches)
-    with torch.no_grad():
+    rows = [inputs(mb).tokens_BL for mb in micro_batches]
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators, model=model_chunks,
-            num_microbatches=len(micro_batches), seq_length=max_len,
-            micro_batch_size=max(mb.tokens_BL.shape[0] for mb in micro_batches),
-            forward_only=forward_only, collect_non_loss_data=True)
+            num_microbatches=len(micro_batches), seq_length=max(r.shape[1] for r in rows),
+            micro_batch_size=max(r.shape[0] for r in rows), forward_only=forward_only,
+            collect_non_loss_data=forward_only)
 
 
-def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], parallel: ParallelGroups,
-                                    *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None):
+def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.Tensor, parallel: ParallelGroups, *,
+                                    vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None,
+                                    check_targets: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs_BL, entropy_BL) of the vocab-parallel logits of a micro-batch's rows: column k scores tokens[b, k+1]
+    under logits / temperature, and the entropy of that next-token distribution over the true vocabulary (the last
+    column, and in a packed row each sequence's last, hold garbage: their next token is not their own). The one
+    place logits become log-probs and entropies (the old-policy pass, the update, scoring). `check_targets` checks
+    the ids' range, at the cost of a host sync."""
+    return vocab_parallel_logprobs_and_entropy(
+        logits_BLV, next_token_targets(tokens_BL), tp_group=parallel.tp_group, vocab_size=vocab_size,
+        temperature=temperature, chunk_size=chunk_size, check_targets=check_targets)
+
+
+def forward_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], parallel: ParallelGroups,
+                                 *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None):
     """Per micro-batch (logprobs_BL1, entropy_BL1), float32 on the logits' device, on the last pipeline stage ([]
     elsewhere): logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k]
     the entropy of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding
@@ -158,11 +172,11 @@ def next_token_logprobs_and_entropy(model_chunks: list, micro_batches: list[Micr
     and the context tokens[b, :k+1] is the sequence's own."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
-        logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-            logits_BLV, next_token_targets(mb.tokens_BL), tp_group=parallel.tp_group, vocab_size=vocab_size,
-            temperature=temperature, chunk_size=chunk_size)
+        logprobs, entropy = next_token_logprobs_and_entropy(logits_BLV, mb.tokens_BL, parallel, vocab_size=vocab_size,
+                                                            temperature=temperature, chunk_size=chunk_size,
+                                                            check_targets=True)
         return logprobs[:, :-1].float(), entropy[:, :-1].float()
 
     for model in model_chunks:
         model.eval()
-    return run_forward(model_chunks, micro_batches, parallel, on_last_stage)
+    return run_pipeline(model_chunks, micro_batches, on_last_stage, forward_only=True)

@@ -31,7 +31,7 @@ class PolicyModel:
         init of the tiny synthetic model), wrapped for training with the optimizer and LR schedule of `cfg`."""
         chunks = build_chunks(cfg, hf_config, parallel)
         load_initial_weights(cfg, chunks, parallel)
-        return wrap_for_training(cfg, chunks, train_steps=cfg.steps)
+        return wrap_for_training(cfg, chunks)
 
 
 def materialize_adam_state(optimizer) -> None:
@@ -74,7 +74,7 @@ def load_initial_weights(cfg: TrainConfig, chunks: list, parallel: ParallelGroup
         ModelSource.detect(cfg.model.hf_dir or cfg.model.load).load_into(chunks, parallel)
 
 
-def wrap_for_training(cfg: TrainConfig, chunks: list, *, train_steps: int) -> PolicyModel:
+def wrap_for_training(cfg: TrainConfig, chunks: list) -> PolicyModel:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -96,7 +96,7 @@ def wrap_for_training(cfg: TrainConfig, chunks: list, *, train_steps: int) -> Po
     # config's schedule wins (override): a run extended with a larger `steps` decays over the new length, while its
     # progress (the number of optimizer steps taken) comes from the checkpoint.
     updates_per_step = cfg.data.mini_batches_per_step * cfg.data.epochs_per_step
-    warmup_updates, total_updates = optim.warmup_steps * updates_per_step, train_steps * updates_per_step
+    warmup_updates, total_updates = optim.warmup_steps * updates_per_step, cfg.steps * updates_per_step
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if warmup_updates else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=warmup_updates, lr_decay_steps=max(total_updates, warmup_updates + 1),

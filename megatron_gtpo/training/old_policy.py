@@ -8,9 +8,9 @@ from functools import partial
 import torch
 
 from megatron_gtpo.algorithms.rollout_correction import rollout_correction
-from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
+from megatron_gtpo.distributed import ParallelGroups
 
-from .forward import next_token_targets, run_forward
+from .forward import next_token_logprobs_and_entropy, run_pipeline
 from .step_batch import StepBatch
 
 
@@ -34,15 +34,15 @@ def _response_logprobs_and_entropy(model_chunks, *, batch: StepBatch, micro_batc
                                    vocab_size: int, temperature: float, chunk_tokens: int | None):
     """Response-aligned [S, T] float32 log-probs and entropies on the device (None, None off the last stage)."""
 
-    def on_last_stage(inputs, logits_BLV):
-        logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
-            logits_BLV, next_token_targets(inputs.tokens_BL), tp_group=parallel.tp_group, vocab_size=vocab_size,
-            temperature=temperature, chunk_size=chunk_tokens, check_targets=False)  # no sync per micro-batch
+    def on_last_stage(mb, logits_BLV):
+        logprobs_BL, entropy_BL = next_token_logprobs_and_entropy(  # no id check: no host sync per micro-batch
+            logits_BLV, mb.inputs.tokens_BL, parallel, vocab_size=vocab_size, temperature=temperature,
+            chunk_size=chunk_tokens)
         return logprobs_BL.float(), entropy_BL.float()
 
     for model in model_chunks:
         model.eval()
-    outputs = run_forward(model_chunks, [mb.inputs for mb in micro_batches], parallel, on_last_stage)
+    outputs = run_pipeline(model_chunks, micro_batches, on_last_stage, forward_only=True, inputs=lambda mb: mb.inputs)
     if not parallel.is_last_stage:
         return None, None
     logprobs_ST = torch.zeros(batch.mask_ST.shape, device=parallel.device)

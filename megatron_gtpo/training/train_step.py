@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import torch
 
-from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
+from megatron_gtpo.distributed import ParallelGroups
 
-from .forward import MicroBatch, model_forward, next_token_targets, uses_local_attention
+from .forward import MicroBatch, next_token_logprobs_and_entropy, run_pipeline
 from .model_setup import PolicyModel
 from .step_batch import MicroBatchColumns, PlannedMicroBatch, StepBatch
 
@@ -60,27 +59,19 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], p
     {"grad_norm", "update_successful", "micro_batch_metrics" (last stage: one dict per micro-batch)}.
     `lr` fixes the learning rate of this step and leaves the LR schedule where it is (the warm-start).
     `chunk_tokens`: the vocab-parallel op's chunk (None: all tokens at once)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     num_micro_batches = len(micro_batches)
     scale = num_micro_batches * parallel.dp_size  # undo megatron's /num_microbatches and DDP's DP average
 
-    local_attention = uses_local_attention(policy.ddp_chunks[0])
-
     def loss_on_last_stage(mb: UpdateMicroBatch, logits_BLV):
         # The op runs on the micro-batch's own layout (packed rows included); the loss reads its response tokens.
-        # No id-range check (check_targets): a host sync per micro-batch; the ids are the step batch's (forward.py).
-        logprobs_BL, entropy_BL = vocab_parallel_logprobs_and_entropy(
-            logits_BLV, next_token_targets(mb.inputs.tokens_BL), tp_group=parallel.tp_group, vocab_size=vocab_size,
-            temperature=temperature, chunk_size=chunk_tokens, check_targets=False)
+        # No id-range check: a host sync per micro-batch; the ids are the step batch's (forward.py).
+        logprobs_BL, entropy_BL = next_token_logprobs_and_entropy(
+            logits_BLV, mb.inputs.tokens_BL, parallel, vocab_size=vocab_size, temperature=temperature,
+            chunk_size=chunk_tokens)
         if not mb.columns.sequences_S.numel():  # a rank without sequences: zero loss, still in the backward graph
             return (logprobs_BL * 0).sum(), {}
         loss, metrics = loss_fn(mb, mb.columns.gather(logprobs_BL), mb.columns.gather(entropy_BL))
         return loss * scale, {k: v.detach() for k, v in metrics.items()}
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        return model_forward(model, mb.inputs, local_attention=local_attention), partial(loss_on_last_stage, mb)
 
     for chunk in policy.ddp_chunks:
         chunk.train()
@@ -88,12 +79,8 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], p
     with warnings.catch_warnings():  # megatron-core's DistributedOptimizer reads .grad of its shard views (non-leaf)
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
         policy.optimizer.zero_grad()
-    iterators = ([iter(micro_batches) for _ in policy.ddp_chunks] if len(policy.ddp_chunks) > 1
-                 else iter(micro_batches))
-    metrics = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterators, model=policy.ddp_chunks,
-        num_microbatches=num_micro_batches, seq_length=max(m.inputs.tokens_BL.shape[1] for m in micro_batches),
-        micro_batch_size=max(m.inputs.tokens_BL.shape[0] for m in micro_batches), forward_only=False)
+    metrics = run_pipeline(policy.ddp_chunks, micro_batches, loss_on_last_stage, forward_only=False,
+                           inputs=lambda mb: mb.inputs)
     if lr is not None:
         for param_group in policy.optimizer.param_groups:
             param_group["lr"] = lr

@@ -25,7 +25,7 @@ def _megatron_bf16_logits(rank, world_size, model_dir, sequences, use_transforme
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
-    from megatron_gtpo.training.forward import make_micro_batches, run_forward
+    from megatron_gtpo.training.forward import make_micro_batches, run_pipeline
 
     groups = initialize_parallel(1, 1)
     with HFCheckpoint(model_dir) as ckpt:
@@ -36,7 +36,7 @@ def _megatron_bf16_logits(rank, world_size, model_dir, sequences, use_transforme
         c.eval()
     micro_batches = make_micro_batches(sequences, len(sequences), device=groups.device)
     with torch.no_grad():
-        out = run_forward(chunks, micro_batches, groups, lambda mb, logits: logits.float().cpu())
+        out = run_pipeline(chunks, micro_batches, lambda mb, logits: logits.float().cpu(), forward_only=True)
     return [row for mb in out for row in mb]
 
 

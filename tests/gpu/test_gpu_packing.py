@@ -18,7 +18,7 @@ def _alone_and_packed(rank, world_size, model_dir, sequences):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
-    from megatron_gtpo.training.forward import (make_micro_batches, next_token_logprobs_and_entropy, pack_sequences,
+    from megatron_gtpo.training.forward import (forward_logprobs_and_entropy, make_micro_batches, pack_sequences,
                                                 uses_local_attention)
 
     groups = initialize_parallel(1, 1)
@@ -27,9 +27,9 @@ def _alone_and_packed(rank, world_size, model_dir, sequences):
                              params_dtype=torch.bfloat16, use_transformer_engine=True)
         load_hf_weights(chunks, ckpt, tp_rank=0, tp_size=1)
     assert not uses_local_attention(chunks[0])  # the packed row goes to the model as THD
-    alone = next_token_logprobs_and_entropy(chunks, make_micro_batches(sequences, 1, device=groups.device), groups,
+    alone = forward_logprobs_and_entropy(chunks, make_micro_batches(sequences, 1, device=groups.device), groups,
                                             vocab_size=VOCAB)
-    ((packed_BL, _),) = next_token_logprobs_and_entropy(
+    ((packed_BL, _),) = forward_logprobs_and_entropy(
         chunks, [pack_sequences(sequences, device=groups.device, pad_to_multiple=16)], groups, vocab_size=VOCAB)
     out, offset = [], 0
     for sequence, (logprobs_BL, _) in zip(sequences, alone):

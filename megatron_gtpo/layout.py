@@ -1,0 +1,131 @@
+"""The parallel layout and every rule it must follow, in one function.
+
+`check_layout` is what the config validation (config.py), the process-group setup (distributed/parallel.py), the
+model builder (models/qwen2.py), the checkpoint tools and the planner (planning.py) call: each passes what it knows
+(the model's shape, the machine's layer spec, the batch, the rollout engines) and gets the same rules with the same
+messages, named by the config keys a user sets. Rules whose inputs a caller does not pass are not checked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """A parallel layout the model, megatron-core or the rollout engines cannot run; the message names the keys."""
+
+
+SEQUENCE_PARALLEL_NEEDS_TE = (
+    "sequence parallelism needs the Transformer Engine layer spec (CUDA and a working transformer_engine.pytorch): "
+    "megatron-core's local spec builds RMSNorm as WrappedTorchNorm, which does not support it")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the parallel dimensions. `data` is None where the world size is not known yet (a config on its
+    own)."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int | None = 1
+    virtual_pipeline: int | None = None
+    sequence_parallel: bool = False
+
+    @classmethod
+    def from_world_size(cls, world_size: int, *, tensor: int = 1, pipeline: int = 1, **rest) -> "ParallelLayout":
+        """The layout whose data-parallel size fills `world_size` processes; LayoutError when TP x PP does not
+        divide it."""
+        _check_sizes(tensor, pipeline)
+        if world_size % (tensor * pipeline):
+            raise LayoutError(f"parallel: world size {world_size} is not divisible by tensor x pipeline = "
+                              f"{tensor} x {pipeline}")
+        return cls(tensor=tensor, pipeline=pipeline, data=world_size // (tensor * pipeline), **rest)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * (self.data or 1)
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """Where the rollout engines run: `engine` as rollout.engine; `engine_tensor_parallel` is a colocated vLLM
+    engine's TP size (rollout.vllm_tensor_parallel); `remote_servers` the number of vllm_remote addresses."""
+
+    engine: str
+    engine_tensor_parallel: int = 1
+    remote_servers: int = 0
+
+
+def check_layout(layout: ParallelLayout, *, shape=None, transformer_engine: bool | None = None,
+                 prompts_per_step: int | None = None, mini_batches_per_step: int = 1,
+                 rollout: RolloutLayout | None = None) -> None:
+    """LayoutError naming the problem when `layout` cannot run.
+
+    Always: sizes >= 1; virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1. With `shape` (an object
+    with num_attention_heads, num_query_groups, ffn_hidden_size, num_layers: models.qwen2.Qwen2Shape): the heads, KV
+    heads and FFN width divide by TP, the layers by PP x VPP. With `transformer_engine` (the layer spec the model
+    will be built with): sequence parallelism needs it. With `prompts_per_step` and a known data size: the prompts
+    split evenly over DP x mini-batches. With `rollout`: colocated vLLM engines tile the replica's GPUs
+    (rollout/placement.py) and, with `shape`, split the attention heads; vllm_remote has one server per
+    data-parallel replica."""
+    tp, pp, dp, vpp = layout.tensor, layout.pipeline, layout.data, layout.virtual_pipeline
+    _check_sizes(tp, pp)
+    _need(dp is None or dp >= 1, f"parallel: the data-parallel size must be >= 1, got {dp}")
+    _need(vpp is None or (vpp >= 1 and pp >= 2),
+          f"parallel.virtual_pipeline: needs parallel.pipeline >= 2 and a value >= 1, got {vpp} with pipeline {pp}")
+    _need(not layout.sequence_parallel or tp > 1, "parallel.sequence_parallel: needs parallel.tensor > 1")
+    _need(not layout.sequence_parallel or transformer_engine is not False,
+          f"parallel.sequence_parallel: {SEQUENCE_PARALLEL_NEEDS_TE}")
+    if shape is not None:
+        _check_model_split(shape, tp, pp * (vpp or 1), vpp)
+    if prompts_per_step is not None and dp is not None:
+        _need(prompts_per_step % (dp * mini_batches_per_step) == 0,
+              f"data.prompts_per_step ({prompts_per_step}) must be divisible by data-parallel size x "
+              f"mini_batches_per_step = {dp} x {mini_batches_per_step}")
+    if rollout is not None and dp is not None:
+        _check_rollout(rollout, tp, pp, dp, shape)
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise LayoutError(message)
+
+
+def _check_sizes(tp: int, pp: int) -> None:
+    _need(tp >= 1 and pp >= 1, f"parallel.tensor / parallel.pipeline: must be >= 1, got {tp} / {pp}")
+
+
+def _check_model_split(shape, tp: int, layer_chunks: int, vpp: int | None) -> None:
+    where = "parallel.tensor / parallel.pipeline: the model cannot be split so"
+    _need(shape.num_attention_heads % tp == 0,
+          f"{where}: {shape.num_attention_heads} attention heads are not divisible by TP={tp}")
+    _need(shape.num_query_groups % tp == 0,
+          f"{where}: {shape.num_query_groups} query groups (num_key_value_heads) are not divisible by TP={tp}")
+    _need(shape.ffn_hidden_size % tp == 0,
+          f"{where}: intermediate_size {shape.ffn_hidden_size} is not divisible by TP={tp}")
+    _need(shape.num_layers % layer_chunks == 0,
+          f"{where}: {shape.num_layers} layers are not divisible by "
+          + (f"PP x VPP = {layer_chunks // vpp} x {vpp}" if vpp else f"PP={layer_chunks}"))
+
+
+def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int, shape) -> None:
+    from megatron_gtpo.rollout.placement import engine_hosts
+
+    if rollout.engine == "vllm_remote":
+        _need(rollout.remote_servers == dp,
+              f"rollout.vllm_remote_addresses: {rollout.remote_servers} given, but there are {dp} data-parallel "
+              f"replicas (one vLLM server each)")
+    if rollout.engine != "vllm":
+        return
+    vtp = rollout.engine_tensor_parallel
+    _need(shape is None or (vtp >= 1 and shape.num_attention_heads % vtp == 0),
+          f"rollout.vllm_tensor_parallel: {vtp} must divide the model's {getattr(shape, 'num_attention_heads', 0)} "
+          f"attention heads")
+    try:
+        engine_hosts(tp=tp, pp=pp, engine_tp=vtp)
+    except ValueError as e:
+        raise LayoutError(f"rollout.vllm_tensor_parallel: {e}") from None
+    # Megatron's rank order (tp-cp-ep-dp-pp) puts the DP replicas between two stages: an engine spanning stages
+    # would not have consecutive GPUs.
+    _need(vtp <= tp or dp == 1,
+          f"rollout.vllm_tensor_parallel: an engine at tensor parallel size {vtp} spans pipeline stages, whose GPUs "
+          f"are consecutive only with one data-parallel replica (got {dp}); use a divisor of parallel.tensor = {tp}")

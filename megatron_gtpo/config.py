@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    hf_dir: str | None = None  # a Hugging Face Qwen2 directory to start from
+    hf_dir: str | None = None  # a Hugging Face Qwen2 / Qwen3 (dense) directory: its model_type picks the family
     load: str | None = None  # or a megatron_gtpo checkpoint directory (converter or trainer output)
     tiny_synthetic: bool = False  # or a tiny random Qwen2 built in code for the synthetic task (the CPU demo)
     # The KL term's reference policy (built when algorithm.kl_coef > 0 or this is set): a HF directory or checkpoint;

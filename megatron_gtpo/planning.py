@@ -1,20 +1,21 @@
-"""Memory and FLOPs planning for a Qwen2 model under a TP/PP/DP layout (the logic behind tools/plan.py).
+"""Memory and FLOPs planning for a Qwen2 / Qwen3 model under a TP/PP/DP layout (the logic behind tools/plan.py).
 
 What is exact and what is an estimate:
 
 - Parameter counts per rank are exact: they follow megatron-core's GPTModel construction (the embedding on the first
   stage, the output layer on the last stage, and on the last stage also when the embeddings are tied and PP > 1,
   where megatron keeps a synchronised copy; every rank of a TP group holds the same count). tests/test_plan.py
-  compares them with models built on the meta device.
+  (Qwen2.5) and tests/test_models_qwen3_config.py (Qwen3) compare them with models built on the meta device.
 - Parameter, gradient and optimizer bytes follow megatron-core's DDP + Adam (measured on CPU in tests/test_plan.py):
   parameters in the model dtype; gradients in fp32 (`grad_reduce_in_fp32`, the trainer's setting); Adam's two
   moments in fp32 plus, for bf16 models, an fp32 master copy; all optimizer state divided by DP with the
   distributed optimizer (the trainer's setting), replicated without it.
 - Activations are an estimate from what autograd keeps per layer (elements per token, listed in
-  `_LAYER_ACTIVATION_TERMS`). The "local" kernel profile (megatron's local layer spec: unfused softmax attention
-  with GQA keys/values expanded to every head, unfused SwiGLU; the CPU path) is checked exactly against autograd's
-  saved tensors on CPU. The "te" profile (Transformer Engine: flash attention, native GQA, fused SwiGLU) is derived,
-  not measured: no GPU was available when it was written.
+  `_LAYER_ACTIVATION_TERMS`, plus `_QK_NORM_ACTIVATION_TERMS` for Qwen3). The "local" kernel profile (megatron's
+  local layer spec: unfused softmax attention with GQA keys/values expanded to every head, unfused SwiGLU; the CPU
+  path) is checked exactly against autograd's saved tensors on CPU, for a Qwen2 and a Qwen3 layer. The "te" profile
+  (Transformer Engine: flash attention, native GQA, fused SwiGLU) is derived, not measured: no GPU was available
+  when it was written.
 - 1F1B pipeline schedules keep min(PP - stage, micro-batches) micro-batches in flight on a stage; the interleaved
   schedule 2 (PP - 1) + (VPP - 1) PP + 1 model-chunk micro-batches on the first stage (its warm-up plus one).
 - vLLM (colocated): it may take `vllm_memory_fraction` of each GPU; during generation the trainer's parameters,
@@ -123,15 +124,24 @@ def stage_layer_counts(shape: Qwen2Shape, layout: ParallelLayout) -> list[int]:
     return [shape.num_layers // layout.pipeline] * layout.pipeline
 
 
-def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
-    """One decoder layer on one TP rank: the two RMSNorm weights are replicated, every matrix is split."""
+def _layer_matrix_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
+    """The weights of one decoder layer's matmuls on one TP rank (every matrix is split)."""
     h, t = shape.hidden_size, tensor_parallel
     qkv_out = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // t
-    return (2 * h  # input and pre-MLP RMSNorm
-            + qkv_out * h + qkv_out  # linear_qkv with bias (Qwen2)
+    return (qkv_out * h  # linear_qkv
             + h * shape.num_attention_heads * shape.head_dim // t  # attention output projection
             + 2 * shape.ffn_hidden_size // t * h  # linear_fc1: gate and up
             + h * shape.ffn_hidden_size // t)  # linear_fc2
+
+
+def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
+    """One decoder layer on one TP rank: its matrices (split), the RMSNorm weights (replicated) and the q/k/v bias
+    (split)."""
+    qkv_bias = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // tensor_parallel
+    return (_layer_matrix_count(shape, tensor_parallel)
+            + 2 * shape.hidden_size  # input and pre-MLP RMSNorm
+            + (2 * shape.head_dim if shape.qk_norm else 0)  # per-head q and k RMSNorm (Qwen3)
+            + (qkv_bias if shape.qkv_bias else 0))  # Qwen2
 
 
 def parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> int:
@@ -175,6 +185,12 @@ _LAYER_ACTIVATION_TERMS = {
     "local": ((6, "h", "sp"), (2, "1", "sp"), (4, "d", "position"), (4, "q", "tp"), (1, "heads_s", "tp"),
               (5, "f", "tp")),
 }
+# What the per-head q/k norms (Qwen3) add. Both specs: the norms keep their inputs (k is a view of linear_qkv's
+# output, which therefore stays alive whole: q, k and v; q is a copy where megatron's reshape of a rank's query heads
+# cannot be a view, "q_copy": more than one query group per rank and more than one head per group) and an rstd per
+# head ("heads_groups"). The local spec's torch norm keeps its normalised output too (for the weight's gradient).
+_QK_NORM = ((1, "q", "tp"), (2, "kv", "tp"), (1, "q_copy", "tp"), (1, "heads_groups", "tp"))
+_QK_NORM_ACTIVATION_TERMS = {"te": _QK_NORM, "local": _QK_NORM + ((1, "q", "tp"), (1, "kv", "tp"))}
 
 
 def layer_activation_bytes(shape: Qwen2Shape, *, seq_len: int, micro_batch_size: int, tensor_parallel: int,
@@ -188,11 +204,14 @@ def layer_activation_bytes(shape: Qwen2Shape, *, seq_len: int, micro_batch_size:
     tokens = seq_len * micro_batch_size
     if recompute:
         return tokens * shape.hidden_size * bytes_per_element // (t if sequence_parallel else 1)
-    dims = {"h": shape.hidden_size, "f": shape.ffn_hidden_size, "q": shape.num_attention_heads * shape.head_dim,
-            "kv": shape.num_query_groups * shape.head_dim, "d": shape.head_dim, "1": 1,
-            "heads_s": shape.num_attention_heads * seq_len}
+    q = shape.num_attention_heads * shape.head_dim
+    copies_q = shape.num_query_groups // t > 1 and shape.num_attention_heads > shape.num_query_groups
+    dims = {"h": shape.hidden_size, "f": shape.ffn_hidden_size, "q": q, "kv": shape.num_query_groups * shape.head_dim,
+            "d": shape.head_dim, "1": 1, "heads_s": shape.num_attention_heads * seq_len, "q_copy": q if copies_q else 0,
+            "heads_groups": shape.num_attention_heads + shape.num_query_groups}
     divisor = {"tp": t, "sp": t if sequence_parallel else 1, "position": micro_batch_size}
-    per_token = sum(coef * dims[name] / divisor[split] for coef, name, split in _LAYER_ACTIVATION_TERMS[kernels])
+    terms = _LAYER_ACTIVATION_TERMS[kernels] + (_QK_NORM_ACTIVATION_TERMS[kernels] if shape.qk_norm else ())
+    per_token = sum(coef * dims[name] / divisor[split] for coef, name, split in terms)
     return round(per_token * tokens * bytes_per_element)
 
 
@@ -213,9 +232,7 @@ def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_m
 
 def matmul_parameters(shape: Qwen2Shape, padded_vocab: int) -> int:
     """Weights that take part in a matmul for every token (the embedding lookup is not a matmul)."""
-    per_layer = layer_parameter_count(shape, 1) - 2 * shape.hidden_size \
-        - (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim  # norms and biases
-    return shape.num_layers * per_layer + padded_vocab * shape.hidden_size
+    return shape.num_layers * _layer_matrix_count(shape, 1) + padded_vocab * shape.hidden_size
 
 
 def forward_flops(shape: Qwen2Shape, *, num_tokens: int, sum_squared_lengths: int,

@@ -51,7 +51,7 @@ def write_jsonl_atomically(path: str, rows: list[dict]) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m megatron_gtpo.score", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hf", help="Hugging Face Qwen2 model directory (safetensors)")
+    src.add_argument("--hf", help="Hugging Face Qwen2 / Qwen3 model directory (safetensors)")
     src.add_argument("--load", help="megatron_gtpo distributed checkpoint directory (converter or trainer output)")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)

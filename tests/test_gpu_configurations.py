@@ -3,8 +3,8 @@
 The settings that switch on only with CUDA (the fusion switches, the layer spec, sequence parallelism) are decided
 from an `Accelerator` (models/accelerator.py). Here each kind of GPU machine is forced in turn, and the model the
 trainer would build there is built through the trainer's own path (config validation, then
-training/model_setup.build_chunks) on the meta device at TP=2, for every Qwen2.5 preset's structure (shrunk), bf16
-and fp32, sequence parallelism, packing and recompute on and off. Checked:
+training/model_setup.build_chunks) on the meta device at TP=2, for every Qwen2.5 and Qwen3 preset's structure
+(shrunk), bf16 and fp32, sequence parallelism, packing and recompute on and off. Checked:
 - the config validation refuses what cannot work, with one message, and builds everything else;
 - megatron-core's constructors accept what is built (they assert on settings they cannot run);
 - every fusion switch that is on has the kernel it needs on that machine (REQUIRES below, read from megatron-core
@@ -22,6 +22,7 @@ from distributed_harness import run_distributed
 from megatron_gtpo.config import ConfigError, TrainConfig, validate_layout
 from megatron_gtpo.models.accelerator import Accelerator
 from megatron_gtpo.models.qwen25_sizes import QWEN25_MODEL_NAMES, qwen25_hf_config
+from megatron_gtpo.models.qwen3_sizes import QWEN3_MODEL_NAMES, qwen3_hf_config
 
 # What each TransformerConfig fusion switch needs where it runs, from megatron-core 0.16.1:
 # - masked_softmax_fusion: fusions/fused_softmax.py imports scaled_(upper_triang_)masked_softmax_cuda or
@@ -43,13 +44,15 @@ MACHINES = {
     "cpu": Accelerator(cuda=False),
 }
 TP = 2
+PRESET_NAMES = QWEN25_MODEL_NAMES + QWEN3_MODEL_NAMES
 
 
 def shrunk_preset(name: str) -> dict:
-    """A preset's structure (heads, KV heads, tied embeddings, qkv bias, norm eps) at a small width: head_dim 8."""
-    hf = qwen25_hf_config(name)
+    """A preset's structure (family, heads, KV heads, tied embeddings, norm eps) at a small width: head_dim 8."""
+    hf = (qwen3_hf_config if name in QWEN3_MODEL_NAMES else qwen25_hf_config)(name)
     heads = hf["num_attention_heads"]
-    return dict(hf, hidden_size=8 * heads, intermediate_size=16 * heads, num_hidden_layers=2, vocab_size=1000)
+    return dict(hf, hidden_size=8 * heads, head_dim=8, intermediate_size=16 * heads, num_hidden_layers=2,
+                vocab_size=1000)
 
 
 def config_for(*, dtype: str, sequence_parallel: bool, pack: bool, recompute: bool) -> TrainConfig:
@@ -80,7 +83,7 @@ def _build_every_configuration(rank, world_size, machines):
 
     parallel = initialize_parallel(TP, 1)
     outcome = {}
-    for (machine_name, machine), name, choice in itertools.product(machines.items(), QWEN25_MODEL_NAMES, CHOICES):
+    for (machine_name, machine), name, choice in itertools.product(machines.items(), PRESET_NAMES, CHOICES):
         dtype, sequence_parallel, pack, recompute = choice
         cfg = config_for(dtype=dtype, sequence_parallel=sequence_parallel, pack=pack, recompute=recompute)
         hf = shrunk_preset(name)
@@ -111,7 +114,7 @@ def outcomes():
 
 @pytest.mark.slow
 def test_every_gpu_configuration_builds_with_only_available_fusions(outcomes):
-    assert len(outcomes) == len(MACHINES) * len(QWEN25_MODEL_NAMES) * len(CHOICES)
+    assert len(outcomes) == len(MACHINES) * len(PRESET_NAMES) * len(CHOICES)
     violations = {key: bad for key, (status, bad) in outcomes.items() if status != "refused" and bad}
     assert not violations, violations
     built = [key for key, (status, _) in outcomes.items() if status == "built"]

@@ -47,13 +47,13 @@ def tiny_models(tmp_path_factory):
 SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_logits_match_transformers(tiny_models, tp, pp):
-    dirs = [str(path) for path, _ in tiny_models]
+def assert_logits_match_transformers(models, tp, pp):
+    """Megatron's logits of SEQUENCES at TP/PP against each transformers model of `models` ((path, model) pairs of
+    vocabulary 1000)."""
+    dirs = [str(path) for path, _ in models]
     results = run_distributed(_megatron_logits, tp * pp, args=(dirs, tp, pp, SEQUENCES, 2), timeout_s=300)
     per_model = next(r for r in results if r is not None)
-    for (path, hf), micro_batch_logits in zip(tiny_models, per_model):
+    for (path, hf), micro_batch_logits in zip(models, per_model):
         rows = [row for mb in micro_batch_logits for row in mb]
         assert len(rows) == len(SEQUENCES)
         for seq, logits in zip(SEQUENCES, rows):
@@ -63,3 +63,9 @@ def test_logits_match_transformers(tiny_models, tp, pp):
             rel = (ours - ref).abs().max() / ref.abs().max()
             assert rel < 1e-4, f"{path.name} TP={tp} PP={pp}: relative error {rel:.2e}"
             assert logits.shape[-1] == 1024  # vocabulary padded to the TP-independent multiple
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_logits_match_transformers(tiny_models, tp, pp):
+    assert_logits_match_transformers(tiny_models, tp, pp)

@@ -1,27 +1,37 @@
-"""Tiny random Qwen2 checkpoints built in code (nothing can be downloaded), saved as HF safetensors directories."""
+"""Tiny random Qwen2 / Qwen3 checkpoints built in code (nothing can be downloaded), saved as HF safetensors
+directories."""
 from __future__ import annotations
 
 import torch
 
-
-def tiny_qwen2_config(*, vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                      num_kv_heads=2, tie=False, max_positions=256, rope_theta=1e6):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                       tie_word_embeddings=tie, max_position_embeddings=max_positions, rope_theta=rope_theta,
-                       rms_norm_eps=1e-6, architectures=["Qwen2ForCausalLM"], bos_token_id=1, eos_token_id=2,
-                       pad_token_id=0)
+# model_type: (transformers config class, model class)
+FAMILY_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
-def make_tiny_qwen2(path, *, seed=0, dtype=torch.float32, **config_kwargs):
-    """Save a random Qwen2ForCausalLM to `path`; returns the model (eval mode). Weights get a larger spread than
-    the default init so that logits are far from uniform and layout bugs cannot hide."""
-    from transformers import Qwen2ForCausalLM
+def tiny_config(family="qwen2", *, vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                num_kv_heads=2, tie=False, max_positions=256, rope_theta=1e6, head_dim=None):
+    """A transformers config of `family` ("qwen2" or "qwen3"). `head_dim`: None leaves the config class's default
+    (Qwen2: hidden_size / num_heads; Qwen3: 128)."""
+    import transformers
+
+    config_class, model_class = FAMILY_CLASSES[family]
+    explicit = {} if head_dim is None else {"head_dim": head_dim}
+    return getattr(transformers, config_class)(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        tie_word_embeddings=tie, max_position_embeddings=max_positions, rope_theta=rope_theta, rms_norm_eps=1e-6,
+        architectures=[model_class], bos_token_id=1, eos_token_id=2, pad_token_id=0, **explicit)
+
+
+def make_tiny_model(path, family="qwen2", *, seed=0, dtype=torch.float32, **config_kwargs):
+    """Save a random model of `family` to `path`; returns it (eval mode). Weights get a larger spread than the
+    default init so that logits are far from uniform and layout bugs cannot hide (every norm, the per-head q/k norms
+    included, gets weights away from 1)."""
+    import transformers
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_qwen2_config(**config_kwargs)).to(dtype).eval()
+    model_class = getattr(transformers, FAMILY_CLASSES[family][1])
+    model = model_class(tiny_config(family, **config_kwargs)).to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -30,3 +40,8 @@ def make_tiny_qwen2(path, *, seed=0, dtype=torch.float32, **config_kwargs):
                 p.normal_(0.0, 0.08)
     model.save_pretrained(str(path), safe_serialization=True)
     return model
+
+
+def make_tiny_qwen2(path, **kwargs):
+    """`make_tiny_model` of the Qwen2 family."""
+    return make_tiny_model(path, "qwen2", **kwargs)

@@ -1,10 +1,11 @@
-"""Memory and FLOPs plan of a Qwen2.5 model under a TP/PP/DP layout, for one RL step (megatron_gtpo.planning).
+"""Memory and FLOPs plan of a Qwen2.5 / Qwen3 model under a TP/PP/DP layout, for one RL step (megatron_gtpo.planning).
 
     python tools/plan.py --model qwen2.5-32b --tp 8 --pp 2 --dp 4 [--json]
     python tools/plan.py --model qwen2.5-7b --config examples/qwen2.5-7b-gtpo.yaml --nodes 1
 
---model is a name (qwen2.5-0.5b ... qwen2.5-72b), a config.json, or a Hugging Face model directory. --config takes
-the layout, workload, dtype, recompute and vLLM settings from a trainer config; explicit flags win.
+--model is a name (qwen2.5-0.5b ... qwen2.5-72b, qwen3-0.6b ... qwen3-32b), a config.json, or a Hugging Face model
+directory. --config takes the layout, workload, dtype, recompute and vLLM settings from a trainer config; explicit
+flags win.
 Exit status: 0 the layout fits, 1 it does not (the reasons are printed), 2 it is invalid (TP must divide the heads
 and query groups, PP the layers, ...).
 """
@@ -24,7 +25,8 @@ from megatron_gtpo.planning import (KERNEL_PROFILES, Settings, Workload, plan, s
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="qwen2.5-<size>, a config.json, or a HF model directory")
+    p.add_argument("--model", required=True,
+                   help="qwen2.5-<size>, qwen3-<size>, a config.json, or a HF model directory")
     p.add_argument("--config", help="a megatron_gtpo trainer config (YAML): layout, workload and settings from it")
     layout = p.add_argument_group("layout")
     layout.add_argument("--tp", type=int, help="tensor parallel size (default 1, or the config's)")
@@ -68,12 +70,15 @@ def parse_args(argv=None):
 
 def load_model(model: str) -> tuple[str, dict]:
     from megatron_gtpo.models.qwen25_sizes import QWEN25_MODEL_NAMES, qwen25_hf_config
+    from megatron_gtpo.models.qwen3_sizes import QWEN3_MODEL_NAMES, qwen3_hf_config
 
-    if model.lower() in QWEN25_MODEL_NAMES:
-        return model.lower(), qwen25_hf_config(model)
+    presets = {**dict.fromkeys(QWEN25_MODEL_NAMES, qwen25_hf_config),
+               **dict.fromkeys(QWEN3_MODEL_NAMES, qwen3_hf_config)}
+    if model.lower() in presets:
+        return model.lower(), presets[model.lower()](model)
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
-        raise ValueError(f"--model {model!r} is neither a known name ({', '.join(QWEN25_MODEL_NAMES)}) nor a "
+        raise ValueError(f"--model {model!r} is neither a known name ({', '.join(presets)}) nor a "
                          f"config.json / model directory")
     with open(path, encoding="utf-8") as f:
         return model, json.load(f)

@@ -1,5 +1,5 @@
-"""megatron_gtpo checkpoint -> Hugging Face Qwen2 directory (sharded safetensors + index, config.json, generation
-config, tokenizer files), streaming, in one process.
+"""megatron_gtpo checkpoint -> Hugging Face Qwen2 / Qwen3 directory (sharded safetensors + index, config.json,
+generation config, tokenizer files), streaming, in one process.
 
 Works on converter output and on trainer checkpoints (written at any TP/PP, with or without optimizer state): only
 the model's keys are read. For each entry of the single HF<->Megatron mapping, the global megatron tensor of one
@@ -183,7 +183,7 @@ def _generation_config(hf_config: dict) -> dict:
 def convert_megatron_to_hf(megatron_dir: str, output_dir: str, *, dtype: torch.dtype | None = None,
                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, force: bool = False,
                            progress: bool = True) -> list[str]:
-    """Write the HF Qwen2 model of the megatron_gtpo checkpoint in `megatron_dir` to `output_dir` (created
+    """Write the HF Qwen2 / Qwen3 model of the megatron_gtpo checkpoint in `megatron_dir` to `output_dir` (created
     atomically; replaced only with `force`). Each tensor keeps its stored dtype unless `dtype` is given. Returns the
     names of the safetensors files."""
     from tqdm import tqdm

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 safetensors -> megatron_gtpo checkpoint, streaming, in one process.
+"""Hugging Face Qwen2 / Qwen3 safetensors -> megatron_gtpo checkpoint, streaming, in one process.
 
 No model is built and torch.distributed is not started. For each entry of the single HF<->Megatron mapping, the HF
 tensors are read (memory-mapped), `hf_to_megatron_shard(..., tp_size=1)` gives the global megatron tensor (the
@@ -176,7 +176,7 @@ class _Importer:
 def convert_hf_to_megatron(hf_dir: str, output_dir: str, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                            dtype: torch.dtype | None = None, force: bool = False,
                            progress: bool = True) -> CheckpointMetadata:
-    """Write the megatron_gtpo checkpoint of the HF Qwen2 model in `hf_dir` to `output_dir` (created atomically;
+    """Write the megatron_gtpo checkpoint of the HF Qwen2 / Qwen3 model in `hf_dir` to `output_dir` (created atomically;
     an existing one is replaced only with `force`). Each tensor keeps its dtype unless `dtype` is given.
     `tensor_parallel` / `pipeline_parallel` are checked against the model and set how the data is chunked on disk;
     the checkpoint loads at any TP/PP."""

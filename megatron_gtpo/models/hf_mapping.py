@@ -1,5 +1,7 @@
-"""THE Hugging Face <-> Megatron name and layout mapping for Qwen2. The converters, the HF weight loader,
-checkpoint export and the vLLM weight sync all go through this module and nowhere else.
+"""THE Hugging Face <-> Megatron name and layout mapping for Qwen2 and Qwen3 (dense). The converters, the HF weight
+loader, checkpoint export and the vLLM weight sync all go through this module and nowhere else. The families differ
+in two entries, both decided by the shape: linear_qkv.bias (Qwen2's q/k/v biases) and the per-head q/k norms
+(Qwen3's self_attn.q_norm / k_norm, megatron's self_attention.q_layernorm / k_layernorm).
 
 Megatron names here are canonical: the local-spec names (`input_layernorm`, `pre_mlp_layernorm`) with GLOBAL layer
 indices. `canonical_name` turns a parameter name of a model chunk (Transformer Engine spec or local spec, stage-local
@@ -10,7 +12,7 @@ Layouts (per TP rank r of T, H = hidden size, d = head_dim, G = query groups, Q 
   linear_fc1  [2 * F/T, H]          [gate rows of rank r; up rows of rank r]
   linear_proj, linear_fc2           split along dim 1 (row-parallel input)
   embedding, output_layer           vocab padded with zero rows to padded_vocab_size(V, T), split along dim 0
-  layer norms                       replicated
+  layer norms                       replicated (q/k norms: [d], one weight shared by every head)
 """
 from __future__ import annotations
 
@@ -46,9 +48,15 @@ def tensor_mappings(shape: Qwen2Shape) -> list[TensorMapping]:
             TensorMapping(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), REPLICATED),
             TensorMapping(mg + "self_attention.linear_qkv.weight",
                           (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), QKV),
-            TensorMapping(mg + "self_attention.linear_qkv.bias",
-                          (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), QKV),
-            TensorMapping(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), ROW),
+        ]
+        if shape.qkv_bias:
+            maps.append(TensorMapping(mg + "self_attention.linear_qkv.bias",
+                                      (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), QKV))
+        maps.append(TensorMapping(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), ROW))
+        if shape.qk_norm:
+            maps += [TensorMapping(mg + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), REPLICATED),
+                     TensorMapping(mg + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), REPLICATED)]
+        maps += [
             TensorMapping(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), REPLICATED),
             TensorMapping(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), FC1),
             TensorMapping(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), ROW),
@@ -75,6 +83,7 @@ def hf_tensor_shape(name: str, shape: Qwen2Shape) -> tuple[int, ...]:
     rules = [
         (r"model\.embed_tokens\.weight|lm_head\.weight", (shape.vocab_size, h)),
         (r".*(input|post_attention)_layernorm\.weight|model\.norm\.weight", (h,)),
+        (r".*self_attn\.[qk]_norm\.weight", (d,)),
         (r".*q_proj\.weight", (heads * d, h)), (r".*q_proj\.bias", (heads * d,)),
         (r".*[kv]_proj\.weight", (groups * d, h)), (r".*[kv]_proj\.bias", (groups * d,)),
         (r".*o_proj\.weight", (h, heads * d)),
@@ -83,7 +92,7 @@ def hf_tensor_shape(name: str, shape: Qwen2Shape) -> tuple[int, ...]:
     for pattern, expected in rules:
         if re.fullmatch(pattern, name):
             return expected
-    raise KeyError(f"{name!r} is not a Qwen2 tensor")
+    raise KeyError(f"{name!r} is not a Qwen2 / Qwen3 tensor")
 
 
 _TE_TO_LOCAL = {

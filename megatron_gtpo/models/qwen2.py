@@ -1,7 +1,11 @@
-"""Qwen2 / Qwen2.5 on megatron-core: TransformerConfig from a Hugging Face config.json, layer specs, model builder.
+"""Qwen2 / Qwen2.5 and Qwen3 dense on megatron-core: TransformerConfig from a Hugging Face config.json, layer specs,
+model builder.
 
-`transformer_config_from_hf` is the ONE function that turns a Qwen2 config.json into a megatron TransformerConfig.
-Everything about tensor names and layouts lives in `hf_mapping.py`.
+Both families are the same GPTModel (GQA, RMSNorm, SwiGLU, RoPE); what differs is in `QwenFamily`, chosen by the
+config's `model_type` (`Qwen2Shape.from_hf`): Qwen2 has a bias on q/k/v; Qwen3 has none, but an RMSNorm over
+head_dim on every query and key head before RoPE (megatron's qk_layernorm) and an explicit head_dim (megatron's
+kv_channels), which need not be hidden_size / heads. `transformer_config_from_hf` is the ONE function that turns a
+config.json into a megatron TransformerConfig. Everything about tensor names and layouts lives in `hf_mapping.py`.
 """
 from __future__ import annotations
 
@@ -17,7 +21,23 @@ from megatron_gtpo.layout import ParallelLayout, check_layout
 
 from .accelerator import Accelerator, fusion_settings
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+@dataclass(frozen=True)
+class QwenFamily:
+    """What a config.json's `model_type` decides about the architecture."""
+
+    architecture: str  # the HF class (`architectures` in config.json)
+    models: str  # for error messages
+    qkv_bias: bool  # bias on the q/k/v projections
+    qk_norm: bool  # RMSNorm over head_dim on each query and key head, before RoPE
+    required_keys: tuple[str, ...]  # beyond _REQUIRED_KEYS
+
+
+# Qwen3 wants head_dim spelled out: transformers' Qwen3Config defaults it to 128, not hidden_size / heads.
+FAMILIES = {
+    "qwen2": QwenFamily("Qwen2ForCausalLM", "Qwen2, Qwen2.5", qkv_bias=True, qk_norm=False, required_keys=()),
+    "qwen3": QwenFamily("Qwen3ForCausalLM", "Qwen3 dense", qkv_bias=False, qk_norm=True, required_keys=("head_dim",)),
+}
 
 # Megatron pads the vocabulary so that every TP rank holds an equal, 128-aligned slice. We pad to a multiple of
 # lcm(128 * TP, 1024): that is a multiple of 128 * TP, and for every TP <= 8 it does not depend on TP at all, so a
@@ -45,9 +65,23 @@ def load_hf_config(model_dir: str) -> dict:
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 
 
+def family_of(hf_config: dict) -> QwenFamily:
+    """The family named by config.json's `model_type` (by its `architectures` in files without one)."""
+    archs = hf_config.get("architectures") or []
+    model_type = hf_config.get("model_type")
+    family = FAMILIES.get(model_type) if model_type is not None else \
+        next((f for f in FAMILIES.values() if f.architecture in archs), None)
+    if family is None:
+        supported = ", ".join(f"model_type {name!r} ({f.architecture}: {f.models})" for name, f in FAMILIES.items())
+        raise ValueError(f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}): supported "
+                         f"are {supported}")
+    return family
+
+
 @dataclass(frozen=True)
 class Qwen2Shape:
-    """The architecture facts of a Qwen2 config.json that the model, the mapping and the planner use."""
+    """The architecture facts of a Qwen2 or Qwen3 (dense) config.json that the model, the mapping and the planner
+    use; `qkv_bias` and `qk_norm` come from its family (`QwenFamily`)."""
 
     hidden_size: int
     ffn_hidden_size: int
@@ -61,25 +95,26 @@ class Qwen2Shape:
     rope_theta: float
     max_position_embeddings: int
     init_std: float
+    qkv_bias: bool
+    qk_norm: bool
 
     @classmethod
     def from_hf(cls, hf_config: dict) -> "Qwen2Shape":
-        archs = hf_config.get("architectures") or []
-        model_type = hf_config.get("model_type")
-        if model_type != "qwen2" and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architecture {archs or model_type!r}: only Qwen2 (Qwen2ForCausalLM, "
-                             f"model_type 'qwen2') models are supported")
-        missing = [k for k in _REQUIRED_KEYS if k not in hf_config]
+        family = family_of(hf_config)
+        missing = [k for k in _REQUIRED_KEYS + family.required_keys if k not in hf_config]
         if missing:
             raise ValueError(f"config.json lacks required keys {missing}")
         if hf_config.get("use_sliding_window", False):
-            raise ValueError("use_sliding_window=true is not supported (Qwen2.5 checkpoints do not use it)")
+            raise ValueError("use_sliding_window=true is not supported (Qwen2.5 and Qwen3 checkpoints do not use it)")
+        if hf_config.get("attention_bias") and not family.qkv_bias:  # Qwen2's modelling ignores the key
+            raise ValueError(f"attention_bias=true is not supported for {family.architecture}: it adds biases to "
+                             f"q/k/v and o_proj, which no published checkpoint has")
         if hf_config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf_config['hidden_act']!r} is not supported (Qwen2 uses 'silu')")
+            raise ValueError(f"hidden_act {hf_config['hidden_act']!r} is not supported (Qwen2 and Qwen3 use 'silu')")
         # transformers >= 5 writes rope settings under `rope_parameters`; older config.json files use the top level.
         rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"RoPE scaling {rope!r} is not supported (Qwen2.5 checkpoints use plain RoPE)")
+            raise ValueError(f"RoPE scaling {rope!r} is not supported (Qwen2.5 and Qwen3 checkpoints use plain RoPE)")
         rope_theta = hf_config.get("rope_theta", rope.get("rope_theta", 10000.0))
         heads = hf_config["num_attention_heads"]
         hidden = hf_config["hidden_size"]
@@ -96,6 +131,8 @@ class Qwen2Shape:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(hf_config.get("max_position_embeddings", 32768)),
             init_std=float(hf_config.get("initializer_range", 0.02)),
+            qkv_bias=family.qkv_bias,
+            qk_norm=family.qk_norm,
         )
 
 
@@ -104,12 +141,15 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
                                params_dtype: torch.dtype = torch.float32, recompute_activations: bool = False,
                                accelerator: Accelerator | None = None, transformer_engine: bool = False,
                                packed_sequences: bool = False):
-    """The megatron-core TransformerConfig of a Qwen2 config.json, for the given parallel layout, layer spec
+    """The megatron-core TransformerConfig of a Qwen2 / Qwen3 config.json, for the given parallel layout, layer spec
     (`transformer_engine`) and machine (`accelerator`, default this process's: models/accelerator.py decides the
     fusions). `packed_sequences`: the model will see packed rows (data.pack_sequences).
 
-    Qwen2: GQA (num_query_groups = num_key_value_heads), bias on q/k/v only, RMSNorm, SwiGLU, RoPE (rope_theta is
-    passed to GPTModel, which owns the rotary embedding). Dropout is 0 (RL fine-tuning, and exact parity with HF).
+    Both families: GQA (num_query_groups = num_key_value_heads), head_dim as kv_channels, no biases except Qwen2's on
+    q/k/v, RMSNorm, SwiGLU, RoPE (rope_theta is passed to GPTModel, which owns the rotary embedding); Qwen3's per-head
+    q/k RMSNorm is megatron's qk_layernorm (built over kv_channels with layernorm_epsilon; finalize_model_grads sums
+    its gradients over TP, each rank seeing only its own heads). Dropout is 0 (RL fine-tuning, and exact parity with
+    HF).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -131,7 +171,8 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=True,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=shape.init_std,
@@ -153,13 +194,14 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     )
 
 
-def layer_spec(transformer_engine: bool):
+def layer_spec(transformer_engine: bool, qk_norm: bool):
+    """Transformer Engine's or megatron's local layer spec; `qk_norm`: with per-head q/k norms (Qwen3)."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
     if transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
 
 
 def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int, pp_rank: int,
@@ -193,7 +235,7 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
         accelerator=accelerator, transformer_engine=use_transformer_engine, packed_sequences=packed_sequences)
     if meta_device:
         config.use_cpu_initialization, config.perform_initialization = True, False
-    spec = layer_spec(use_transformer_engine)
+    spec = layer_spec(use_transformer_engine, shape.qk_norm)
     num_chunks = virtual_pipeline_parallel or 1
     chunks = []
     for vp_stage in range(num_chunks):

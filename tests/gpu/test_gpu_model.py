@@ -1,5 +1,5 @@
-"""bf16 on CUDA: Megatron Qwen2 logits against transformers (local and Transformer Engine specs), the vocab-parallel
-op against float64, and an HF -> Megatron -> HF round trip of a bf16 checkpoint."""
+"""bf16 on CUDA: Megatron Qwen2 and Qwen3 logits against transformers (local and Transformer Engine specs), the
+vocab-parallel op against float64, and an HF -> Megatron -> HF round trip of a bf16 checkpoint."""
 import copy
 
 import pytest
@@ -12,11 +12,14 @@ skip_without_cuda()
 from distributed_harness import run_distributed  # noqa: E402
 from test_converters import assert_bit_exact, read_safetensors_dir  # noqa: E402
 from test_vocab_parallel import _reference  # noqa: E402
-from tiny_models import make_tiny_qwen2  # noqa: E402
+from tiny_models import make_tiny_model, make_tiny_qwen2  # noqa: E402
 
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), random weights, tied embeddings.
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                   num_kv_heads=2, tie=True, max_positions=512)
+# Qwen3-0.6B's (Qwen/Qwen3-0.6B): per-head q/k norms, head_dim 128 > hidden / heads = 64, tied embeddings.
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                 num_kv_heads=8, head_dim=128, tie=True, max_positions=512)
 SEQ_LEN = 128
 
 
@@ -47,14 +50,21 @@ def qwen25_05b(tmp_path_factory):
     return path, model
 
 
+@pytest.fixture(scope="module")
+def qwen3_06b(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_06b_bf16")
+    return path, make_tiny_model(path, "qwen3", dtype=torch.bfloat16, **QWEN3_06B)
+
+
 def _log_softmax(logits, vocab_size):
     return torch.log_softmax(logits[..., :vocab_size].double(), dim=-1)
 
 
+@pytest.mark.parametrize("model", ["qwen25_05b", "qwen3_06b"])
 @pytest.mark.parametrize("spec", ["local", "transformer_engine"])
-def test_bf16_logits_match_transformers(qwen25_05b, spec):
+def test_bf16_logits_match_transformers(request, model, spec):
     """Tolerance: bf16 keeps 8 significant bits (relative rounding 2^-9 per operation), and two bf16
-    implementations of 24 layers round at different places, so they cannot agree to a fixed atol. The independent
+    implementations of 24 (28) layers round at different places, so they cannot agree to a fixed atol. The independent
     reference is transformers run in fp32 on the same (bf16-representable) weights; Megatron's bf16 log-softmax may
     deviate from it by at most 1.5x what transformers' own bf16 run deviates in the mean over tokens and vocabulary,
     and 3x in the worst entry (an extreme over 25M entries, noisier), +0.01 nats for a near-zero baseline."""
@@ -63,8 +73,8 @@ def test_bf16_logits_match_transformers(qwen25_05b, spec):
 
         if not Accelerator.probe().transformer_engine:
             pytest.skip("transformer_engine.pytorch does not import: the TE layer spec cannot be built")
-    path, hf_bf16 = qwen25_05b
-    vocab = QWEN25_05B["vocab_size"]
+    path, hf_bf16 = request.getfixturevalue(model)
+    vocab = 151936  # both shapes
     g = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (SEQ_LEN, SEQ_LEN // 2 + 3)]
     ours = run_distributed(_megatron_bf16_logits, 1, args=(str(path), sequences, spec == "transformer_engine"),
@@ -79,8 +89,8 @@ def test_bf16_logits_match_transformers(qwen25_05b, spec):
         mine = _log_softmax(logits[:len(seq)], vocab)
         assert logits.shape[-1] == 152576  # padded to a multiple of lcm(128 x TP, 1024) = 1024: 149 x 1024
         err, hf_err = (mine - ref).abs(), (theirs - ref).abs()
-        assert err.mean() <= 1.5 * hf_err.mean() + 0.01, (spec, err.mean().item(), hf_err.mean().item())
-        assert err.max() <= 3.0 * hf_err.max() + 0.01, (spec, err.max().item(), hf_err.max().item())
+        assert err.mean() <= 1.5 * hf_err.mean() + 0.01, (model, spec, err.mean().item(), hf_err.mean().item())
+        assert err.max() <= 3.0 * hf_err.max() + 0.01, (model, spec, err.max().item(), hf_err.max().item())
 
 
 def test_vocab_parallel_bf16_matches_float64():

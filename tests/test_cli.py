@@ -39,7 +39,8 @@ def test_score_with_kv_heads_that_do_not_divide_tp(tmp_path):
     tokens.write_text('{"token_ids": [1, 2, 3]}\n')
     res = _torchrun(["-m", "megatron_gtpo.score", "--hf", str(tmp_path / "model"), "--tp", "2", "--input",
                      str(tokens), "--output", str(tmp_path / "out.jsonl")])
-    assert_one_clean_error(res, "megatron_gtpo.score: error: 1 query groups (num_key_value_heads) are not divisible "
+    assert_one_clean_error(res, "megatron_gtpo.score: error: parallel.tensor / parallel.pipeline: the model cannot be "
+                                "split so: 1 query groups (num_key_value_heads) are not divisible "
                                 "by TP=2")
 
 

@@ -1,16 +1,22 @@
-"""A vLLM rollout server on a node of its own, serving one trainer session at a time (docs/remote_rollout.md):
+"""A rollout server on a node (or process) of its own, serving one trainer session at a time
+(docs/remote_rollout.md):
 
-    python -m megatron_gtpo.rollout.vllm_remote --hf-dir DIR --listen HOST:PORT \
+    python -m megatron_gtpo.rollout.remote_server --hf-dir DIR --listen HOST:PORT [--engine vllm|builtin] \
         [--tensor-parallel-size K] [--gpu-memory-utilization F] [--dtype D] [--max-model-len N] [--enforce-eager]
 
-It hosts the rendezvous TCPStore at HOST:PORT, answers the requests of the newest trainer session (a newer session
-replaces an older one), and runs until a trainer asks it to shut down. The trainer's side is vllm_remote_client.py.
+`--engine vllm` (default; `rollout.engine: vllm_remote`) serves a vLLM engine (vllm_engine.VLLMServer);
+`--engine builtin` (`rollout.engine: builtin_remote`) the built-in Megatron engine (builtin_server.BuiltinServer),
+which needs no vLLM. The server hosts the rendezvous TCPStore at HOST:PORT, answers the requests of the newest
+trainer session (a newer session replaces an older one), and runs until a trainer asks it to shut down. The
+trainer's side is vllm_remote_client.py.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
+import socket
 import time
 from datetime import timedelta
 
@@ -65,18 +71,34 @@ class _Session:
                     num_workers=self.server.num_workers)
 
 
-def serve(hf_dir: str, listen: str, **server_kwargs) -> None:
-    """Run a vLLM rollout server until a trainer asks it to shut down (docs/remote_rollout.md: protocol)."""
-    from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
+ENGINES = ("vllm", "builtin")
 
-    from .vllm_engine import VLLMServer
 
+def start_server(engine: str, model_dir: str, **server_kwargs):
+    """The server object of `engine` on `model_dir`, and the model's shape (models.qwen2.Qwen2Shape)."""
+    from megatron_gtpo.checkpoint.sources import ModelSource
+    from megatron_gtpo.models.qwen2 import Qwen2Shape
+
+    shape = Qwen2Shape.from_hf(ModelSource.detect(model_dir).hf_config())
+    if engine == "vllm":
+        from .vllm_engine import VLLMServer
+
+        return VLLMServer(model_dir, sleep_level=None, **server_kwargs), shape  # nothing to share memory with
+    if engine == "builtin":
+        from .builtin_server import BuiltinServer
+
+        return BuiltinServer(model_dir, **server_kwargs), shape
+    raise ValueError(f"unknown rollout server engine {engine!r}; expected one of {ENGINES}")
+
+
+def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
+    """Run a rollout server until a trainer asks it to shut down (docs/remote_rollout.md: protocol)."""
     host, port = parse_address(listen)
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    log.info("listening on %s; starting vLLM from %s", listen, hf_dir)
-    shape = dataclasses.asdict(Qwen2Shape.from_hf(load_hf_config(hf_dir)))
-    server = VLLMServer(hf_dir, sleep_level=None, **server_kwargs)  # a node of its own: nothing to share memory with
-    log.info("vLLM ready (%d worker(s) on %s)", server.num_workers, server.device_type)
+    log.info("listening on %s; starting the %s engine from %s", listen, engine, model_dir)
+    server, shape = start_server(engine, model_dir, **server_kwargs)
+    shape = dataclasses.asdict(shape)
+    log.info("%s ready (%d worker(s) on %s)", engine, server.num_workers, server.device_type)
     current, seq, active = 0, 0, False
     try:
         while True:
@@ -118,22 +140,42 @@ def serve(hf_dir: str, listen: str, **server_kwargs) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf-dir", required=True, help="Hugging Face directory vLLM starts from")
+    parser.add_argument("--hf-dir", required=True,
+                        help="Hugging Face directory the engine starts from (builtin: or a megatron_gtpo checkpoint)")
     parser.add_argument("--listen", required=True, help="HOST:PORT of the rendezvous store the trainer connects to")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="KV-cache size in bytes (instead of a memory fraction; use it on CPU)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--engine", choices=ENGINES, default="vllm")
+    parser.add_argument("--dtype", default=None, help="parameters' dtype (default: vllm auto, builtin float32)")
     parser.add_argument("--seed", type=int, default=0)
+    vllm = parser.add_argument_group("vllm")
+    vllm.add_argument("--tensor-parallel-size", type=int, default=1)
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    vllm.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                      help="KV-cache size in bytes (instead of a memory fraction; use it on CPU)")
+    vllm.add_argument("--max-model-len", type=int, default=None)
+    vllm.add_argument("--enforce-eager", action="store_true")
+    builtin = parser.add_argument_group("builtin")
+    builtin.add_argument("--max-batch-rows", type=int, default=None)
+    builtin.add_argument("--max-batch-tokens", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(args.hf_dir, args.listen, tensor_parallel_size=args.tensor_parallel_size,
-          gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-          dtype=args.dtype, max_model_len=args.max_model_len,
-          enforce_eager=args.enforce_eager, seed=args.seed)
+    if args.engine == "vllm":
+        kwargs = dict(tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype or "auto",
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
+                      enforce_eager=args.enforce_eager, seed=args.seed)
+    else:
+        _own_world()
+        kwargs = dict(dtype=args.dtype or "float32", max_batch_rows=args.max_batch_rows,
+                      max_batch_tokens=args.max_batch_tokens, seed=args.seed)
+    serve(args.listen, args.engine, args.hf_dir, **kwargs)
+
+
+def _own_world() -> None:
+    """The built-in engine's torch.distributed world: this process alone, on a port of its own (not a trainer's)."""
+    if "WORLD_SIZE" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""The built-in Megatron engine as a rollout server on a process of its own (`rollout.engine: builtin_remote`).
+
+`BuiltinServer` is the server object the remote serving loop drives (rollout/vllm_remote.py `serve`, the protocol in
+docs/remote_rollout.md), with the same methods as `vllm_engine.VLLMServer`: it generates with a `BuiltinEngine` on a
+model of its own (TP = PP = 1, in a torch.distributed world of one process), and takes weight updates from the
+trainer over the channel's weight group, in Hugging Face names through the one mapping (models/hf_mapping.py), so
+the trainer's side is the one vLLM servers use. It is what lets engines generate while the trainer trains
+(`rollout.max_staleness`) on a machine without vLLM, and the CPU tests run that path.
+
+A weight update is whole: `receive_bucket` keeps each bucket's tensors, `finish_weight_update` loads them all into
+the model (every parameter must be covered) and checks the trainer's checksums against what arrived, then bumps
+the policy version. Memory: one host copy of the model during an update.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .builtin import BuiltinEngine
+from .engine import SamplingParams
+from .remote_channel import broadcast_from_trainer, join_weight_group
+from .weight_sync import tensor_checksum
+
+_CHECKSUM_RTOL = 1e-6
+
+
+class _UpdateTensors:
+    """The tensors of one weight update as a checkpoint `load_hf_weights` reads (`get(name)`, `shape`)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], shape):
+        self.tensors, self.shape = tensors, shape
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"the weight update did not send {name!r}")
+        return self.tensors[name]
+
+
+class BuiltinServer:
+    """A built-in engine serving one trainer session at a time (module doc). `model_dir`: a HF directory or a
+    megatron_gtpo checkpoint the model starts from; `dtype`: its parameters' dtype."""
+
+    num_workers = 1
+
+    def __init__(self, model_dir: str, *, dtype: str = "float32", max_batch_rows: int | None = None,
+                 max_batch_tokens: int | None = None, seed: int = 0):
+        from megatron_gtpo.checkpoint.sources import ModelSource
+        from megatron_gtpo.distributed import initialize_parallel
+        from megatron_gtpo.models.qwen2 import Qwen2Shape, build_model
+
+        source = ModelSource.detect(model_dir)
+        hf_config = source.hf_config()
+        self.shape = Qwen2Shape.from_hf(hf_config)
+        self.parallel = initialize_parallel(1, 1, seed=seed)
+        self.dtype = getattr(torch, dtype)
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.chunks = build_model(hf_config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0,
+                                  params_dtype=self.dtype)
+        source.load_into(self.chunks, self.parallel)
+        self.engine = BuiltinEngine(self.chunks, self.parallel, self.shape.vocab_size, max_batch_size=max_batch_rows,
+                                    max_batch_tokens=max_batch_tokens)
+        self.max_model_len = self.shape.max_position_embeddings
+        self.policy_version = 0
+        self.group = None
+        self._update: dict[str, torch.Tensor] | None = None
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0):
+        if first_prompt != 0:  # one server per replica: the whole replica's prompts come in one call
+            raise ValueError(f"a built-in rollout server serves all of its replica's prompts, got first_prompt="
+                             f"{first_prompt}")
+        return self.engine.generate(prompts, params)
+
+    def join_weight_group(self, host: str, port: int, prefix: str, timeout_s: float = 300.0) -> list[int]:
+        self.group = join_weight_group(host, port, prefix, 1, 1 + self.num_workers, self._device, timeout_s)
+        probe = torch.zeros(1, dtype=torch.int64, device=self._device)
+        broadcast_from_trainer(self.group, probe)
+        return [int(probe.item())]
+
+    def leave_weight_group(self) -> None:
+        self.group = None
+
+    def begin_weight_update(self) -> None:
+        self._update = {}
+
+    def receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
+        if self._update is None:
+            raise RuntimeError("a weight bucket arrived outside a weight update (no begin)")
+        for name, dtype_name, shape in zip(names, dtype_names, shapes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self._device)
+            broadcast_from_trainer(self.group, tensor)
+            self._update[name] = tensor
+
+    def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:
+        """Load the update into the model, check the checksums of what arrived; the new policy version."""
+        from megatron_gtpo.models.hf_checkpoint import load_hf_weights
+
+        update, self._update = self._update, None
+        if update is None:
+            raise RuntimeError("finish_weight_update without a weight update (no begin)")
+        bad = [n for n, expected in expected_checksums.items()
+               if n not in update or not all(math.isclose(a, b, rel_tol=_CHECKSUM_RTOL, abs_tol=1e-12)
+                                             for a, b in zip(tensor_checksum(update[n].to(self.dtype)), expected))]
+        if bad:
+            raise RuntimeError(f"after the weight sync {bad[:3]} hold other values than were sent")
+        load_hf_weights(self.chunks, _UpdateTensors(update, self.shape), tp_rank=0, tp_size=1)
+        self.policy_version += 1
+        return self.policy_version
+
+    def close(self) -> None:
+        self.group = None
+
+    @property
+    def _device(self) -> torch.device:
+        return self.parallel.device if self.device_type == "cuda" else torch.device("cpu")

@@ -121,7 +121,7 @@ def main(argv=None):
                 start = time.perf_counter()
                 responses = engine.generate(prompts, params)
                 round_times[name] = time.perf_counter() - start
-                outputs[name] = [r.token_ids for rs in responses for r in rs]
+                outputs[name] = responses.token_id_lists()
             if round_index > 0:  # round 0 warms up
                 for name, t in round_times.items():
                     times[name].append(t)

@@ -39,7 +39,7 @@ def _experience(args):
     """Prompt groups whose whole-sequence lengths are log-normal in [min_len, max_len]; prompts of 8 tokens."""
     import torch
 
-    from megatron_gtpo.rollout.engine import Response
+    from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.training.experience import Experience
 
     g = torch.Generator().manual_seed(args.seed)
@@ -48,10 +48,10 @@ def _experience(args):
     lengths = torch.exp(torch.randn(n, generator=g) * args.sigma + args.log_median)
     lengths = lengths.round().clamp(args.min_len, args.max_len).long().tolist()
     prompts = [tuple(torch.randint(3, args.vocab, (prompt_len,), generator=g).tolist()) for _ in range(args.groups)]
-    responses = [[Response(torch.randint(3, args.vocab, (lengths[i * args.group_size + j] - prompt_len,),
-                                         generator=g).tolist(), [-1.0] * (lengths[i * args.group_size + j]
-                                                                         - prompt_len), "stop")
-                  for j in range(args.group_size)] for i in range(args.groups)]
+    response_lengths = [length - prompt_len for length in lengths]
+    flat = [Response(torch.randint(3, args.vocab, (n,), generator=g).tolist(), [-1.0] * n, "stop")
+            for n in response_lengths]
+    responses = Responses.from_lists([flat[i * args.group_size:(i + 1) * args.group_size] for i in range(args.groups)])
     correct = torch.zeros(args.groups, args.group_size)
     return Experience(prompts, responses, correct, correct.clone()), lengths
 

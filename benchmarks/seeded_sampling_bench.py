@@ -68,7 +68,7 @@ def main(argv=None) -> None:
                     start = time.perf_counter()
                     out = server.generate(prompts, params)
                     elapsed = time.perf_counter() - start
-                    assert sum(len(r.token_ids) for group in out for r in group) == responses * args.max_new_tokens
+                    assert out.num_tokens == responses * args.max_new_tokens
                     if round_index:
                         times[seeded].append(elapsed)
         finally:

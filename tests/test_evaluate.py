@@ -14,7 +14,7 @@ from megatron_gtpo.data import BOXED_SUFFIX, load_dataset, load_tokenizer
 from megatron_gtpo.evaluation import replicas
 from megatron_gtpo.evaluation.passk import ProblemResult, mean_at_k, pass_at_k
 from megatron_gtpo.evaluation.report import RESPONSES_JSONL, RESULTS_CSV, RESULTS_JSON, format_summary, write_report
-from megatron_gtpo.rollout.engine import Response
+from megatron_gtpo.rollout.responses import Response, Responses
 from test_tokenizers import QWEN_DEFAULT_SYSTEM, build_hf_tokenizer_dir
 
 
@@ -150,7 +150,7 @@ class CannedEngine:
                 ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
                 responses.append(Response(ids, [0.0] * len(ids), "stop"))
             outputs.append(responses)
-        return outputs
+        return Responses.from_lists(outputs)
 
     def close(self):
         self.closed = True
@@ -292,7 +292,7 @@ def _evaluate_runs(rank, world_size, model_dir, tokenizer_dir, data, out_root, r
 
     def recording_generate(self, prompts, params):
         out = engine_generate(self, prompts, params)
-        tokens.extend([r.token_ids for r in group] for group in out)
+        tokens.extend([r.token_ids for r in group] for group in out.to_lists())
         return out
 
     BuiltinEngine.generate = recording_generate

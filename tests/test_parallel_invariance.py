@@ -17,14 +17,14 @@ def _fixed_batch(seed=0):
     """NUM_GROUPS prompt groups of G responses of different lengths (whole sequences 3 to 10 tokens), with old
     log-probs, per-token advantages and per-sequence advantages drawn so that some ratios fall outside the clip
     range."""
-    from megatron_gtpo.rollout.engine import Response
+    from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.training.experience import Experience
 
     g = torch.Generator().manual_seed(seed)
     prompts = [tuple(torch.randint(0, 1000, (2 + n % 3,), generator=g).tolist()) for n in range(NUM_GROUPS)]
     lengths = [[1 + (5 * (G * n + j)) % 6 for j in range(G)] for n in range(NUM_GROUPS)]
-    responses = [[Response(torch.randint(0, 1000, (length,), generator=g).tolist(), [0.0] * length, "stop")
-                  for length in group] for group in lengths]
+    responses = Responses.from_lists([[Response(torch.randint(0, 1000, (length,), generator=g).tolist(),
+                                                [0.0] * length, "stop") for length in group] for group in lengths])
     correct = torch.zeros(NUM_GROUPS, G)
     T = max(map(max, lengths))
     old_ST = -7.0 + 1.5 * torch.rand(NUM_GROUPS * G, T, generator=g)
@@ -77,7 +77,8 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
     per_rank = NUM_GROUPS // groups.dp_size
     mine = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
     rows = slice(mine.start * G, mine.stop * G)
-    exp = Experience(exp.prompt_token_ids[mine], exp.responses[mine], exp.correct_NG[mine], exp.rewards_NG[mine])
+    exp = Experience(exp.prompt_token_ids[mine], exp.responses.select_prompts(range(mine.start, mine.stop)),
+                     exp.correct_NG[mine], exp.rewards_NG[mine])
     results = {}
     for level, plan in ((level, plan) for level in LOSS_LEVELS for plan in plans):
         sequence_level = level == "sequence"

@@ -44,25 +44,31 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_token):
     engine_small_batches = BuiltinEngine(chunks, groups, VOCAB, max_batch_size=3, prompt_alignment="teacher_force")
     out = {"auto_left_pads": engine.left_pad}  # megatron's unfused DotProductAttention on CPU honours masks
 
+    def generate(engine, params):
+        """The call's record, on the training device of every rank (the CPU platform names it CUDA), as lists."""
+        record = engine.generate(PROMPTS, params)
+        record.check()
+        assert record.device == groups.device, (record.device, groups.device)
+        return record.to_lists()
+
     greedy = SamplingParams(temperature=0.0, max_new_tokens=GREEDY_NEW_TOKENS)
-    out["greedy"] = engine.generate(PROMPTS, greedy)
-    out["greedy_small_batches"] = engine_small_batches.generate(PROMPTS, greedy)
-    out["greedy_top_k1"] = engine.generate(PROMPTS, SamplingParams(temperature=2.0, top_k=1,
-                                                                   max_new_tokens=GREEDY_NEW_TOKENS))
+    out["greedy"] = generate(engine, greedy)
+    out["greedy_small_batches"] = generate(engine_small_batches, greedy)
+    out["greedy_top_k1"] = generate(engine, SamplingParams(temperature=2.0, top_k=1, max_new_tokens=GREEDY_NEW_TOKENS))
     # Early exit: count the rows of every forward step while generating with stop tokens.
     rows_per_forward, forward = [], engine._forward
     engine._forward = lambda tokens_BS, *a: rows_per_forward.append(tokens_BS.shape[0]) or forward(tokens_BS, *a)
-    out["stop"] = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=GREEDY_NEW_TOKENS,
-                                                          stop_token_ids=(stop_token, 999)))
+    out["stop"] = generate(engine, SamplingParams(temperature=0.0, max_new_tokens=GREEDY_NEW_TOKENS,
+                                                  stop_token_ids=(stop_token, 999)))
     engine._forward = forward
     out["stop_rows_per_forward"] = rows_per_forward
     sampling = SamplingParams(n=3, temperature=SAMPLE_TEMPERATURE, max_new_tokens=8, seed=123)
-    out["sampled"] = engine.generate(PROMPTS, sampling)
-    out["sampled_again"] = engine.generate(PROMPTS, sampling)
-    out["sampled_other_seed"] = engine.generate(PROMPTS, SamplingParams(n=3, temperature=SAMPLE_TEMPERATURE,
-                                                                        max_new_tokens=8, seed=124))
+    out["sampled"] = generate(engine, sampling)
+    out["sampled_again"] = generate(engine, sampling)
+    out["sampled_other_seed"] = generate(engine, SamplingParams(n=3, temperature=SAMPLE_TEMPERATURE,
+                                                                max_new_tokens=8, seed=124))
     filtered = SamplingParams(n=2, temperature=1.3, top_k=20, top_p=0.9, max_new_tokens=6, seed=5)
-    out["filtered"] = engine.generate(PROMPTS, filtered)
+    out["filtered"] = generate(engine, filtered)
     # Training mode, and sequence parallelism (switched off for decoding), are restored.
     out["train_mode_restored"] = all(c.training and c.config.sequence_parallel == sp for c in chunks) and \
         _sequence_parallel_flags(chunks) == flags_before

@@ -88,13 +88,14 @@ class _EchoServer:
     def generate(self, prompts, params, first_prompt=0):
         import time
 
-        from megatron_gtpo.rollout.engine import Response
+        from megatron_gtpo.rollout.responses import Response, Responses
 
         self.calls.append((len(prompts), first_prompt))
         start = time.time()
         time.sleep(0.5)
         self.intervals.append((start, time.time()))
-        return [[Response(list(p) + [self.index], [-0.5] * (len(p) + 1), "length")] for p in prompts]
+        return Responses.from_lists([[Response(list(p) + [self.index], [-0.5] * (len(p) + 1), "length")]
+                                     for p in prompts])
 
 
 LAYOUTS = [(2, 2, 1, 7), (2, 2, 2, 5), (2, 2, 4, 3), (4, 1, 2, 1)]  # (tp, pp, engine_tp, prompts) on 4 ranks
@@ -114,7 +115,7 @@ def _split_across_hosts(rank, world_size):
         engine = ServerEngine(server, groups, SimpleNamespace(vocab_size=100, max_position_embeddings=64),
                               hosts=hosts)
         responses = engine.generate([[i, i + 1] for i in range(num_prompts)], SamplingParams(max_new_tokens=1))
-        out.append(([r.token_ids for rs in responses for r in rs], None if server is None else server.calls,
+        out.append((responses.token_id_lists(), None if server is None else server.calls,
                     None if server is None else server.intervals))
     return out
 
@@ -142,7 +143,8 @@ def _release_before_wake(rank, world_size):
     import torch
 
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.rollout.engine import Response, SamplingParams
+    from megatron_gtpo.rollout.engine import SamplingParams
+    from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.rollout.server_engine import ServerEngine
 
     groups = initialize_parallel(2, 1)
@@ -152,7 +154,7 @@ def _release_before_wake(rank, world_size):
     class Server:  # the colocated vLLM server as ServerEngine sees it: waking happens inside generate
         def generate(self, prompts, params, first_prompt=0):
             events.append(("wake", time.monotonic()))
-            return [[Response([1], [-0.5], "length")] for _ in prompts]
+            return Responses.from_lists([[Response([1], [-0.5], "length")] for _ in prompts])
 
     engine = ServerEngine(Server() if groups.tp_rank == 0 else None, groups,
                           SimpleNamespace(vocab_size=100, max_position_embeddings=64))

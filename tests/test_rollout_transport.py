@@ -1,13 +1,14 @@
-"""Responses as tensors between ranks (rollout/transport.py): exact round trips of ragged, empty and every finish
-reason, over gloo from a non-zero source rank, and errors that reach every rank as one error."""
+"""The rollout record between ranks (rollout/transport.py): exact round trips of ragged groups, empty responses and
+a record without prompts, over gloo from a non-zero source rank, and errors (the engine's, or a record that cannot be
+sent) that reach every rank as one error."""
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from distributed_harness import run_distributed
-from megatron_gtpo.rollout.engine import FINISH_LENGTH, FINISH_STOP, Response
-from megatron_gtpo.rollout.transport import FINISH_REASONS, responses_to_tensors, tensors_to_responses
+from megatron_gtpo.rollout.responses import FINISH_LENGTH, FINISH_REASONS, FINISH_STOP, Response, Responses
 
 
 def _responses(seed: int, prompts: int = 5) -> list[list[Response]]:
@@ -25,48 +26,42 @@ def _responses(seed: int, prompts: int = 5) -> list[list[Response]]:
     return out
 
 
-def test_round_trip_is_exact():
-    responses = _responses(0, prompts=40)
-    assert {r.finish_reason for rs in responses for r in rs} == {FINISH_STOP, FINISH_LENGTH}
-    assert any(not r.token_ids for rs in responses for r in rs)
-    ints, logprobs_T = responses_to_tensors(responses)
-    assert tensors_to_responses(ints, logprobs_T, len(responses)) == responses
-
-
-@pytest.mark.parametrize("bad,message", [
-    (Response([1, 2], [-0.1, -0.2], "abort"), "finish reason 'abort'"),
-    (Response([1, 2], [-0.1], FINISH_STOP), "2 tokens and 1 log-probs"),
-])
-def test_unsendable_responses_are_refused(bad, message):
-    with pytest.raises(ValueError, match=message):
-        responses_to_tensors([[bad]])
-
-
 def _broadcast(rank, world_size, src):
     import torch.distributed as dist
 
     from megatron_gtpo.rollout.transport import broadcast_responses
 
     device = torch.device("cpu")
+    bad_code = dataclasses.replace(Responses.from_lists([[Response([1], [-0.5], FINISH_STOP)]]),
+                                   finish_R=torch.tensor([7]))
     results = []
-    for outcome in [("ok", _responses(1)),  # ragged
-                    ("ok", [[Response([], [], FINISH_LENGTH)], [Response([7], [-1 / 3], FINISH_STOP)]]),
+    for outcome in [("ok", Responses.from_lists(_responses(1))),  # ragged
+                    ("ok", Responses.from_lists([[Response([], [], FINISH_LENGTH)],
+                                                 [Response([7], [-1 / 3], FINISH_STOP)]])),
+                    ("ok", Responses.empty()),  # an engine host without prompts
                     ("error", "ValueError: out of KV cache"),
-                    ("ok", [[Response([1], [-0.5], "abort")]])]:  # cannot be encoded: an error everywhere
-        results.append(broadcast_responses(outcome if rank == src else None, src, dist.group.WORLD, device))
+                    ("ok", bad_code),  # cannot be sent: an error everywhere
+                    ("ok", [[Response([1], [-0.5], FINISH_STOP)]])]:  # no record: an error everywhere
+        status, payload = broadcast_responses(outcome if rank == src else None, src, dist.group.WORLD, device)
+        results.append((status, payload.to_lists() if status == "ok" else payload,
+                        [str(t.dtype) for t in payload.tensors()] if status == "ok" else None))
     return results
 
 
 def test_broadcast_reaches_every_rank_exactly_and_errors_stay_errors():
     per_rank = run_distributed(_broadcast, 3, args=(1,), timeout_s=120)
+    dtypes = ["torch.int64"] * 4 + ["torch.float32"]
     for results in per_rank:
-        ragged, tiny, error, unsendable = results
-        assert ragged == ("ok", _responses(1))
+        ragged, tiny, empty, error, bad_code, no_record = results
+        assert ragged == ("ok", _responses(1), dtypes)
         # -1/3 is not a float32: every rank, the source included, holds the same float32-rounded value.
         assert tiny == ("ok", [[Response([], [], FINISH_LENGTH)],
-                               [Response([7], [float(torch.tensor(-1 / 3, dtype=torch.float32))], FINISH_STOP)]])
-        assert error == ("error", "ValueError: out of KV cache")
-        assert unsendable[0] == "error" and "finish reason 'abort'" in unsendable[1]
+                               [Response([7], [float(torch.tensor(-1 / 3, dtype=torch.float32))], FINISH_STOP)]],
+                        dtypes)
+        assert empty == ("ok", [], dtypes)
+        assert error == ("error", "ValueError: out of KV cache", None)
+        assert bad_code[0] == "error" and "finish codes outside" in bad_code[1], bad_code
+        assert no_record[0] == "error" and "not a Responses record" in no_record[1], no_record
 
 
 def _failing_engine(rank, world_size):

@@ -84,6 +84,14 @@ def _record_prompts_served(server) -> list[tuple[int, int]]:
     return served
 
 
+def _generate(engine, params, groups):
+    """The engine's record for PROMPTS, on the training device of every rank (the CPU platform names it CUDA), as
+    lists."""
+    record = engine.generate(PROMPTS, params)
+    assert record.device == groups.device, (record.device, groups.device)
+    return record.to_lists()
+
+
 def _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out: dict) -> None:
     """Flip every TP shard of the MLP output projections, sync, and record both engines' greedy outputs."""
     with torch.no_grad():
@@ -92,8 +100,8 @@ def _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out: dict) 
                 p.mul_(-1.0)
     engine.sync_weights(chunks, groups)
     out["version_2"] = engine.policy_version
-    out["vllm_greedy_changed"] = engine.generate(PROMPTS, greedy)
-    out["builtin_greedy_changed"] = builtin.generate(PROMPTS, greedy)
+    out["vllm_greedy_changed"] = _generate(engine, greedy, groups)
+    out["builtin_greedy_changed"] = _generate(builtin, greedy, groups)
 
 
 def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
@@ -130,20 +138,20 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
             greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
             out = {"sleep_supported": None if server is None else server.sleep_supported,
                    "num_workers": None if server is None else server.num_workers, "engines": len(hosts)}
-            out["before_sync"] = engine.generate(PROMPTS, greedy)
+            out["before_sync"] = _generate(engine, greedy, groups)
             engine.sync_weights(chunks, groups)
             out["version_1"] = engine.policy_version
-            out["vllm_greedy"] = engine.generate(PROMPTS, greedy)
-            out["builtin_greedy"] = builtin.generate(PROMPTS, greedy)
+            out["vllm_greedy"] = _generate(engine, greedy, groups)
+            out["builtin_greedy"] = _generate(builtin, greedy, groups)
             stop_token = out["builtin_greedy"][0][0].token_ids[5]
             out["stop_token"] = stop_token
-            out["vllm_stop"] = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12,
-                                                                        stop_token_ids=(stop_token,)))
+            stopping = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_token,))
+            out["vllm_stop"] = _generate(engine, stopping, groups)
             sampling = SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=11)
-            out["vllm_sampled"] = engine.generate(PROMPTS, sampling)
-            out["vllm_sampled_again"] = engine.generate(PROMPTS, sampling)
+            out["vllm_sampled"] = _generate(engine, sampling, groups)
+            out["vllm_sampled_again"] = _generate(engine, sampling, groups)
             unseeded = dataclasses.replace(sampling, per_request_seeds=False)
-            out["vllm_unseeded"] = [engine.generate(PROMPTS, unseeded) for _ in range(2)]
+            out["vllm_unseeded"] = [_generate(engine, unseeded, groups) for _ in range(2)]
             seqs = [p + r.token_ids for p, rs in zip(PROMPTS, out["vllm_sampled"]) for r in rs]
             micro_batches = make_micro_batches(seqs, 6, device=groups.device)
             scored = forward_logprobs_and_entropy(chunks, micro_batches, groups,
@@ -291,11 +299,11 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     engine = connect(address)
     out["weight_group_size"] = None if engine.server is None else engine.server.group.size()
     out["version_0"] = engine.policy_version
-    out["before_sync"] = engine.generate(PROMPTS, greedy)
+    out["before_sync"] = _generate(engine, greedy, groups)
     engine.sync_weights(chunks, groups)
     out["version_1"] = engine.policy_version
-    out["vllm_greedy"] = engine.generate(PROMPTS, greedy)
-    out["builtin_greedy"] = builtin.generate(PROMPTS, greedy)
+    out["vllm_greedy"] = _generate(engine, greedy, groups)
+    out["builtin_greedy"] = _generate(builtin, greedy, groups)
 
     _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out)
 
@@ -312,7 +320,7 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
 
     engine = connect(address)  # a second session: the server kept its weights and version
     out["session_2_version"] = engine.policy_version
-    out["session_2_greedy"] = engine.generate(PROMPTS, greedy)
+    out["session_2_greedy"] = _generate(engine, greedy, groups)
     if rank == 0:
         os.killpg(server_pgid, signal.SIGKILL)
     out["dead"] = _error_text(lambda: engine.generate(PROMPTS, greedy))

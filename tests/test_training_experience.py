@@ -26,7 +26,8 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
 
     import torch.distributed as dist
 
-    from megatron_gtpo.rollout.engine import Response, SamplingParams
+    from megatron_gtpo.rollout.engine import SamplingParams
+    from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.training.experience import collect_experience
 
     script = SCRIPTS[scenario][rank]
@@ -40,7 +41,8 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
     def generate(prompts, round_index):
         calls["generate"].append(round_index)
         # Response lengths 1 and 3: the length penalty below tells them apart.
-        return [[Response([p[0]] * (1 + 2 * j), [-0.1] * (1 + 2 * j), "stop") for j in range(G)] for p in prompts]
+        return Responses.from_lists([[Response([p[0]] * (1 + 2 * j), [-0.1] * (1 + 2 * j), "stop") for j in range(G)]
+                                     for p in prompts])
 
     def score_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
@@ -99,12 +101,12 @@ GLOBAL_BATCHES = {
 
 def _step_batch(kept, seed, groups):
     """A rank's step batch with the entropies the old-policy pass would add (random; none without groups)."""
-    from megatron_gtpo.rollout.engine import Response
+    from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.step_batch import build_step_batch
 
     generator = torch.Generator().manual_seed(seed)
-    responses = [[Response([7] * n, [-0.5] * n, "stop") for n in lengths] for _, lengths in kept]
+    responses = Responses.from_lists([[Response([7] * n, [-0.5] * n, "stop") for n in lengths] for _, lengths in kept])
     correct_NG = torch.tensor([r for r, _ in kept], dtype=torch.float32) if kept else torch.zeros(0, 3)
     exp = Experience([(1, 2)] * len(kept), responses, correct_NG, correct_NG.clone())
     batch = build_step_batch(exp, groups, mini_batches=[list(range(len(kept)))], max_sequences=8, max_tokens=None)

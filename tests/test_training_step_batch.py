@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_gtpo.rollout.engine import Response
+from megatron_gtpo.rollout.responses import Response, Responses
 from megatron_gtpo.training.experience import Experience
 from megatron_gtpo.training.step_batch import build_step_batch, plan_micro_batches
 
@@ -52,8 +52,9 @@ def test_packed_plan_is_first_fit_decreasing_under_the_token_budget():
 
 def _batch(max_sequences=2, max_tokens=None, pack=False):
     prompts = [(1, 2, 3), (4,)]
-    responses = [[Response([5, 6], [-0.5, -0.6], "stop"), Response([7], [-0.7], "stop")],
-                 [Response([8, 9, 10], [-0.8, -0.9, -1.0], "length"), Response([11, 12], [-1.1, -1.2], "stop")]]
+    responses = Responses.from_lists([
+        [Response([5, 6], [-0.5, -0.6], "stop"), Response([7], [-0.7], "stop")],
+        [Response([8, 9, 10], [-0.8, -0.9, -1.0], "length"), Response([11, 12], [-1.1, -1.2], "stop")]])
     correct = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=1)
     return build_step_batch(Experience(prompts, responses, correct, correct.clone()), groups,

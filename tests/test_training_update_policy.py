@@ -18,13 +18,14 @@ G = 2
 def _experience(num_prompt_groups, seed=0):
     import torch
 
-    from megatron_gtpo.rollout.engine import Response
+    from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.training.experience import Experience
 
     g = torch.Generator().manual_seed(seed)
     prompts = [tuple(torch.randint(3, 16, (2 + n % 3,), generator=g).tolist()) for n in range(num_prompt_groups)]
-    responses = [[Response(torch.randint(3, 16, (1 + (3 * n + j) % 5,), generator=g).tolist(),
-                           [-1.0] * (1 + (3 * n + j) % 5), "stop") for j in range(G)] for n in range(num_prompt_groups)]
+    responses = Responses.from_lists([[Response(torch.randint(3, 16, (1 + (3 * n + j) % 5,), generator=g).tolist(),
+                                                [-1.0] * (1 + (3 * n + j) % 5), "stop") for j in range(G)]
+                                      for n in range(num_prompt_groups)])
     correct = torch.tensor([[1.0, 0.0]] * num_prompt_groups).reshape(num_prompt_groups, G)
     return Experience(prompts, responses, correct, correct.clone())
 
@@ -91,7 +92,7 @@ def _on_policy(rank, world_size):
     for algorithm, (max_sequences, max_tokens, pack) in ON_POLICY_CASES:
         run = _policy_run(algorithm)
         reference = []
-        for prompt, group in zip(exp.prompt_token_ids, exp.responses):
+        for prompt, group in zip(exp.prompt_token_ids, exp.responses.to_lists()):
             for r in group:  # each sequence alone: column P - 1 + t scores response token t
                 sequence = list(prompt) + r.token_ids
                 ((logprobs_BL, _),) = forward_logprobs_and_entropy(

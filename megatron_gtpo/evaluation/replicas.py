@@ -32,7 +32,7 @@ class ReplicaShare:
 
 @dataclasses.dataclass
 class Replica:
-    """This rank's engine (its `generate(prompts, SamplingParams) -> [prompt][sample] Response` is all evaluation
+    """This rank's engine (its `generate(prompts, SamplingParams) -> Responses`, the rollout record, is all evaluation
     calls), its share of the problems, the token that ends a response, and the limits prompts are checked against
     before any generation (rollout.engine.check_prompts)."""
 

@@ -64,13 +64,13 @@ def generate_responses(
         params = SamplingParams(n=sampling.num_samples, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_new_tokens=sampling.max_new_tokens, stop_token_ids=(replica.eos_token_id,),
                                 seed=sampling.seed + call.start)
-        outputs = replica.engine.generate(prompts, params)
+        outputs = replica.engine.generate(prompts, params).to_lists()  # decoding needs the token ids as lists
         if len(outputs) != len(prompts) or any(len(samples) != sampling.num_samples for samples in outputs):
             raise RuntimeError(
                 f"the engine returned {[len(samples) for samples in outputs]} responses for {len(prompts)} prompts "
                 f"with n={sampling.num_samples}"
             )
-        responses.extend([list(response.token_ids) for response in samples] for samples in outputs)
+        responses.extend([response.token_ids for response in samples] for samples in outputs)
     return responses
 
 

@@ -1,11 +1,13 @@
-"""Rollouts: the engine protocol, built-in Megatron generation, the vLLM engine and the weight sync to it.
+"""Rollouts: the engine protocol, the rollout record, built-in Megatron generation, the vLLM engine and the weight
+sync to it.
 
 Importing this package imports neither megatron nor vllm; `megatron_gtpo.rollout.vllm_engine` is the only module
 that imports vllm.
 """
 from .builtin import BuiltinEngine
-from .engine import FINISH_LENGTH, FINISH_STOP, Response, RolloutEngine, SamplingParams
+from .engine import RolloutEngine, SamplingParams
+from .responses import FINISH_LENGTH, FINISH_STOP, Response, Responses
 from .sampling import filter_top_k_top_p, sample_next_tokens
 
-__all__ = ["BuiltinEngine", "FINISH_LENGTH", "FINISH_STOP", "Response", "RolloutEngine", "SamplingParams",
-           "filter_top_k_top_p", "sample_next_tokens"]
+__all__ = ["BuiltinEngine", "FINISH_LENGTH", "FINISH_STOP", "Response", "Responses", "RolloutEngine",
+           "SamplingParams", "filter_top_k_top_p", "sample_next_tokens"]

@@ -31,8 +31,9 @@ states [s, b, h] of the previous one from its pipeline peer (torch.distributed s
 sends its own output to the next one, each stage keeping the KV cache of its own layers. The last stage samples; the
 sampled tokens and log-probs go to every rank of the model-parallel group (a broadcast from TP rank 0 within the last
 stage's TP group, then from the last stage along each pipeline group), so all ranks follow the same control flow and
-return the same responses. Host synchronisation: one small [2, b] read per decoded position (needed for the
-per-sequence early exit).
+return the same responses. The tokens and log-probs stay on the device: each step writes them into [rows,
+max_new_tokens] tensors, which become the rollout record (responses.py) of the call. Host synchronisation: one
+small [b] read of the sampled token ids per decoded position (needed for the per-sequence early exit).
 
 Sampling and the log-prob convention are in sampling.py and engine.py. Sequence parallelism is switched off for the
 duration of a call (decode steps have one token, which cannot be split over TP ranks) with megatron's own
@@ -46,7 +47,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .engine import FINISH_LENGTH, FINISH_STOP, Response, SamplingParams, check_prompts, response_seed
+from .engine import SamplingParams, check_prompts, response_seed
+from .responses import FINISH_LENGTH_CODE, FINISH_STOP_CODE, Responses
 from .sampling import sample_next_tokens
 
 
@@ -107,7 +109,8 @@ class BuiltinEngine:
                              "sync_weights was given different ones")
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
+        """The record (responses.py) of params.n responses per prompt, on the group's device on every rank."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.vocab_size, max_positions=self.max_positions,
@@ -116,13 +119,18 @@ class BuiltinEngine:
         seeds = [response_seed(params.seed, i, j, params.n) for i in range(len(prompts)) for j in range(params.n)]
         batches = batch_ranges([len(r) for r in rows], max_new_tokens=params.max_new_tokens,
                                max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
-        responses: list[Response] = []
+        pieces = []
         with self._inference_mode(), tqdm(total=len(rows), desc="decoding", unit="row", leave=False,
                                           disable=not self.progress) as bar:
             for batch in batches:
-                responses += self._generate_batch([rows[r] for r in batch], [seeds[r] for r in batch], params)
+                pieces.append(self._generate_batch([rows[r] for r in batch], [seeds[r] for r in batch], params))
                 bar.update(len(batch))
-        return [responses[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+        device = self.groups.device
+        return Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=device),
+                         lengths_R=torch.tensor([n for piece in pieces for n in piece[2]], device=device),
+                         finish_R=torch.tensor([c for piece in pieces for c in piece[3]], device=device),
+                         token_ids_T=torch.cat([piece[0] for piece in pieces]),
+                         logprobs_T=torch.cat([piece[1] for piece in pieces]))
 
     @contextlib.contextmanager
     def _inference_mode(self):
@@ -145,7 +153,9 @@ class BuiltinEngine:
                 if not model.pre_process:
                     model.set_input_tensor(None)
 
-    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Response]:
+    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams):
+        """One batch of rows: (token_ids_T, logprobs_T) on the device, the rows' tokens back to back, and the rows'
+        lengths and finish codes as host lists."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         device = self.groups.device
@@ -154,9 +164,11 @@ class BuiltinEngine:
         width = max(len(r) for r in rows)
         context = StaticInferenceContext(max_batch_size=len(rows), max_sequence_length=width + params.max_new_tokens)
         stop_ids = set(params.stop_token_ids)
-        out_tokens: list[list[int]] = [[] for _ in rows]
-        out_logprobs: list[list[float]] = [[] for _ in rows]
-        finish: list[str | None] = [None] * len(rows)
+        # Row r's k-th token and its log-prob land at [r, k] (on the device, as they are sampled).
+        tokens_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int64, device=device)
+        logprobs_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.float32, device=device)
+        lengths = [0] * len(rows)
+        finish: list[int | None] = [None] * len(rows)
 
         if self.left_pad:
             # Prompts right-aligned at `width`; key_is_pad_BK marks the pads (generated positions are never pads).
@@ -177,23 +189,27 @@ class BuiltinEngine:
             context.enable_decode_mode()
             # Rows still inside their prompt (teacher forcing) draw nothing: their prediction is discarded.
             drawing = generators and [generators[row] if position >= prompt_end[row] else None for row in active]
-            tokens, logprobs = self._sample_and_share(logits_BV, len(active), params, drawing)
-            keep, next_tokens = [], []
+            tokens, shared_2B = self._sample_and_share(logits_BV, len(active), params, drawing)
+            keep, next_tokens, written = [], [], []  # written: (batch row, row, token index) of each new token
             for b, row in enumerate(active):
                 if position < prompt_end[row]:  # teacher forcing: still inside its prompt, feed the prompt token
                     keep.append(b)
                     next_tokens.append(rows[row][position])
                     continue
                 token = tokens[b]
-                out_tokens[row].append(token)
-                out_logprobs[row].append(logprobs[b])
+                written.append((b, row, lengths[row]))
+                lengths[row] += 1
                 if token in stop_ids:
-                    finish[row] = FINISH_STOP
-                elif len(out_tokens[row]) == params.max_new_tokens:
-                    finish[row] = FINISH_LENGTH
+                    finish[row] = FINISH_STOP_CODE
+                elif lengths[row] == params.max_new_tokens:
+                    finish[row] = FINISH_LENGTH_CODE
                 else:
                     keep.append(b)
                     next_tokens.append(token)
+            if written:
+                b_W, row_W, k_W = torch.tensor(written, dtype=torch.long, device=device).unbind(1)
+                tokens_RN[row_W, k_W] = shared_2B[0, b_W].long()
+                logprobs_RN[row_W, k_W] = shared_2B[1, b_W].float()
             if len(keep) < len(active):
                 keep_B = torch.tensor(keep, dtype=torch.long, device=device)
                 _keep_cache_rows(context, keep_B)
@@ -202,7 +218,8 @@ class BuiltinEngine:
                 active = [active[b] for b in keep]
             feed_BS = torch.tensor(next_tokens, dtype=torch.long, device=device).unsqueeze(1)
             position += 1
-        return [Response(t, lp, f) for t, lp, f in zip(out_tokens, out_logprobs, finish)]
+        valid_RN = torch.arange(params.max_new_tokens, device=device) < torch.tensor(lengths, device=device)[:, None]
+        return tokens_RN[valid_RN], logprobs_RN[valid_RN], lengths, finish
 
     def _forward(self, tokens_BS: torch.Tensor, context, attention_mask) -> torch.Tensor | None:
         """One forward step of `tokens_BS` (positions from the cache offset on) through all pipeline stages, with
@@ -235,7 +252,8 @@ class BuiltinEngine:
 
     def _sample_and_share(self, logits_BV, batch: int, params: SamplingParams, generators):
         """Sample on the last stage (one generator, or None, per row: sample_next_tokens); every rank of the
-        model-parallel group gets (token ids, log-probs) as lists."""
+        model-parallel group gets the token ids as a host list (the early exit reads them) and shared_2B, float64
+        [2, batch] on the device: the token ids and their float32 log-probs."""
         groups = self.groups
         if groups.is_last_stage:
             tokens_B, logprobs_B = sample_next_tokens(
@@ -249,8 +267,7 @@ class BuiltinEngine:
             shared_2B = torch.empty(2, batch, dtype=torch.float64, device=groups.device)
         if groups.pp_size > 1:
             dist.broadcast(shared_2B, src=groups.last_stage_global_rank, group=groups.pp_group)
-        tokens, logprobs = shared_2B.cpu().tolist()
-        return [int(t) for t in tokens], logprobs
+        return [int(t) for t in shared_2B[0].cpu().tolist()], shared_2B
 
 
 def batch_ranges(row_lengths: list[int], *, max_new_tokens: int, max_rows: int | None, max_tokens: int | None,

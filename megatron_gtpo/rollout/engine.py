@@ -1,15 +1,15 @@
 """The rollout engine contract shared by the built-in Megatron generation and the vLLM engine.
 
-Log-prob convention: `Response.logprobs[k]` is the log-probability of `token_ids[k]` under the
-temperature-scaled FULL next-token distribution, log softmax(logits / temperature) over the true vocabulary, i.e.
-exactly what the scoring path (`training.forward.forward_logprobs_and_entropy`) gives for the same tokens at
+Log-prob convention: a response token's log-prob (`Responses.logprobs_T`, responses.py) is its log-probability under
+the temperature-scaled FULL next-token distribution, log softmax(logits / temperature) over the true vocabulary,
+i.e. exactly what the scoring path (`training.forward.forward_logprobs_and_entropy`) gives for the same tokens at
 the same temperature. top-k / top-p decide which tokens may be sampled but are NOT folded into the reported
-log-probs (the log-prob under the truncated, renormalised distribution would be logprob - log(kept mass)); this way
-the trainer's rollout-vs-training mismatch compares like with like. Greedy decoding is `temperature == 0`: the
-argmax of the logits (ties go to the lowest token id), and its log-probs are those of the untempered (T = 1)
-distribution. (`top_k == 1` is also greedy in which token it picks, with log-probs at the given temperature.)
-The built-in engine follows this convention in every case; the vLLM engine does whenever top_k = 0 and top_p = 1
-(with top-k/top-p it reports vLLM's log-probs of the truncated distribution; docs/vllm.md, "Sampling").
+log-probs (the log-prob under the truncated, renormalised distribution would be logprob - log(kept mass)); this way the
+trainer's rollout-vs-training mismatch compares like with like. Greedy decoding is `temperature == 0`: the argmax of
+the logits (ties go to the lowest token id), and its log-probs are those of the untempered (T = 1) distribution.
+(`top_k == 1` is also greedy in which token it picks, with log-probs at the given temperature.) The built-in engine
+follows this convention in every case; the vLLM engine does whenever top_k = 0 and top_p = 1 (with top-k/top-p it
+reports vLLM's log-probs of the truncated distribution; docs/vllm.md, "Sampling").
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
+from .responses import Responses
+
 _SEED_STRIDE = 1_000_003  # > any prompts x n of one call: the rows of calls with seeds s and s + 1 never share a seed
 
 
@@ -73,20 +74,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
-@dataclass
-class Response:
-    """One sampled continuation. `token_ids` ends with the stop token when finish_reason is "stop"; "length" means
-    max_new_tokens were generated without a stop token. `logprobs[k]` belongs to `token_ids[k]` (module doc)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-
-
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
-        """[prompt][n] responses. Called collectively by every rank of a model-parallel group with the same
-        prompts (each data-parallel replica with its own); every rank of the group gets the same result."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
+        """params.n responses per prompt, in prompt order, as one record (responses.py). Called collectively by
+        every rank of a model-parallel group with the same prompts (each data-parallel replica with its own); every
+        rank of the group gets the same record, on the training device where the engine's ranks train."""
         ...
 
     def sync_weights(self, model_chunks: list, groups) -> None:

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-PROTOCOL = 2  # 2: generate carries first_prompt
+PROTOCOL = 3  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py)
 ROOT = "gtpo_remote"
 _CHUNK_BYTES = 4 * 2**20  # the libuv TCPStore refuses values over 8 MiB
 

@@ -6,8 +6,8 @@ group empties its caching allocator (`_release_cached_memory`).
 The server object is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a
 `vllm_remote_client.RemoteVLLMClient` talking to a vLLM server on another node (remote mode). Either way it offers:
 
-    generate(prompts, SamplingParams, first_prompt=0) -> list[list[Response]] (`first_prompt`: the index of
-        prompts[0] in the replica's prompts, so that seeds differ across engines)
+    generate(prompts, SamplingParams, first_prompt=0) -> Responses (the record, responses.py; `first_prompt`: the
+        index of prompts[0] in the replica's prompts, so that seeds differ across engines)
     begin_weight_update() -> None
     load_bucket(bucket: list[(hf_name, tensor)]) -> None
     load_ipc_bucket(names, dtype_names, shapes, {gpu_uuid: rebuild args}) -> None (colocated on CUDA only:
@@ -17,8 +17,8 @@ The server object is a `vllm_engine.VLLMServer` in the same process (colocated m
     dtype: torch.dtype (the engine's weight dtype: the expected checksums are taken after a cast to it)
 
 `generate` and `sync_weights` are collective over the model-parallel group: each host calls its server, and its
-outcome (result or error text) is broadcast to every rank, which returns it or raises. Responses travel as
-tensors (rollout/transport.py), the small outcomes of a sync as objects.
+outcome (result or error text) is broadcast to every rank, which returns it or raises. The records travel as
+tensors to the group's device (rollout/transport.py), the small outcomes of a sync as objects.
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from megatron_gtpo.distributed import warm_up_communicators
 
-from .engine import Response, SamplingParams, check_prompts
+from .engine import SamplingParams, check_prompts
 from .placement import split_prompts
+from .responses import Responses
 from .transport import broadcast_responses
 from .weight_sync import DEFAULT_BUCKET_BYTES, SINGLE_DESTINATION, hf_weight_buckets, is_sync_destination, \
     pack_on_device, policy_checksum_names, tensor_checksum
@@ -42,9 +43,9 @@ class ServerEngine:
     rank 0 of the first pipeline stage).
 
     `generate` and `sync_weights` are collective over the model-parallel group: the prompts are split across the
-    engines (placement.split_prompts), every rank returns all responses in prompt order, and every rank raises if
-    any server failed. Every host receives the full weights. `policy_version` is the servers' policy version after
-    the last successful sync (0 before any).
+    engines (placement.split_prompts), every rank returns one record of all responses in prompt order, on the
+    group's device, and every rank raises if any server failed. Every host receives the full weights.
+    `policy_version` is the servers' policy version after the last successful sync (0 before any).
     """
 
     def __init__(self, server, groups, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -62,7 +63,7 @@ class ServerEngine:
         self.bucket_bytes = bucket_bytes
         self.policy_version = 0
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Response]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
@@ -75,20 +76,20 @@ class ServerEngine:
             index = self.hosts.index(me)
             start = sum(len(p) for p in parts[:index])
             mine = attempt(partial(self.server.generate, parts[index], params, first_prompt=start)) \
-                if parts[index] else ("ok", [])
-        responses, failures = [], []
+                if parts[index] else ("ok", Responses.empty())
+        records, failures = [], []
         for index, host in enumerate(self.hosts):
             # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
             status, payload = broadcast_responses(mine if host == me else None, self._global_rank(host),
                                                   self.groups.mp_group, self.groups.device)
             if status == "ok":
-                responses += payload
+                records.append(payload)
             else:
                 failures.append(f"engine {index} (host pp_rank, tp_rank = {host}): {payload}")
         if failures:
             raise RuntimeError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host rank(s): "
                                + "; ".join(failures))
-        return responses
+        return Responses.cat(records)
 
     def _global_rank(self, host: tuple[int, int]) -> int:
         """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""

@@ -31,9 +31,10 @@ from vllm.platforms import current_platform
 from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
 
 from .cuda_ipc import import_buffer
-from .engine import Response, SamplingParams, response_seed
+from .engine import SamplingParams, response_seed
 from .placement import colocated_cuda_devices, engine_hosts, engine_members
 from .remote_channel import broadcast_from_trainer, join_weight_group
+from .responses import Response, Responses
 from .server_engine import ServerEngine, start_colocated_servers
 from .weight_sync import DEFAULT_BUCKET_BYTES, pack_bucket, tensor_checksum, unpack_bucket, unpack_flat
 
@@ -133,9 +134,9 @@ class VLLMServer:
         self._asleep: set[str] = set()  # tags currently asleep
         self._weights_discarded = False  # level-2 sleep: a full sync must come before generating
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 first_prompt: int = 0) -> list[list[Response]]:
-        """[prompt][n] responses; `first_prompt` is the index of prompts[0] among the replica's prompts (seeds)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:
+        """The record (responses.py) of params.n responses per prompt, on the host; `first_prompt` is the index of
+        prompts[0] among the replica's prompts (seeds). ValueError for a finish reason other than stop / length."""
         if self._weights_discarded:
             raise RuntimeError("the vLLM weights were discarded by a level-2 sleep; call sync_weights first")
         self._wake(["weights", "kv_cache"])
@@ -150,7 +151,7 @@ class VLLMServer:
                                         use_tqdm=False)
         finally:  # training comes next, failed generation or not: give the memory back
             self._sleep()
-        return [[_response(sample) for sample in out.outputs] for out in outputs]
+        return Responses.from_lists([[_response(sample) for sample in out.outputs] for out in outputs])
 
     def begin_weight_update(self) -> None:
         self._wake(["weights"])

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .engine import Response, SamplingParams
+from .engine import SamplingParams
 from .remote_channel import (
     PROTOCOL,
     ROOT,
@@ -25,6 +25,7 @@ from .remote_channel import (
     weight_group,
     weights_prefix,
 )
+from .responses import Responses
 from .server_engine import ServerEngine, attempt, share_outcome, unwrap
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
 
@@ -65,8 +66,8 @@ class RemoteVLLMClient:
             raise self._broke("joining the weight broadcast group", e, reply_key) from None
         self._reply(reply_key, "join", connect_timeout_s)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 first_prompt: int = 0) -> list[list[Response]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0) -> Responses:
+        """The server's record (responses.py), on the host: its tensors cross the channel pickled."""
         responses, version = self._call("generate", (prompts, params, first_prompt), self.request_timeout_s)
         if version != self.policy_version:
             raise RuntimeError(f"policy version mismatch: the vLLM server at {self.address} generated with policy "

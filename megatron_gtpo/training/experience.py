@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from megatron_gtpo.algorithms import informative_groups
 from megatron_gtpo.distributed import ParallelGroups
-from megatron_gtpo.rollout.engine import Response, SamplingParams
+from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.responses import Responses
 
 
 @dataclass
@@ -18,40 +19,34 @@ class Experience:
     """This DP rank's prompt groups kept for training (n groups of G responses): what the rollout and the rewards
     produce, from which the step batch (step_batch.py) is built."""
 
-    prompt_token_ids: list[tuple[int, ...]]
-    responses: list[list[Response]]  # [n][G]
+    prompt_token_ids: list[tuple[int, ...]]  # [n]
+    responses: Responses  # the n groups' G responses each, as the engine left them (the training device)
     correct_NG: torch.Tensor  # float {0, 1}: the verifier's reward
     rewards_NG: torch.Tensor  # correctness plus the length penalty (if any): what the advantages see
     stats: dict = field(default_factory=dict)
 
     @property
     def num_prompt_groups(self) -> int:
-        return len(self.responses)
+        return len(self.prompt_token_ids)
 
     @property
     def group_size(self) -> int:
         return self.correct_NG.shape[1]  # G even when this rank kept no group ([0, G])
 
-    def sequences(self) -> list[list[int]]:
-        return [list(p) + r.token_ids for p, group in zip(self.prompt_token_ids, self.responses) for r in group]
 
-    def prompt_lengths(self) -> list[int]:
-        """Per sequence, its prompt's length: where its response starts."""
-        return [len(p) for p, group in zip(self.prompt_token_ids, self.responses) for _ in group]
-
-
-def collect_experience(generate: Callable[[list[list[int]], int], list[list[Response]]],
+def collect_experience(generate: Callable[[list[list[int]], int], Responses],
                        next_prompts: Callable[[], list],
-                       score_groups: Callable[[list, list[list[Response]]], torch.Tensor],
+                       score_groups: Callable[[list, Responses], torch.Tensor],
                        params: SamplingParams, parallel: ParallelGroups, *, target_prompt_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
                        length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> Experience:
-    """Sample G responses per prompt (`generate(prompts, round_index)`) and score them (`score_groups(prompts,
-    responses) -> [N, G]` verifier rewards in {0, 1}). With dynamic sampling, groups whose rewards are all equal
-    (algorithms.informative_groups) are dropped and more prompts are drawn (at most `max_extra_rounds` more rounds,
-    the same number on every DP rank so data loaders stay aligned) until `target_prompt_groups` informative groups
-    are kept; then train on what there is. `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the
-    rewards."""
+    """Sample G responses per prompt (`generate(prompts, round_index)`, one record per call) and score them
+    (`score_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the host). With dynamic sampling,
+    groups whose rewards are all equal (algorithms.informative_groups) are dropped and more prompts are drawn (at most
+    `max_extra_rounds` more rounds, the same number on every DP rank so data loaders stay aligned) until
+    `target_prompt_groups` informative groups are kept; then train on what there is. `length_penalty(lengths_NG,
+    correct_NG) -> penalty_NG` is added to the rewards. The kept groups' responses are selected and concatenated as
+    tensors where the engine left them; only their lengths and finish reasons come to the host (rewards, stats)."""
     kept_prompts, kept_responses, kept_correct, kept_rewards = [], [], [], []
     all_correct, all_rewards, all_lengths, all_truncated = [], [], [], []
     rounds = 0
@@ -60,20 +55,19 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
         if len(kept_prompts) < target_prompt_groups:
             responses = generate([list(p.prompt_token_ids) for p in prompts], rounds)
             correct_NG = score_groups(prompts, responses)
-            lengths_NG = torch.tensor([[len(r.token_ids) for r in grp] for grp in responses], dtype=torch.float32)
+            lengths_NG = responses.lengths_NG().cpu().float()
             rewards_NG = correct_NG + (length_penalty(lengths_NG, correct_NG) if length_penalty else 0.0)
             # Filter on correctness, before length penalties (DAPO's rule).
             keep_N = informative_groups(correct_NG) if dynamic_sampling else torch.ones(len(prompts), dtype=torch.bool)
-            for i in keep_N.nonzero().flatten().tolist()[:target_prompt_groups - len(kept_prompts)]:
-                kept_prompts.append(prompts[i].prompt_token_ids)
-                kept_responses.append(responses[i])
-                kept_correct.append(correct_NG[i])
-                kept_rewards.append(rewards_NG[i])
+            chosen_K = keep_N.nonzero().flatten()[:target_prompt_groups - len(kept_prompts)]
+            kept_prompts += [prompts[i].prompt_token_ids for i in chosen_K.tolist()]
+            kept_responses.append(responses.select_prompts(chosen_K))
+            kept_correct.append(correct_NG[chosen_K])
+            kept_rewards.append(rewards_NG[chosen_K])
             all_correct.append(correct_NG.flatten())
             all_rewards.append(rewards_NG.flatten())
             all_lengths.append(lengths_NG.flatten())
-            all_truncated.append(torch.tensor([r.finish_reason == "length" for g in responses for r in g],
-                                              dtype=torch.float32))
+            all_truncated.append(responses.truncated_R().cpu().float())
         rounds += 1
         # Collectives run on the process groups' device: an NCCL group takes no host tensors.
         short = torch.tensor([float(len(kept_prompts) < target_prompt_groups)], device=parallel.device)
@@ -91,7 +85,5 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
         "groups_generated": sum(len(c) for c in all_correct) // G,
         "groups_kept": len(kept_prompts),
     }
-    empty = torch.zeros(0, G)
-    return Experience(kept_prompts, kept_responses,
-                      torch.stack(kept_correct) if kept_correct else empty,
-                      torch.stack(kept_rewards) if kept_rewards else empty, stats)
+    return Experience(kept_prompts, Responses.cat(kept_responses), torch.cat(kept_correct), torch.cat(kept_rewards),
+                      stats)

@@ -46,44 +46,69 @@ def next_token_targets(tokens_BL: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(tokens_BL[:, 1:], (0, 1))
 
 
-def make_micro_batches(sequences: list[list[int]], micro_batch_size: int, *, device: torch.device, pad_id: int = 0,
+def make_micro_batches(sequences: list[list[int]], micro_batch_size: int, *, device: torch.device,
                        pad_to_multiple: int = 1) -> list[MicroBatch]:
     """Consecutive groups of `micro_batch_size` sequences (the last may be smaller), each padded to its own longest
     sequence rounded up to `pad_to_multiple` (the TP size under sequence parallelism), on `device` (the training
     device: one host-to-device copy per micro-batch, from the token lists)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if any(len(s) == 0 for s in sequences):
-        raise ValueError("empty token sequence")
-    batches = []
-    for start in range(0, len(sequences), micro_batch_size):
-        chunk = sequences[start:start + micro_batch_size]
-        length = max(len(s) for s in chunk)
-        length = -(-length // pad_to_multiple) * pad_to_multiple
-        tokens = torch.tensor([seq + [pad_id] * (length - len(seq)) for seq in chunk], dtype=torch.long, device=device)
-        positions = torch.arange(length, dtype=torch.long, device=device).expand(len(chunk), length).contiguous()
-        batches.append(MicroBatch(tokens, torch.tensor([len(s) for s in chunk], device=device), positions))
-    return batches
+    chunks = [sequences[start:start + micro_batch_size] for start in range(0, len(sequences), micro_batch_size)]
+    return [padded_micro_batch(sequence_rows(chunk, device), [len(s) for s in chunk], pad_to_multiple=pad_to_multiple)
+            for chunk in chunks]
 
 
-def pack_sequences(sequences: list[list[int]], *, device: torch.device, pad_id: int = 0,
-                   pad_to_multiple: int = 1) -> MicroBatch:
+def pack_sequences(sequences: list[list[int]], *, device: torch.device, pad_to_multiple: int = 1) -> MicroBatch:
     """The sequences back to back in one row, padded at its end to a multiple of `pad_to_multiple`, on `device`."""
-    if not sequences or any(len(s) == 0 for s in sequences):
+    return packed_micro_batch(sequence_rows(sequences, device), [len(s) for s in sequences],
+                              pad_to_multiple=pad_to_multiple)
+
+
+def sequence_rows(sequences: list[list[int]], device: torch.device) -> torch.Tensor:
+    """int64 [S, L] on `device`: sequence s in row s from column 0, zeros after it (L: the longest)."""
+    width = max((len(s) for s in sequences), default=0)
+    return torch.tensor([list(s) + [0] * (width - len(s)) for s in sequences], dtype=torch.long,
+                        device=device).view(len(sequences), width)
+
+
+def padded_micro_batch(tokens_SL: torch.Tensor, lengths: list[int], *, pad_to_multiple: int = 1) -> MicroBatch:
+    """One padded micro-batch of the sequences in the rows of `tokens_SL` (int64 [S, L] on the training device, row s
+    holding sequence s from column 0 and zeros after its `lengths[s]` tokens): the rows cut or zero-padded to the
+    longest length rounded up to `pad_to_multiple`."""
+    if not lengths or min(lengths) == 0:
+        raise ValueError("empty token sequence" if lengths else "a micro-batch needs at least one sequence")
+    length = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    tokens_BL = _fit_columns(tokens_SL, length)
+    device = tokens_SL.device
+    positions = torch.arange(length, dtype=torch.long, device=device).expand(len(lengths), length).contiguous()
+    return MicroBatch(tokens_BL, torch.tensor(lengths, device=device), positions)
+
+
+def packed_micro_batch(tokens_SL: torch.Tensor, lengths: list[int], *, pad_to_multiple: int = 1) -> MicroBatch:
+    """The sequences in the rows of `tokens_SL` (as for `padded_micro_batch`) back to back in one row, padded at its
+    end to a multiple of `pad_to_multiple`."""
+    if not lengths or min(lengths) == 0:
         raise ValueError("packing needs at least one sequence, none of them empty")
-    lengths = [len(s) for s in sequences]
+    device = tokens_SL.device
     total = sum(lengths)
     length = -(-total // pad_to_multiple) * pad_to_multiple
     segments = lengths + ([length - total] if length > total else [])
-    tokens = [t for s in sequences for t in s] + [pad_id] * (length - total)
+    valid_SL = torch.arange(tokens_SL.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
+    tokens_L = torch.nn.functional.pad(tokens_SL[valid_SL], (0, length - total))  # row-major: one after another
     positions = [p for n in segments for p in range(n)]
     cu_seqlens = [0]
     for n in segments:
         cu_seqlens.append(cu_seqlens[-1] + n)
-    return MicroBatch(torch.tensor([tokens], dtype=torch.long, device=device),
-                      torch.tensor([total], device=device),
+    return MicroBatch(tokens_L[None], torch.tensor([total], device=device),
                       torch.tensor([positions], dtype=torch.long, device=device),
                       torch.tensor(cu_seqlens, dtype=torch.int32, device=device), max(segments))
+
+
+def _fit_columns(tokens_SL: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` columns of `tokens_SL`, zero-padded on the right where it has fewer (a new tensor)."""
+    if tokens_SL.shape[1] >= length:
+        return tokens_SL[:, :length].contiguous()
+    return torch.nn.functional.pad(tokens_SL, (0, length - tokens_SL.shape[1]))
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """One step's batch: built once after rollout and rewards, read by every later phase, which adds named fields to it.
 
 Layout. This data-parallel rank's S kept sequences (n prompt groups x G responses, group-major), each the prompt's
-token ids followed by the response's. Per-sequence fields are [S]; per-token fields are response-aligned [S, T] (T
-the longest response): column t of row s belongs to response token t of sequence s. `group_index_S` and
-`response_index_S` say which prompt group and which response of it each sequence is: the advantages read the
-per-token fields through them.
+token ids followed by the response's, built from the experience's rollout record (rollout/responses.py) by tensor
+ops: its flat tokens are scattered into [S, L] token rows (`sequence_tokens_SL`), out of which every micro-batch's
+inputs are cut, and its flat log-probs into rollout_logprobs_ST. Per-sequence fields are [S]; per-token fields are
+response-aligned [S, T] (T the longest response): column t of row s belongs to response token t of sequence s.
+`group_index_S` and `response_index_S` say which prompt group and which response of it each sequence is: the
+advantages read the per-token fields through them.
 
 The micro-batch plan is computed once (`plan_micro_batches`): per mini-batch (optimizer step), the sequence ids of
 each micro-batch, either length-bucketed and cut by a sequence count and a padded-token budget, or packed
@@ -34,8 +36,10 @@ import torch
 
 from megatron_gtpo.distributed import ParallelGroups
 
+from megatron_gtpo.rollout.responses import Responses
+
 from .experience import Experience
-from .forward import MicroBatch, make_micro_batches, pack_sequences
+from .forward import MicroBatch, make_micro_batches, packed_micro_batch, padded_micro_batch, sequence_rows
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -169,54 +173,71 @@ class StepBatch:
 def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches: list[list[int]], max_sequences: int,
                      max_tokens: int | None, pack: bool = False) -> StepBatch:
     """The step batch of `exp`'s kept groups; `mini_batches` lists the group ids of each mini-batch; `pack`: packed
-    micro-batches (one row of several sequences each, forward.py) instead of padded ones."""
+    micro-batches (one row of several sequences each, forward.py) instead of padded ones. Built from the rollout
+    record's flat tensors by tensor ops on the device (`sequence_tokens_SL`); only the lengths come to the host (the
+    plan is built from them)."""
     device, G = parallel.device, exp.group_size
-    sequences = exp.sequences()
-    prompt_lengths = exp.prompt_lengths()
-    responses = [r for group in exp.responses for r in group]
-    response_lengths = [len(r.token_ids) for r in responses]
-    T = max(response_lengths, default=0)
-    rollout = torch.zeros(len(responses), T)
-    for s, r in enumerate(responses):  # one host tensor, one copy to the device
-        rollout[s, :len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
-    lengths_S = torch.tensor(response_lengths, dtype=torch.long, device=device)
+    responses = exp.responses.to(device)
+    lengths_S = responses.lengths_R
+    response_lengths = lengths_S.tolist()
+    prompt_lengths = [len(p) for p in exp.prompt_token_ids for _ in range(G)]
+    sequence_lengths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
+    mask_ST = torch.arange(max(response_lengths, default=0), device=device) < lengths_S[:, None]
+    # Row-major order of the mask's True entries is the record's token order: response s's tokens fill row s.
+    rollout_ST = torch.zeros(mask_ST.shape, device=device).masked_scatter_(mask_ST, responses.logprobs_T)
+    tokens_SL = sequence_tokens_SL(exp.prompt_token_ids, G, responses, sequence_lengths)
     sequence_ids = [[g * G + j for g in groups_of_mini for j in range(G)] for groups_of_mini in mini_batches]
-    plan = plan_micro_batches([len(s) for s in sequences], sequence_ids, max_sequences=max_sequences,
+    plan = plan_micro_batches(sequence_lengths, sequence_ids, max_sequences=max_sequences,
                               max_tokens=max_tokens, pad_to_multiple=parallel.sequence_multiple, pack=pack)
-    planned = [[_planned(rows, sequences, prompt_lengths, response_lengths, parallel, pack) for rows in mini]
-               for mini in plan]
-    index_S = torch.arange(len(sequences), device=device)
-    return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G,
-                     sequence_lengths=[len(s) for s in sequences],
+    planned = [[_planned(rows, tokens_SL, sequence_lengths, prompt_lengths, response_lengths, parallel, pack)
+                for rows in mini] for mini in plan]
+    index_S = torch.arange(len(response_lengths), device=device)
+    return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G, sequence_lengths=sequence_lengths,
                      response_lengths=response_lengths, group_index_S=index_S // G, response_index_S=index_S % G,
-                     mask_ST=torch.arange(T, device=device) < lengths_S[:, None],
-                     rollout_logprobs_ST=rollout.to(device), correct_NG=exp.correct_NG.to(device),
+                     mask_ST=mask_ST, rollout_logprobs_ST=rollout_ST, correct_NG=exp.correct_NG.to(device),
                      rewards_NG=exp.rewards_NG.to(device), plan=planned)
 
 
-def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, parallel: ParallelGroups, pack: bool
-             ) -> PlannedMicroBatch:
+def sequence_tokens_SL(prompt_token_ids: list, group_size: int, responses: Responses,
+                       sequence_lengths: list[int]) -> torch.Tensor:
+    """int64 [S, L] on the record's device: sequence s = g * G + j is prompt g's tokens followed by its response j's,
+    from column 0, zeros after it (L: the longest sequence). The prompts (host ints, few) cross once as [n, P_max];
+    the responses' tokens are scattered from the record's flat token_ids_T."""
+    device = responses.device
+    prompts_nP = sequence_rows([list(p) for p in prompt_token_ids], device)
+    tokens_SL = torch.zeros(len(sequence_lengths), max(sequence_lengths, default=0), dtype=torch.long, device=device)
+    tokens_SL[:, :prompts_nP.shape[1]] = prompts_nP.repeat_interleave(group_size, dim=0)
+    column_L = torch.arange(tokens_SL.shape[1], device=device)
+    prompt_lengths_S1 = torch.tensor([len(p) for p in prompt_token_ids], device=device).repeat_interleave(
+        group_size)[:, None]
+    response_SL = (column_L >= prompt_lengths_S1) & (column_L < torch.tensor(sequence_lengths, device=device)[:, None])
+    return tokens_SL.masked_scatter_(response_SL, responses.token_ids_T)
+
+
+def _planned(rows: list[int], tokens_SL: torch.Tensor, sequence_lengths, prompt_lengths, response_lengths,
+             parallel: ParallelGroups, pack: bool) -> PlannedMicroBatch:
     device, multiple = parallel.device, parallel.sequence_multiple
     if not rows:  # a rank without sequences: one dummy sequence that scores nothing
         (inputs,) = make_micro_batches([[0, 0]], 1, device=device, pad_to_multiple=multiple)
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return PlannedMicroBatch(inputs, rows, MicroBatchColumns(empty, empty, empty[:, None][:, :0],
                                                                   torch.zeros(0, 0, dtype=torch.bool, device=device)))
+    rows_S = torch.tensor(rows, device=device)
+    lengths = [sequence_lengths[i] for i in rows]
+    selected_SL = tokens_SL[:, :max(lengths)].index_select(0, rows_S)
     if pack:
-        inputs = pack_sequences([sequences[i] for i in rows], device=device, pad_to_multiple=multiple)
+        inputs = packed_micro_batch(selected_SL, lengths, pad_to_multiple=multiple)
         row_S = [0] * len(rows)
         offsets = [0]
-        for i in rows[:-1]:
-            offsets.append(offsets[-1] + len(sequences[i]))
+        for length in lengths[:-1]:
+            offsets.append(offsets[-1] + length)
     else:
-        (inputs,) = make_micro_batches([sequences[i] for i in rows], len(rows), device=device,
-                                       pad_to_multiple=multiple)
+        inputs = padded_micro_batch(selected_SL, lengths, pad_to_multiple=multiple)
         row_S, offsets = list(range(len(rows))), [0] * len(rows)
     T = max(response_lengths[i] for i in rows)
     t_T = torch.arange(T)
     starts_S1 = torch.tensor([offset + prompt_lengths[i] - 1 for i, offset in zip(rows, offsets)])[:, None]
     valid_ST = t_T < torch.tensor([response_lengths[i] for i in rows])[:, None]
     columns_ST = torch.where(valid_ST, starts_S1 + t_T, 0)
-    columns = MicroBatchColumns(torch.tensor(rows, device=device), torch.tensor(row_S, device=device),
-                                 columns_ST.to(device), valid_ST.to(device))
+    columns = MicroBatchColumns(rows_S, torch.tensor(row_S, device=device), columns_ST.to(device), valid_ST.to(device))
     return PlannedMicroBatch(inputs, rows, columns)

@@ -18,6 +18,7 @@ from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS
 from megatron_gtpo.config import TrainConfig, to_dict, validate_layout
 from megatron_gtpo.distributed import initialize_parallel, read_launch_env
 from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.responses import Response, Responses
 
 from . import checkpointing
 from .advantages import global_advantages
@@ -100,14 +101,12 @@ class Trainer:
     def warm_start(self) -> dict:
         """Supervised warm-start on the task's reference responses (`Task.demonstration`: synthetic tasks only), each
         prompt with its reference as a group of one response, through the step batch and its micro-batch plan."""
-        from megatron_gtpo.rollout.engine import Response
-
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
         for _ in range(cfg.warm_start.steps):
             prompts = self.loader.next_batch().items
             targets = [self.task.demonstration(p) for p in prompts]
-            answers = [[Response(target, [0.0] * len(target), "stop")] for target in targets]
+            answers = Responses.from_lists([[Response(target, [0.0] * len(target), "stop")] for target in targets])
             no_reward = torch.zeros(len(prompts), 1)
             exp = Experience([p.prompt_token_ids for p in prompts], answers, no_reward, no_reward)
             batch = build_step_batch(exp, parallel, mini_batches=[list(range(len(prompts)))],
@@ -216,17 +215,18 @@ class Trainer:
                               max_new_tokens=r.max_new_tokens, stop_token_ids=(self.task.tokenizer.eos_token_id,),
                               seed=seed, per_request_seeds=r.seeded_sampling)
 
-    def score_responses(self, prompts: list, responses: list[list]) -> torch.Tensor:
-        """[N, G] rewards, computed once per model replica (its first rank) and broadcast to the replica's ranks."""
+    def score_responses(self, prompts: list, responses: Responses) -> torch.Tensor:
+        """[N, G] rewards on the host, computed once per model replica (its first rank decodes the record's token ids
+        there) and broadcast to the replica's ranks."""
         mp_group, device = self.parallel.mp_group, self.parallel.device
-        flat = [r for group in responses for r in group]
-        rewards = torch.empty(len(flat), dtype=torch.float32, device=device)  # NCCL: no host tensors
+        rewards = torch.empty(responses.num_responses, dtype=torch.float32, device=device)  # NCCL: no host tensors
         if dist.get_rank(mp_group) == 0:
-            references = [p.answer for p, group in zip(prompts, responses) for _ in group]
-            rewards = torch.tensor(self.task.score([self.task.tokenizer.decode(r.token_ids) for r in flat],
-                                                   references), dtype=torch.float32, device=device)
+            counts = responses.responses_per_prompt_P.tolist()
+            references = [p.answer for p, count in zip(prompts, counts) for _ in range(count)]
+            texts = [self.task.tokenizer.decode(ids) for ids in responses.token_id_lists()]
+            rewards = torch.tensor(self.task.score(texts, references), dtype=torch.float32, device=device)
         dist.broadcast(rewards, src=dist.get_global_rank(mp_group, 0), group=mp_group)
-        return rewards.cpu().view(len(responses), -1)
+        return rewards.cpu().view(responses.num_prompts, -1)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

@@ -64,7 +64,7 @@ def _sync_and_serve(rank, world_size, model_dir, tp, pp):
         shape = ckpt.shape
     _perturb(chunks, groups)
     responses = BuiltinEngine(chunks, groups, VOCAB).generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
+        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)).to_lists()
     received = {name: t.clone() for bucket in hf_weight_buckets(chunks, groups, shape) for name, t in bucket}
     return (received, responses) if is_sync_destination(groups) else None
 

@@ -48,9 +48,13 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
 
+REMOTE_ENGINES = ("vllm_remote", "builtin_remote")  # rollout servers on nodes (or processes) of their own
+
+
 @dataclass
 class RolloutConfig:
-    engine: str = "builtin"  # builtin | vllm (colocated) | vllm_remote (vLLM servers on other nodes)
+    # builtin | vllm (colocated) | vllm_remote (vLLM servers on other nodes) | builtin_remote (built-in engine servers)
+    engine: str = "builtin"
     num_responses_per_prompt: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -63,10 +67,15 @@ class RolloutConfig:
     vllm_kv_cache_memory_bytes: int | None = None  # a fixed KV-cache size instead of the fraction (use on CPU)
     vllm_hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced
     vllm_tensor_parallel: int = 1
-    # vllm_remote: one `python -m megatron_gtpo.rollout.vllm_remote` server (HOST:PORT) per data-parallel replica
-    vllm_remote_addresses: list[str] = field(default_factory=list)
-    vllm_remote_connect_timeout_s: float = 600.0
-    vllm_remote_request_timeout_s: float = 1800.0
+    # vllm_remote / builtin_remote: one `python -m megatron_gtpo.rollout.remote_server` (HOST:PORT) per data-parallel
+    # replica (docs/remote_rollout.md)
+    remote_addresses: list[str] = field(default_factory=list)
+    remote_connect_timeout_s: float = 600.0
+    remote_request_timeout_s: float = 1800.0
+    # Bounded staleness (docs/algorithms.md, "Generating while training"): step k trains on prompts generated with
+    # the policy of step max(0, k - max_staleness); 0 is the on-policy trainer. >= 1 needs engines of their own
+    # (vllm_remote, builtin_remote), which then generate the next batches while the current one trains.
+    max_staleness: int = 0
 
 
 @dataclass
@@ -180,7 +189,7 @@ class TrainConfig:
 
 
 _CHOICES = {
-    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", "vllm_remote"),
+    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", *REMOTE_ENGINES),
     "algorithm.name": ALGORITHM_NAMES,  # the registry's names (algorithms/registry.py): the only list of them
     "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),
@@ -320,9 +329,13 @@ def validate(cfg: TrainConfig) -> None:
          f"rollout.vllm_gpu_memory_utilization: must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
     need(r.vllm_kv_cache_memory_bytes is None or r.vllm_kv_cache_memory_bytes > 0,
          f"rollout.vllm_kv_cache_memory_bytes: must be > 0 (or unset), got {r.vllm_kv_cache_memory_bytes}")
-    need(r.engine != "vllm_remote" or r.vllm_remote_addresses,
-         "rollout.vllm_remote_addresses: the vllm_remote engine needs one server address (HOST:PORT) per "
-         "data-parallel replica")
+    need(r.engine not in REMOTE_ENGINES or r.remote_addresses,
+         f"rollout.remote_addresses: the {r.engine} engine needs one server address (HOST:PORT) per data-parallel "
+         f"replica")
+    need(r.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {r.max_staleness}")
+    need(r.max_staleness == 0 or r.engine in REMOTE_ENGINES,
+         f"rollout.max_staleness: {r.max_staleness} needs engines on processes of their own that generate while "
+         f"the trainer trains ({' or '.join(REMOTE_ENGINES)}); the {r.engine} engine shares the trainer's")
     need(d.source != "synthetic" or m.tiny_synthetic or m.hf_dir or m.load, "data.source: synthetic needs a model")
     need(d.source == "synthetic" or not m.tiny_synthetic,
          f"model.tiny_synthetic: the tiny model is built for the synthetic task's character vocabulary; with "
@@ -387,7 +400,7 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
             transformer_engine = (accelerator or Accelerator.probe()).transformer_engine
         check_layout(layout, shape=shape, transformer_engine=transformer_engine, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
-                     rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.vllm_remote_addresses)))
+                     rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)))
     except LayoutError as e:
         raise ConfigError(str(e)) from None
 

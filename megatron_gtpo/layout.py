@@ -48,7 +48,7 @@ class ParallelLayout:
 @dataclass(frozen=True)
 class RolloutLayout:
     """Where the rollout engines run: `engine` as rollout.engine; `engine_tensor_parallel` is a colocated vLLM
-    engine's TP size (rollout.vllm_tensor_parallel); `remote_servers` the number of vllm_remote addresses."""
+    engine's TP size (rollout.vllm_tensor_parallel); `remote_servers` the number of rollout.remote_addresses."""
 
     engine: str
     engine_tensor_parallel: int = 1
@@ -110,10 +110,10 @@ def _check_model_split(shape, tp: int, layer_chunks: int, vpp: int | None) -> No
 def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int, shape) -> None:
     from megatron_gtpo.rollout.placement import engine_hosts
 
-    if rollout.engine == "vllm_remote":
+    if rollout.engine in ("vllm_remote", "builtin_remote"):
         _need(rollout.remote_servers == dp,
-              f"rollout.vllm_remote_addresses: {rollout.remote_servers} given, but there are {dp} data-parallel "
-              f"replicas (one vLLM server each)")
+              f"rollout.remote_addresses: {rollout.remote_servers} given, but there are {dp} data-parallel "
+              f"replicas (one rollout server each)")
     if rollout.engine != "vllm":
         return
     vtp = rollout.engine_tensor_parallel

@@ -40,8 +40,12 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),
     (BASE, ["optim.lr"], "expected key=value"),
     (BASE, ["algorithm.kl_coef=-0.1"], "algorithm.kl_coef: must be >= 0"),
-    (BASE, ["rollout.engine=vllm_remote"], "rollout.vllm_remote_addresses: the vllm_remote engine needs"),
-    (BASE, ["rollout.vllm_remote_addresses=host:1"], "rollout.vllm_remote_addresses: expected a list"),
+    (BASE, ["rollout.engine=vllm_remote"], "rollout.remote_addresses: the vllm_remote engine needs"),
+    (BASE, ["rollout.remote_addresses=host:1"], "rollout.remote_addresses: expected a list"),
+    (BASE, ["rollout.engine=builtin_remote"], "rollout.remote_addresses: the builtin_remote engine needs"),
+    (BASE, ["rollout.max_staleness=1"], "rollout.max_staleness: 1 needs engines on processes of their own that "
+                                        "generate while the trainer trains"),
+    (BASE, ["rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
     (BASE, ["rollout.vllm_kv_cache_memory_bytes=0"], "rollout.vllm_kv_cache_memory_bytes: must be > 0"),
     (BASE, ["rollout.vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization: must be in (0, 1]"),
     (BASE, ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: must be in [0, optim.lr = 0.1]"),
@@ -70,8 +74,8 @@ def test_errors_name_the_key(tmp_path, text, overrides, message):
 
 def test_remote_vllm_needs_one_server_per_data_parallel_replica():
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.engine=vllm_remote",
-                             "rollout.vllm_remote_addresses=[node1:5000, node2:5000]", "data.prompts_per_step=8"])
-    assert cfg.rollout.vllm_remote_addresses == ["node1:5000", "node2:5000"]
+                             "rollout.remote_addresses=[node1:5000, node2:5000]", "data.prompts_per_step=8"])
+    assert cfg.rollout.remote_addresses == ["node1:5000", "node2:5000"]
     validate_layout(cfg, world_size=2)  # TP 1 x PP 1: one server per replica
     with pytest.raises(ConfigError, match="2 given, but there are 4 data-parallel replicas"):
         validate_layout(cfg, world_size=4)

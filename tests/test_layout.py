@@ -37,7 +37,7 @@ def test_the_world_size_sets_data_parallel_or_is_refused():
     (ParallelLayout(tensor=2, pipeline=2, data=2), {"rollout": RolloutLayout("vllm", engine_tensor_parallel=4)},
      "spans pipeline stages, whose GPUs are consecutive only with one data-parallel replica"),
     (ParallelLayout(data=2), {"rollout": RolloutLayout("vllm_remote", remote_servers=1)},
-     r"rollout.vllm_remote_addresses: 1 given, but there are 2 data-parallel replicas"),
+     r"rollout.remote_addresses: 1 given, but there are 2 data-parallel replicas"),
     (ParallelLayout(tensor=4), {"shape": SHAPE_7B, "rollout": RolloutLayout("vllm", engine_tensor_parallel=4)}, None),
 ])
 def test_each_rule_names_its_keys(layout, kwargs, message):

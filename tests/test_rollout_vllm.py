@@ -250,7 +250,7 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints):
             assert err < LOGPROB_ATOL, f"{layout}: vLLM sampling log-probs differ from the scoring path by {err:.2e}"
 
 
-# --- Remote mode (rollout/vllm_remote.py): the vLLM server in an OS process of its own (a "rollout node") at vLLM
+# --- Remote mode (rollout/remote_server.py): the vLLM server in an OS process of its own (a "rollout node") at vLLM
 # TP=2; a 2-rank gloo trainer at TP=2 connects to it, broadcasts its weights (a weight group of 3: the trainer's
 # destination rank and both vLLM workers), and checks what comes back. One server process serves four trainer
 # sessions; at the end the trainer kills it (process group) to see the "server died" error.
@@ -277,7 +277,7 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
-    from megatron_gtpo.rollout.vllm_remote_client import RemoteVLLMClient, VLLMRemoteEngine
+    from megatron_gtpo.rollout.remote_client import RemoteClient, RemoteEngine
 
     groups = initialize_parallel(2, 1)
     with HFCheckpoint(megatron_dir) as ckpt:
@@ -289,12 +289,12 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     out = {}
 
     def connect(addr, timeout_s=300.0):
-        return VLLMRemoteEngine.connect(addr, groups, shape, bucket_bytes=BUCKET_BYTES, connect_timeout_s=timeout_s)
+        return RemoteEngine.connect(addr, groups, shape, bucket_bytes=BUCKET_BYTES, connect_timeout_s=timeout_s)
 
     out["unreachable"] = _error_text(lambda: connect(f"127.0.0.1:{unused_port}", timeout_s=2.0))
     if rank == 0:  # a newer session replaces an older one (a restarted trainer need not wait for its dead self)
-        older = RemoteVLLMClient(address, shape, groups.device)  # waits for the server's vLLM to come up
-        RemoteVLLMClient(address, shape, groups.device).close()
+        older = RemoteClient(address, shape, groups.device)  # waits for the server's vLLM to come up
+        RemoteClient(address, shape, groups.device).close()
         out["replaced"] = _error_text(lambda: older.generate(PROMPTS, greedy))[0]
     engine = connect(address)
     out["weight_group_size"] = None if engine.server is None else engine.server.group.size()
@@ -308,11 +308,11 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out)
 
     # Corrupt the final norm weight on the wire (after its checksum was taken): the server must refuse the sync.
-    honest_load = RemoteVLLMClient.load_bucket
-    RemoteVLLMClient.load_bucket = lambda self, bucket: honest_load(
+    honest_load = RemoteClient.load_bucket
+    RemoteClient.load_bucket = lambda self, bucket: honest_load(
         self, [(n, t + 1e-3 if n == "model.norm.weight" else t) for n, t in bucket])
     out["corrupt"] = _error_text(lambda: engine.sync_weights(chunks, groups))[0]
-    RemoteVLLMClient.load_bucket = honest_load
+    RemoteClient.load_bucket = honest_load
     out["version_after_corrupt"] = engine.policy_version
     engine.sync_weights(chunks, groups)  # a clean sync repairs it
     out["version_3"] = engine.policy_version
@@ -340,7 +340,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "megatron_gtpo.rollout.vllm_remote", "--hf-dir", str(vllm_dir), "--listen",
+            [sys.executable, "-m", "megatron_gtpo.rollout.remote_server", "--hf-dir", str(vllm_dir), "--listen",
              address, "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "256",
              "--enforce-eager", "--tensor-parallel-size", str(REMOTE_VLLM_TP)],
             env={**os.environ, **_vllm_cpu_env(REMOTE_VLLM_TP)}, stdout=log, stderr=subprocess.STDOUT,

@@ -33,26 +33,29 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
     script = SCRIPTS[scenario][rank]
     calls = {"prompts": 0, "generate": []}
 
-    def next_prompts():
+    def sample_round(round_index):
         base = 100 * rank + 10 * calls["prompts"]
         calls["prompts"] += 1
-        return [SimpleNamespace(prompt_token_ids=(base + i,), answer="") for i in range(PROMPTS_PER_ROUND)]
+        prompts = [SimpleNamespace(prompt_token_ids=(base + i,), answer="") for i in range(PROMPTS_PER_ROUND)]
 
-    def generate(prompts, round_index):
-        calls["generate"].append(round_index)
-        # Response lengths 1 and 3: the length penalty below tells them apart.
-        return Responses.from_lists([[Response([p[0]] * (1 + 2 * j), [-0.1] * (1 + 2 * j), "stop") for j in range(G)]
-                                     for p in prompts])
+        def generate():
+            calls["generate"].append(round_index)
+            # Response lengths 1 and 3: the length penalty below tells them apart.
+            return Responses.from_lists([[Response([p.prompt_token_ids[0]] * (1 + 2 * j), [-0.1] * (1 + 2 * j),
+                                                   "stop") for j in range(G)] for p in prompts])
+
+        return prompts, round_index, generate
 
     def score_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
 
     groups = SimpleNamespace(dp_group=dist.group.WORLD, device=torch.device("cpu"))
-    exp = collect_experience(generate, next_prompts, score_groups, SamplingParams(n=G), groups,
+    exp = collect_experience(sample_round, score_groups, SamplingParams(n=G), groups,
                              target_prompt_groups=TARGET_GROUPS,
                              dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
                              length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG)
     return {"prompts": [p[0] for p in exp.prompt_token_ids], "correct": exp.correct_NG.tolist(),
+            "versions": exp.policy_versions_N.tolist(),
             "rewards": exp.rewards_NG.tolist(), "stats": exp.stats, "generate_rounds": calls["generate"],
             "prompt_draws": calls["prompts"]}
 
@@ -67,6 +70,8 @@ def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks()
     # Kept: the informative groups in order, up to the target (rank 1: round 0's third, round 1's second).
     assert rank0["prompts"] == [0, 2] and rank0["correct"] == [[1, 0], [0, 1]]
     assert rank1["prompts"] == [102, 111] and rank1["correct"] == [[1, 0], [0, 1]]
+    # Each kept group carries the policy version of its round (here the round index stands in for it).
+    assert rank0["versions"] == [0, 0] and rank1["versions"] == [0, 1]
     assert (rank1["stats"]["groups_generated"], rank1["stats"]["groups_kept"]) == (6, 2)
     # Rewards = correctness + the length penalty (-0.1 x length, lengths 1 and 3).
     assert torch.allclose(torch.tensor(rank0["rewards"]), torch.tensor([[0.9, -0.3], [-0.1, 0.7]]))

@@ -108,6 +108,11 @@ class BuiltinEngine:
             raise ValueError("the built-in engine generates with the model chunks it was built with; "
                              "sync_weights was given different ones")
 
+    def submit(self, prompts: list[list[int]], params: SamplingParams):
+        """`generate` now (the engine runs on the trainer's own ranks); the record when asked."""
+        responses = self.generate(prompts, params)
+        return lambda: responses
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
         """The record (responses.py) of params.n responses per prompt, on the group's device on every rank."""

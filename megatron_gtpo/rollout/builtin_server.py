@@ -1,6 +1,6 @@
 """The built-in Megatron engine as a rollout server on a process of its own (`rollout.engine: builtin_remote`).
 
-`BuiltinServer` is the server object the remote serving loop drives (rollout/vllm_remote.py `serve`, the protocol in
+`BuiltinServer` is the server object the remote serving loop drives (rollout/remote_server.py `serve`, the protocol in
 docs/remote_rollout.md), with the same methods as `vllm_engine.VLLMServer`: it generates with a `BuiltinEngine` on a
 model of its own (TP = PP = 1, in a torch.distributed world of one process), and takes weight updates from the
 trainer over the channel's weight group, in Hugging Face names through the one mapping (models/hf_mapping.py), so

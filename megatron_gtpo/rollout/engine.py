@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .responses import Responses
 
@@ -79,6 +79,13 @@ class RolloutEngine(Protocol):
         """params.n responses per prompt, in prompt order, as one record (responses.py). Called collectively by
         every rank of a model-parallel group with the same prompts (each data-parallel replica with its own); every
         rank of the group gets the same record, on the training device where the engine's ranks train."""
+        ...
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Responses]:
+        """`generate` in two halves, both collective: the call asks, the function it returns gives the record. An
+        engine on processes of its own generates in between, with the weights of the last sync before the call
+        (what lets the trainer train meanwhile: rollout.max_staleness); an engine on the trainer's ranks answers
+        at once."""
         ...
 
     def sync_weights(self, model_chunks: list, groups) -> None:

@@ -4,7 +4,7 @@ pipeline stage or per TP slice of one). Imports neither vllm nor megatron. Befor
 group empties its caching allocator (`_release_cached_memory`).
 
 The server object is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a
-`vllm_remote_client.RemoteVLLMClient` talking to a vLLM server on another node (remote mode). Either way it offers:
+`remote_client.RemoteClient` talking to a vLLM server on another node (remote mode). Either way it offers:
 
     generate(prompts, SamplingParams, first_prompt=0) -> Responses (the record, responses.py; `first_prompt`: the
         index of prompts[0] in the replica's prompts, so that seeds differ across engines)
@@ -23,6 +23,7 @@ tensors to the group's device (rollout/transport.py), the small outcomes of a sy
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,12 @@ class ServerEngine:
         self.policy_version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
+        return self.submit(prompts, params)()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Responses]:
+        """`generate` in two halves, both collective: this call hands every host its part of the prompts, the
+        returned function waits for the answers and shares them. A server that can work in the background (one with
+        `submit`: a rollout server on a node of its own) generates in between; any other answers at once."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
@@ -71,25 +78,37 @@ class ServerEngine:
         self._release_cached_memory()
         parts = split_prompts(prompts, len(self.hosts))
         me = (self.groups.pp_rank, self.groups.tp_rank)
-        mine = None
+        answered, waiting = None, None  # this host's outcome, or the function that waits for it
         if self.server is not None:  # every host generates its part at once, before any answer is shared
             index = self.hosts.index(me)
             start = sum(len(p) for p in parts[:index])
-            mine = attempt(partial(self.server.generate, parts[index], params, first_prompt=start)) \
-                if parts[index] else ("ok", Responses.empty())
-        records, failures = [], []
-        for index, host in enumerate(self.hosts):
-            # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
-            status, payload = broadcast_responses(mine if host == me else None, self._global_rank(host),
-                                                  self.groups.mp_group, self.groups.device)
-            if status == "ok":
-                records.append(payload)
+            submit = getattr(self.server, "submit", None)
+            if not parts[index]:
+                answered = ("ok", Responses.empty())
+            elif submit is None:
+                answered = attempt(partial(self.server.generate, parts[index], params, first_prompt=start))
             else:
-                failures.append(f"engine {index} (host pp_rank, tp_rank = {host}): {payload}")
-        if failures:
-            raise RuntimeError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host rank(s): "
-                               + "; ".join(failures))
-        return Responses.cat(records)
+                answered = attempt(partial(submit, parts[index], params, first_prompt=start))
+                if answered[0] == "ok":
+                    answered, waiting = None, answered[1]
+
+        def wait() -> Responses:
+            mine = attempt(waiting) if waiting is not None else answered
+            records, failures = [], []
+            for index, host in enumerate(self.hosts):
+                # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
+                status, payload = broadcast_responses(mine if host == me else None, self._global_rank(host),
+                                                      self.groups.mp_group, self.groups.device)
+                if status == "ok":
+                    records.append(payload)
+                else:
+                    failures.append(f"engine {index} (host pp_rank, tp_rank = {host}): {payload}")
+            if failures:
+                raise RuntimeError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host "
+                                   f"rank(s): " + "; ".join(failures))
+            return Responses.cat(records)
+
+        return wait
 
     def _global_rank(self, host: tuple[int, int]) -> int:
         """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""

@@ -1,6 +1,6 @@
 """vLLM rollouts with weight sync from the Megatron model. The ONLY module of the project that imports vllm.
 
-- `VLLMServer` wraps a `vllm.LLM` on the rank that hosts an engine (or in a remote server, vllm_remote.py):
+- `VLLMServer` wraps a `vllm.LLM` on the rank that hosts an engine (or in a remote server, remote_server.py):
   generation from token ids, in-place weight reload from buckets of HF-named tensors (CUDA IPC handles on GPU,
   cuda_ipc.py; bytes through vLLM's RPC elsewhere), policy-version checks, sleep/wake where vLLM has a sleep mode.
 - `VLLMEngine` is the `RolloutEngine` of one model-parallel group over its colocated engines (placement.py):

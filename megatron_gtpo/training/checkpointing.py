@@ -1,5 +1,6 @@
 """Trainer checkpoints: model, optimizer (DistributedOptimizer, fully reshardable), LR schedule, data position,
-RNG states, step and config; every K steps, at the end, and on SIGTERM/SIGUSR1 (SLURM pre-emption).
+RNG states, step and config, and with bounded staleness the rollouts generated and not yet trained on; every K
+steps, at the end, and on SIGTERM/SIGUSR1 (SLURM pre-emption).
 
 The trainer hands its state to the collective checkpoint writer (checkpoint/megatron_checkpoint.save_checkpoint):
 <checkpoint dir>/step_00000010/ holds a megatron.core.dist_checkpointing checkpoint (model and optimizer sharded
@@ -157,11 +158,23 @@ def save(trainer, step: int) -> str:
                     extra_sharded_state={"optimizer": state["optimizer"]}, extra_metadata={"step": step},
                     hf_files_from=hf_files,
                     files={TRAINER_STATE: json.dumps(trainer_state, indent=1), "config.yaml": config_text(cfg)},
-                    rank_files={os.path.join("rng", f"rank_{parallel.world_rank:05d}.pt"): _rng_state()},
+                    rank_files={os.path.join("rng", f"rank_{parallel.world_rank:05d}.pt"): _rng_state(),
+                                **_rollouts_in_flight(trainer)},
                     force=True, keep_last=cfg.checkpoint.keep_last)
     if parallel.world_rank == 0:
         save_config(cfg, os.path.join(root, "config.yaml"))
     return directory
+
+
+def _rollouts_in_flight(trainer) -> dict:
+    """The batches asked for and not yet trained on (rollout_queue.py), waited for: with bounded staleness only."""
+    if not trainer.cfg.rollout.max_staleness:
+        return {}
+    return {_rollouts_file(trainer.parallel): trainer.rollouts.state_dict()}
+
+
+def _rollouts_file(parallel) -> str:
+    return os.path.join("rollouts", f"rank_{parallel.world_rank:05d}.pt")
 
 
 def resume_candidates(root: str) -> list[str]:
@@ -226,6 +239,12 @@ def restore(trainer) -> int:
     _load_optimizer_state(trainer.policy.optimizer, loaded["optimizer"])
     trainer.policy.scheduler.load_state_dict(state["scheduler"])
     trainer.loader.load_state_dict(state["loader"])
+    in_flight = os.path.join(directory, _rollouts_file(parallel))
+    if os.path.isfile(in_flight) and cfg.rollout.max_staleness:
+        if state["layout"] != _layout(parallel):
+            raise ValueError(f"checkpoint {directory} holds rollouts generated and not yet trained on at the layout "
+                             f"{state['layout']}; resume it at that layout (this run's is {_layout(parallel)})")
+        trainer.rollouts.load_state_dict(torch.load(in_flight, weights_only=False), parallel.device)
     rng_file = os.path.join(directory, "rng", f"rank_{parallel.world_rank:05d}.pt")
     if state["layout"] == _layout(parallel) and os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -1,5 +1,6 @@
 """The rollout engine the config names (rollout.engine): the builtin Megatron generator on the policy's own chunks,
-a colocated vLLM engine, or vLLM servers on other nodes (one per data-parallel replica)."""
+a colocated vLLM engine, or rollout servers (vLLM or built-in) on nodes of their own, one per data-parallel
+replica."""
 from __future__ import annotations
 
 import sys
@@ -17,9 +18,10 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
 
     engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size),
               "vllm": lambda: _vllm_engine(cfg, task, parallel),
-              "vllm_remote": lambda: _vllm_remote_engine(cfg, shape, parallel)}[cfg.rollout.engine]()
+              "vllm_remote": lambda: _remote_engine(cfg, shape, parallel),
+              "builtin_remote": lambda: _remote_engine(cfg, shape, parallel)}[cfg.rollout.engine]()
     r = cfg.rollout
-    if r.engine != "builtin" and (r.top_k or r.top_p < 1) and parallel.world_rank == 0:
+    if r.engine in ("vllm", "vllm_remote") and (r.top_k or r.top_p < 1) and parallel.world_rank == 0:
         print("warning: with top_k / top_p, vLLM reports log-probs of the truncated distribution, the builtin engine "
               "and the old-policy pass those of the full one (rollout/engine.py): rollout_logprob_mismatch then "
               "includes -log(kept probability mass)", file=sys.stderr)
@@ -36,13 +38,13 @@ def _vllm_engine(cfg: TrainConfig, task: Task, parallel: ParallelGroups):
                              tensor_parallel_size=r.vllm_tensor_parallel, seed=cfg.seed)
 
 
-def _vllm_remote_engine(cfg: TrainConfig, shape, parallel: ParallelGroups):
+def _remote_engine(cfg: TrainConfig, shape, parallel: ParallelGroups):
     from megatron_gtpo.rollout.remote_channel import parse_address
-    from megatron_gtpo.rollout.vllm_remote_client import VLLMRemoteEngine
+    from megatron_gtpo.rollout.remote_client import RemoteEngine
 
     r = cfg.rollout
-    for address in r.vllm_remote_addresses:
+    for address in r.remote_addresses:
         parse_address(address)  # every rank fails alike on a malformed address
-    return VLLMRemoteEngine.connect(r.vllm_remote_addresses[parallel.dp_rank], parallel, shape,
-                                    connect_timeout_s=r.vllm_remote_connect_timeout_s,
-                                    request_timeout_s=r.vllm_remote_request_timeout_s)
+    return RemoteEngine.connect(r.remote_addresses[parallel.dp_rank], parallel, shape,
+                                connect_timeout_s=r.remote_connect_timeout_s,
+                                request_timeout_s=r.remote_request_timeout_s)

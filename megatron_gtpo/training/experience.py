@@ -24,6 +24,8 @@ class Experience:
     correct_NG: torch.Tensor  # float {0, 1}: the verifier's reward
     rewards_NG: torch.Tensor  # correctness plus the length penalty (if any): what the advantages see
     stats: dict = field(default_factory=dict)
+    prompts: list = field(default_factory=list)  # [n] the loader's items (ids, answers) of the kept groups
+    policy_versions_N: torch.Tensor | None = None  # int64 [n]: the policy version that sampled each kept group
 
     @property
     def num_prompt_groups(self) -> int:
@@ -34,33 +36,35 @@ class Experience:
         return self.correct_NG.shape[1]  # G even when this rank kept no group ([0, G])
 
 
-def collect_experience(generate: Callable[[list[list[int]], int], Responses],
-                       next_prompts: Callable[[], list],
+def collect_experience(sample_round: Callable[[int], tuple[list, int, Callable[[], Responses]]],
                        score_groups: Callable[[list, Responses], torch.Tensor],
                        params: SamplingParams, parallel: ParallelGroups, *, target_prompt_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
                        length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> Experience:
-    """Sample G responses per prompt (`generate(prompts, round_index)`, one record per call) and score them
-    (`score_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the host). With dynamic sampling,
-    groups whose rewards are all equal (algorithms.informative_groups) are dropped and more prompts are drawn (at most
-    `max_extra_rounds` more rounds, the same number on every DP rank so data loaders stay aligned) until
-    `target_prompt_groups` informative groups are kept; then train on what there is. `length_penalty(lengths_NG,
-    correct_NG) -> penalty_NG` is added to the rewards. The kept groups' responses are selected and concatenated as
-    tensors where the engine left them; only their lengths and finish reasons come to the host (rewards, stats)."""
-    kept_prompts, kept_responses, kept_correct, kept_rewards = [], [], [], []
+    """Sample G responses per prompt and score them. `sample_round(round_index) -> (prompts, policy version, wait)`
+    draws a round's prompts and gives the function that returns their responses (one record; called only when the
+    round is needed); `score_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the host. With
+    dynamic sampling, groups whose rewards are all equal (algorithms.informative_groups) are dropped and more prompts
+    are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders stay
+    aligned) until `target_prompt_groups` informative groups are kept; then train on what there is.
+    `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards. The kept groups' responses are
+    selected and concatenated as tensors where the engine left them; only their lengths and finish reasons come to
+    the host (rewards, stats)."""
+    kept_prompts, kept_responses, kept_correct, kept_rewards, kept_versions = [], [], [], [], []
     all_correct, all_rewards, all_lengths, all_truncated = [], [], [], []
     rounds = 0
     while True:
-        prompts = next_prompts()
+        prompts, version, wait = sample_round(rounds)
         if len(kept_prompts) < target_prompt_groups:
-            responses = generate([list(p.prompt_token_ids) for p in prompts], rounds)
+            responses = wait()
             correct_NG = score_groups(prompts, responses)
             lengths_NG = responses.lengths_NG().cpu().float()
             rewards_NG = correct_NG + (length_penalty(lengths_NG, correct_NG) if length_penalty else 0.0)
             # Filter on correctness, before length penalties (DAPO's rule).
             keep_N = informative_groups(correct_NG) if dynamic_sampling else torch.ones(len(prompts), dtype=torch.bool)
             chosen_K = keep_N.nonzero().flatten()[:target_prompt_groups - len(kept_prompts)]
-            kept_prompts += [prompts[i].prompt_token_ids for i in chosen_K.tolist()]
+            kept_prompts += [prompts[i] for i in chosen_K.tolist()]
+            kept_versions += [version] * len(chosen_K)
             kept_responses.append(responses.select_prompts(chosen_K))
             kept_correct.append(correct_NG[chosen_K])
             kept_rewards.append(rewards_NG[chosen_K])
@@ -85,5 +89,6 @@ def collect_experience(generate: Callable[[list[list[int]], int], Responses],
         "groups_generated": sum(len(c) for c in all_correct) // G,
         "groups_kept": len(kept_prompts),
     }
-    return Experience(kept_prompts, Responses.cat(kept_responses), torch.cat(kept_correct), torch.cat(kept_rewards),
-                      stats)
+    return Experience([p.prompt_token_ids for p in kept_prompts], Responses.cat(kept_responses),
+                      torch.cat(kept_correct), torch.cat(kept_rewards), stats, kept_prompts,
+                      torch.tensor(kept_versions, dtype=torch.int64))

@@ -54,6 +54,11 @@ METRICS: dict[str, Metric] = {
     "groups_kept": Metric(Reduce.SUM, kind=int),
     "groups_generated": Metric(Reduce.SUM, kind=int),
     "sampling_rounds": Metric(Reduce.MAX, kind=int),
+    # Bounded staleness (rollout.max_staleness), over the kept responses: steps between the policy that sampled a
+    # response and the one it trains; the fraction of kept response tokens an earlier policy sampled.
+    "staleness_mean": _mean("kept_responses"),
+    "staleness_max": Metric(Reduce.MAX, kind=int, optional=True),
+    "stale_token_fraction": _mean("kept_tokens"),
     # The old-policy pass over the kept response tokens: weighted by tokens (correct / failed: those tokens only).
     "entropy_mean": _mean("tokens"),
     "entropy_correct_mean": _mean("correct_tokens"),

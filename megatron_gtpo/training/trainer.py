@@ -9,6 +9,7 @@ through it.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from .model_setup import PolicyModel
 from .old_policy import correct_rollout, old_policy_pass
 from .reduction import WARM_START_METRICS, MetricReducer
 from .reference import ReferencePolicy
+from .rollout_queue import AskedBatch, RolloutQueue
 from .step_batch import StepBatch, build_step_batch
 from .task import build_task
 from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
@@ -59,6 +61,7 @@ class Trainer:
         self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
         self.algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
+        self.rollouts = RolloutQueue(cfg.rollout.max_staleness, self.ask_rollout, steps=cfg.steps)  # asked ahead
         self.start_step = checkpointing.restore(self)  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
         self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
@@ -129,19 +132,27 @@ class Trainer:
             self.reference.pin(self.policy.chunks, self.parallel, resumed=self.start_step > 0)
 
     def collect_experience(self, step: int, timer: PhaseTimer, metrics: MetricReducer) -> Experience:
-        """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says;
-        times the "generate" and "reward" phases, records the rollout's metrics."""
-        def generate(prompts, round_index):  # a new seed per step, sampling round and DP replica
-            with timer("generate"):
-                return self.engine.generate(prompts, self.sampling_params(step, round_index))
+        """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says:
+        the first round is the batch asked for rollout.max_staleness steps ago (rollout_queue.py), further rounds
+        are generated now. Times the "generate" phase (the wait for rollouts) and the "reward" one, records the
+        rollout's metrics."""
+        with timer("generate"):
+            first = self.rollouts.take(step)
+
+        def sample_round(round_index):
+            if round_index == 0:
+                return first.prompts, first.version, timed(timer, "generate", first.wait)
+            prompts = self.loader.next_batch().items  # a new seed per step, sampling round and DP replica
+            ask = partial(self.engine.generate, [list(p.prompt_token_ids) for p in prompts],
+                          self.sampling_params(step, round_index))
+            return prompts, step, timed(timer, "generate", ask)
 
         def reward(prompts, responses):
             with timer("reward"):
                 return self.score_responses(prompts, responses)
 
         a = self.cfg.algorithm
-        exp = collect_experience(generate, lambda: self.loader.next_batch().items, reward,
-                                 self.sampling_params(step, 0), self.parallel,
+        exp = collect_experience(sample_round, reward, self.sampling_params(step, 0), self.parallel,
                                  target_prompt_groups=self.cfg.data.prompts_per_step // self.parallel.dp_size,
                                  dynamic_sampling=self.algorithm.dynamic_sampling,
                                  max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty)
@@ -150,7 +161,17 @@ class Trainer:
                                            "response_length_max", "groups_kept", "groups_generated",
                                            "sampling_rounds")},
                     {"responses": stats["groups_generated"] * exp.group_size})
+        totals, weights = _staleness_totals(exp, step)
+        metrics.add_totals(totals, weights)
+        if exp.num_prompt_groups:
+            metrics.add({"staleness_max": int((step - exp.policy_versions_N).max())})
         return exp
+
+    def ask_rollout(self, step: int, version: int) -> AskedBatch:
+        """Batch `step`'s prompts, and the engine asked for their responses with the weights of now (`version`)."""
+        prompts = self.loader.next_batch().items
+        wait = self.engine.submit([list(p.prompt_token_ids) for p in prompts], self.sampling_params(step, 0))
+        return AskedBatch(step, version, prompts, wait)
 
     def build_step_batch(self, exp: Experience) -> StepBatch:
         d = self.cfg.data
@@ -195,6 +216,9 @@ class Trainer:
                      **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()}})
         reduced = metrics.reduce(self.parallel.dp_group)
         reduced["no_group_kept"] = int(reduced["groups_kept"] == 0)  # then the token and update metrics are NaN
+        ids = [None] * self.parallel.dp_size  # which prompts the step trained on: none twice, none skipped
+        dist.all_gather_object(ids, [p.id for p in exp.prompts], group=self.parallel.dp_group)
+        reduced["trained_prompt_ids"] = [i for rank_ids in ids for i in rank_ids]
         self.logger.log(step, reduced)
 
     def checkpoint_if_due(self, step: int) -> bool:
@@ -227,6 +251,25 @@ class Trainer:
             rewards = torch.tensor(self.task.score(texts, references), dtype=torch.float32, device=device)
         dist.broadcast(rewards, src=dist.get_global_rank(mp_group, 0), group=mp_group)
         return rewards.cpu().view(responses.num_prompts, -1)
+
+
+def timed(timer: PhaseTimer, phase: str, fn):
+    """`fn`, timed as `phase` when called."""
+    def run():
+        with timer(phase):
+            return fn()
+    return run
+
+
+def _staleness_totals(exp: Experience, step: int) -> tuple[dict, dict]:
+    """How many versions old the kept responses' sampling policy is (step - version; 0 on policy), and the fraction
+    of their tokens an earlier version sampled, as totals over the kept responses and tokens."""
+    staleness_N = step - exp.policy_versions_N.double()
+    lengths_NG = exp.responses.lengths_NG().cpu().double()
+    tokens_N = lengths_NG.sum(dim=1)
+    totals = {"staleness_mean": (staleness_N * exp.group_size).sum(),
+              "stale_token_fraction": (tokens_N * (staleness_N > 0)).sum()}
+    return totals, {"kept_responses": exp.group_size * exp.num_prompt_groups, "kept_tokens": tokens_N.sum()}
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

@@ -1,14 +1,18 @@
-"""The trainer's side of a vLLM rollout server on another node (docs/remote_rollout.md): `VLLMRemoteEngine.connect`
+"""The trainer's side of a rollout server on another node or process (docs/remote_rollout.md): `RemoteEngine.connect`
 gives a `RolloutEngine` with the semantics of the colocated `vllm_engine.VLLMEngine` (both are
-`server_engine.ServerEngine`): the weight-sync destination rank talks to the server through a `RemoteVLLMClient`;
+`server_engine.ServerEngine`): the weight-sync destination rank talks to the server through a `RemoteClient`;
 every rank of the model-parallel group gets the responses, or raises when the server failed. After a transport
-failure a client refuses further calls; after an error the server reported, the session stays usable. Imports no
-vllm.
+failure a client refuses further calls; after an error the server reported, the session stays usable.
+
+`submit` asks for responses without waiting for them: the server answers requests in order, so a weight update sent
+after a submitted generation waits until that generation is done (the update drains it, never interrupts it), and
+the generation is of the weights that were current when it was submitted. Imports no vllm.
 """
 from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,9 +34,9 @@ from .server_engine import ServerEngine, attempt, share_outcome, unwrap
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
 
 
-class RemoteVLLMClient:
-    """The trainer's handle on one vLLM server: the `server` object of a ServerEngine (docs/remote_rollout.md has
-    the protocol)."""
+class RemoteClient:
+    """The trainer's handle on one rollout server (vLLM or built-in): the `server` object of a ServerEngine
+    (docs/remote_rollout.md has the protocol)."""
 
     def __init__(self, address: str, shape, device: torch.device, *, connect_timeout_s: float = 300.0,
                  request_timeout_s: float = 1800.0):
@@ -50,7 +54,7 @@ class RemoteVLLMClient:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_timeout_s))
             self.session = self.store.add(f"{ROOT}/sessions", 1)
         except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError or DistStoreError, by version
-            raise ConnectionError(f"no vLLM server answered at {address} within {connect_timeout_s:g} s "
+            raise ConnectionError(f"no rollout server answered at {address} within {connect_timeout_s:g} s "
                                   f"({type(e).__name__}: {e})") from None
         self._seq = 0
         info = self._call("hello", dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape),
@@ -68,11 +72,23 @@ class RemoteVLLMClient:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0) -> Responses:
         """The server's record (responses.py), on the host: its tensors cross the channel pickled."""
-        responses, version = self._call("generate", (prompts, params, first_prompt), self.request_timeout_s)
-        if version != self.policy_version:
-            raise RuntimeError(f"policy version mismatch: the vLLM server at {self.address} generated with policy "
-                               f"version {version}, the last one synced is {self.policy_version}")
-        return responses
+        return self.submit(prompts, params, first_prompt=first_prompt)()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, *,
+               first_prompt: int = 0) -> Callable[[], Responses]:
+        """Send the request now; the returned function waits for its record (module doc: what it is generated
+        with)."""
+        reply_key, version = self._request("generate", (prompts, params, first_prompt)), self.policy_version
+
+        def wait() -> Responses:
+            responses, generated_by = self._reply(reply_key, "generate", self.request_timeout_s)
+            if generated_by != version:
+                raise RuntimeError(f"policy version mismatch: the rollout server at {self.address} generated with "
+                                   f"policy version {generated_by}, the last one synced before the request is "
+                                   f"{version}")
+            return responses
+
+        return wait
 
     def begin_weight_update(self) -> None:
         self._call("begin", None, self.request_timeout_s)
@@ -91,7 +107,7 @@ class RemoteVLLMClient:
     def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:
         version = self._call("finish", expected_checksums, self.request_timeout_s)
         if version != self.policy_version + 1:
-            raise RuntimeError(f"policy version mismatch after the weight sync: the vLLM server at {self.address} "
+            raise RuntimeError(f"policy version mismatch after the weight sync: the rollout server at {self.address} "
                                f"reports {version}, expected {self.policy_version + 1}")
         self.policy_version = version
         return version
@@ -108,7 +124,7 @@ class RemoteVLLMClient:
 
     def _request(self, op: str, payload) -> str:
         if self._broken is not None:
-            raise RuntimeError(f"the connection to the vLLM server at {self.address} is unusable: {self._broken}")
+            raise RuntimeError(f"the connection to the rollout server at {self.address} is unusable: {self._broken}")
         key = session_key(self.session, self._seq)
         self._seq += 1
         try:
@@ -123,7 +139,7 @@ class RemoteVLLMClient:
         except Exception as e:  # noqa: BLE001
             raise self._broke(f"waiting for the reply to {op!r}", e) from None
         if status != "ok":
-            raise RuntimeError(f"the vLLM server at {self.address} failed in {op!r}: {payload}")
+            raise RuntimeError(f"the rollout server at {self.address} failed in {op!r}: {payload}")
         return payload
 
     def _broke(self, what: str, error: Exception, reply_key: str | None = None) -> RuntimeError:
@@ -141,20 +157,20 @@ class RemoteVLLMClient:
                     self._broken += f"; the server reported: {take_message(self.store, reply_key, 1.0)[1]}"
             except Exception:  # noqa: BLE001 - the original failure is what gets reported
                 pass
-        return RuntimeError(f"vLLM server at {self.address}, {self._broken}")
+        return RuntimeError(f"rollout server at {self.address}, {self._broken}")
 
 
-class VLLMRemoteEngine(ServerEngine):
-    """`RolloutEngine` for one model-parallel group backed by a vLLM server on another node (module doc)."""
+class RemoteEngine(ServerEngine):
+    """`RolloutEngine` for one model-parallel group backed by a rollout server on another node or process."""
 
     @classmethod
     def connect(cls, address: str, groups, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                connect_timeout_s: float = 300.0, request_timeout_s: float = 1800.0) -> VLLMRemoteEngine:
+                connect_timeout_s: float = 300.0, request_timeout_s: float = 1800.0) -> RemoteEngine:
         """Collective over the model-parallel group: the sync destination connects (waiting up to
         `connect_timeout_s` for the server to answer and be ready); every rank raises if that failed."""
         client, outcome = None, None
         if is_sync_destination(groups):
-            outcome = attempt(lambda: RemoteVLLMClient(address, shape, groups.device,
+            outcome = attempt(lambda: RemoteClient(address, shape, groups.device,
                                                        connect_timeout_s=connect_timeout_s,
                                                        request_timeout_s=request_timeout_s))
             if outcome[0] == "ok":

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from cli_runs import worker_frames
 from distributed_harness import free_port
 from trainer_runs import read_metrics, train_command
 
@@ -121,3 +122,34 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     # Steps trained on batches of the step before (staleness 1) and on rounds generated on the spot (0).
     assert {whole[k].get("staleness_max") for k in range(1, 6)} >= {1}
     assert sum(whole[k]["groups_kept"] for k in range(6)) >= 6
+
+
+def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_stays_intact(tmp_path, server_model):
+    """TP = 2 (both ranks of the replica talk through the one that holds the connection): SIGKILL of the rollout
+    server once a checkpoint exists ends the run with one error naming the server, and that checkpoint verifies."""
+    from megatron_gtpo.checkpoint.manifest import find_damage
+
+    out = tmp_path / "died"
+    server, address = _start_server(server_model, tmp_path / "died_server.log")
+    overrides = [*_overrides(address, 50, 1), "parallel.tensor=2", "rollout.remote_request_timeout_s=60"]
+    trainer = subprocess.Popen(train_command(out, 2, overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        latest = out / "checkpoints" / "latest"
+        deadline = time.monotonic() + 600
+        while not latest.exists() and trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(server.pid, signal.SIGKILL)
+        output, _ = trainer.communicate(timeout=300)
+    finally:
+        for process in (trainer, server):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    assert trainer.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("megatron_gtpo.train: error:")]
+    assert len(errors) == 1, output[-3000:]  # one line for the node, whichever rank says it
+    assert f"rollout server at {address}" in errors[0] and "did the server die?" in errors[0]
+    assert not worker_frames(output), output[-3000:]
+    checkpoint = out / "checkpoints" / latest.read_text().strip()
+    assert find_damage(str(checkpoint)) is None

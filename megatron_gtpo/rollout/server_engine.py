@@ -38,6 +38,11 @@ from .weight_sync import DEFAULT_BUCKET_BYTES, SINGLE_DESTINATION, hf_weight_buc
     pack_on_device, policy_checksum_names, tensor_checksum
 
 
+class RolloutEngineError(ConnectionError, RuntimeError):
+    """A rollout engine (its server, its processes, the connection to it) failed: raised alike on every rank of the
+    model replica. An OSError, so the command line reports it in one line (cli.py) for the user to act on."""
+
+
 class ServerEngine:
     """`RolloutEngine` backed by the server objects of one model-parallel group, one per engine host (`hosts`:
     (pp_rank, tp_rank) pairs in engine order, rollout/placement.engine_hosts; by default a single server on TP
@@ -104,7 +109,7 @@ class ServerEngine:
                 else:
                     failures.append(f"engine {index} (host pp_rank, tp_rank = {host}): {payload}")
             if failures:
-                raise RuntimeError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host "
+                raise RolloutEngineError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host "
                                    f"rank(s): " + "; ".join(failures))
             return Responses.cat(records)
 
@@ -201,7 +206,7 @@ def start_colocated_servers(groups, hosts, start_server):
     dist.all_gather_object(errors, outcome[1] if outcome[0] == "error" else None)
     failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]
     if failed:
-        raise RuntimeError(f"{len(failed)} rollout engine(s) failed to start: " + "; ".join(failed))
+        raise RolloutEngineError(f"{len(failed)} rollout engine(s) failed to start: " + "; ".join(failed))
     return outcome[1]
 
 
@@ -229,5 +234,5 @@ def _error_of(fn) -> str | None:
 def unwrap(outcome):
     status, payload = outcome
     if status != "ok":
-        raise RuntimeError(f"the rollout engine failed on the weight-sync destination rank: {payload}")
+        raise RolloutEngineError(f"the rollout engine failed on the weight-sync destination rank: {payload}")
     return payload

@@ -286,3 +286,38 @@ def test_real_slurm_job_preempts_requeues_and_resumes(tmp_path):
     rows = _wait_for_metrics(run_dir / "metrics.jsonl", steps, timeout_s=1)
     assert [row["step"] for row in rows] == list(range(steps))
     assert os.listdir(tmp_path / "torchrun")  # per-rank logs under TORCHRUN_LOG_DIR
+
+
+def test_disaggregated_job_splits_trainer_and_rollout_nodes(tmp_path):
+    """disaggregated.sbatch on a stand-in 3-node allocation (DRY_RUN: commands printed, nothing started): the last
+    node runs two rollout servers on 4 GPUs each, the first two train with one server address per DP replica."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # srun: report the node list it was given, then run the task as node 0 of the trainer or on the rollout node.
+    (bin_dir / "srun").write_text('#!/bin/bash\nlist=""\nwhile [[ "$1" == --* ]]; do\n'
+                                  '  [[ "$1" == --nodelist=* ]] && list=${1#--nodelist=}\n  shift\ndone\n'
+                                  'echo "srun on ${list:-?}"\n'
+                                  'SLURMD_NODENAME=${list%%,*} SLURM_NODEID=0 SLURM_NNODES=2 exec "$@"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\nif [[ "$1 $2" == "show hostnames" ]]; then printf "n1\\nn2\\nn3\\n";'
+                                      ' else echo "$@" >> ' + str(tmp_path / "scontrol.log") + '; fi\n')
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable, "PYTHONPATH": REPO, "DRY_RUN": "1",
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_SUBMIT_DIR": REPO, "SLURM_GPUS_ON_NODE": "8",
+           "CONFIG": "examples/qwen2.5-7b-gtpo.yaml", "HF_MODEL_DIR": "/models/q7", "SERVER_TP": "4",
+           "TORCHRUN_LOG_DIR": ""}
+    res = subprocess.run(["bash", os.path.join(REPO, "examples", "slurm", "disaggregated.sbatch")], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "trainer nodes: n1,n2; rollout nodes: n3; servers: n3:31000 n3:31001" in out
+    assert "srun on n3" in out and "srun on n1,n2" in out
+    servers = [line for line in out.splitlines() if "megatron_gtpo.rollout.remote_server" in line]
+    assert len(servers) == 2 and servers[0].startswith("CUDA_VISIBLE_DEVICES=0,1,2,3 ")
+    assert servers[1].startswith("CUDA_VISIBLE_DEVICES=4,5,6,7 ") and "--tensor-parallel-size 4" in servers[1]
+    assert "--listen n3:31001" in servers[1] and "--hf-dir /models/q7" in servers[1]
+    trainer = next(line for line in out.splitlines() if "megatron_gtpo.train" in line)
+    assert "--nnodes=2" in trainer
+    assert "rollout.engine=vllm_remote" in trainer and "rollout.max_staleness=1" in trainer
+    assert "rollout.remote_addresses=\\[n3:31000\\,n3:31001\\]" in trainer or \
+        "rollout.remote_addresses=[n3:31000,n3:31001]" in trainer

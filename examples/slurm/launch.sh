@@ -57,7 +57,7 @@ stop_training() {
 trap 'stop_training SIGUSR1' USR1
 trap 'stop_training SIGTERM' TERM
 
-srun --nodes="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 --label \
+srun --nodes="$nodes" ${TRAIN_NODELIST:+--nodelist="$TRAIN_NODELIST"} --ntasks-per-node=1 --kill-on-bad-exit=1 --label \
     bash "$REPO_DIR/examples/slurm/node.sh" "${train_args[@]}" &
 srun_pid=$!
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done

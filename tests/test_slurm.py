@@ -298,8 +298,9 @@ def test_disaggregated_job_splits_trainer_and_rollout_nodes(tmp_path):
                                   '  [[ "$1" == --nodelist=* ]] && list=${1#--nodelist=}\n  shift\ndone\n'
                                   'echo "srun on ${list:-?}"\n'
                                   'SLURMD_NODENAME=${list%%,*} SLURM_NODEID=0 SLURM_NNODES=2 exec "$@"\n')
-    (bin_dir / "scontrol").write_text('#!/bin/bash\nif [[ "$1 $2" == "show hostnames" ]]; then printf "n1\\nn2\\nn3\\n";'
-                                      ' else echo "$@" >> ' + str(tmp_path / "scontrol.log") + '; fi\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\nif [[ "$1 $2" == "show hostnames" ]]; then '
+                                      'printf "n1\\nn2\\nn3\\n"; else echo "$@" >> '
+                                      + str(tmp_path / "scontrol.log") + '; fi\n')
     for name in ("srun", "scontrol"):
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable, "PYTHONPATH": REPO, "DRY_RUN": "1",

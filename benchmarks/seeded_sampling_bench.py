@@ -57,7 +57,7 @@ def main(argv=None) -> None:
         # offset", v1/worker/gpu_model_runner.py).
         server = VLLMServer(model_dir, dtype="float32", max_model_len=tokens_per_sequence, enforce_eager=True,
                             kv_cache_memory_bytes=2 * responses * tokens_per_sequence * 2 * 2 * 128 * 4, seed=0,
-                            sleep_level=None, max_num_batched_tokens=responses * tokens_per_sequence,
+                            sleeps=False, max_num_batched_tokens=responses * tokens_per_sequence,
                             max_num_seqs=responses)
         times = {True: [], False: []}
         try:

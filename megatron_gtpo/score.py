@@ -65,7 +65,7 @@ def parse_args(argv=None):
 
 
 def _model_source(args):
-    """(hf config dict, loader(model_chunks, groups)) for --hf or --load."""
+    """(hf config dict, loader(model_chunks, parallel)) for --hf or --load."""
     from megatron_gtpo.checkpoint.sources import ModelSource
 
     if args.hf:
@@ -97,28 +97,28 @@ def main(argv=None) -> int:
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
-    groups = initialize_parallel(args.tp, args.pp, sequence_parallel=args.sequence_parallel)
-    chunks = build_model(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp, pp_rank=groups.pp_rank,
+    parallel = initialize_parallel(args.tp, args.pp, sequence_parallel=args.sequence_parallel)
+    chunks = build_model(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp, pp_rank=parallel.pp_rank,
                          sequence_parallel=args.sequence_parallel)
-    load_weights(chunks, groups)
+    load_weights(chunks, parallel)
 
-    my_indices = list(range(groups.dp_rank, len(sequences), groups.dp_size))
+    my_indices = list(range(parallel.dp_rank, len(sequences), parallel.dp_size))
     mine = [sequences[i] for i in my_indices]
     rows = []
     if mine:  # a DP replica with nothing to score skips the schedule (all its ranks agree on that)
-        micro_batches = make_micro_batches(mine, args.micro_batch_size, device=groups.device,
+        micro_batches = make_micro_batches(mine, args.micro_batch_size, device=parallel.device,
                                            pad_to_multiple=args.tp if args.sequence_parallel else 1)
-        outputs = forward_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=shape.vocab_size,
+        outputs = forward_logprobs_and_entropy(chunks, micro_batches, parallel, vocab_size=shape.vocab_size,
                                                   temperature=args.temperature, chunk_size=args.chunk_size)
         for mb, (logprobs_BL, entropy_BL) in zip(micro_batches, outputs):
             logprobs_BL, entropy_BL = logprobs_BL.cpu(), entropy_BL.cpu()  # the results leave the device once
             for b, length in enumerate(mb.lengths_B.tolist()):
                 rows.append({"logprobs": logprobs_BL[b, :length - 1].tolist(),
                              "entropy": entropy_BL[b, :length - 1].tolist()})
-    if groups.is_last_stage and groups.tp_rank == 0:
-        gathered = [None] * groups.dp_size
-        dist.all_gather_object(gathered, list(zip(my_indices, rows)), group=groups.dp_group)
-        if groups.dp_rank == 0:
+    if parallel.is_last_stage and parallel.tp_rank == 0:
+        gathered = [None] * parallel.dp_size
+        dist.all_gather_object(gathered, list(zip(my_indices, rows)), group=parallel.dp_group)
+        if parallel.dp_rank == 0:
             by_index = dict(pair for part in gathered for pair in part)
             write_jsonl_atomically(args.output, [by_index[i] for i in range(len(sequences))])
     dist.barrier()

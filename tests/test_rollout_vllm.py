@@ -386,8 +386,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
 
 # --- Sleep / wake bookkeeping (colocated mode). vLLM has no sleep mode on CPU, so the real calls cannot run here; this
 # checks VLLMServer's own state machine against a recording stand-in for vllm.LLM: what is woken before a generation
-# and before a weight sync (vLLM's tags "weights" / "kv_cache"), that every generation ends asleep, and that after a
-# level-2 sleep (weights discarded) generation is refused until a full sync has been verified.
+# and before a weight sync (vLLM's tags "weights" / "kv_cache"), and that every generation ends asleep.
 class _RecordingLLM:
     def __init__(self, workers=1, bad_worker=None):
         self.calls = []
@@ -418,20 +417,19 @@ class _RecordingLLM:
         return [None] * self.workers
 
 
-def _sleeping_server(level):
+def _sleeping_server():
     from megatron_gtpo.rollout.vllm_engine import VLLMServer
 
     server = VLLMServer.__new__(VLLMServer)  # everything __init__ sets, without starting vLLM
-    server.llm, server.sleep_supported, server.sleep_level = _RecordingLLM(), True, level
-    server.policy_version, server._asleep, server._weights_discarded = 0, set(), False
+    server.llm, server.sleep_supported = _RecordingLLM(), True
+    server.policy_version, server._asleep = 0, set()
     return server
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_sleep_wake_bookkeeping(level):
+def test_sleep_wake_bookkeeping():
     from megatron_gtpo.rollout import SamplingParams
 
-    server, params = _sleeping_server(level), SamplingParams(temperature=0.0, max_new_tokens=1)
+    server, params, level = _sleeping_server(), SamplingParams(temperature=0.0, max_new_tokens=1), 1
 
     def calls_of(fn):
         start = len(server.llm.calls)
@@ -439,12 +437,9 @@ def test_sleep_wake_bookkeeping(level):
         return server.llm.calls[start:]
 
     assert calls_of(lambda: server.generate([[1, 2]], params)) == [("generate", 1), ("sleep", level)]
-    if level == 1:  # weights offloaded, not lost: generating again wakes everything
-        assert calls_of(lambda: server.generate([[1]], params)) == [("wake", ("weights", "kv_cache")),
-                                                                    ("generate", 1), ("sleep", 1)]
-    else:  # weights discarded: refused until a full weight sync
-        with pytest.raises(RuntimeError, match="discarded by a level-2 sleep; call sync_weights first"):
-            server.generate([[1]], params)
+    # Weights offloaded, not lost: generating again wakes everything.
+    assert calls_of(lambda: server.generate([[1]], params)) == [("wake", ("weights", "kv_cache")),
+                                                                ("generate", 1), ("sleep", 1)]
     # A weight sync wakes the weights only (the KV cache stays freed while training holds the memory) ...
     assert calls_of(server.begin_weight_update) == [("wake", ("weights",))]
     assert calls_of(lambda: server.load_bucket([("model.norm.weight", torch.ones(4))])) == [("gtpo_load_weights",)]
@@ -461,7 +456,7 @@ def test_checksums_are_checked_on_every_worker():
     """At vLLM TP > 1 every worker holds its own copy of the RMSNorm weights: one worker of two that reports other
     checksums fails the sync, by name, and the policy version does not advance. (The real TP=2 runs above check that
     both workers answer every bucket and pass.)"""
-    server = _sleeping_server(1)
+    server = _sleeping_server()
     server.llm = _RecordingLLM(workers=2, bad_worker=1)
     with pytest.raises(RuntimeError, match="vLLM worker 1: after the weight sync"):
         server.finish_weight_update({"model.norm.weight": (1.0, 2.0)})

@@ -108,7 +108,7 @@ def build_vllm_replica(args: argparse.Namespace, tokenizer: Tokenizer) -> Replic
     server = vllm_engine.VLLMServer(
         args.model, dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.vllm_kv_cache_bytes, tensor_parallel_size=args.vllm_tp,
-        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, sleep_level=None)
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, seed=args.seed, sleeps=False)
     # The ranks' group, to gather the results only, is made after vLLM has started its processes (they never
     # inherit it) and apart from vLLM's own world.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

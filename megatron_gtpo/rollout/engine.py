@@ -88,7 +88,7 @@ class RolloutEngine(Protocol):
         at once."""
         ...
 
-    def sync_weights(self, model_chunks: list, groups) -> None:
+    def sync_weights(self, model_chunks: list, parallel) -> None:
         """Make the engine's weights those of `model_chunks` (collective over the model-parallel group)."""
         ...
 

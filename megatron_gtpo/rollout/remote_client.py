@@ -164,20 +164,20 @@ class RemoteEngine(ServerEngine):
     """`RolloutEngine` for one model-parallel group backed by a rollout server on another node or process."""
 
     @classmethod
-    def connect(cls, address: str, groups, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def connect(cls, address: str, parallel, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 connect_timeout_s: float = 300.0, request_timeout_s: float = 1800.0) -> RemoteEngine:
         """Collective over the model-parallel group: the sync destination connects (waiting up to
         `connect_timeout_s` for the server to answer and be ready); every rank raises if that failed."""
         client, outcome = None, None
-        if is_sync_destination(groups):
-            outcome = attempt(lambda: RemoteClient(address, shape, groups.device,
+        if is_sync_destination(parallel):
+            outcome = attempt(lambda: RemoteClient(address, shape, parallel.device,
                                                        connect_timeout_s=connect_timeout_s,
                                                        request_timeout_s=request_timeout_s))
             if outcome[0] == "ok":
                 client = outcome[1]
                 outcome = ("ok", client.policy_version)
-        version = unwrap(share_outcome(outcome, dist.get_global_rank(groups.mp_group, 0), groups.mp_group))
-        engine = cls(client, groups, shape, bucket_bytes=bucket_bytes)
+        version = unwrap(share_outcome(outcome, dist.get_global_rank(parallel.mp_group, 0), parallel.mp_group))
+        engine = cls(client, parallel, shape, bucket_bytes=bucket_bytes)
         engine.policy_version = version
         return engine
 

@@ -83,7 +83,7 @@ def start_server(engine: str, model_dir: str, **server_kwargs):
     if engine == "vllm":
         from .vllm_engine import VLLMServer
 
-        return VLLMServer(model_dir, sleep_level=None, **server_kwargs), shape  # nothing to share memory with
+        return VLLMServer(model_dir, sleeps=False, **server_kwargs), shape  # nothing to share memory with
     if engine == "builtin":
         from .builtin_server import BuiltinServer
 

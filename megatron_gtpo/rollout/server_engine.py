@@ -54,17 +54,17 @@ class ServerEngine:
     `policy_version` is the servers' policy version after the last successful sync (0 before any).
     """
 
-    def __init__(self, server, groups, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def __init__(self, server, parallel, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  ipc_members=None):
         self.hosts = [tuple(h) for h in hosts]
         # Colocated on CUDA: each engine's member ranks (placement.engine_members, host first), which hand their
         # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).
         self.ipc_members = None if ipc_members is None else [[tuple(m) for m in ms] for ms in ipc_members]
-        if (server is not None) != is_sync_destination(groups, self.hosts):
+        if (server is not None) != is_sync_destination(parallel, self.hosts):
             raise ValueError(f"a rollout server must live on each engine host {self.hosts} (pp_rank, tp_rank) and "
-                             f"only there; this rank is ({groups.pp_rank}, {groups.tp_rank})")
+                             f"only there; this rank is ({parallel.pp_rank}, {parallel.tp_rank})")
         self.server = server
-        self.groups = groups
+        self.parallel = parallel
         self.shape = shape
         self.bucket_bytes = bucket_bytes
         self.policy_version = 0
@@ -82,7 +82,7 @@ class ServerEngine:
                       max_new_tokens=params.max_new_tokens)
         self._release_cached_memory()
         parts = split_prompts(prompts, len(self.hosts))
-        me = (self.groups.pp_rank, self.groups.tp_rank)
+        me = (self.parallel.pp_rank, self.parallel.tp_rank)
         answered, waiting = None, None  # this host's outcome, or the function that waits for it
         if self.server is not None:  # every host generates its part at once, before any answer is shared
             index = self.hosts.index(me)
@@ -103,7 +103,7 @@ class ServerEngine:
             for index, host in enumerate(self.hosts):
                 # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
                 status, payload = broadcast_responses(mine if host == me else None, self._global_rank(host),
-                                                      self.groups.mp_group, self.groups.device)
+                                                      self.parallel.mp_group, self.parallel.device)
                 if status == "ok":
                     records.append(payload)
                 else:
@@ -118,16 +118,16 @@ class ServerEngine:
     def _global_rank(self, host: tuple[int, int]) -> int:
         """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""
         pp_rank, tp_rank = host
-        return dist.get_global_rank(self.groups.mp_group, pp_rank * self.groups.tp_size + tp_rank)
+        return dist.get_global_rank(self.parallel.mp_group, pp_rank * self.parallel.tp_size + tp_rank)
 
     def _release_cached_memory(self) -> None:
         """Before a colocated engine wakes (its KV cache, its weights) on the model replica's GPUs: every rank of
         the replica hands the blocks its caching allocator keeps back to the driver, and none goes on before all
         have, so the engine finds that memory free. A no-op on the CPU platform, harmless for a remote engine."""
         torch.cuda.empty_cache()
-        dist.barrier(group=self.groups.mp_group)
+        dist.barrier(group=self.parallel.mp_group)
 
-    def sync_weights(self, model_chunks: list, groups) -> None:
+    def sync_weights(self, model_chunks: list, parallel) -> None:
         """Stream the weights into every engine (all of them to each) and check their checksums. Host path: each host
         hands its server every bucket (`load_bucket`). IPC path (`ipc_members`): every member rank receives every
         bucket on its GPU and exports it (cuda_ipc.py); the handles are gathered over the replica and each host
@@ -139,7 +139,7 @@ class ServerEngine:
         if self.server is not None:
             failure = _error_of(self.server.begin_weight_update)
         destinations = self.hosts if self.ipc_members is None else [m for ms in self.ipc_members for m in ms]
-        for bucket in hf_weight_buckets(model_chunks, groups, self.shape, bucket_bytes=self.bucket_bytes,
+        for bucket in hf_weight_buckets(model_chunks, parallel, self.shape, bucket_bytes=self.bucket_bytes,
                                         destinations=destinations):
             # Only the destinations get buckets. After a failure the stream is still drained: the other ranks are
             # gathering and sending into it.
@@ -160,8 +160,8 @@ class ServerEngine:
         outcome = None
         if self.server is not None:
             outcome = ("error", failure) if failure else attempt(lambda: self.server.finish_weight_update(expected))
-        outcomes = [share_outcome(outcome if host == (groups.pp_rank, groups.tp_rank) else None,
-                                  self._global_rank(host), self.groups.mp_group) for host in self.hosts]
+        outcomes = [share_outcome(outcome if host == (parallel.pp_rank, parallel.tp_rank) else None,
+                                  self._global_rank(host), self.parallel.mp_group) for host in self.hosts]
         versions = [unwrap(o) for o in outcomes]  # after every broadcast: all ranks raise together
         if len(set(versions)) != 1:
             raise RuntimeError(f"the rollout engines report different policy versions {versions} after a sync")
@@ -174,21 +174,21 @@ class ServerEngine:
 
         names, dtype_names, shapes, flat = pack_on_device(bucket)
         exported = attempt(partial(cuda_ipc.export_buffer, flat))
-        everyone: list = [None] * dist.get_world_size(self.groups.mp_group)
-        dist.all_gather_object(everyone, exported, group=self.groups.mp_group)
-        me = (self.groups.pp_rank, self.groups.tp_rank)
+        everyone: list = [None] * dist.get_world_size(self.parallel.mp_group)
+        dist.all_gather_object(everyone, exported, group=self.parallel.mp_group)
+        me = (self.parallel.pp_rank, self.parallel.tp_rank)
         if self.server is not None and failure is None:
             members = next(ms for ms in self.ipc_members if ms[0] == me)
-            mine = [everyone[p * self.groups.tp_size + t] for p, t in members]
+            mine = [everyone[p * self.parallel.tp_size + t] for p, t in members]
             errors = [payload for status, payload in mine if status != "ok"]
             failure = f"exporting a bucket by CUDA IPC: {errors[0]}" if errors else _error_of(partial(
                 self.server.load_ipc_bucket, names, dtype_names, shapes, dict(payload for _, payload in mine)))
-        dist.barrier(group=self.groups.mp_group)  # every rank keeps its buffer until its engine has loaded it
+        dist.barrier(group=self.parallel.mp_group)  # every rank keeps its buffer until its engine has loaded it
         del flat
         return failure
 
 
-def start_colocated_servers(groups, hosts, start_server):
+def start_colocated_servers(parallel, hosts, start_server):
     """Start this rank's server (`start_server()`, on an engine host; None elsewhere) once the GPUs are ready for it,
     and return only when every engine of the job is up. Collective over the default group; every rank raises if any
     engine failed to start.
@@ -201,7 +201,7 @@ def start_colocated_servers(groups, hosts, start_server):
     torch.cuda.empty_cache()
     warm_up_communicators()
     dist.barrier()
-    outcome = attempt(start_server) if (groups.pp_rank, groups.tp_rank) in hosts else ("ok", None)
+    outcome = attempt(start_server) if (parallel.pp_rank, parallel.tp_rank) in hosts else ("ok", None)
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, outcome[1] if outcome[0] == "error" else None)
     failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]

@@ -110,15 +110,14 @@ class VLLMServer:
     def __init__(self, hf_model_dir: str, *, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
                  kv_cache_memory_bytes: int | None = None, tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, enforce_eager: bool = False, seed: int = 0,
-                 sleep_level: int | None = 1, **llm_kwargs):
-        if sleep_level not in (None, 1, 2):
-            raise ValueError(f"sleep_level must be None (never sleep), 1 or 2, got {sleep_level!r}")
+                 sleeps: bool = True, **llm_kwargs):
+        """`sleeps`: between generations the engine offloads its weights and frees its KV cache (vLLM's level-1
+        sleep, where the platform has a sleep mode), so that training gets the GPU memory back."""
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and dist.is_initialized() \
                 and dist.get_world_size() > 1:
             raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM inside this process, where it would join "
                              "the training job's torch.distributed world; unset it")
-        self.sleep_supported = sleep_level is not None and current_platform.is_sleep_mode_available()
-        self.sleep_level = sleep_level if self.sleep_supported else None
+        self.sleep_supported = sleeps and current_platform.is_sleep_mode_available()
         self.llm = LLM(model=hf_model_dir, skip_tokenizer_init=True, dtype=dtype,
                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
                        tensor_parallel_size=tensor_parallel_size,
@@ -132,13 +131,10 @@ class VLLMServer:
         self.dtype = model_config.dtype
         self.policy_version = 0
         self._asleep: set[str] = set()  # tags currently asleep
-        self._weights_discarded = False  # level-2 sleep: a full sync must come before generating
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:
         """The record (responses.py) of params.n responses per prompt, on the host; `first_prompt` is the index of
         prompts[0] among the replica's prompts (seeds). ValueError for a finish reason other than stop / length."""
-        if self._weights_discarded:
-            raise RuntimeError("the vLLM weights were discarded by a level-2 sleep; call sync_weights first")
         self._wake(["weights", "kv_cache"])
         requests = [VLLMSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -182,7 +178,6 @@ class VLLMServer:
                                    f"were sent (checksums {[sums[n] for n in bad[:3]]} vs "
                                    f"{[expected_checksums[n] for n in bad[:3]]})")
         self.policy_version = version
-        self._weights_discarded = False
         return version
 
     def join_weight_group(self, host: str, port: int, prefix: str, timeout_s: float = 300.0) -> list[int]:
@@ -202,10 +197,9 @@ class VLLMServer:
         self.llm.llm_engine.engine_core.shutdown()
 
     def _sleep(self) -> None:
-        if self.sleep_level is not None:
-            self.llm.sleep(level=self.sleep_level)
+        if self.sleep_supported:  # level 1: the weights go to host memory (a sync may update them in place)
+            self.llm.sleep(level=1)
             self._asleep = {"weights", "kv_cache"}
-            self._weights_discarded = self.sleep_level == 2
 
     def _wake(self, tags: list[str]) -> None:
         tags = [t for t in tags if t in self._asleep]
@@ -225,14 +219,14 @@ class VLLMEngine(ServerEngine):
     (rollout/placement.py; the group logic, shared with the remote mode, is `server_engine.ServerEngine`)."""
 
     @classmethod
-    def create(cls, hf_model_dir: str, groups, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
+    def create(cls, hf_model_dir: str, parallel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
         """Start a server on each engine host (collective only in that every rank must call it): at vLLM
         tensor_parallel_size = the training TP (or a divisor), one engine per pipeline stage (or per TP slice of
         one), so that every GPU of the replica generates. On CUDA each engine runs on its own ranks' GPUs, from its
         host's (placement.colocated_cuda_devices): vLLM starts its engine process, which inherits
         CUDA_VISIBLE_DEVICES, inside VLLMServer (not run on a GPU here)."""
         engine_tp = server_kwargs.get("tensor_parallel_size", 1)
-        hosts = engine_hosts(tp=groups.tp_size, pp=groups.pp_size, engine_tp=engine_tp)
+        hosts = engine_hosts(tp=parallel.tp_size, pp=parallel.pp_size, engine_tp=engine_tp)
         cuda = current_platform.device_type == "cuda"
 
         def start_server() -> VLLMServer:
@@ -240,15 +234,15 @@ class VLLMEngine(ServerEngine):
             if cuda:
                 devices["CUDA_VISIBLE_DEVICES"] = colocated_cuda_devices(
                     device_index=torch.cuda.current_device(), device_count=torch.cuda.device_count(),
-                    engine_tp=engine_tp, tp=groups.tp_size, dp=groups.dp_size,
+                    engine_tp=engine_tp, tp=parallel.tp_size, dp=parallel.dp_size,
                     visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
             with _environment(devices):
                 return VLLMServer(hf_model_dir, **server_kwargs)
 
-        server = start_colocated_servers(groups, hosts, start_server)
+        server = start_colocated_servers(parallel, hosts, start_server)
         # On CUDA the weights reach the workers by IPC on their own GPUs (cuda_ipc.py); elsewhere through the RPC.
-        members = engine_members(tp=groups.tp_size, pp=groups.pp_size, engine_tp=engine_tp) if cuda else None
-        return cls(server, groups, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), hosts=hosts,
+        members = engine_members(tp=parallel.tp_size, pp=parallel.pp_size, engine_tp=engine_tp) if cuda else None
+        return cls(server, parallel, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), hosts=hosts,
                    bucket_bytes=bucket_bytes, ipc_members=members)
 
 

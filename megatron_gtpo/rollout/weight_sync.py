@@ -79,10 +79,10 @@ def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:
 SINGLE_DESTINATION = ((0, 0),)  # (pp_rank, tp_rank): TP rank 0 of the first pipeline stage
 
 
-def is_sync_destination(groups, destinations=SINGLE_DESTINATION) -> bool:
+def is_sync_destination(parallel, destinations=SINGLE_DESTINATION) -> bool:
     """Whether this rank receives the full HF tensors: its (pp_rank, tp_rank) is one of `destinations` (the hosts of
     its replica's engines, rollout/placement.engine_hosts; by default TP rank 0 of the first stage only)."""
-    return (groups.pp_rank, groups.tp_rank) in set(destinations)
+    return (parallel.pp_rank, parallel.tp_rank) in set(destinations)
 
 
 def _local_parameters(model_chunks: list) -> dict[str, torch.Tensor]:
@@ -94,12 +94,12 @@ def _local_parameters(model_chunks: list) -> dict[str, torch.Tensor]:
     return params
 
 
-def _owner_stages(local_names: list[str], groups) -> dict[str, int]:
+def _owner_stages(local_names: list[str], parallel) -> dict[str, int]:
     """Pipeline rank holding each canonical megatron tensor (an object all-gather over the pipeline group)."""
-    if groups.pp_size == 1:
+    if parallel.pp_size == 1:
         return {name: 0 for name in local_names}
-    per_stage: list = [None] * groups.pp_size
-    dist.all_gather_object(per_stage, local_names, group=groups.pp_group)
+    per_stage: list = [None] * parallel.pp_size
+    dist.all_gather_object(per_stage, local_names, group=parallel.pp_group)
     owners: dict[str, int] = {}
     for stage, names in enumerate(per_stage):
         for name in names:
@@ -107,7 +107,7 @@ def _owner_stages(local_names: list[str], groups) -> dict[str, int]:
     return owners
 
 
-def hf_weight_buckets(model_chunks: list, groups, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def hf_weight_buckets(model_chunks: list, parallel, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       destinations=SINGLE_DESTINATION) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets of (hf_name, full HF tensor) on every destination rank (`is_sync_destination`), the same
     buckets on each; yield nothing elsewhere. Collective over the model-parallel group: every rank must exhaust the
@@ -118,16 +118,16 @@ def hf_weight_buckets(model_chunks: list, groups, shape, *, bucket_bytes: int = 
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
     destinations = set(destinations)
-    if not destinations or any(not (0 <= p < groups.pp_size and 0 <= t < groups.tp_size) for p, t in destinations):
+    if not destinations or any(not (0 <= p < parallel.pp_size and 0 <= t < parallel.tp_size) for p, t in destinations):
         raise ValueError(f"sync destinations {sorted(destinations)} must be (pp_rank, tp_rank) pairs of this "
-                         f"{groups.pp_size} x {groups.tp_size} replica")
+                         f"{parallel.pp_size} x {parallel.tp_size} replica")
     local = _local_parameters(model_chunks)
-    owners = _owner_stages(list(local), groups)
+    owners = _owner_stages(list(local), parallel)
     dtype = next(iter(local.values())).dtype
-    destination = is_sync_destination(groups, destinations)
+    destination = is_sync_destination(parallel, destinations)
     # TP ranks that convert the HF tensors on the owning stage: those of a destination on any stage.
     converters = {t for _, t in destinations}
-    column_stages = {p for p, t in destinations if t == groups.tp_rank}  # destinations along my pipeline group
+    column_stages = {p for p, t in destinations if t == parallel.tp_rank}  # destinations along my pipeline group
 
     bucket: list[tuple[str, torch.Tensor]] = []
     bucket_size = 0
@@ -143,10 +143,10 @@ def hf_weight_buckets(model_chunks: list, groups, shape, *, bucket_bytes: int = 
                 raise KeyError(f"no pipeline stage holds {mapping.megatron_name!r}: the model chunks do not match "
                                f"the checkpoint shape")
             hf_tensors = None
-            if owner == groups.pp_rank:
-                hf_tensors = _gather_to_hf(mapping, local[mapping.megatron_name], groups, shape, converters)
+            if owner == parallel.pp_rank:
+                hf_tensors = _gather_to_hf(mapping, local[mapping.megatron_name], parallel, shape, converters)
             if column_stages - {owner}:  # stage `owner` -> the other stages' destinations, along the pipeline group
-                hf_tensors = _broadcast_all(hf_tensors, mapping, shape, dtype, owner, groups)
+                hf_tensors = _broadcast_all(hf_tensors, mapping, shape, dtype, owner, parallel)
             if destination:
                 bucket += list(zip(mapping.hf_names, hf_tensors))
             del hf_tensors  # the generator frame must not keep a yielded bucket's tensors alive
@@ -157,34 +157,34 @@ def hf_weight_buckets(model_chunks: list, groups, shape, *, bucket_bytes: int = 
 
 
 def _broadcast_all(tensors: list[torch.Tensor] | None, mapping, shape, dtype, owner: int,
-                   groups) -> list[torch.Tensor]:
+                   parallel) -> list[torch.Tensor]:
     """The owning stage's HF tensors on every stage of this pipeline group (a destination's column). Stages with
     no destination in the column receive them too (one broadcast serves all) and drop them."""
-    if groups.pp_rank == owner:
+    if parallel.pp_rank == owner:
         tensors = [t.contiguous() for t in tensors]
     else:
-        tensors = [torch.empty(hf_tensor_shape(name, shape), dtype=dtype, device=groups.device)
+        tensors = [torch.empty(hf_tensor_shape(name, shape), dtype=dtype, device=parallel.device)
                    for name in mapping.hf_names]
-    src = dist.get_global_rank(groups.pp_group, owner)
+    src = dist.get_global_rank(parallel.pp_group, owner)
     for tensor in tensors:
-        dist.broadcast(tensor, src=src, group=groups.pp_group)
+        dist.broadcast(tensor, src=src, group=parallel.pp_group)
     return tensors
 
 
 @torch.no_grad()
-def _gather_to_hf(mapping, param: torch.Tensor, groups, shape, converters: set[int]) -> list[torch.Tensor] | None:
+def _gather_to_hf(mapping, param: torch.Tensor, parallel, shape, converters: set[int]) -> list[torch.Tensor] | None:
     """On the owning stage: the HF tensors on the TP ranks in `converters` (None on the others). The shards are
     gathered onto TP rank 0 when it is the only converter, else all-gathered."""
-    converts = groups.tp_rank in converters
-    if mapping.layout == REPLICATED or groups.tp_size == 1:
+    converts = parallel.tp_rank in converters
+    if mapping.layout == REPLICATED or parallel.tp_size == 1:
         return megatron_shards_to_hf(mapping, [param.detach()], shape) if converts else None
     shard = param.detach().contiguous()
     if converters == {0}:
-        shards = [torch.empty_like(shard) for _ in range(groups.tp_size)] if converts else None
-        dist.gather(shard, gather_list=shards, dst=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
+        shards = [torch.empty_like(shard) for _ in range(parallel.tp_size)] if converts else None
+        dist.gather(shard, gather_list=shards, dst=dist.get_global_rank(parallel.tp_group, 0), group=parallel.tp_group)
     else:
-        shards = [torch.empty_like(shard) for _ in range(groups.tp_size)]
-        dist.all_gather(shards, shard, group=groups.tp_group)
+        shards = [torch.empty_like(shard) for _ in range(parallel.tp_size)]
+        dist.all_gather(shards, shard, group=parallel.tp_group)
     return megatron_shards_to_hf(mapping, shards, shape) if converts else None
 
 

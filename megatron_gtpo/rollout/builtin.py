@@ -168,7 +168,7 @@ class BuiltinEngine:
         context = StaticInferenceContext(max_batch_size=len(rows), max_sequence_length=width + params.max_new_tokens)
         stop_ids = set(params.stop_token_ids)
         # Row r's k-th token and its log-prob land at [r, k] (on the device, as they are sampled).
-        tokens_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int64, device=device)
+        tokens_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int32, device=device)
         logprobs_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.float32, device=device)
         lengths = [0] * len(rows)
         finish: list[int | None] = [None] * len(rows)
@@ -211,7 +211,7 @@ class BuiltinEngine:
                     next_tokens.append(token)
             if written:
                 b_W, row_W, k_W = torch.tensor(written, dtype=torch.long, device=device).unbind(1)
-                tokens_RN[row_W, k_W] = shared_2B[0, b_W].long()
+                tokens_RN[row_W, k_W] = shared_2B[0, b_W].to(torch.int32)
                 logprobs_RN[row_W, k_W] = shared_2B[1, b_W].float()
             if len(keep) < len(active):
                 keep_B = torch.tensor(keep, dtype=torch.long, device=device)

@@ -63,7 +63,7 @@ def engine_record(args, ids_RN, logprobs_RN) -> Responses:
     R = ids_RN.shape[0]
     return Responses(responses_per_prompt_P=torch.full((args.prompts,), args.samples),
                      lengths_R=torch.full((R,), args.tokens), finish_R=torch.full((R,), FINISH_LENGTH_CODE),
-                     token_ids_T=ids_RN.flatten(), logprobs_T=logprobs_RN.flatten())
+                     token_ids_T=ids_RN.flatten().to(torch.int32), logprobs_T=logprobs_RN.flatten())
 
 
 def engine_lists(args, ids_RN, logprobs_RN) -> list[list[Response]]:
@@ -81,8 +81,9 @@ def step_batch(args, prompts, record):
 
 
 def timed(fn, rounds: int) -> tuple[float, object]:
-    times = []
+    times, result = [], None
     for _ in range(rounds + 1):
+        result = None  # the previous round's result is gone, as the trainer's previous step batch is
         dist.barrier()
         start = time.perf_counter()
         result = fn()
@@ -99,7 +100,7 @@ def check(args, name: str, result, prompts, ids_RN, logprobs_RN) -> None:
         assert [r.token_ids for r in got] == ids_RN.tolist() and [r.logprobs for r in got] == logprobs_RN.tolist()
     elif name == "record wire only":
         record = result[1]
-        assert torch.equal(record.token_ids_T, ids_RN.flatten())
+        assert torch.equal(record.token_ids_T, ids_RN.flatten().to(torch.int32))
         assert torch.equal(record.logprobs_T, logprobs_RN.flatten())
     else:
         assert torch.equal(result.rollout_logprobs_ST, logprobs_RN) and bool(result.mask_ST.all())

@@ -22,7 +22,7 @@ def test_from_lists_lays_the_responses_out_flat():
     assert _fields(record) == {"counts": [2, 2, 2], "lengths": [2, 1, 0, 3, 1, 2], "finish": [0, 1, 1, 0, 0, 1],
                                "tokens": [5, 6, 7, 8, 9, 10, 11, 12, 13],
                                "logprobs": [-0.5, -0.25, -1.0, -2.0, -0.125, -4.0, -0.75, -3.0, -0.0625]}
-    assert [t.dtype for t in record.tensors()] == [torch.int64] * 4 + [torch.float32]
+    assert [t.dtype for t in record.tensors()] == [torch.int64] * 3 + [torch.int32, torch.float32]
     record.check()
 
 
@@ -68,8 +68,9 @@ def test_lists_that_the_record_cannot_hold_are_refused():
     (dict(responses_per_prompt_P=torch.tensor([2, 2, 1])), "sums to 5, the record holds 6 responses"),
     (dict(finish_R=torch.tensor([0, 1, 1, 0, 0, 2])), r"finish codes outside .* \[0, 1, 2\]"),
     (dict(logprobs_T=torch.zeros(9, dtype=torch.float64)), "logprobs_T must be a contiguous 1-D torch.float32"),
-    (dict(token_ids_T=torch.zeros(8, dtype=torch.int64)), "logprobs_T has 9 elements, the record 8 along T"),
-    (dict(token_ids_T=torch.zeros(18, dtype=torch.int64)[::2]), "token_ids_T must be a contiguous"),
+    (dict(token_ids_T=torch.zeros(8, dtype=torch.int32)), "logprobs_T has 9 elements, the record 8 along T"),
+    (dict(token_ids_T=torch.zeros(18, dtype=torch.int32)[::2]), "token_ids_T must be a contiguous"),
+    (dict(token_ids_T=torch.zeros(9, dtype=torch.int64)), "token_ids_T must be a contiguous 1-D torch.int32"),
 ])
 def test_check_names_what_is_inconsistent(change, message):
     import dataclasses

@@ -123,3 +123,26 @@ def test_packing_on_the_local_spec_with_the_fused_softmax_is_refused():
     with pytest.raises(ValueError, match="data.pack_sequences on megatron-core's local layer spec needs "
                                          "masked_softmax_fusion off"):
         model_forward(model, packed, local_attention=True)
+
+
+def test_token_rows_and_rollout_logprobs_come_from_the_flat_record():
+    from megatron_gtpo.training.step_batch import sequence_tokens_SL
+
+    prompts = [(1, 2, 3), (4,)]
+    responses = Responses.from_lists([[Response([5, 6], [-0.5, -0.25], "stop"), Response([], [], "length")],
+                                      [Response([8, 9, 10], [-1.0, -2.0, -4.0], "length"),
+                                       Response([11], [-0.125], "stop")]])
+    assert sequence_tokens_SL(prompts, 2, responses, [5, 3, 4, 2]).tolist() == [
+        [1, 2, 3, 5, 6], [1, 2, 3, 0, 0], [4, 8, 9, 10, 0], [4, 11, 0, 0, 0]]
+    correct = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=1)
+    batch = build_step_batch(Experience(prompts, responses, correct, correct.clone()), groups,
+                             mini_batches=[[0, 1]], max_sequences=4, max_tokens=None)
+    assert batch.rollout_logprobs_ST.tolist() == [[-0.5, -0.25, 0.0], [0.0, 0.0, 0.0], [-1.0, -2.0, -4.0],
+                                                  [-0.125, 0.0, 0.0]]
+    assert batch.mask_ST.sum(1).tolist() == [2, 0, 3, 1]
+    # One micro-batch, longest first: sequences 0 (5 tokens), 2 (4), 1 (3), 3 (2).
+    (only,) = batch.plan[0]
+    assert only.rows == [0, 2, 1, 3]
+    assert only.inputs.tokens_BL.tolist() == [[1, 2, 3, 5, 6], [4, 8, 9, 10, 0], [1, 2, 3, 0, 0], [4, 11, 0, 0, 0]]
+    assert only.inputs.lengths_B.tolist() == [5, 4, 3, 2]

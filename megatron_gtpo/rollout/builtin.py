@@ -124,18 +124,21 @@ class BuiltinEngine:
         seeds = [response_seed(params.seed, i, j, params.n) for i in range(len(prompts)) for j in range(params.n)]
         batches = batch_ranges([len(r) for r in rows], max_new_tokens=params.max_new_tokens,
                                max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
-        pieces = []
+        tokens, logprobs, lengths, finish = [], [], [], []  # per batch: flat device tensors; per row: host ints
         with self._inference_mode(), tqdm(total=len(rows), desc="decoding", unit="row", leave=False,
                                           disable=not self.progress) as bar:
             for batch in batches:
-                pieces.append(self._generate_batch([rows[r] for r in batch], [seeds[r] for r in batch], params))
+                tokens_T, logprobs_T, batch_lengths, batch_finish = self._generate_batch(
+                    [rows[r] for r in batch], [seeds[r] for r in batch], params)
+                tokens.append(tokens_T)
+                logprobs.append(logprobs_T)
+                lengths += batch_lengths
+                finish += batch_finish
                 bar.update(len(batch))
         device = self.groups.device
         return Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=device),
-                         lengths_R=torch.tensor([n for piece in pieces for n in piece[2]], device=device),
-                         finish_R=torch.tensor([c for piece in pieces for c in piece[3]], device=device),
-                         token_ids_T=torch.cat([piece[0] for piece in pieces]),
-                         logprobs_T=torch.cat([piece[1] for piece in pieces]))
+                         lengths_R=torch.tensor(lengths, device=device), finish_R=torch.tensor(finish, device=device),
+                         token_ids_T=torch.cat(tokens), logprobs_T=torch.cat(logprobs))
 
     @contextlib.contextmanager
     def _inference_mode(self):
@@ -170,7 +173,7 @@ class BuiltinEngine:
         context = StaticInferenceContext(max_batch_size=len(rows), max_sequence_length=width + params.max_new_tokens)
         stop_ids = set(params.stop_token_ids)
         # Row r's k-th token and its log-prob land at [r, k] (on the device, as they are sampled).
-        tokens_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int64, device=device)
+        tokens_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int32, device=device)
         logprobs_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.float32, device=device)
         lengths = [0] * len(rows)
         finish: list[int | None] = [None] * len(rows)
@@ -213,7 +216,7 @@ class BuiltinEngine:
                     next_tokens.append(token)
             if written:
                 b_W, row_W, k_W = torch.tensor(written, dtype=torch.long, device=device).unbind(1)
-                tokens_RN[row_W, k_W] = shared_2B[0, b_W].long()
+                tokens_RN[row_W, k_W] = shared_2B[0, b_W].to(torch.int32)
                 logprobs_RN[row_W, k_W] = shared_2B[1, b_W].float()
             if len(keep) < len(active):
                 keep_B = torch.tensor(keep, dtype=torch.long, device=device)

@@ -4,7 +4,7 @@ transport and the experience to the step batch without a Python object per respo
     responses_per_prompt_P  int64    [P]  responses of each prompt, in prompt order
     lengths_R               int64    [R]  tokens of each response (0 allowed), prompt-major (R = sum of the above)
     finish_R                int64    [R]  finish reasons, codes into FINISH_REASONS
-    token_ids_T             int64    [T]  all responses' tokens back to back (T = sum of lengths_R)
+    token_ids_T             int32    [T]  all responses' tokens back to back (T = sum of lengths_R)
     logprobs_T              float32  [T]  logprobs_T[t] belongs to token_ids_T[t] (the convention of engine.py)
 
 A field's name ends with its axis: _P per prompt, _R per response, _T per token. Selection (`select_prompts`),
@@ -52,7 +52,7 @@ class Responses:
     responses_per_prompt_P: torch.Tensor = _tensor_field(torch.int64)
     lengths_R: torch.Tensor = _tensor_field(torch.int64)
     finish_R: torch.Tensor = _tensor_field(torch.int64)
-    token_ids_T: torch.Tensor = _tensor_field(torch.int64)
+    token_ids_T: torch.Tensor = _tensor_field(torch.int32)  # half the bytes of int64 on the wire; ids < 2**31
     logprobs_T: torch.Tensor = _tensor_field(torch.float32)
 
     # -- construction -----------------------------------------------------------------------------------------
@@ -76,7 +76,8 @@ class Responses:
     @classmethod
     def from_lists(cls, groups: list[list[Response]], device=None) -> Responses:
         """The record of [prompt][sample] list-view responses; log-probs rounded to float32. ValueError for an
-        unknown finish reason or a response whose log-probs do not match its tokens."""
+        unknown finish reason or a response whose log-probs do not match its tokens; OverflowError for a token id
+        that int32 cannot hold."""
         flat = [r for group in groups for r in group]
         for r in flat:
             if r.finish_reason not in FINISH_REASONS:
@@ -84,14 +85,14 @@ class Responses:
             if len(r.logprobs) != len(r.token_ids):
                 raise ValueError(f"a response has {len(r.token_ids)} tokens and {len(r.logprobs)} log-probs")
         # array.extend converts a list in C: twice as fast as torch.tensor over one flattened list (measured).
-        tokens, logprobs = array.array("q"), array.array("f")
+        tokens, logprobs = array.array("i"), array.array("f")
         for r in flat:
             tokens.extend(r.token_ids)
             logprobs.extend(r.logprobs)
         record = cls(responses_per_prompt_P=torch.tensor([len(g) for g in groups], dtype=torch.int64),
                      lengths_R=torch.tensor([len(r.token_ids) for r in flat], dtype=torch.int64),
                      finish_R=torch.tensor([FINISH_REASONS.index(r.finish_reason) for r in flat], dtype=torch.int64),
-                     token_ids_T=_from_array(tokens, torch.int64), logprobs_T=_from_array(logprobs, torch.float32))
+                     token_ids_T=_from_array(tokens, torch.int32), logprobs_T=_from_array(logprobs, torch.float32))
         return record.to(device) if device is not None else record
 
     # -- sizes and moves --------------------------------------------------------------------------------------

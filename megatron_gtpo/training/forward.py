@@ -72,14 +72,14 @@ def sequence_rows(sequences: list[list[int]], device: torch.device) -> torch.Ten
 
 
 def padded_micro_batch(tokens_SL: torch.Tensor, lengths: list[int], *, pad_to_multiple: int = 1) -> MicroBatch:
-    """One padded micro-batch of the sequences in the rows of `tokens_SL` (int64 [S, L] on the training device, row s
-    holding sequence s from column 0 and zeros after its `lengths[s]` tokens): the rows cut or zero-padded to the
-    longest length rounded up to `pad_to_multiple`."""
+    """One padded micro-batch of the sequences in the rows of `tokens_SL` (integer [S, L] on the training device, row
+    s holding sequence s from column 0 and zeros after its `lengths[s]` tokens): the rows as int64, cut or
+    zero-padded to the longest length rounded up to `pad_to_multiple`."""
     if not lengths or min(lengths) == 0:
         raise ValueError("empty token sequence" if lengths else "a micro-batch needs at least one sequence")
     length = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
-    tokens_BL = _fit_columns(tokens_SL, length)
     device = tokens_SL.device
+    tokens_BL = _padded_right(tokens_SL[:, :length].to(torch.long).contiguous(), length)
     positions = torch.arange(length, dtype=torch.long, device=device).expand(len(lengths), length).contiguous()
     return MicroBatch(tokens_BL, torch.tensor(lengths, device=device), positions)
 
@@ -94,7 +94,7 @@ def packed_micro_batch(tokens_SL: torch.Tensor, lengths: list[int], *, pad_to_mu
     length = -(-total // pad_to_multiple) * pad_to_multiple
     segments = lengths + ([length - total] if length > total else [])
     valid_SL = torch.arange(tokens_SL.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
-    tokens_L = torch.nn.functional.pad(tokens_SL[valid_SL], (0, length - total))  # row-major: one after another
+    tokens_L = _padded_right(tokens_SL[valid_SL].to(torch.long), length)  # row-major: one sequence after another
     positions = [p for n in segments for p in range(n)]
     cu_seqlens = [0]
     for n in segments:
@@ -104,11 +104,10 @@ def packed_micro_batch(tokens_SL: torch.Tensor, lengths: list[int], *, pad_to_mu
                       torch.tensor(cu_seqlens, dtype=torch.int32, device=device), max(segments))
 
 
-def _fit_columns(tokens_SL: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` columns of `tokens_SL`, zero-padded on the right where it has fewer (a new tensor)."""
-    if tokens_SL.shape[1] >= length:
-        return tokens_SL[:, :length].contiguous()
-    return torch.nn.functional.pad(tokens_SL, (0, length - tokens_SL.shape[1]))
+def _padded_right(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """`tokens` with zero columns appended up to `length` along its last dimension (itself if it has them)."""
+    missing = length - tokens.shape[-1]
+    return torch.nn.functional.pad(tokens, (0, missing)) if missing else tokens
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:

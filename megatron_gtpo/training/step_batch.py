@@ -189,7 +189,7 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
     sequence_ids = [[g * G + j for g in groups_of_mini for j in range(G)] for groups_of_mini in mini_batches]
     plan = plan_micro_batches(sequence_lengths, sequence_ids, max_sequences=max_sequences,
                               max_tokens=max_tokens, pad_to_multiple=parallel.sequence_multiple, pack=pack)
-    planned = [[_planned(rows, tokens_SL, sequence_lengths, prompt_lengths, response_lengths, parallel, pack)
+    planned = [[_planned(rows, tokens_SL, mask_ST, sequence_lengths, prompt_lengths, response_lengths, parallel, pack)
                 for rows in mini] for mini in plan]
     index_S = torch.arange(len(response_lengths), device=device)
     return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G, sequence_lengths=sequence_lengths,
@@ -200,12 +200,14 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
 
 def sequence_tokens_SL(prompt_token_ids: list, group_size: int, responses: Responses,
                        sequence_lengths: list[int]) -> torch.Tensor:
-    """int64 [S, L] on the record's device: sequence s = g * G + j is prompt g's tokens followed by its response j's,
-    from column 0, zeros after it (L: the longest sequence). The prompts (host ints, few) cross once as [n, P_max];
-    the responses' tokens are scattered from the record's flat token_ids_T."""
+    """[S, L] on the record's device, of its token dtype (int32): sequence s = g * G + j is prompt g's tokens followed
+    by its response j's, from column 0, zeros after it (L: the longest sequence). The prompts (host ints, few) cross
+    once as [n, P_max]; the responses' tokens are scattered from the record's flat token_ids_T. The micro-batches
+    cut their int64 inputs out of it (forward.padded_micro_batch / packed_micro_batch)."""
     device = responses.device
     prompts_nP = sequence_rows([list(p) for p in prompt_token_ids], device)
-    tokens_SL = torch.zeros(len(sequence_lengths), max(sequence_lengths, default=0), dtype=torch.long, device=device)
+    tokens_SL = torch.zeros(len(sequence_lengths), max(sequence_lengths, default=0), dtype=responses.token_ids_T.dtype,
+                            device=device)
     tokens_SL[:, :prompts_nP.shape[1]] = prompts_nP.repeat_interleave(group_size, dim=0)
     column_L = torch.arange(tokens_SL.shape[1], device=device)
     prompt_lengths_S1 = torch.tensor([len(p) for p in prompt_token_ids], device=device).repeat_interleave(
@@ -214,8 +216,10 @@ def sequence_tokens_SL(prompt_token_ids: list, group_size: int, responses: Respo
     return tokens_SL.masked_scatter_(response_SL, responses.token_ids_T)
 
 
-def _planned(rows: list[int], tokens_SL: torch.Tensor, sequence_lengths, prompt_lengths, response_lengths,
-             parallel: ParallelGroups, pack: bool) -> PlannedMicroBatch:
+def _planned(rows: list[int], tokens_SL: torch.Tensor, mask_ST: torch.Tensor, sequence_lengths, prompt_lengths,
+             response_lengths, parallel: ParallelGroups, pack: bool) -> PlannedMicroBatch:
+    """The micro-batch of sequences `rows`: its inputs cut out of the step batch's token rows, its columns computed
+    on the device from the step batch's mask (host ints for the starts only)."""
     device, multiple = parallel.device, parallel.sequence_multiple
     if not rows:  # a rank without sequences: one dummy sequence that scores nothing
         (inputs,) = make_micro_batches([[0, 0]], 1, device=device, pad_to_multiple=multiple)
@@ -235,9 +239,8 @@ def _planned(rows: list[int], tokens_SL: torch.Tensor, sequence_lengths, prompt_
         inputs = padded_micro_batch(selected_SL, lengths, pad_to_multiple=multiple)
         row_S, offsets = list(range(len(rows))), [0] * len(rows)
     T = max(response_lengths[i] for i in rows)
-    t_T = torch.arange(T)
-    starts_S1 = torch.tensor([offset + prompt_lengths[i] - 1 for i, offset in zip(rows, offsets)])[:, None]
-    valid_ST = t_T < torch.tensor([response_lengths[i] for i in rows])[:, None]
-    columns_ST = torch.where(valid_ST, starts_S1 + t_T, 0)
-    columns = MicroBatchColumns(rows_S, torch.tensor(row_S, device=device), columns_ST.to(device), valid_ST.to(device))
+    starts_S1 = torch.tensor([offset + prompt_lengths[i] - 1 for i, offset in zip(rows, offsets)], device=device)
+    valid_ST = mask_ST[:, :T].index_select(0, rows_S)
+    columns_ST = (starts_S1[:, None] + torch.arange(T, device=device)).masked_fill_(~valid_ST, 0)
+    columns = MicroBatchColumns(rows_S, torch.tensor(row_S, device=device), columns_ST, valid_ST)
     return PlannedMicroBatch(inputs, rows, columns)

@@ -66,7 +66,7 @@ class BuiltinEngine:
     params and gets the same result. Data-parallel replicas call it independently with their own prompts.
     """
 
-    def __init__(self, model_chunks: list, groups, vocab_size: int, *, max_batch_size: int | None = None,
+    def __init__(self, model_chunks: list, parallel, vocab_size: int, *, max_batch_size: int | None = None,
                  max_batch_tokens: int | None = None, prompt_alignment: str = "auto", progress: bool = False):
         """`max_batch_size` / `max_batch_tokens`: caps on the rows and on the KV-cache token slots of one batch
         (None: no cap; see the module doc). `prompt_alignment`: "left_pad", "teacher_force" or "auto" (left_pad
@@ -81,7 +81,7 @@ class BuiltinEngine:
                 raise ValueError(f"{name} must be None or an int >= 1, got {cap!r}")
         self.model_chunks = model_chunks
         self.models = [unwrap_chunk(c) for c in model_chunks]
-        self.groups = groups
+        self.parallel = parallel
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
@@ -94,7 +94,7 @@ class BuiltinEngine:
         self.max_positions = self.models[0].max_sequence_length
         self.hidden_size = config.hidden_size
         self.pipeline_dtype = config.pipeline_dtype or config.params_dtype
-        self.num_virtual_stages = groups.pp_size * len(self.models)
+        self.num_virtual_stages = parallel.pp_size * len(self.models)
         # Every rank decides from its own layers; all layers share one layer spec, so the ranks agree.
         honours_masks = all(_attention_honours_masks(m) for m in self.models)
         if prompt_alignment == "left_pad" and not honours_masks:
@@ -102,7 +102,7 @@ class BuiltinEngine:
                              "DotProductAttention without the fused softmax); use 'teacher_force' or 'auto'")
         self.left_pad = prompt_alignment == "left_pad" or (prompt_alignment == "auto" and honours_masks)
 
-    def sync_weights(self, model_chunks: list, groups) -> None:
+    def sync_weights(self, model_chunks: list, parallel) -> None:
         """Nothing to copy: generation runs on the training model. Refuses other models, which would be ignored."""
         if [unwrap_chunk(c) for c in model_chunks] != self.models:
             raise ValueError("the built-in engine generates with the model chunks it was built with; "
@@ -135,7 +135,7 @@ class BuiltinEngine:
                 lengths += batch_lengths
                 finish += batch_finish
                 bar.update(len(batch))
-        device = self.groups.device
+        device = self.parallel.device
         return Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=device),
                          lengths_R=torch.tensor(lengths, device=device), finish_R=torch.tensor(finish, device=device),
                          token_ids_T=torch.cat(tokens), logprobs_T=torch.cat(logprobs))
@@ -166,9 +166,9 @@ class BuiltinEngine:
         lengths and finish codes as host lists."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        device = self.groups.device
+        device = self.parallel.device
         generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds] \
-            if self.groups.is_last_stage and not params.greedy else None
+            if self.parallel.is_last_stage and not params.greedy else None
         width = max(len(r) for r in rows)
         context = StaticInferenceContext(max_batch_size=len(rows), max_sequence_length=width + params.max_new_tokens)
         stop_ids = set(params.stop_token_ids)
@@ -233,26 +233,28 @@ class BuiltinEngine:
         """One forward step of `tokens_BS` (positions from the cache offset on) through all pipeline stages, with
         `attention_mask` (None: megatron's causal default). Returns the last-position logits [B, V_padded] on the
         last stage, None elsewhere."""
-        groups = self.groups
+        parallel = self.parallel
         batch, seq = tokens_BS.shape
         offset = context.sequence_len_offset
         position_ids_BS = torch.arange(offset, offset + seq, device=tokens_BS.device).expand(batch, seq)
         logits_BV = None
         for virtual_stage in range(self.num_virtual_stages):
-            owner = virtual_stage % groups.pp_size
-            if owner != groups.pp_rank:
+            owner = virtual_stage % parallel.pp_size
+            if owner != parallel.pp_rank:
                 continue
-            model = self.models[virtual_stage // groups.pp_size]
+            model = self.models[virtual_stage // parallel.pp_size]
             if virtual_stage > 0:
-                hidden_SBH = torch.empty(seq, batch, self.hidden_size, dtype=self.pipeline_dtype, device=groups.device)
-                dist.recv(hidden_SBH, src=dist.get_global_rank(groups.pp_group, (owner - 1) % groups.pp_size),
-                          group=groups.pp_group)
+                hidden_SBH = torch.empty(seq, batch, self.hidden_size, dtype=self.pipeline_dtype,
+                                         device=parallel.device)
+                dist.recv(hidden_SBH, src=dist.get_global_rank(parallel.pp_group, (owner - 1) % parallel.pp_size),
+                          group=parallel.pp_group)
                 model.set_input_tensor(hidden_SBH)
             output = model(tokens_BS, position_ids_BS, attention_mask=attention_mask, inference_context=context,
                            runtime_gather_output=True)
             if virtual_stage < self.num_virtual_stages - 1:
-                dist.send(output.contiguous(), dst=dist.get_global_rank(groups.pp_group, (owner + 1) % groups.pp_size),
-                          group=groups.pp_group)
+                dist.send(output.contiguous(),
+                          dst=dist.get_global_rank(parallel.pp_group, (owner + 1) % parallel.pp_size),
+                          group=parallel.pp_group)
             else:
                 logits_BV = output[:, -1, :]  # [B, 1, V]: the static context materialises the last position only
         context.increment_sequence_len_offset(seq)
@@ -262,19 +264,19 @@ class BuiltinEngine:
         """Sample on the last stage (one generator, or None, per row: sample_next_tokens); every rank of the
         model-parallel group gets the token ids as a host list (the early exit reads them) and shared_2B, float64
         [2, batch] on the device: the token ids and their float32 log-probs."""
-        groups = self.groups
-        if groups.is_last_stage:
+        parallel = self.parallel
+        if parallel.is_last_stage:
             tokens_B, logprobs_B = sample_next_tokens(
                 logits_BV, vocab_size=self.vocab_size, temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, generator=generators)
             # float64 carries token ids exactly (< 2**53) and the float32 log-probs unchanged: one message.
             shared_2B = torch.stack([tokens_B.double(), logprobs_B.double()])
-            if groups.tp_size > 1:
-                dist.broadcast(shared_2B, src=dist.get_global_rank(groups.tp_group, 0), group=groups.tp_group)
+            if parallel.tp_size > 1:
+                dist.broadcast(shared_2B, src=dist.get_global_rank(parallel.tp_group, 0), group=parallel.tp_group)
         else:
-            shared_2B = torch.empty(2, batch, dtype=torch.float64, device=groups.device)
-        if groups.pp_size > 1:
-            dist.broadcast(shared_2B, src=groups.last_stage_global_rank, group=groups.pp_group)
+            shared_2B = torch.empty(2, batch, dtype=torch.float64, device=parallel.device)
+        if parallel.pp_size > 1:
+            dist.broadcast(shared_2B, src=parallel.last_stage_global_rank, group=parallel.pp_group)
         return [int(t) for t in shared_2B[0].cpu().tolist()], shared_2B
 
 

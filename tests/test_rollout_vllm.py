@@ -360,7 +360,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
         assert other[key] == ref[key], f"ranks disagree on {key}"
 
     unreachable, seconds = ref["unreachable"]
-    assert "no vLLM server answered at 127.0.0.1:" in unreachable and seconds < REMOTE_TIMEOUT_S, (unreachable,
+    assert "no rollout server answered at 127.0.0.1:" in unreachable and seconds < REMOTE_TIMEOUT_S, (unreachable,
                                                                                                   seconds)
     assert other["unreachable"][0] == unreachable
     assert "a newer trainer session replaced it" in ref["replaced"], ref["replaced"]
@@ -380,7 +380,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
     assert _tokens(ref["session_2_greedy"]) == _tokens(ref["vllm_greedy_changed"])
     for rank_out in per_rank:
         dead, seconds = rank_out["dead"]
-        assert f"vLLM server at {address}" in dead and "lost the connection" in dead, dead
+        assert f"rollout server at {address}" in dead and "lost the connection" in dead, dead
         assert seconds < REMOTE_TIMEOUT_S, seconds
 
 

@@ -124,21 +124,37 @@ def stage_layer_counts(shape: Qwen2Shape, layout: ParallelLayout) -> list[int]:
     return [shape.num_layers // layout.pipeline] * layout.pipeline
 
 
-def _layer_matrix_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
-    """The weights of one decoder layer's matmuls on one TP rank (every matrix is split)."""
+def _attention_matrix_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
+    """The weights of one decoder layer's attention matmuls on one TP rank (every matrix is split)."""
     h, t = shape.hidden_size, tensor_parallel
     qkv_out = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // t
-    return (qkv_out * h  # linear_qkv
-            + h * shape.num_attention_heads * shape.head_dim // t  # attention output projection
-            + 2 * shape.ffn_hidden_size // t * h  # linear_fc1: gate and up
-            + h * shape.ffn_hidden_size // t)  # linear_fc2
+    return qkv_out * h + h * shape.num_attention_heads * shape.head_dim // t  # linear_qkv, attention output
 
 
-def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
-    """One decoder layer on one TP rank: its matrices (split), the RMSNorm weights (replicated) and the q/k/v bias
-    (split)."""
+def _mlp_matrix_count(shape: Qwen2Shape, tensor_parallel: int, experts: int | None = None) -> int:
+    """One decoder layer's MLP matrices on one TP rank (linear_fc1: gate and up, linear_fc2): the dense MLP split
+    over `tensor_parallel`, or `experts` experts (default all) of a mixture-of-experts layer, each split over
+    `tensor_parallel` (then the expert-TP size)."""
+    if shape.moe is None:
+        return 3 * shape.ffn_hidden_size // tensor_parallel * shape.hidden_size
+    experts = shape.moe.num_experts if experts is None else experts
+    return experts * 3 * shape.moe.ffn_hidden_size // tensor_parallel * shape.hidden_size
+
+
+def _router_count(shape: Qwen2Shape) -> int:
+    """A mixture-of-experts layer's router [E, H] (replicated on every rank); 0 for a dense model."""
+    return shape.moe.num_experts * shape.hidden_size if shape.moe else 0
+
+
+def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int, expert_parallel: int = 1,
+                          expert_tensor_parallel: int | None = None) -> int:
+    """One decoder layer on one TP rank: its matrices (split; a mixture-of-experts layer's E / EP experts over the
+    expert-TP size, default TP), the router and RMSNorm weights (replicated) and the q/k/v bias (split)."""
     qkv_bias = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // tensor_parallel
-    return (_layer_matrix_count(shape, tensor_parallel)
+    experts = shape.moe.num_experts // expert_parallel if shape.moe else None
+    return (_attention_matrix_count(shape, tensor_parallel)
+            + _mlp_matrix_count(shape, expert_tensor_parallel or tensor_parallel, experts)
+            + _router_count(shape)
             + 2 * shape.hidden_size  # input and pre-MLP RMSNorm
             + (2 * shape.head_dim if shape.qk_norm else 0)  # per-head q and k RMSNorm (Qwen3)
             + (qkv_bias if shape.qkv_bias else 0))  # Qwen2
@@ -150,7 +166,8 @@ def parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> 
         raise ValueError(f"pp_rank must be in [0, {layout.pipeline}), got {pp_rank}")
     t = layout.tensor
     table = padded_vocab_size(shape.vocab_size, t) // t * shape.hidden_size
-    count = stage_layer_counts(shape, layout)[pp_rank] * layer_parameter_count(shape, t)
+    count = stage_layer_counts(shape, layout)[pp_rank] * layer_parameter_count(shape, t, layout.expert,
+                                                                                layout.expert_tensor_size)
     first, last = pp_rank == 0, pp_rank == layout.pipeline - 1
     if first:
         count += table  # word embeddings (RoPE has no parameters)
@@ -164,6 +181,15 @@ def parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> 
 def total_parameter_count(shape: Qwen2Shape) -> int:
     """The unsharded model, padded vocabulary included (the published counts have the unpadded one)."""
     return parameter_count(shape, ParallelLayout(), 0)
+
+
+def active_parameter_count(shape: Qwen2Shape) -> int:
+    """The parameters one token uses, padded vocabulary included: a mixture-of-experts model's total less the
+    experts a token is not routed to (num_experts - top-k per layer); a dense model's total."""
+    if shape.moe is None:
+        return total_parameter_count(shape)
+    unused = shape.moe.num_experts - shape.moe.topk
+    return total_parameter_count(shape) - shape.num_layers * _mlp_matrix_count(shape, 1, unused)
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -231,8 +257,11 @@ def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_m
 
 
 def matmul_parameters(shape: Qwen2Shape, padded_vocab: int) -> int:
-    """Weights that take part in a matmul for every token (the embedding lookup is not a matmul)."""
-    return shape.num_layers * _layer_matrix_count(shape, 1) + padded_vocab * shape.hidden_size
+    """Weights that take part in a matmul for every token (the embedding lookup is not a matmul): a
+    mixture-of-experts layer's router and the top-k experts a token is routed to."""
+    experts = shape.moe.topk if shape.moe else None
+    per_layer = _attention_matrix_count(shape, 1) + _mlp_matrix_count(shape, 1, experts) + _router_count(shape)
+    return shape.num_layers * per_layer + padded_vocab * shape.hidden_size
 
 
 def forward_flops(shape: Qwen2Shape, *, num_tokens: int, sum_squared_lengths: int,

@@ -12,6 +12,9 @@ onto the CPU:
   host tensor meeting a device tensor, or going to a collective on a group that is NCCL on a GPU, raises
   DeviceMixError, so the CPU runs catch what would fail on CUDA;
 - `torch.Generator(device="cuda")` gives a CPU generator;
+- CUDA streams and events (megatron-core's MoE token dispatcher copies its split sizes to the host on a side
+  stream) get stand-ins that order nothing, as everything on the CPU runs in program order: there is one stream,
+  so no tensor is ever used on a side stream (nothing calls `record_stream`, which takes real streams only);
 - `torch.cuda.{current_device, synchronize, manual_seed, get_rng_state, set_rng_state, ...}` get CPU stand-ins,
   so megatron's RNG tracker forks and restores the CPU generator exactly as it would the CUDA one;
 - megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` helpers get the same CPU stand-ins;
@@ -25,6 +28,7 @@ build of torch, would otherwise train on the CPU without a word.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -82,6 +86,38 @@ class _CpuGenerator(torch.Generator):
 
     def __init__(self, device="cpu"):
         pass
+
+
+class _CpuEvent:
+    """A CUDA event on the CPU: every operation before it has already happened."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+class _CpuStream:
+    """The CPU's one stream: work runs in program order, so waiting and recording order nothing."""
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+
+_DEFAULT_STREAM = _CpuStream()
 
 
 def _cpu_manual_seed(seed):
@@ -162,6 +198,10 @@ def activate_cpu_platform(dev: str = "/dev") -> bool:
     cuda.random.set_rng_state = _cpu_set_rng_state
     cuda.empty_cache = lambda: None
     cuda.set_device = lambda device: None
+    cuda.Stream = lambda *args, **kwargs: _DEFAULT_STREAM
+    cuda.Event = _CpuEvent
+    cuda.current_stream = cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     from megatron.core.tensor_parallel import layers as megatron_layers
     from megatron.core.tensor_parallel import random as megatron_random

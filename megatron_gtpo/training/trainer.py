@@ -47,7 +47,8 @@ class Trainer:
         validate_layout(cfg, world_size=read_launch_env().world_size, shape=shape)  # before any process group
         p = cfg.parallel
         self.parallel = initialize_parallel(p.tensor, p.pipeline, virtual_pipeline_parallel=p.virtual_pipeline,
-                                            sequence_parallel=p.sequence_parallel, seed=cfg.seed)
+                                            sequence_parallel=p.sequence_parallel, expert_parallel=p.expert,
+                                            expert_tensor_parallel=p.expert_tensor, seed=cfg.seed)
         self.vocab_size = shape.vocab_size
         # The vocab-parallel log-prob op's chunk, from model.logprob_workspace_mib.
         self.logprob_chunk_tokens = chunk_tokens_for_budget(

@@ -416,6 +416,17 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
         raise ConfigError(str(e)) from None
 
 
+def validate_for_model(cfg: TrainConfig, shape) -> None:
+    """The settings that depend on the model (`shape`: models.qwen2.Qwen2Shape), as a ConfigError; the trainer checks
+    them once it has read the model's config."""
+    if shape.moe is None:
+        for key, value in (("algorithm.routing_replay", cfg.algorithm.routing_replay != "none"),
+                           ("model.moe_aux_loss_coef", cfg.model.moe_aux_loss_coef > 0),
+                           ("model.moe_z_loss_coef", cfg.model.moe_z_loss_coef > 0)):
+            if value:
+                raise ConfigError(f"{key}: needs a mixture-of-experts model (Qwen3-MoE); this one is dense")
+
+
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 

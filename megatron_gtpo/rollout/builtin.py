@@ -34,6 +34,14 @@ stage's TP group, then from the last stage along each pipeline group), so all ra
 return the same responses. Host synchronisation: one small [2, b] read per decoded position (needed for the
 per-sequence early exit).
 
+Mixture-of-experts models with expert parallelism: the ranks of an expert-parallel group exchange tokens inside every
+MoE layer, so they must take every forward step together, whatever their own prompts (their replicas generate
+different responses of different lengths). Before each forward step every rank says whether it has rows left, one
+all-reduce (MAX) over the group; a rank with none left takes part in its peers' steps with a one-token forward whose
+output it drops (`stand_by`), until no peer has rows left. Without expert parallelism nothing of this runs.
+`record_routing`: each response carries the experts each of its fed tokens went to at this rank's MoE layers
+(`Response.routed_experts`, models/moe_routing.py), for routing replay in training.
+
 Sampling and the log-prob convention are in sampling.py and engine.py. Sequence parallelism is switched off for the
 duration of a call (decode steps have one token, which cannot be split over TP ranks) with megatron's own
 `set_model_to_sequence_parallel`, and restored afterwards, as are the modules' train/eval modes.
@@ -45,6 +53,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+from megatron_gtpo.models.moe_routing import RoutedExperts, recording
 
 from .engine import FINISH_LENGTH, FINISH_STOP, Response, SamplingParams, check_prompts, response_seed
 from .sampling import sample_next_tokens
@@ -65,10 +75,12 @@ class BuiltinEngine:
     """
 
     def __init__(self, model_chunks: list, groups, vocab_size: int, *, max_batch_size: int | None = None,
-                 max_batch_tokens: int | None = None, prompt_alignment: str = "auto", progress: bool = False):
+                 max_batch_tokens: int | None = None, prompt_alignment: str = "auto", progress: bool = False,
+                 record_routing: bool = False):
         """`max_batch_size` / `max_batch_tokens`: caps on the rows and on the KV-cache token slots of one batch
         (None: no cap; see the module doc). `prompt_alignment`: "left_pad", "teacher_force" or "auto" (left_pad
-        where the attention honours explicit masks, else teacher_force). `progress`: a progress bar over the rows."""
+        where the attention honours explicit masks, else teacher_force). `progress`: a progress bar over the rows.
+        `record_routing`: responses carry their tokens' experts (a mixture-of-experts model; module doc)."""
         if not model_chunks:
             raise ValueError("model_chunks is empty")
         if prompt_alignment not in ("auto", "left_pad", "teacher_force"):
@@ -83,6 +95,9 @@ class BuiltinEngine:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
+        self.record_routing = record_routing
+        # ParallelGroups of a dense model (or stand-ins without the attribute) need no lockstep.
+        self.lockstep_group = getattr(groups, "expert_lockstep_group", None)
         config = self.models[0].config
         padded_vocab = self.models[0].vocab_size
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded_vocab:
@@ -117,12 +132,38 @@ class BuiltinEngine:
         batches = batch_ranges([len(r) for r in rows], max_new_tokens=params.max_new_tokens,
                                max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
         responses: list[Response] = []
-        with self._inference_mode(), tqdm(total=len(rows), desc="decoding", unit="row", leave=False,
-                                          disable=not self.progress) as bar:
+        with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
+                tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
             for batch in batches:
-                responses += self._generate_batch([rows[r] for r in batch], [seeds[r] for r in batch], params)
+                responses += self._generate_batch([rows[r] for r in batch], [seeds[r] for r in batch], params,
+                                                  recorder)
                 bar.update(len(batch))
+            self._stand_by()
         return [responses[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def stand_by(self) -> None:
+        """Generate nothing, but take part in the forward steps of the expert-parallel peers that generate (a rank
+        whose replica has no prompts this time, e.g. dynamic sampling's later rounds). Collective over the
+        expert-parallel group; a no-op without expert parallelism."""
+        with self._inference_mode():
+            self._stand_by()
+
+    def _stand_by(self) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        while self._peers_forward(False):  # a one-token forward, dropped, for each of the peers' steps
+            self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.groups.device),
+                          StaticInferenceContext(max_batch_size=1, max_sequence_length=1), None)
+
+    def _peers_forward(self, forwarding: bool) -> bool:
+        """Whether this rank or an expert-parallel peer takes a forward step now (one all-reduce over the lockstep
+        group; without one, `forwarding`)."""
+        if self.lockstep_group is None:
+            return forwarding
+        flag = torch.tensor([float(forwarding)], device=self.groups.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.lockstep_group)
+        return bool(flag.item())
 
     @contextlib.contextmanager
     def _inference_mode(self):
@@ -145,7 +186,8 @@ class BuiltinEngine:
                 if not model.pre_process:
                     model.set_input_tensor(None)
 
-    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Response]:
+    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams,
+                        recorder=None) -> list[Response]:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         device = self.groups.device
@@ -172,8 +214,13 @@ class BuiltinEngine:
             feed_BS = torch.tensor([r[:position] for r in rows], dtype=torch.long, device=device)
             key_is_pad_BK = None
         active = list(range(len(rows)))  # original row of each batch row, in KV-cache order
+        pads = [width - len(r) if self.left_pad else 0 for r in rows]
+        routes = _RouteLog(len(rows), pads) if recorder is not None else None
         while active:
+            self._peers_forward(True)
             logits_BV = self._forward(feed_BS, context, _attention_mask(key_is_pad_BK, feed_BS.shape[1], position))
+            if routes is not None:  # the fed columns [position - S, position) of the active rows
+                routes.add(position - feed_BS.shape[1], active, recorder.take())
             context.enable_decode_mode()
             # Rows still inside their prompt (teacher forcing) draw nothing: their prediction is discarded.
             drawing = generators and [generators[row] if position >= prompt_end[row] else None for row in active]
@@ -202,7 +249,9 @@ class BuiltinEngine:
                 active = [active[b] for b in keep]
             feed_BS = torch.tensor(next_tokens, dtype=torch.long, device=device).unsqueeze(1)
             position += 1
-        return [Response(t, lp, f) for t, lp, f in zip(out_tokens, out_logprobs, finish)]
+        experts = routes.per_row() if routes is not None else [None] * len(rows)
+        return [Response(t, lp, f, None if e is None else RoutedExperts(recorder.layers, e))
+                for t, lp, f, e in zip(out_tokens, out_logprobs, finish, experts)]
 
     def _forward(self, tokens_BS: torch.Tensor, context, attention_mask) -> torch.Tensor | None:
         """One forward step of `tokens_BS` (positions from the cache offset on) through all pipeline stages, with
@@ -251,6 +300,29 @@ class BuiltinEngine:
             dist.broadcast(shared_2B, src=groups.last_stage_global_rank, group=groups.pp_group)
         tokens, logprobs = shared_2B.cpu().tolist()
         return [int(t) for t in tokens], logprobs
+
+
+class _RouteLog:
+    """The experts recorded at each forward step of one batch, sorted out per row at the end: row r's fed tokens,
+    its pads (left padding) left out, in position order."""
+
+    def __init__(self, num_rows: int, pads: list[int]):
+        self.pads = pads
+        self.steps: list[tuple[int, list[int], torch.Tensor]] = []
+        self.num_rows = num_rows
+
+    def add(self, first_column: int, active: list[int], experts_TMK: torch.Tensor) -> None:
+        """A forward step over columns first_column.. of the rows `active` (in batch order); `experts_TMK`: the
+        recorder's [S * B, M, k] (position major)."""
+        self.steps.append((first_column, list(active), experts_TMK.view(-1, len(active), *experts_TMK.shape[1:])))
+
+    def per_row(self) -> list[torch.Tensor]:
+        parts: list[list[torch.Tensor]] = [[] for _ in range(self.num_rows)]
+        for first_column, active, experts_SBMK in self.steps:
+            for b, row in enumerate(active):
+                skip = max(0, self.pads[row] - first_column)  # left pads are no tokens of the row
+                parts[row].append(experts_SBMK[skip:, b])
+        return [torch.cat(p) for p in parts]
 
 
 def batch_ranges(row_lengths: list[int], *, max_new_tokens: int, max_rows: int | None, max_tokens: int | None,

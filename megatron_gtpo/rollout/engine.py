@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from megatron_gtpo.models.moe_routing import RoutedExperts
+
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 _SEED_STRIDE = 1_000_003  # > any prompts x n of one call: the rows of calls with seeds s and s + 1 never share a seed
 
@@ -76,11 +78,15 @@ class SamplingParams:
 @dataclass
 class Response:
     """One sampled continuation. `token_ids` ends with the stop token when finish_reason is "stop"; "length" means
-    max_new_tokens were generated without a stop token. `logprobs[k]` belongs to `token_ids[k]` (module doc)."""
+    max_new_tokens were generated without a stop token. `logprobs[k]` belongs to `token_ids[k]` (module doc).
+    `routed_experts` (a mixture-of-experts model, when the engine records routing): the experts [P + R - 1, M, k]
+    each fed token (the prompt's P and all response tokens but the last, which is never fed back) went to at this
+    rank's MoE layers; it differs between pipeline stages, so it stays on the rank (never sent between ranks)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    routed_experts: RoutedExperts | None = None
 
 
 class RolloutEngine(Protocol):

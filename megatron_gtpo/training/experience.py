@@ -45,13 +45,15 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
                        score_groups: Callable[[list, list[list[Response]]], torch.Tensor],
                        params: SamplingParams, parallel: ParallelGroups, *, target_prompt_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
-                       length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> Experience:
+                       length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                       stand_by: Callable[[], None] | None = None) -> Experience:
     """Sample G responses per prompt (`generate(prompts, round_index)`) and score them (`score_groups(prompts,
     responses) -> [N, G]` verifier rewards in {0, 1}). With dynamic sampling, groups whose rewards are all equal
     (algorithms.informative_groups) are dropped and more prompts are drawn (at most `max_extra_rounds` more rounds,
     the same number on every DP rank so data loaders stay aligned) until `target_prompt_groups` informative groups
     are kept; then train on what there is. `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the
-    rewards."""
+    rewards. `stand_by()` is called in the rounds where this rank has enough groups and generates nothing (the
+    built-in engine then takes part in its expert-parallel peers' generation)."""
     kept_prompts, kept_responses, kept_correct, kept_rewards = [], [], [], []
     all_correct, all_rewards, all_lengths, all_truncated = [], [], [], []
     rounds = 0
@@ -74,6 +76,8 @@ def collect_experience(generate: Callable[[list[list[int]], int], list[list[Resp
             all_lengths.append(lengths_NG.flatten())
             all_truncated.append(torch.tensor([r.finish_reason == "length" for g in responses for r in g],
                                               dtype=torch.float32))
+        elif stand_by is not None:
+            stand_by()
         rounds += 1
         # Collectives run on the process groups' device: an NCCL group takes no host tensors.
         short = torch.tensor([float(len(kept_prompts) < target_prompt_groups)], device=parallel.device)

@@ -19,6 +19,13 @@ o + P - 1 + t (o = 0 unpacked); `_planned` is the one place that computes these 
 those scores into the response-aligned layout [S_mb, T_mb] that the step batch's fields and the losses use,
 whichever the micro-batch's layout, and selects a micro-batch's rows of a field.
 
+Expert parallelism (a mixture-of-experts model): the ranks of an expert-parallel group exchange tokens in every MoE
+layer, so they must run the same number of micro-batches: each mini-batch's plan is padded with empty micro-batches
+(one dummy sequence that scores nothing, as for a rank without sequences) to the largest count in the group.
+Routing replay: each micro-batch's model inputs carry the experts the rollout routed its tokens to
+(`MicroBatch.routed_experts`, models/moe_routing.py), placed like its tokens; positions nobody recorded (padding,
+each sequence's last token) get filler experts.
+
 Fields, by the phase that adds them (all on parallel.device; build_step_batch's on every pipeline stage, the later
 phases' on the last stage only, elsewhere None and mismatch_sums empty):
     build_step_batch      mask_ST, rollout_logprobs_ST, correct_NG, rewards_NG, group_index_S, response_index_S
@@ -32,7 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import torch.distributed as dist
+
 from megatron_gtpo.distributed import ParallelGroups
+from megatron_gtpo.models.moe_routing import RoutedExperts, filler_experts
 
 from .experience import Experience
 from .forward import MicroBatch, make_micro_batches, pack_sequences
@@ -139,6 +149,7 @@ class StepBatch:
     correct_NG: torch.Tensor
     rewards_NG: torch.Tensor
     plan: list[list[PlannedMicroBatch]]  # per mini-batch
+    lockstep: bool = False  # expert parallelism: the plan's padding micro-batches run too (module doc)
     old_logprobs_ST: torch.Tensor | None = None
     entropy_ST: torch.Tensor | None = None
     ref_logprobs_ST: torch.Tensor | None = None
@@ -152,8 +163,9 @@ class StepBatch:
         return len(self.sequence_lengths)
 
     def micro_batches(self) -> list[PlannedMicroBatch]:
-        """Every micro-batch of the plan that holds sequences, in plan order (what the old-policy pass scores)."""
-        return [mb for mini in self.plan for mb in mini if mb.rows]
+        """Every micro-batch of the plan that holds sequences, in plan order (what the old-policy pass scores); in
+        lockstep, the padding ones too."""
+        return [mb for mini in self.plan for mb in mini if mb.rows or self.lockstep]
 
     def per_group_NGT(self, values_ST: torch.Tensor) -> torch.Tensor:
         """[S, T] -> [n, G, T] through the group index."""
@@ -166,10 +178,20 @@ class StepBatch:
         return values_NG_or_NGT[self.group_index_S, self.response_index_S]
 
 
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Routing replay's shape on this rank: its MoE layers (megatron's layer numbers) and the experts per token."""
+
+    layers: tuple[int, ...]
+    topk: int
+
+
 def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches: list[list[int]], max_sequences: int,
-                     max_tokens: int | None, pack: bool = False) -> StepBatch:
+                     max_tokens: int | None, pack: bool = False, replay: ReplayPlan | None = None) -> StepBatch:
     """The step batch of `exp`'s kept groups; `mini_batches` lists the group ids of each mini-batch; `pack`: packed
-    micro-batches (one row of several sequences each, forward.py) instead of padded ones."""
+    micro-batches (one row of several sequences each, forward.py) instead of padded ones; `replay`: the micro-batches
+    carry the experts each response's `routed_experts` recorded (module doc). With expert parallelism, collective
+    over the expert-parallel group (the micro-batch counts are agreed on)."""
     device, G = parallel.device, exp.group_size
     sequences = exp.sequences()
     prompt_lengths = exp.prompt_lengths()
@@ -183,22 +205,36 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
     sequence_ids = [[g * G + j for g in groups_of_mini for j in range(G)] for groups_of_mini in mini_batches]
     plan = plan_micro_batches([len(s) for s in sequences], sequence_ids, max_sequences=max_sequences,
                               max_tokens=max_tokens, pad_to_multiple=parallel.sequence_multiple, pack=pack)
-    planned = [[_planned(rows, sequences, prompt_lengths, response_lengths, parallel, pack) for rows in mini]
-               for mini in plan]
+    lockstep = getattr(parallel, "expert_lockstep_group", None)
+    if lockstep is not None:
+        plan = _pad_to_peers(plan, lockstep, parallel.device)
+    routes = [r.routed_experts.experts for r in responses] if replay is not None else None
+    planned = [[_planned(rows, sequences, prompt_lengths, response_lengths, parallel, pack, replay, routes)
+                for rows in mini] for mini in plan]
     index_S = torch.arange(len(sequences), device=device)
     return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G,
                      sequence_lengths=[len(s) for s in sequences],
                      response_lengths=response_lengths, group_index_S=index_S // G, response_index_S=index_S % G,
                      mask_ST=torch.arange(T, device=device) < lengths_S[:, None],
                      rollout_logprobs_ST=rollout.to(device), correct_NG=exp.correct_NG.to(device),
-                     rewards_NG=exp.rewards_NG.to(device), plan=planned)
+                     rewards_NG=exp.rewards_NG.to(device), plan=planned, lockstep=lockstep is not None)
 
 
-def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, parallel: ParallelGroups, pack: bool
-             ) -> PlannedMicroBatch:
+def _pad_to_peers(plan: list[list[list[int]]], group, device) -> list[list[list[int]]]:
+    """Each mini-batch's micro-batches padded with empty ones to the most any rank of `group` has (one
+    all-reduce)."""
+    counts = torch.tensor([len(mini) for mini in plan], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    return [mini + [[] for _ in range(most - len(mini))] for mini, most in zip(plan, counts.tolist())]
+
+
+def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, parallel: ParallelGroups, pack: bool,
+             replay: ReplayPlan | None = None, routes: list | None = None) -> PlannedMicroBatch:
     device, multiple = parallel.device, parallel.sequence_multiple
     if not rows:  # a rank without sequences: one dummy sequence that scores nothing
         (inputs,) = make_micro_batches([[0, 0]], 1, device=device, pad_to_multiple=multiple)
+        inputs.lengths_B.zero_()  # no real token (what the routers' statistics count)
+        inputs.routed_experts = _placed_experts(inputs, [], [], replay, device)
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return PlannedMicroBatch(inputs, rows, MicroBatchColumns(empty, empty, empty[:, None][:, :0],
                                                                   torch.zeros(0, 0, dtype=torch.bool, device=device)))
@@ -212,6 +248,9 @@ def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, paral
         (inputs,) = make_micro_batches([sequences[i] for i in rows], len(rows), device=device,
                                        pad_to_multiple=multiple)
         row_S, offsets = list(range(len(rows))), [0] * len(rows)
+    if replay is not None:
+        inputs.routed_experts = _placed_experts(inputs, [routes[i] for i in rows],
+                                                list(zip(row_S, offsets)), replay, device)
     T = max(response_lengths[i] for i in rows)
     t_T = torch.arange(T)
     starts_S1 = torch.tensor([offset + prompt_lengths[i] - 1 for i, offset in zip(rows, offsets)])[:, None]
@@ -220,3 +259,16 @@ def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, paral
     columns = MicroBatchColumns(torch.tensor(rows, device=device), torch.tensor(row_S, device=device),
                                  columns_ST.to(device), valid_ST.to(device))
     return PlannedMicroBatch(inputs, rows, columns)
+
+
+def _placed_experts(inputs: MicroBatch, experts: list, places: list[tuple[int, int]], replay: ReplayPlan | None,
+                    device) -> RoutedExperts | None:
+    """The micro-batch's [B, L, M, k] replay targets: each sequence's recorded experts (its first length - 1 tokens)
+    at its (row, start column), filler elsewhere."""
+    if replay is None:
+        return None
+    B, L = inputs.tokens_BL.shape
+    placed_BLMK = filler_experts(B * L, len(replay.layers), replay.topk, device).reshape(B, L, -1, replay.topk).clone()
+    for experts_TMK, (row, start) in zip(experts, places):
+        placed_BLMK[row, start:start + experts_TMK.shape[0]] = experts_TMK.to(device)
+    return RoutedExperts(replay.layers, placed_BLMK)

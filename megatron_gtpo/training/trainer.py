@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from megatron_gtpo.algorithms import configure_algorithm
 from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS
-from megatron_gtpo.config import TrainConfig, to_dict, validate_layout
+from megatron_gtpo.config import TrainConfig, to_dict, validate_for_model, validate_layout
 from megatron_gtpo.distributed import initialize_parallel, read_launch_env
+from megatron_gtpo.models.moe_routing import routed_layers
 from megatron_gtpo.rollout.engine import SamplingParams
 
 from . import checkpointing
@@ -29,7 +30,7 @@ from .model_setup import PolicyModel
 from .old_policy import correct_rollout, old_policy_pass
 from .reduction import WARM_START_METRICS, MetricReducer
 from .reference import ReferencePolicy
-from .step_batch import StepBatch, build_step_batch
+from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task
 from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
 from .update import record_optimizer_step, update_policy
@@ -44,6 +45,7 @@ class Trainer:
         self.cfg = cfg
         self.task = build_task(cfg)  # prompts, tokenizer, reward, the model's HF config
         shape = Qwen2Shape.from_hf(self.task.hf_config)
+        validate_for_model(cfg, shape)
         validate_layout(cfg, world_size=read_launch_env().world_size, shape=shape)  # before any process group
         p = cfg.parallel
         self.parallel = initialize_parallel(p.tensor, p.pipeline, virtual_pipeline_parallel=p.virtual_pipeline,
@@ -55,6 +57,9 @@ class Trainer:
             cfg.model.logprob_workspace_mib * 2**20,
             padded_vocab_size(shape.vocab_size, self.parallel.tp_size) // self.parallel.tp_size)
         self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
+        # Routing replay: this rank's MoE layers, whose experts the rollout records and the passes replay.
+        self.replay = ReplayPlan(routed_layers(self.policy.chunks), shape.moe.topk) \
+            if cfg.algorithm.routing_replay == "rollout" else None
         self.reference = ReferencePolicy.build(cfg, self.task.hf_config, self.parallel)  # None without a KL term
         self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
@@ -146,7 +151,9 @@ class Trainer:
                                  self.sampling_params(step, 0), self.parallel,
                                  target_prompt_groups=self.cfg.data.prompts_per_step // self.parallel.dp_size,
                                  dynamic_sampling=self.algorithm.dynamic_sampling,
-                                 max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty)
+                                 max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty,
+                                 # the built-in engine's: take part in expert-parallel peers' generation
+                                 stand_by=getattr(self.engine, "stand_by", None))
         stats = exp.stats
         metrics.add({k: stats[k] for k in ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio",
                                            "response_length_max", "groups_kept", "groups_generated",
@@ -159,7 +166,7 @@ class Trainer:
         return build_step_batch(exp, self.parallel,
                                 mini_batches=split_evenly(list(range(exp.num_prompt_groups)), d.mini_batches_per_step),
                                 max_sequences=d.micro_batch_size, max_tokens=d.max_tokens_per_micro_batch,
-                                pack=d.pack_sequences)
+                                pack=d.pack_sequences, replay=self.replay)
 
     def old_policy_pass(self, batch: StepBatch) -> None:
         """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout

@@ -18,6 +18,9 @@ onto the CPU:
 - `torch.cuda.{current_device, synchronize, manual_seed, get_rng_state, set_rng_state, ...}` get CPU stand-ins,
   so megatron's RNG tracker forks and restores the CPU generator exactly as it would the CUDA one;
 - megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` helpers get the same CPU stand-ins;
+- megatron's MoE all-to-all allocates its output on `torch.cuda.current_device()`, also when autograd calls it in
+  the backward pass, where no torch-function mode is active (the mode stack is thread-local, and autograd's engine
+  does not carry it): its forward runs under the platform's mode when called without one;
 - megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (a CUDA stream setting) is marked as already given.
 
 `activate_cpu_platform()` is the one place this happens. It is a no-op when CUDA is available, idempotent, and must
@@ -132,6 +135,17 @@ def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _under_platform_mode(function):
+    """`function` run under the platform's mode where it is called without any (autograd's backward)."""
+    def wrapped(*args, **kwargs):
+        if _mode is None or torch._C._len_torch_function_stack() > 0:
+            return function(*args, **kwargs)
+        with _mode:
+            return function(*args, **kwargs)
+
+    return wrapped
+
+
 def is_cpu_platform_active() -> bool:
     return _mode is not None
 
@@ -211,6 +225,10 @@ def activate_cpu_platform(dev: str = "/dev") -> bool:
     # Its advice to set CUDA_DEVICE_MAX_CONNECTIONS (how CUDA streams order communication and compute) has no
     # meaning on the CPU: mark it as given. On a GPU it stays, and applies.
     megatron_layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
+
+    from megatron.core.tensor_parallel import mappings as megatron_mappings
+
+    megatron_mappings._AllToAll.forward = staticmethod(_under_platform_mode(megatron_mappings._AllToAll.forward))
 
     torch.Generator = _CpuGenerator
     audit = DeviceAudit()

@@ -16,6 +16,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 # The dtype recorded choices are kept in: expert indices < 2**15.
 EXPERT_INDEX_DTYPE = torch.int16
@@ -24,10 +25,12 @@ EXPERT_INDEX_DTYPE = torch.int16
 @dataclass
 class RoutedExperts:
     """The experts chosen for a span of tokens at each of a rank's MoE layers: `experts` int [..., M, k] (global
-    expert indices, the router's top-k order), M ordered as `layers` (megatron's global layer numbers)."""
+    expert indices, the router's top-k order), M ordered as `layers` (megatron's global layer numbers). `recorded`
+    (bool [...], optional): which tokens' choices were recorded, the others' are filler (`filler_experts`)."""
 
     layers: tuple[int, ...]
     experts: torch.Tensor
+    recorded: torch.Tensor | None = None
 
 
 def routers(model_chunks: list) -> list:
@@ -97,16 +100,19 @@ def prepare_routers(model, routed: RoutedExperts | None, token_mask_LB: torch.Te
     [B, L, M, k] of this rank's MoE layers), every router takes the recorded choices for its layer (megatron's
     REPLAY_FORWARD; the probabilities are the router's own, renormalised over the replayed experts as over its own
     top-k); without, the routers choose. `token_mask_LB` (bool [L, B]: real tokens) is what `RouterStatistics`
-    counts."""
+    counts, less the tokens replayed with filler choices."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     chunk_routers = routers([model])
+    if token_mask_LB is not None and routed is not None and routed.recorded is not None:
+        token_mask_LB = token_mask_LB & routed.recorded.transpose(0, 1)
     for router in chunk_routers:
         router.token_mask_T = None if token_mask_LB is None else _local_tokens(token_mask_LB.reshape(-1), router)
         replay = router.router_replay
-        replay.clear_indices()
+        replay.target_topk_idx, replay.replay_backward_list = None, []  # a recording (`Recorder`) goes on
         if routed is None:
-            replay.clear_router_replay_action()
+            if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                replay.clear_router_replay_action()
             continue
         m = routed.layers.index(router.layer_number)
         target_TK = routed.experts[:, :, m].transpose(0, 1).reshape(-1, routed.experts.shape[-1])
@@ -168,3 +174,20 @@ class RouterStatistics:
                 self.entropy_M[m] += torch.where(mask_T, entropy_T, 0.0).sum().double()
                 self.tokens_M[m] += mask_T.sum().double()
         return hook
+
+    def per_layer(self, dp_group, tp_group=None) -> dict[int, tuple[float, float]]:
+        """{layer number: (load imbalance, mean router entropy)} over every rank's tokens: the totals are summed
+        over the data-parallel group (and over `tp_group`, given under sequence parallelism, where each TP rank
+        routes its own tokens), one all-reduce each and one host read. Load imbalance: the most-loaded expert's
+        routed tokens over the mean expert's (1 = balanced, E / k = every token to the same k experts); entropy: of
+        the router's distribution over all experts, in nats (ln E = uniform)."""
+        if not self.routers:
+            return {}
+        totals = torch.cat([self.counts_ME, self.entropy_M[:, None], self.tokens_M[:, None]], dim=1)
+        for group in (dp_group, tp_group):
+            if group is not None:
+                dist.all_reduce(totals, group=group)
+        counts_ME, entropy_M, tokens_M = totals[:, :-2], totals[:, -2], totals[:, -1]
+        imbalance_M = counts_ME.amax(1) / counts_ME.mean(1).clamp(min=1e-12)
+        values = torch.stack([imbalance_M, entropy_M / tokens_M.clamp(min=1)], dim=1).tolist()
+        return {layer: (imbalance, entropy) for layer, (imbalance, entropy) in zip(self.layers, values)}

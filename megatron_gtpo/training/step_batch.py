@@ -264,11 +264,13 @@ def _planned(rows: list[int], sequences, prompt_lengths, response_lengths, paral
 def _placed_experts(inputs: MicroBatch, experts: list, places: list[tuple[int, int]], replay: ReplayPlan | None,
                     device) -> RoutedExperts | None:
     """The micro-batch's [B, L, M, k] replay targets: each sequence's recorded experts (its first length - 1 tokens)
-    at its (row, start column), filler elsewhere."""
+    at its (row, start column), filler elsewhere (and which are recorded)."""
     if replay is None:
         return None
     B, L = inputs.tokens_BL.shape
     placed_BLMK = filler_experts(B * L, len(replay.layers), replay.topk, device).reshape(B, L, -1, replay.topk).clone()
+    recorded_BL = torch.zeros(B, L, dtype=torch.bool, device=device)
     for experts_TMK, (row, start) in zip(experts, places):
         placed_BLMK[row, start:start + experts_TMK.shape[0]] = experts_TMK.to(device)
-    return RoutedExperts(replay.layers, placed_BLMK)
+        recorded_BL[row, start:start + experts_TMK.shape[0]] = True
+    return RoutedExperts(replay.layers, placed_BLMK, recorded_BL)

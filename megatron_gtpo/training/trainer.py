@@ -17,7 +17,7 @@ from megatron_gtpo.algorithms import configure_algorithm
 from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS
 from megatron_gtpo.config import TrainConfig, to_dict, validate_for_model, validate_layout
 from megatron_gtpo.distributed import initialize_parallel, read_launch_env
-from megatron_gtpo.models.moe_routing import routed_layers
+from megatron_gtpo.models.moe_routing import RouterStatistics, routed_layers
 from megatron_gtpo.rollout.engine import SamplingParams
 
 from . import checkpointing
@@ -28,7 +28,7 @@ from .experience import Experience, collect_experience
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel
 from .old_policy import correct_rollout, old_policy_pass
-from .reduction import WARM_START_METRICS, MetricReducer
+from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task
@@ -60,6 +60,8 @@ class Trainer:
         # Routing replay: this rank's MoE layers, whose experts the rollout records and the passes replay.
         self.replay = ReplayPlan(routed_layers(self.policy.chunks), shape.moe.topk) \
             if cfg.algorithm.routing_replay == "rollout" else None
+        # A mixture-of-experts model's per-layer routing metrics (the same names on every rank, for the reducer).
+        self.moe_metrics = moe_metrics(shape.num_layers) if shape.moe else {}
         self.reference = ReferencePolicy.build(cfg, self.task.hf_config, self.parallel)  # None without a KL term
         self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
@@ -85,11 +87,13 @@ class Trainer:
                 checkpointing.save(self, 0)
         self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference
         for step in range(self.start_step, self.cfg.steps):
-            timer, metrics = PhaseTimer(), MetricReducer(self.parallel.device)
+            timer = PhaseTimer()
+            metrics = MetricReducer(self.parallel.device, (*STEP_METRICS, *self.moe_metrics),
+                                    {**METRICS, **self.moe_metrics})
             experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
             with timer("old_logprob"):
                 batch = self.build_step_batch(experience)  # tokens, masks, group index, the micro-batch plan
-                self.old_policy_pass(batch)  # old log-probs, entropies; the rollout mismatch correction
+                self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
             with timer("advantages"):
                 self.compute_advantages(batch)  # the configured algorithm's, over the global batch
             with timer("update"):
@@ -168,13 +172,17 @@ class Trainer:
                                 max_sequences=d.micro_batch_size, max_tokens=d.max_tokens_per_micro_batch,
                                 pack=d.pack_sequences, replay=self.replay)
 
-    def old_policy_pass(self, batch: StepBatch) -> None:
+    def old_policy_pass(self, batch: StepBatch, metrics: MetricReducer) -> None:
         """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
-        mismatch correction's loss mask and importance weights."""
-        a = self.cfg.algorithm
-        old_policy_pass(self.policy.chunks, batch, self.parallel, vocab_size=self.vocab_size,
-                         temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
-                         reference_chunks=self.reference.chunks if self.reference else None)
+        mismatch correction's loss mask and importance weights. A mixture-of-experts model's routing in this pass
+        gives the per-layer expert load imbalance and router entropy (reduction.moe_metrics)."""
+        a, parallel = self.cfg.algorithm, self.parallel
+        with RouterStatistics(self.policy.chunks) as routing:
+            old_policy_pass(self.policy.chunks, batch, parallel, vocab_size=self.vocab_size,
+                             temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
+                             reference_chunks=self.reference.chunks if self.reference else None)
+        tp_routes_own_tokens = parallel.tp_group if parallel.sequence_parallel else None
+        metrics.add(moe_layer_values(routing.per_layer(parallel.dp_group, tp_routes_own_tokens)))
         correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
                         rollout_rs_bounds=tuple(a.rollout_rs_bounds))
 

@@ -127,3 +127,28 @@ def test_planner_counts_equal_meta_device_models_at_expert_layouts():
         for counts in per_rank:
             pp_rank, count = counts[i]
             assert count == parameter_count(shape, layout, pp_rank), (tp, pp, ep, etp, pp_rank)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=."], "algorithm.routing_replay: rollout needs the experts each token was "
+                                                "routed to at generation, which only the built-in engine records"),
+    (["model.recompute_activations=true"], "algorithm.routing_replay: rollout is not supported with "
+                                           "model.recompute_activations"),
+])
+def test_routing_replay_is_refused_where_it_cannot_run(overrides, message):
+    from megatron_gtpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "algorithm.routing_replay=rollout",
+                           *overrides])
+
+
+@pytest.mark.parametrize("key", ["algorithm.routing_replay=rollout", "model.moe_aux_loss_coef=0.001",
+                                 "model.moe_z_loss_coef=0.001"])
+def test_expert_settings_need_a_mixture_of_experts_model(key):
+    from megatron_gtpo.config import ConfigError, load_config, validate_for_model
+
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", key])
+    with pytest.raises(ConfigError, match=f"{key.split('=')[0]}: needs a mixture-of-experts model"):
+        validate_for_model(cfg, Qwen2Shape.from_hf(qwen3_hf_config("qwen3-8b")))
+    validate_for_model(cfg, SHAPE_30B)

@@ -130,8 +130,9 @@ def test_planner_counts_equal_meta_device_models_at_expert_layouts():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=."], "algorithm.routing_replay: rollout needs the experts each token was "
-                                                "routed to at generation, which only the built-in engine records"),
+    (["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=."],
+     "algorithm.routing_replay: rollout needs the experts each token was routed to at generation, which only the "
+     "built-in engine records"),
     (["model.recompute_activations=true"], "algorithm.routing_replay: rollout is not supported with "
                                            "model.recompute_activations"),
 ])

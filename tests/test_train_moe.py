@@ -2,10 +2,13 @@
 of the 4 experts of every layer) with and without routing replay, logging the routing metrics; its checkpoint
 resumes exactly, and at EP=1 (docs/checkpoints.md)."""
 import math
+import shutil
 
 import pytest
+import torch
 
-from trainer_runs import read_metrics, run_train
+from test_train_e2e import _comparable
+from trainer_runs import checkpoint_tensors, read_metrics, run_train
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow  # whole training runs under torchrun
@@ -44,3 +47,44 @@ def test_gtpo_trains_a_moe_model_at_ep2_and_logs_its_routing(tmp_path, moe_dir, 
             assert 0.0 < entropy <= math.log(EXPERTS) + 1e-9
         assert row["expert_load_imbalance_max"] == max(row[f"expert_load_imbalance/layer_{i:02d}"]
                                                        for i in range(1, NUM_LAYERS + 1))
+
+
+RESUME = [*MOE, "algorithm.routing_replay=rollout", "checkpoint.save_every=2", "data.mini_batches_per_step=2",
+          "optim.lr_decay_style=constant"]
+
+
+def test_resume_is_exact_and_works_at_another_expert_layout(tmp_path, moe_dir):
+    full, part, other = tmp_path / "full", tmp_path / "part", tmp_path / "other"
+    common = [*RESUME, f"model.hf_dir={moe_dir}"]
+    for out, overrides in ((full, ["parallel.expert=2", "steps=4"]), (part, ["parallel.expert=2", "steps=2"]),
+                           (part, ["parallel.expert=2", "steps=4"])):
+        res = run_train(out, 2, [*common, *overrides])
+        assert res.returncode == 0, res.stderr[-4000:]
+    assert "resumed from" in res.stderr
+    full_rows, part_rows = read_metrics(full), read_metrics(part)
+    assert [r["step"] for r in part_rows] == [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3]
+    for a, b in zip(full_rows, part_rows):
+        a, b = _comparable(a), _comparable(b)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
+    ta = checkpoint_tensors(full / "checkpoints" / "step_00000004")
+    tb = checkpoint_tensors(part / "checkpoints" / "step_00000004")
+    assert any("experts" in k for k in ta) and ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.allclose(ta[k].float(), tb[k].float(), rtol=1e-5, atol=1e-6), k
+
+    # The step-2 checkpoint of the EP=2 run, resumed with every expert on each replica (EP=1): weights and
+    # optimizer state reshard, and the next step is the uninterrupted run's up to float rounding (sampling does not
+    # depend on the RNG states, which a new layout re-seeds: each response has a stream of its own).
+    shutil.copytree(part / "checkpoints" / "step_00000002", other / "checkpoints" / "step_00000002")
+    (other / "checkpoints" / "latest").write_text("step_00000002\n")
+    res = run_train(other, 2, [*common, "parallel.expert=1", "steps=3"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "at a different layout" in res.stderr and "resumed from" in res.stderr
+    (resumed,) = read_metrics(other)
+    expected = _comparable(full_rows[3])
+    assert resumed["step"] == expected["step"] == 2
+    for k in ("reward_mean", "entropy_mean", "pg_loss", "grad_norm", "ratio_mean", "lr",
+              "expert_load_imbalance/layer_01", "router_entropy/layer_02"):
+        assert resumed[k] == pytest.approx(expected[k], rel=1e-4, abs=1e-6), k

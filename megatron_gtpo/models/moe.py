@@ -98,3 +98,15 @@ def _define_missing_te_names() -> None:
 
     if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def mark_expert_parameters(model) -> None:
+    """Every expert's parameters are expert-parallel parameters (megatron's `allreduce = False`: DDP gives them buffers
+    of their own, reduced over the expert-data-parallel group, and the optimizer a chained optimizer of their own),
+    also at EP = 1, where megatron would treat them as dense. The gradients are the same either way (at EP = 1 the
+    expert-data-parallel group is the data-parallel group); what changes is that the optimizer, and so a trainer
+    checkpoint's optimizer state, has the same structure at every EP, so that it resumes at another one."""
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False

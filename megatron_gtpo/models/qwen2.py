@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from megatron_gtpo.layout import ParallelLayout, check_layout
 
 from .accelerator import Accelerator, fusion_settings
-from .moe import MoeShape, RouterLosses, moe_config_kwargs
+from .moe import MoeShape, RouterLosses, mark_expert_parameters, moe_config_kwargs
 
 
 @dataclass(frozen=True)
@@ -281,6 +281,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
                 vp_stage=vp_stage if virtual_pipeline_parallel else None,
             )
+        if shape.moe is not None:
+            mark_expert_parameters(model)
         if not meta_device:
             # As Megatron-LM's get_model: the local spec's norms (and everything under use_cpu_initialization) are
             # built on the host. DDP moves the parameters it wraps into its device buffers; every other model (the

@@ -64,6 +64,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
+    # The built-in engine: at most this many KV-cache token slots per batch (rows x (longest prompt +
+    # max_new_tokens)); null: every row of the replica at once (rollout/builtin.py; the planner counts it)
+    builtin_max_batch_tokens: int | None = None
     # vLLM: a random stream per request (reproducible samples, the same after a resume) or one engine-wide stream
     # (faster: vLLM draws seeded requests one at a time). The built-in engine always seeds each response.
     seeded_sampling: bool = False
@@ -327,6 +330,9 @@ def validate(cfg: TrainConfig) -> None:
     need(d.source != "jsonl" or d.path, "data.path: required when data.source is jsonl")
     need(r.engine != "vllm" or r.vllm_hf_dir or m.hf_dir,
          "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)")
+    need(r.builtin_max_batch_tokens is None or r.builtin_max_batch_tokens > r.max_new_tokens,
+         f"rollout.builtin_max_batch_tokens: must exceed rollout.max_new_tokens = {r.max_new_tokens} (one row's "
+         f"prompt and response), got {r.builtin_max_batch_tokens}")
     need(r.vllm_tensor_parallel >= 1, f"rollout.vllm_tensor_parallel: must be >= 1, got {r.vllm_tensor_parallel}")
     need(0 < r.vllm_gpu_memory_utilization <= 1,
          f"rollout.vllm_gpu_memory_utilization: must be in (0, 1], got {r.vllm_gpu_memory_utilization}")

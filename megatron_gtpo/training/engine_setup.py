@@ -18,6 +18,7 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
 
     replay = cfg.algorithm.routing_replay == "rollout"
     engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
+                                               max_batch_tokens=cfg.rollout.builtin_max_batch_tokens,
                                                record_routing=replay),
               "vllm": lambda: _vllm_engine(cfg, task, parallel),
               "vllm_remote": lambda: _vllm_remote_engine(cfg, shape, parallel)}[cfg.rollout.engine]()

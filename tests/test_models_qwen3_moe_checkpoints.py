@@ -17,6 +17,7 @@ from megatron_gtpo.checkpoint import convert_hf_to_megatron, convert_megatron_to
 from megatron_gtpo.checkpoint.hf_export import TorchDistReader
 from test_converters import assert_bit_exact, read_safetensors_dir
 from test_converters_megatron import _build, _declared_global_shapes, _from_hf, _unequal_parameters
+from test_models_qwen3 import assert_serves_the_responses
 from test_models_qwen3_moe import TINY
 from tiny_models import make_tiny_model
 
@@ -164,11 +165,4 @@ def test_weight_sync_serves_the_built_in_engines_logprobs(moe_dirs, tmp_path, tp
         save_file({k: v.contiguous() for k, v in received.items()}, str(served_dir / "model.safetensors"))
         (served_dir / "config.json").write_text((path / "config.json").read_text())
         served = Qwen3MoeForCausalLM.from_pretrained(str(served_dir)).eval()
-        for prompt, (response,) in zip(prompts, responses):
-            with torch.no_grad():
-                logits_LV = served(torch.tensor([prompt + response.token_ids])).logits[0, len(prompt) - 1:-1]
-            assert response.token_ids == logits_LV.argmax(-1).tolist()  # greedy
-            tokens_L = torch.tensor(response.token_ids)
-            logprobs_L = torch.log_softmax(logits_LV.double(), -1)[torch.arange(len(tokens_L)), tokens_L]
-            err = (torch.tensor(response.logprobs, dtype=torch.float64) - logprobs_L).abs().max().item()
-            assert err < 1e-4, f"TP={tp} PP={pp} EP={ep}: served log-probs differ from the synced weights' by {err:.2e}"
+        assert_serves_the_responses(served, prompts, responses, f"TP={tp} PP={pp} EP={ep}")

@@ -171,7 +171,7 @@ def _measured_training_state(rank, world_size):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.training.model_setup import wrap_for_training
-    from test_plan import _storage_bytes
+    from test_plan import state_bytes_after_one_step
 
     initialize_parallel(1, 1, expert_parallel=2)
     chunks = build_model(SMALL_MOE, tensor_parallel=1, pipeline_parallel=1, pp_rank=0, expert_parallel=2,
@@ -179,24 +179,7 @@ def _measured_training_state(rank, world_size):
     cfg = TrainConfig(steps=1)
     cfg.model.dtype = "bfloat16"
     policy = wrap_for_training(cfg, chunks)
-    ddp, optimizer = policy.ddp_chunks[0], policy.optimizer
-    tokens = torch.randint(0, SMALL_MOE["vocab_size"], (2, 16), device="cuda")
-    positions = torch.arange(16, device="cuda").expand(2, 16)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    ddp(tokens, positions, None).float().pow(2).mean().backward()
-    ddp.finish_grad_sync()
-    assert optimizer.step()[0]
-    params = list(chunks[0].parameters())
-    param_storages = {p.untyped_storage().data_ptr() for p in params}
-    adams = [opt.optimizer for opt in optimizer.chained_optimizers]
-    state = [v for adam in adams for s in adam.state.values() for v in s.values() if torch.is_tensor(v)
-             and v.numel() > 1]
-    masters = [p for adam in adams for g in adam.param_groups for p in g["params"]
-               if p.untyped_storage().data_ptr() not in param_storages]
-    return {"chained": len(adams), "parameters": _storage_bytes(params),
-            "gradients": _storage_bytes(p.main_grad for p in params),
-            "optimizer": _storage_bytes(state) + _storage_bytes(masters)}
+    return state_bytes_after_one_step(chunks, policy.ddp_chunks[0], policy.optimizer, SMALL_MOE["vocab_size"])
 
 
 def test_planner_training_state_bytes_at_ep2_equal_measured_tensors():
@@ -207,7 +190,7 @@ def test_planner_training_state_bytes_at_ep2_equal_measured_tensors():
                  Workload(prompts_per_step=2, num_responses_per_prompt=2, max_prompt_tokens=16, max_response_tokens=16),
                  Settings(params_dtype="bfloat16", vllm_memory_fraction=None, kernels="local")).stages[0]
     for rank in measured:
-        assert rank["chained"] == 2  # dense parameters and experts
+        assert rank["optimizers"] == 2  # dense parameters and experts
         for key in ("parameters", "gradients", "optimizer"):
             # Up to the padding of megatron's second (expert) buffer, which the planner does not count: < 0.1 %.
             assert rank[key] == pytest.approx(getattr(stage, key), rel=1e-3, abs=0), key

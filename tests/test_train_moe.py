@@ -5,10 +5,8 @@ import math
 import shutil
 
 import pytest
-import torch
 
-from test_train_e2e import _comparable
-from trainer_runs import checkpoint_tensors, read_metrics, run_train
+from trainer_runs import assert_resumed_run_equals, comparable, read_metrics, run_train
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow  # whole training runs under torchrun
@@ -61,18 +59,8 @@ def test_resume_is_exact_and_works_at_another_expert_layout(tmp_path, moe_dir):
         res = run_train(out, 2, [*common, *overrides])
         assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr
-    full_rows, part_rows = read_metrics(full), read_metrics(part)
-    assert [r["step"] for r in part_rows] == [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3]
-    for a, b in zip(full_rows, part_rows):
-        a, b = _comparable(a), _comparable(b)
-        assert a.keys() == b.keys()
-        for k in a:
-            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
-    ta = checkpoint_tensors(full / "checkpoints" / "step_00000004")
-    tb = checkpoint_tensors(part / "checkpoints" / "step_00000004")
-    assert any("experts" in k for k in ta) and ta.keys() == tb.keys()
-    for k in ta:
-        assert torch.allclose(ta[k].float(), tb[k].float(), rtol=1e-5, atol=1e-6), k
+    full_rows, tensors = assert_resumed_run_equals(full, part, "step_00000004")
+    assert [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3] and any("experts" in k for k in tensors)
 
     # The step-2 checkpoint of the EP=2 run, resumed with every expert on each replica (EP=1): weights and
     # optimizer state reshard, and the next step is the uninterrupted run's up to float rounding (sampling does not
@@ -83,7 +71,7 @@ def test_resume_is_exact_and_works_at_another_expert_layout(tmp_path, moe_dir):
     assert res.returncode == 0, res.stderr[-4000:]
     assert "at a different layout" in res.stderr and "resumed from" in res.stderr
     (resumed,) = read_metrics(other)
-    expected = _comparable(full_rows[3])
+    expected = comparable(full_rows[3])
     assert resumed["step"] == expected["step"] == 2
     for k in ("reward_mean", "entropy_mean", "pg_loss", "grad_norm", "ratio_mean", "lr",
               "expert_load_imbalance/layer_01", "router_entropy/layer_02"):

@@ -1,15 +1,22 @@
-"""Memory and FLOPs planning for a Qwen2 / Qwen3 model under a TP/PP/DP layout (the logic behind tools/plan.py).
+"""Memory and FLOPs planning for a Qwen2 / Qwen3 / Qwen3-MoE model under a TP/PP/DP/EP layout (the logic behind
+tools/plan.py).
 
 What is exact and what is an estimate:
 
 - Parameter counts per rank are exact: they follow megatron-core's GPTModel construction (the embedding on the first
   stage, the output layer on the last stage, and on the last stage also when the embeddings are tied and PP > 1,
   where megatron keeps a synchronised copy; every rank of a TP group holds the same count). tests/test_plan.py
-  (Qwen2.5) and tests/test_models_qwen3_config.py (Qwen3) compare them with models built on the meta device.
+  (Qwen2.5), tests/test_models_qwen3_config.py (Qwen3) and tests/test_models_qwen3_moe_config.py (Qwen3-MoE at
+  EP / ETP layouts: E / EP experts per rank, each split over ETP, the router replicated) compare them with models
+  built on the meta device.
 - Parameter, gradient and optimizer bytes follow megatron-core's DDP + Adam (measured on CPU in tests/test_plan.py):
   parameters in the model dtype; gradients in fp32 (`grad_reduce_in_fp32`, the trainer's setting); Adam's two
   moments in fp32 plus, for bf16 models, an fp32 master copy; all optimizer state divided by DP with the
-  distributed optimizer (the trainer's setting), replicated without it.
+  distributed optimizer (the trainer's setting), replicated without it; a mixture-of-experts model's experts' state
+  divided by the expert-data-parallel size TP x DP / (ETP x EP) instead (measured at EP 2 in
+  tests/test_models_qwen3_moe_config.py: exact, parameters and gradients within megatron's buffer padding).
+- A mixture-of-experts layer's activations (the k experts of each token, the dispatcher's copies, the router's
+  logits: `_MOE_ACTIVATION_TERMS`) and its all-to-all buffers are estimates, not measured.
 - Activations are an estimate from what autograd keeps per layer (elements per token, listed in
   `_LAYER_ACTIVATION_TERMS`, plus `_QK_NORM_ACTIVATION_TERMS` for Qwen3). The "local" kernel profile (megatron's
   local layer spec: unfused softmax attention with GQA keys/values expanded to every head, unfused SwiGLU; the CPU
@@ -21,11 +28,14 @@ What is exact and what is an estimate:
 - vLLM (colocated): it may take `vllm_memory_fraction` of each GPU; during generation the trainer's parameters,
   gradients and optimizer state stay resident (the trainer does not offload them), so both must fit together.
   The KV cache gets what is left of vLLM's share after its weights (bf16, split over vLLM's tensor-parallel size)
-  and a fixed overhead (CUDA graphs, sampler and activation peaks: `vllm_overhead_gib`, an estimate).
-- FLOPs: 2 multiply-adds per weight per token for every matmul (QKV, attention output, SwiGLU MLP, output layer on
-  the padded vocabulary), plus causal attention (2 a d L^2 per layer and sequence of length L: QK^T and AV over the
-  lower triangle); norms, RoPE, biases and the softmax are not counted. Training = 3 x forward (model FLOPs: full
-  activation recompute adds one more forward in hardware FLOPs, not counted in MFU).
+  and a fixed overhead (CUDA graphs, sampler and activation peaks: `vllm_overhead_gib`, an estimate). Without vLLM
+  (a mixture-of-experts model) the built-in engine's static KV cache, of `builtin_max_batch_tokens` token slots,
+  joins the trainer's resident state in the generation peak.
+- FLOPs: 2 multiply-adds per weight per token for every matmul (QKV, attention output, SwiGLU MLP or the router and
+  the token's k experts, output layer on the padded vocabulary), plus causal attention (2 a d L^2 per layer and
+  sequence of length L: QK^T and AV over the lower triangle); norms, RoPE, biases and the softmax are not counted.
+  Training = 3 x forward (model FLOPs: full activation recompute adds one more forward in hardware FLOPs, not
+  counted in MFU).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    hf_dir: str | None = None  # a Hugging Face Qwen2 / Qwen3 (dense) directory: its model_type picks the family
+    hf_dir: str | None = None  # a Hugging Face Qwen2 / Qwen3 / Qwen3-MoE directory: its model_type picks the family
     load: str | None = None  # or a megatron_gtpo checkpoint directory (converter or trainer output)
     tiny_synthetic: bool = False  # or a tiny random Qwen2 built in code for the synthetic task (the CPU demo)
     # The KL term's reference policy (built when algorithm.kl_coef > 0 or this is set): a HF directory or checkpoint;
@@ -38,6 +38,10 @@ class ModelConfig:
     # The vocab-parallel log-prob/entropy op walks the tokens in chunks whose two fp32 [chunk, vocab / TP]
     # workspaces fit this budget (distributed/vocab_parallel.chunk_tokens_for_budget; the planner counts it).
     logprob_workspace_mib: float = 256.0
+    # Mixture-of-experts models: the router's load-balancing loss and z-loss coefficients (models/moe.RouterLosses).
+    # Off for RL by default: docs/algorithms.md, "Mixture of experts".
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
 
 
 @dataclass
@@ -46,6 +50,10 @@ class ParallelConfig:
     pipeline: int = 1
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
+    # A mixture-of-experts model's experts: split over `expert` ranks (EP), each expert over `expert_tensor` ranks
+    # (ETP; null: parallel.tensor). The rules: layout.check_layout; README, "Expert parallelism".
+    expert: int = 1
+    expert_tensor: int | None = None
 
 
 REMOTE_ENGINES = ("vllm_remote", "builtin_remote")  # rollout servers on nodes (or processes) of their own
@@ -60,6 +68,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
+    # The built-in engine: at most this many KV-cache token slots per batch (rows x (longest prompt +
+    # max_new_tokens)); null: every row of the replica at once (rollout/builtin.py; the planner counts it)
+    builtin_max_batch_tokens: int | None = None
     # vLLM: a random stream per request (reproducible samples, the same after a resume) or one engine-wide stream
     # (faster: vLLM draws seeded requests one at a time). The built-in engine always seeds each response.
     seeded_sampling: bool = False
@@ -106,6 +117,9 @@ class AlgorithmConfig:
     rollout_is_cap: float = 2.0
     rollout_rs: str = "none"  # none | token | sequence | geometric
     rollout_rs_bounds: tuple[float, float] = (0.5, 2.0)
+    # Mixture-of-experts models: "rollout" routes every token of the old-policy pass and the update to the experts
+    # the rollout engine chose for it (the built-in engine records them); "none" lets the router choose again.
+    routing_replay: str = "none"  # none | rollout
 
 
 @dataclass
@@ -195,6 +209,7 @@ _CHOICES = {
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),
     "algorithm.rollout_is": ("none", "token", "sequence"),
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
+    "algorithm.routing_replay": ("none", "rollout"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
     "data.task": tuple(SYNTHETIC_TASKS),  # data/synthetic_tasks.py: the only list of tasks
     "data.template": tuple(DATA_TEMPLATES),  # data/templates.py: the only list of templates
@@ -324,6 +339,9 @@ def validate(cfg: TrainConfig) -> None:
     need(d.source != "jsonl" or d.path, "data.path: required when data.source is jsonl")
     need(r.engine != "vllm" or r.vllm_hf_dir or m.hf_dir,
          "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)")
+    need(r.builtin_max_batch_tokens is None or r.builtin_max_batch_tokens > r.max_new_tokens,
+         f"rollout.builtin_max_batch_tokens: must exceed rollout.max_new_tokens = {r.max_new_tokens} (one row's "
+         f"prompt and response), got {r.builtin_max_batch_tokens}")
     need(r.vllm_tensor_parallel >= 1, f"rollout.vllm_tensor_parallel: must be >= 1, got {r.vllm_tensor_parallel}")
     need(0 < r.vllm_gpu_memory_utilization <= 1,
          f"rollout.vllm_gpu_memory_utilization: must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
@@ -374,6 +392,15 @@ def validate(cfg: TrainConfig) -> None:
     # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
     need(not entry.sequence_level_loss or a.rollout_is != "token",
          "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use sequence")
+    need(m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0,
+         f"model.moe_aux_loss_coef / model.moe_z_loss_coef: must be >= 0, got {m.moe_aux_loss_coef} / "
+         f"{m.moe_z_loss_coef}")
+    need(a.routing_replay == "none" or r.engine == "builtin",
+         f"algorithm.routing_replay: rollout needs the experts each token was routed to at generation, which only "
+         f"the built-in engine records; rollout.engine {r.engine} cannot (vLLM does not return them)")
+    need(a.routing_replay == "none" or not m.recompute_activations,
+         "algorithm.routing_replay: rollout is not supported with model.recompute_activations (the recomputed "
+         "forward would route again)")
     need(m.reference is None or os.path.isdir(m.reference),
          f"model.reference: {m.reference!r} is not a directory (a HF model directory or a checkpoint)")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")
@@ -390,19 +417,33 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
     transformer_engine = None
     try:
         if world_size is None:
-            layout = ParallelLayout(par.tensor, par.pipeline, None, par.virtual_pipeline, par.sequence_parallel)
+            layout = ParallelLayout(par.tensor, par.pipeline, None, par.virtual_pipeline, par.sequence_parallel,
+                                    expert=par.expert, expert_tensor=par.expert_tensor)
         else:
             from megatron_gtpo.models.accelerator import Accelerator
 
             layout = ParallelLayout.from_world_size(world_size, tensor=par.tensor, pipeline=par.pipeline,
                                                     virtual_pipeline=par.virtual_pipeline,
-                                                    sequence_parallel=par.sequence_parallel)
+                                                    sequence_parallel=par.sequence_parallel, expert=par.expert,
+                                                    expert_tensor=par.expert_tensor)
             transformer_engine = (accelerator or Accelerator.probe()).transformer_engine
         check_layout(layout, shape=shape, transformer_engine=transformer_engine, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
-                     rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)))
+                     rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)),
+                     training=True)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+
+
+def validate_for_model(cfg: TrainConfig, shape) -> None:
+    """The settings that depend on the model (`shape`: models.qwen2.Qwen2Shape), as a ConfigError; the trainer checks
+    them once it has read the model's config."""
+    if shape.moe is None:
+        for key, value in (("algorithm.routing_replay", cfg.algorithm.routing_replay != "none"),
+                           ("model.moe_aux_loss_coef", cfg.model.moe_aux_loss_coef > 0),
+                           ("model.moe_z_loss_coef", cfg.model.moe_z_loss_coef > 0)):
+            if value:
+                raise ConfigError(f"{key}: needs a mixture-of-experts model (Qwen3-MoE); this one is dense")
 
 
 def to_dict(cfg) -> dict:

@@ -22,13 +22,22 @@ SEQUENCE_PARALLEL_NEEDS_TE = (
 @dataclass(frozen=True)
 class ParallelLayout:
     """Sizes of the parallel dimensions. `data` is None where the world size is not known yet (a config on its
-    own)."""
+    own). `expert` (EP) and `expert_tensor` (ETP; None: TP, megatron's default) place a mixture-of-experts model's
+    experts: megatron-core lays the expert part of every pipeline stage's TP x DP ranks out again as ETP x EP x
+    expert-DP, so each EP rank holds num_experts / EP experts, split over ETP ranks, and the tokens of its EP group
+    travel to them by all-to-all (`check_layout` has the rules)."""
 
     tensor: int = 1
     pipeline: int = 1
     data: int | None = 1
     virtual_pipeline: int | None = None
     sequence_parallel: bool = False
+    expert: int = 1
+    expert_tensor: int | None = None
+
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
 
     @classmethod
     def from_world_size(cls, world_size: int, *, tensor: int = 1, pipeline: int = 1, **rest) -> "ParallelLayout":
@@ -57,16 +66,20 @@ class RolloutLayout:
 
 def check_layout(layout: ParallelLayout, *, shape=None, transformer_engine: bool | None = None,
                  prompts_per_step: int | None = None, mini_batches_per_step: int = 1,
-                 rollout: RolloutLayout | None = None) -> None:
+                 rollout: RolloutLayout | None = None, training: bool = False) -> None:
     """LayoutError naming the problem when `layout` cannot run.
 
-    Always: sizes >= 1; virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1. With `shape` (an object
-    with num_attention_heads, num_query_groups, ffn_hidden_size, num_layers: models.qwen2.Qwen2Shape): the heads, KV
-    heads and FFN width divide by TP, the layers by PP x VPP. With `transformer_engine` (the layer spec the model
-    will be built with): sequence parallelism needs it. With `prompts_per_step` and a known data size: the prompts
-    split evenly over DP x mini-batches. With `rollout`: colocated vLLM engines tile the replica's GPUs
-    (rollout/placement.py) and, with `shape`, split the attention heads; vllm_remote has one server per
-    data-parallel replica."""
+    Always: sizes >= 1; virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1; ETP divides TP. With
+    `shape` (an object with num_attention_heads, num_query_groups, ffn_hidden_size, num_layers and moe:
+    models.qwen2.Qwen2Shape): the heads, KV heads and FFN width divide by TP, the layers by PP x VPP; experts (EP > 1
+    or an ETP of its own) need a mixture-of-experts model, whose experts divide by EP and expert width by ETP. With a
+    known data size: ETP x EP divides TP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
+    model at TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without). With
+    `transformer_engine` (the layer spec the model will be built with): sequence parallelism needs it. With
+    `prompts_per_step` and a known data size: the prompts split evenly over DP x mini-batches. With `rollout`:
+    colocated vLLM engines tile the replica's GPUs (rollout/placement.py) and, with `shape`, split the attention
+    heads; vllm_remote has one server per data-parallel replica; a mixture-of-experts model needs the built-in
+    engine."""
     tp, pp, dp, vpp = layout.tensor, layout.pipeline, layout.data, layout.virtual_pipeline
     _check_sizes(tp, pp)
     _need(dp is None or dp >= 1, f"parallel: the data-parallel size must be >= 1, got {dp}")
@@ -75,6 +88,7 @@ def check_layout(layout: ParallelLayout, *, shape=None, transformer_engine: bool
     _need(not layout.sequence_parallel or tp > 1, "parallel.sequence_parallel: needs parallel.tensor > 1")
     _need(not layout.sequence_parallel or transformer_engine is not False,
           f"parallel.sequence_parallel: {SEQUENCE_PARALLEL_NEEDS_TE}")
+    _check_experts(layout, shape, training)
     if shape is not None:
         _check_model_split(shape, tp, pp * (vpp or 1), vpp)
     if prompts_per_step is not None and dp is not None:
@@ -94,13 +108,42 @@ def _check_sizes(tp: int, pp: int) -> None:
     _need(tp >= 1 and pp >= 1, f"parallel.tensor / parallel.pipeline: must be >= 1, got {tp} / {pp}")
 
 
+def _check_experts(layout: ParallelLayout, shape, training: bool) -> None:
+    ep, etp, tp, dp = layout.expert, layout.expert_tensor_size, layout.tensor, layout.data
+    _need(ep >= 1 and etp >= 1, f"parallel.expert / parallel.expert_tensor: must be >= 1, got {ep} / {etp}")
+    # Expert-TP ranks nest inside a TP group: a rank's expert shard is then a slice of its TP group's (the weight
+    # sync and the converters rely on it).
+    _need(tp % etp == 0, f"parallel.expert_tensor: {etp} must divide parallel.tensor = {tp}")
+    if dp is not None:
+        _need((tp * dp) % (etp * ep) == 0,
+              f"parallel.expert: expert_tensor x expert = {etp} x {ep} must divide tensor x data-parallel size = "
+              f"{tp} x {dp} (megatron-core lays each pipeline stage's ranks out again for the experts)")
+    if shape is None:
+        return
+    moe = getattr(shape, "moe", None)
+    if moe is None:
+        _need(ep == 1 and layout.expert_tensor in (None, tp),
+              f"parallel.expert / parallel.expert_tensor: the model has no experts (a dense model); got expert {ep}, "
+              f"expert_tensor {layout.expert_tensor}")
+        return
+    _need(moe.num_experts % ep == 0,
+          f"parallel.expert: the model's {moe.num_experts} experts are not divisible by EP={ep}")
+    _need(moe.ffn_hidden_size % etp == 0,
+          f"parallel.expert_tensor: moe_intermediate_size {moe.ffn_hidden_size} is not divisible by ETP={etp}")
+    _need(not training or tp == 1 or layout.sequence_parallel,
+          f"parallel.sequence_parallel: a mixture-of-experts model trains at TP > 1 only with "
+          f"parallel.sequence_parallel (megatron-core's MoE layer refuses otherwise), which needs the Transformer "
+          f"Engine layer spec; got TP={tp}. On the CPU, train it at parallel.tensor 1 (EP may split its experts)")
+
+
 def _check_model_split(shape, tp: int, layer_chunks: int, vpp: int | None) -> None:
     where = "parallel.tensor / parallel.pipeline: the model cannot be split so"
     _need(shape.num_attention_heads % tp == 0,
           f"{where}: {shape.num_attention_heads} attention heads are not divisible by TP={tp}")
     _need(shape.num_query_groups % tp == 0,
           f"{where}: {shape.num_query_groups} query groups (num_key_value_heads) are not divisible by TP={tp}")
-    _need(shape.ffn_hidden_size % tp == 0,
+    # A mixture-of-experts model has no dense MLP (its experts' width is _check_experts' rule).
+    _need(getattr(shape, "moe", None) is not None or shape.ffn_hidden_size % tp == 0,
           f"{where}: intermediate_size {shape.ffn_hidden_size} is not divisible by TP={tp}")
     _need(shape.num_layers % layer_chunks == 0,
           f"{where}: {shape.num_layers} layers are not divisible by "
@@ -114,6 +157,10 @@ def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int, shape) -> 
         _need(rollout.remote_servers == dp,
               f"rollout.remote_addresses: {rollout.remote_servers} given, but there are {dp} data-parallel "
               f"replicas (one rollout server each)")
+    _need(getattr(shape, "moe", None) is None or rollout.engine == "builtin",
+          f"rollout.engine: {rollout.engine} is not supported for a mixture-of-experts model (its experts' weight "
+          f"sync to vLLM, the routing vLLM chose, and a rollout server's routing, which must stay on the rank that "
+          f"computed it, are not implemented); use rollout.engine builtin")
     if rollout.engine != "vllm":
         return
     vtp = rollout.engine_tensor_parallel

@@ -8,7 +8,7 @@ numbers are exact, which are estimates, and how each was checked.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from megatron_gtpo.distributed.vocab_parallel import WORKSPACE_BYTES_PER_ELEMENT, chunk_tokens_for_budget
 from megatron_gtpo.layout import ParallelLayout, RolloutLayout, check_layout
@@ -58,6 +58,9 @@ class Settings:
     # logits, workspaces). An estimate, to be replaced by the H100 measurement (max_memory_reserved / allocated).
     allocator_slack_fraction: float = 0.15
     logprob_workspace_mib: float = 256.0  # model.logprob_workspace_mib: the vocab-parallel op's fp32 workspaces
+    # Without a colocated vLLM the built-in engine generates on the training model: its static KV cache holds at
+    # most this many token slots per batch (rollout.builtin_max_batch_tokens; None: every row of a replica at once).
+    builtin_max_batch_tokens: int | None = None
 
 
 def check_plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload | None = None,
@@ -70,7 +73,7 @@ def check_plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload | N
     check_layout(layout, shape=shape,
                  prompts_per_step=workload.prompts_per_step if workload is not None else None,
                  mini_batches_per_step=workload.mini_batches_per_step if workload is not None else 1,
-                 rollout=RolloutLayout("vllm", vllm_tp) if vllm_tp is not None else None)
+                 rollout=RolloutLayout("vllm", vllm_tp) if vllm_tp is not None else None, training=True)
     if workload is not None:
         w = workload
         for name in ("prompts_per_step", "num_responses_per_prompt", "max_prompt_tokens", "max_response_tokens",
@@ -102,21 +105,37 @@ def stage_layer_counts(shape: Qwen2Shape, layout: ParallelLayout) -> list[int]:
     return [shape.num_layers // layout.pipeline] * layout.pipeline
 
 
-def _layer_matrix_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
-    """The weights of one decoder layer's matmuls on one TP rank (every matrix is split)."""
+def _attention_matrix_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
+    """The weights of one decoder layer's attention matmuls on one TP rank (every matrix is split)."""
     h, t = shape.hidden_size, tensor_parallel
     qkv_out = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // t
-    return (qkv_out * h  # linear_qkv
-            + h * shape.num_attention_heads * shape.head_dim // t  # attention output projection
-            + 2 * shape.ffn_hidden_size // t * h  # linear_fc1: gate and up
-            + h * shape.ffn_hidden_size // t)  # linear_fc2
+    return qkv_out * h + h * shape.num_attention_heads * shape.head_dim // t  # linear_qkv, attention output
 
 
-def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
-    """One decoder layer on one TP rank: its matrices (split), the RMSNorm weights (replicated) and the q/k/v bias
-    (split)."""
+def _mlp_matrix_count(shape: Qwen2Shape, tensor_parallel: int, experts: int | None = None) -> int:
+    """One decoder layer's MLP matrices on one TP rank (linear_fc1: gate and up, linear_fc2): the dense MLP split
+    over `tensor_parallel`, or `experts` experts (default all) of a mixture-of-experts layer, each split over
+    `tensor_parallel` (then the expert-TP size)."""
+    if shape.moe is None:
+        return 3 * shape.ffn_hidden_size // tensor_parallel * shape.hidden_size
+    experts = shape.moe.num_experts if experts is None else experts
+    return experts * 3 * shape.moe.ffn_hidden_size // tensor_parallel * shape.hidden_size
+
+
+def _router_count(shape: Qwen2Shape) -> int:
+    """A mixture-of-experts layer's router [E, H] (replicated on every rank); 0 for a dense model."""
+    return shape.moe.num_experts * shape.hidden_size if shape.moe else 0
+
+
+def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int, expert_parallel: int = 1,
+                          expert_tensor_parallel: int | None = None) -> int:
+    """One decoder layer on one TP rank: its matrices (split; a mixture-of-experts layer's E / EP experts over the
+    expert-TP size, default TP), the router and RMSNorm weights (replicated) and the q/k/v bias (split)."""
     qkv_bias = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // tensor_parallel
-    return (_layer_matrix_count(shape, tensor_parallel)
+    experts = shape.moe.num_experts // expert_parallel if shape.moe else None
+    return (_attention_matrix_count(shape, tensor_parallel)
+            + _mlp_matrix_count(shape, expert_tensor_parallel or tensor_parallel, experts)
+            + _router_count(shape)
             + 2 * shape.hidden_size  # input and pre-MLP RMSNorm
             + (2 * shape.head_dim if shape.qk_norm else 0)  # per-head q and k RMSNorm (Qwen3)
             + (qkv_bias if shape.qkv_bias else 0))  # Qwen2
@@ -128,7 +147,8 @@ def parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> 
         raise ValueError(f"pp_rank must be in [0, {layout.pipeline}), got {pp_rank}")
     t = layout.tensor
     table = padded_vocab_size(shape.vocab_size, t) // t * shape.hidden_size
-    count = stage_layer_counts(shape, layout)[pp_rank] * layer_parameter_count(shape, t)
+    count = stage_layer_counts(shape, layout)[pp_rank] * layer_parameter_count(shape, t, layout.expert,
+                                                                                layout.expert_tensor_size)
     first, last = pp_rank == 0, pp_rank == layout.pipeline - 1
     if first:
         count += table  # word embeddings (RoPE has no parameters)
@@ -139,9 +159,32 @@ def parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> 
     return count
 
 
+def expert_parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> int:
+    """The experts' parameters on one rank of pipeline stage `pp_rank` (E / EP experts per layer, each split over
+    ETP); their gradients are reduced, and their optimizer state sharded, over the expert-data-parallel group."""
+    if shape.moe is None:
+        return 0
+    per_layer = _mlp_matrix_count(shape, layout.expert_tensor_size, shape.moe.num_experts // layout.expert)
+    return stage_layer_counts(shape, layout)[pp_rank] * per_layer
+
+
+def expert_data_parallel_size(layout: ParallelLayout) -> int:
+    """megatron-core's expert-data-parallel size: a stage's TP x DP ranks laid out again as ETP x EP x EDP."""
+    return layout.tensor * layout.data // (layout.expert_tensor_size * layout.expert)
+
+
 def total_parameter_count(shape: Qwen2Shape) -> int:
     """The unsharded model, padded vocabulary included (the published counts have the unpadded one)."""
     return parameter_count(shape, ParallelLayout(), 0)
+
+
+def active_parameter_count(shape: Qwen2Shape) -> int:
+    """The parameters one token uses, padded vocabulary included: a mixture-of-experts model's total less the
+    experts a token is not routed to (num_experts - top-k per layer); a dense model's total."""
+    if shape.moe is None:
+        return total_parameter_count(shape)
+    unused = shape.moe.num_experts - shape.moe.topk
+    return total_parameter_count(shape) - shape.num_layers * _mlp_matrix_count(shape, 1, unused)
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -171,11 +214,21 @@ _QK_NORM = ((1, "q", "tp"), (2, "kv", "tp"), (1, "q_copy", "tp"), (1, "heads_gro
 _QK_NORM_ACTIVATION_TERMS = {"te": _QK_NORM, "local": _QK_NORM + ((1, "q", "tp"), (1, "kv", "tp"))}
 
 
+# What a mixture-of-experts layer keeps besides its experts' MLP activations (those are the dense MLP's terms, for k
+# experts per token of width moe_intermediate_size / ETP): each token's k copies as the experts' input and the
+# experts' outputs before the probability-weighted sum ("topk_h"), and the router's fp32 logits and probabilities
+# over E experts ("experts_fp32", in 4-byte units of the model dtype's size). An estimate, not measured (SequentialMLP
+# on the CPU keeps per-expert pieces of the same tensors).
+_MOE_ACTIVATION_TERMS = ((2, "topk_h", "sp"), (2, "experts_fp32", "sp"))
+
+
 def layer_activation_bytes(shape: Qwen2Shape, *, seq_len: int, micro_batch_size: int, tensor_parallel: int,
                            sequence_parallel: bool, kernels: str, bytes_per_element: int,
-                           recompute: bool = False) -> int:
+                           recompute: bool = False, expert_tensor_parallel: int | None = None) -> int:
     """Bytes autograd keeps for one decoder layer and one micro-batch of `micro_batch_size` sequences of
-    `seq_len` tokens. With full recompute only the layer's input (the checkpoint) is kept."""
+    `seq_len` tokens. With full recompute only the layer's input (the checkpoint) is kept. A mixture-of-experts
+    layer: its MLP terms for the k experts each token goes to (their width split over `expert_tensor_parallel`,
+    default TP), plus _MOE_ACTIVATION_TERMS."""
     if kernels not in _LAYER_ACTIVATION_TERMS:
         raise ValueError(f"kernels {kernels!r} is not one of {', '.join(_LAYER_ACTIVATION_TERMS)}")
     t = tensor_parallel
@@ -187,8 +240,15 @@ def layer_activation_bytes(shape: Qwen2Shape, *, seq_len: int, micro_batch_size:
     dims = {"h": shape.hidden_size, "f": shape.ffn_hidden_size, "q": q, "kv": shape.num_query_groups * shape.head_dim,
             "d": shape.head_dim, "1": 1, "heads_s": shape.num_attention_heads * seq_len, "q_copy": q if copies_q else 0,
             "heads_groups": shape.num_attention_heads + shape.num_query_groups}
+    moe_terms = ()
+    if shape.moe is not None:  # "f" terms divide by TP: k experts of width F_moe / ETP per token
+        etp = expert_tensor_parallel or t
+        dims.update(f=shape.moe.topk * shape.moe.ffn_hidden_size * t / etp, topk_h=shape.moe.topk * shape.hidden_size,
+                    experts_fp32=shape.moe.num_experts * 4 / bytes_per_element)
+        moe_terms = _MOE_ACTIVATION_TERMS
     divisor = {"tp": t, "sp": t if sequence_parallel else 1, "position": micro_batch_size}
-    terms = _LAYER_ACTIVATION_TERMS[kernels] + (_QK_NORM_ACTIVATION_TERMS[kernels] if shape.qk_norm else ())
+    terms = _LAYER_ACTIVATION_TERMS[kernels] + (_QK_NORM_ACTIVATION_TERMS[kernels] if shape.qk_norm else ()) \
+        + moe_terms
     per_token = sum(coef * dims[name] / divisor[split] for coef, name, split in terms)
     return round(per_token * tokens * bytes_per_element)
 
@@ -209,8 +269,11 @@ def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_m
 
 
 def matmul_parameters(shape: Qwen2Shape, padded_vocab: int) -> int:
-    """Weights that take part in a matmul for every token (the embedding lookup is not a matmul)."""
-    return shape.num_layers * _layer_matrix_count(shape, 1) + padded_vocab * shape.hidden_size
+    """Weights that take part in a matmul for every token (the embedding lookup is not a matmul): a
+    mixture-of-experts layer's router and the top-k experts a token is routed to."""
+    experts = shape.moe.topk if shape.moe else None
+    per_layer = _attention_matrix_count(shape, 1) + _mlp_matrix_count(shape, 1, experts) + _router_count(shape)
+    return shape.num_layers * per_layer + padded_vocab * shape.hidden_size
 
 
 def forward_flops(shape: Qwen2Shape, *, num_tokens: int, sum_squared_lengths: int,
@@ -265,6 +328,9 @@ class StageMemory:
     activations: float
     logits: float  # the last stage's logits shard and its gradient, in the model dtype
     logprob_workspaces: float  # the vocab-parallel op's two fp32 [chunk, V/TP] workspaces
+    # A mixture-of-experts layer's all-to-all: the k copies of the micro-batch's tokens sent and received, while one
+    # layer's forward or backward runs (0 for a dense model)
+    dispatcher: float = 0.0
 
     @property
     def persistent(self) -> float:
@@ -272,7 +338,7 @@ class StageMemory:
 
     @property
     def transient(self) -> float:
-        return self.activations + self.logits + self.logprob_workspaces
+        return self.activations + self.logits + self.logprob_workspaces + self.dispatcher
 
 
 @dataclass
@@ -282,6 +348,7 @@ class Plan:
     workload: Workload
     settings: Settings
     params_total: int
+    params_active: int  # per token (a mixture-of-experts model's top-k experts; the total for a dense one)
     params_per_stage: list[int]
     stages: list[StageMemory]
     worst_stage: int
@@ -299,7 +366,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"model": self.model, "layout": {**asdict(self.layout), "world_size": self.layout.world_size},
                 "workload": asdict(self.workload), "settings": asdict(self.settings),
-                "params_total": self.params_total, "params_per_gpu": self.params_per_gpu,
+                "params_total": self.params_total, "params_active": self.params_active,
+                "params_per_gpu": self.params_per_gpu,
                 "params_per_stage": self.params_per_stage, "worst_stage": self.worst_stage,
                 "memory_gib": self.memory_gib, "variants_gib": self.variants_gib, "kv_cache": self.kv_cache,
                 "flops_per_step": self.flops_per_step, "fits": self.fits, "reasons": self.reasons}
@@ -309,21 +377,28 @@ def _stage_memory(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload,
                   distributed_optimizer: bool, recompute: bool) -> StageMemory:
     e = BYTES_PER_ELEMENT[settings.params_dtype]
     params = parameter_count(shape, layout, pp_rank)
-    # Adam's moments in fp32; bf16 models add an fp32 master copy (fp32 models step their own weights).
+    experts = expert_parameter_count(shape, layout, pp_rank)
+    # Adam's moments in fp32; bf16 models add an fp32 master copy (fp32 models step their own weights). The
+    # distributed optimizer shards the dense parameters' state over DP, the experts' over the expert-DP group.
     optimizer_bytes_per_param = 8 + (4 if settings.params_dtype != "float32" else 0)
-    optimizer = params * optimizer_bytes_per_param / (layout.data if distributed_optimizer else 1)
+    optimizer = ((params - experts) / (layout.data if distributed_optimizer else 1)
+                 + experts / (expert_data_parallel_size(layout) if distributed_optimizer else 1)) \
+        * optimizer_bytes_per_param
     t, s, b = layout.tensor, workload.max_sequence_tokens, workload.micro_batch_size
     sequences_per_rank = workload.sequences_per_step // (layout.data * workload.mini_batches_per_step)
     micro_batches = math.ceil(sequences_per_rank / b)
     layers = stage_layer_counts(shape, layout)[pp_rank]
     per_layer = layer_activation_bytes(shape, seq_len=s, micro_batch_size=b, tensor_parallel=t,
                                        sequence_parallel=layout.sequence_parallel, kernels=settings.kernels,
-                                       bytes_per_element=e, recompute=recompute)
+                                       bytes_per_element=e, recompute=recompute,
+                                       expert_tensor_parallel=layout.expert_tensor_size)
     activations = pipeline_micro_batches_in_flight(layout, pp_rank, micro_batches) * layers * per_layer
     if recompute:  # backward re-runs one layer at a time: one layer's full activations on top
         activations += layer_activation_bytes(shape, seq_len=s, micro_batch_size=b, tensor_parallel=t,
                                               sequence_parallel=layout.sequence_parallel, kernels=settings.kernels,
-                                              bytes_per_element=e)
+                                              bytes_per_element=e, expert_tensor_parallel=layout.expert_tensor_size)
+    tokens = s * b // (t if layout.sequence_parallel else 1)
+    dispatcher = 2.0 * tokens * shape.moe.topk * shape.hidden_size * e if shape.moe else 0.0
     logits = workspaces = 0.0
     if pp_rank == layout.pipeline - 1:
         # The vocab-parallel log-prob/entropy op keeps this micro-batch's logits shard for backward and returns a
@@ -332,7 +407,8 @@ def _stage_memory(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload,
         logits = 2.0 * s * b * vocab_local * e
         chunk = min(s * b, chunk_tokens_for_budget(settings.logprob_workspace_mib * 2**20, vocab_local))
         workspaces = 2.0 * chunk * vocab_local * WORKSPACE_BYTES_PER_ELEMENT
-    return StageMemory(pp_rank, params, params * e, params * 4.0, optimizer, activations, logits, workspaces)
+    return StageMemory(pp_rank, params, params * e, params * 4.0, optimizer, activations, logits, workspaces,
+                       dispatcher)
 
 
 def plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload = Workload(), settings: Settings = Settings(), *,
@@ -365,18 +441,26 @@ def plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload = Workloa
     full_sequences = kv_tokens // workload.max_sequence_tokens
     sequences_per_engine = math.ceil(workload.sequences_per_step / engines) if colocated else 0
 
+    # Without vLLM the built-in engine generates on the training model, with a static KV cache of its replica's rows
+    # (or of builtin_max_batch_tokens token slots per batch) on each stage's layers, its KV heads split over TP.
+    builtin_tokens = 0 if colocated else workload.sequences_per_step // layout.data * workload.max_sequence_tokens
+    if settings.builtin_max_batch_tokens is not None:
+        builtin_tokens = min(builtin_tokens, settings.builtin_max_batch_tokens)
+    builtin_kv = builtin_tokens * max(stage_layer_counts(shape, layout)) * 2 \
+        * max(1, shape.num_query_groups // layout.tensor) * shape.head_dim * BYTES_PER_ELEMENT[settings.params_dtype]
+
     chosen = stages(settings.distributed_optimizer, settings.recompute_activations)
     worst = max(chosen, key=lambda st: (training_peak(st), st.persistent))
-    generation_peak = max(st.persistent for st in chosen) + overhead + vllm_budget
+    generation_peak = max(st.persistent for st in chosen) + overhead + vllm_budget + builtin_kv
     memory = {
         "parameters": worst.parameters / GIB, "gradients": worst.gradients / GIB, "optimizer": worst.optimizer / GIB,
         "activations": worst.activations / GIB, "logits": worst.logits / GIB,
-        "logprob_workspaces": worst.logprob_workspaces / GIB,
+        "logprob_workspaces": worst.logprob_workspaces / GIB, "dispatcher_buffers": worst.dispatcher / GIB,
         "allocator_slack": worst.transient * settings.allocator_slack_fraction / GIB,
         "framework_overhead": overhead / GIB,
         "vllm_asleep": vllm_asleep / GIB, "training_peak": training_peak(worst) / GIB,
         "vllm_budget": vllm_budget / GIB, "vllm_weights": vllm_weights / GIB, "vllm_kv_cache": max(kv_bytes, 0) / GIB,
-        "generation_peak": generation_peak / GIB, "gpu": settings.gpu_memory_gib,
+        "builtin_kv_cache": builtin_kv / GIB, "generation_peak": generation_peak / GIB, "gpu": settings.gpu_memory_gib,
     }
     variants = {}
     for dist_opt in (True, False):
@@ -406,16 +490,56 @@ def plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload = Workloa
         if full_sequences < 1:
             reasons.append(f"vLLM's KV cache ({max(kv_bytes, 0) / GIB:.2f} GiB) cannot hold one sequence of "
                            f"{workload.max_sequence_tokens} tokens; raise vllm_memory_fraction or vLLM's TP")
+    elif generation_peak > gpu:
+        reasons.append(f"generation on the built-in engine needs {generation_peak / GIB:.1f} GiB (trainer state "
+                       f"{max(st.persistent for st in chosen) / GIB:.1f} + a KV cache of {builtin_tokens:,} token "
+                       f"slots + overhead), more than the GPU; lower rollout.builtin_max_batch_tokens")
     kv_cache = {"bytes_per_token": kv_bytes_per_token, "tokens": kv_tokens, "full_length_sequences": full_sequences,
                 "vllm_tensor_parallel": vllm_tp if colocated else None, "engines": engines,
                 "engines_per_replica": engines // layout.data, "gpus_generating": engines * vllm_tp,
                 "kv_cache_gib_per_gpu": max(kv_bytes, 0) / GIB, "sequences_per_engine": sequences_per_engine,
-                "waves_at_full_length": math.ceil(sequences_per_engine / full_sequences) if full_sequences else None}
+                "waves_at_full_length": math.ceil(sequences_per_engine / full_sequences) if full_sequences else None,
+                "engine": "vllm" if colocated else "builtin", "builtin_batch_tokens": builtin_tokens}
     return Plan(model=model_name, layout=layout, workload=workload, settings=settings,
-                params_total=total_parameter_count(shape),
+                params_total=total_parameter_count(shape), params_active=active_parameter_count(shape),
                 params_per_stage=[parameter_count(shape, layout, r) for r in range(layout.pipeline)],
                 stages=chosen, worst_stage=worst.pp_rank, memory_gib=memory, variants_gib=variants,
                 kv_cache=kv_cache, flops_per_step=flops, fits=not reasons, reasons=reasons)
+
+
+def suggest_layouts(shape: Qwen2Shape, gpus: int, workload: Workload, settings: Settings) -> list[Plan]:
+    """The plans of every layout of `gpus` GPUs the rules allow that fit, best first: TP within a node, dividing
+    the heads; PP dividing the layers; a mixture-of-experts model's EP dividing its experts and TP x DP, ETP 1 or TP,
+    and sequence parallelism at TP > 1 (which training it needs); each without and with activation recompute
+    (`settings` otherwise). Best: a tenth of the GPU left at the training and the generation peak (the planner's
+    activation and allocator terms are estimates), then no recompute, the fewest GPUs per model replica (the most
+    data-parallel replicas), then the lowest training peak."""
+    plans = []
+    for tp in (t for t in _divisors(gpus) if t <= settings.gpus_per_node):
+        for pp in (p for p in _divisors(gpus // tp) if shape.num_layers % p == 0):
+            dp = gpus // (tp * pp)
+            experts = [(1, None)] if shape.moe is None else [
+                (ep, etp) for ep in _divisors(shape.moe.num_experts) if (tp * dp) % ep == 0
+                for etp in sorted({1, tp}) if (tp * dp) % (ep * etp) == 0]
+            for ep, etp in experts:
+                layout = ParallelLayout(tensor=tp, pipeline=pp, data=dp, expert=ep, expert_tensor=etp,
+                                        sequence_parallel=shape.moe is not None and tp > 1)
+                for recompute in (False, True):
+                    try:
+                        candidate = plan(shape, layout, workload, replace(settings, recompute_activations=recompute))
+                    except ValueError:  # the layout's rules (layout.check_layout) or the workload's
+                        continue
+                    if candidate.fits:
+                        plans.append(candidate)
+    def tight(p: Plan) -> bool:
+        return max(p.memory_gib["training_peak"], p.memory_gib["generation_peak"]) > 0.9 * settings.gpu_memory_gib
+
+    return sorted(plans, key=lambda p: (tight(p), p.settings.recompute_activations,
+                                        p.layout.tensor * p.layout.pipeline, p.memory_gib["training_peak"]))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def settings_from_config(cfg, **overrides) -> Settings:
@@ -423,6 +547,7 @@ def settings_from_config(cfg, **overrides) -> Settings:
     vllm = cfg.rollout.engine == "vllm"
     return Settings(**{"params_dtype": cfg.model.dtype, "recompute_activations": cfg.model.recompute_activations,
                        "logprob_workspace_mib": cfg.model.logprob_workspace_mib,
+                       "builtin_max_batch_tokens": cfg.rollout.builtin_max_batch_tokens,
                        "vllm_memory_fraction": cfg.rollout.vllm_gpu_memory_utilization if vllm else None,
                        "vllm_tensor_parallel": cfg.rollout.vllm_tensor_parallel if vllm else None, **overrides})
 

@@ -60,7 +60,8 @@ def _build(hf_config, groups):
     from megatron_gtpo.models.qwen2 import build_model
 
     chunks = build_model(hf_config, tensor_parallel=groups.tp_size, pipeline_parallel=groups.pp_size,
-                         pp_rank=groups.pp_rank)
+                         pp_rank=groups.pp_rank, expert_parallel=groups.ep_size,
+                         expert_tensor_parallel=groups.etp_size)
     for chunk in chunks:
         chunk.eval()
     return chunks
@@ -68,10 +69,11 @@ def _build(hf_config, groups):
 
 def _from_hf(hf_dir, groups):
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+    from megatron_gtpo.models.hf_mapping import ShardCoordinates
 
     with HFCheckpoint(hf_dir) as ckpt:
         chunks = _build(ckpt.config, groups)
-        load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
+        load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
     return chunks
 
 

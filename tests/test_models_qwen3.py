@@ -84,14 +84,19 @@ def test_weight_sync_serves_the_built_in_engines_logprobs(qwen3_models, tp, pp, 
     served = Qwen3ForCausalLM(hf.config).eval()
     missing, unexpected = served.load_state_dict(received, strict=False)
     assert (missing, unexpected) == (["lm_head.weight"] if tied else [], [])  # tied: lm_head IS the embedding
-    for prompt, (response,) in zip(PROMPTS, responses):
+    assert_serves_the_responses(served, PROMPTS, responses, f"TP={tp} PP={pp}")
+
+
+def assert_serves_the_responses(served, prompts, responses, where: str) -> None:
+    """The transformers model `served` gives each greedy response (one per prompt) and its log-probs (1e-4)."""
+    for prompt, (response,) in zip(prompts, responses):
         with torch.no_grad():
             logits_LV = served(torch.tensor([prompt + response.token_ids])).logits[0, len(prompt) - 1:-1]
         assert response.token_ids == logits_LV.argmax(-1).tolist()  # greedy
         tokens_L = torch.tensor(response.token_ids)
         logprobs_L = torch.log_softmax(logits_LV.double(), -1)[torch.arange(len(tokens_L)), tokens_L]
         err = (torch.tensor(response.logprobs, dtype=torch.float64) - logprobs_L).abs().max().item()
-        assert err < 1e-4, f"TP={tp} PP={pp}: served log-probs differ from the synced weights' by {err:.2e}"
+        assert err < 1e-4, f"{where}: served log-probs differ from the synced weights' by {err:.2e}"
 
 
 def test_policy_update_at_tp2_matches_one_process(qwen3_models):

@@ -31,9 +31,9 @@ def test_family_is_chosen_by_model_type():
     no_type = {k: v for k, v in qwen3_hf_config("qwen3-8b").items() if k != "model_type"}
     assert Qwen2Shape.from_hf(no_type) == Qwen2Shape.from_hf(qwen3_hf_config("qwen3-8b"))
 
-    moe = dict(qwen3_hf_config("qwen3-8b"), model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"])
-    with pytest.raises(ValueError, match=r"unsupported architecture \['Qwen3MoeForCausalLM'\] \(model_type "
-                                         r"'qwen3_moe'\): supported are model_type 'qwen2' .* 'qwen3'"):
+    moe = dict(qwen3_hf_config("qwen3-8b"), model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
+    with pytest.raises(ValueError, match=r"unsupported architecture \['Qwen2MoeForCausalLM'\] \(model_type "
+                                         r"'qwen2_moe'\): supported are model_type 'qwen2' .* 'qwen3'"):
         Qwen2Shape.from_hf(moe)
     without_head_dim = {k: v for k, v in qwen3_hf_config("qwen3-8b").items() if k != "head_dim"}
     with pytest.raises(ValueError, match=r"lacks required keys \['head_dim'\]"):

@@ -33,32 +33,61 @@ def _fixed_batch(seed=0):
 
 
 def _gather_hf(chunks, groups, shape):
+    """This stage's HF tensors: TP shards gathered (an expert's over its expert-TP group), and with expert
+    parallelism every EP rank's experts."""
     import torch.distributed as dist
 
     from megatron_gtpo.models.hf_checkpoint import layer_offset
-    from megatron_gtpo.models.hf_mapping import canonical_name, megatron_shards_to_hf, tensor_mappings
+    from megatron_gtpo.models.hf_mapping import ShardCoordinates, canonical_name, megatron_shards_to_hf, tensor_mappings
 
     by_name = {m.megatron_name: m for m in tensor_mappings(shape)}
+    expert_offset = ShardCoordinates.of(groups).expert_offset(shape)
     out = {}
     for chunk in chunks:
         offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
-            mapping = by_name[canonical_name(name, offset)]
-            shards = [torch.empty_like(param) for _ in range(groups.tp_size)]
-            dist.all_gather(shards, param.detach().contiguous(), group=groups.tp_group)
+            mapping = by_name[canonical_name(name, offset, expert_offset)]
+            group, size = (groups.tp_group, groups.tp_size) if mapping.expert is None else \
+                (groups.etp_group, groups.etp_size)
+            shards = [torch.empty_like(param) for _ in range(size)]
+            dist.all_gather(shards, param.detach().contiguous(), group=group)
             for hf_name, tensor in zip(mapping.hf_names, megatron_shards_to_hf(mapping, shards, shape)):
                 out[hf_name] = tensor.clone()
+    if groups.ep_size > 1:
+        every_rank = [None] * groups.ep_size
+        dist.all_gather_object(every_rank, out, group=groups.ep_group)
+        for part in every_rank:
+            out.update(part)
     return out
 
 
-def _one_step(rank, world_size, model_dir, tp, pp, plans):
+def _replayed_routes(exp, shape, first_sequence: int):
+    """Arbitrary expert choices for every fed token of `exp`'s sequences (k distinct experts per token and layer,
+    drawn from the global sequence index), attached as recorded routing; the ReplayPlan that replays them."""
+    from megatron_gtpo.training.step_batch import ReplayPlan
+
+    layers = tuple(range(1, shape.num_layers + 1))
+    routes = []
+    for s, length in enumerate(exp.responses.lengths_R.tolist()):
+        g = torch.Generator().manual_seed(1000 + first_sequence + s)
+        fed = len(exp.prompt_token_ids[s // exp.group_size]) + length - 1
+        experts = torch.stack([torch.randperm(shape.moe.num_experts, generator=g)[:shape.moe.topk]
+                               for _ in range(fed * len(layers))]).view(fed, len(layers), -1)
+        routes.append(experts.to(torch.int16))
+    exp.routed_experts = routes  # per response, rank-local (what the built-in engine's generate_routed gives)
+    return ReplayPlan(layers, shape.moe.topk)
+
+
+def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, replay=False):
     """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch, pack), through the
-    trainer's own step batch and update_policy."""
+    trainer's own step batch and update_policy; a mixture-of-experts model's experts at EP `ep`, with `replay`
+    routing every token to arbitrary recorded experts (`_replayed_routes`)."""
 
     from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+    from megatron_gtpo.models.hf_mapping import ShardCoordinates
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.model_setup import wrap_for_training
@@ -68,7 +97,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
     from megatron_gtpo.training.update import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
 
-    groups = initialize_parallel(tp, pp)
+    groups = initialize_parallel(tp, pp, expert_parallel=ep)
     # adam_eps well above float32 noise: the key bias has an analytically zero gradient (softmax ignores a shift
     # shared by all keys), and Adam with a tiny eps would blow its ~1e-9 rounding noise up to +-lr.
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", "steps=1",
@@ -83,12 +112,14 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans):
     for level, plan in ((level, plan) for level in LOSS_LEVELS for plan in plans):
         sequence_level = level == "sequence"
         with HFCheckpoint(model_dir) as ckpt:
-            chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank)
-            load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
+            chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
+                                 expert_parallel=ep)
+            load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks)
+        replay_plan = _replayed_routes(exp, shape, rows.start) if replay else None
         batch = build_step_batch(exp, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
-                                 max_tokens=plan[1], pack=plan[2])
+                                 max_tokens=plan[1], pack=plan[2], replay=replay_plan)
         old_policy_pass(policy.chunks, batch, groups, vocab_size=shape.vocab_size, temperature=0.9)
         scored = batch.old_logprobs_ST.cpu() if groups.is_last_stage else None  # [S, T] of this DP rank
         if groups.is_last_stage:

@@ -136,7 +136,14 @@ def _measured_training_state(dtype_name, distributed_optimizer):
         ddp = DistributedDataParallel(config=chunks[0].config, module=chunks[0], ddp_config=ddp_config)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=dtype == torch.bfloat16,
                                                            params_dtype=dtype, use_distributed_optimizer=False), [ddp])
-    tokens = torch.randint(0, SMALL["vocab_size"], (2, 32), device="cuda")
+    return state_bytes_after_one_step(chunks, ddp, optimizer, SMALL["vocab_size"])
+
+
+def state_bytes_after_one_step(chunks, ddp, optimizer, vocab_size: int) -> dict:
+    """One Adam step on a random batch through megatron-core's DDP and optimizer (a chained one too: each of its
+    optimizers), then the bytes of the parameter, gradient and optimizer-state tensors (moments and fp32 master
+    weights) that exist afterwards."""
+    tokens = torch.randint(0, vocab_size, (2, 32), device="cuda")
     positions = torch.arange(32, device="cuda").expand(2, 32)
     mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool, device="cuda"), 1)
     ddp.zero_grad_buffer()
@@ -146,10 +153,13 @@ def _measured_training_state(dtype_name, distributed_optimizer):
     assert optimizer.step()[0]
     params = list(chunks[0].parameters())
     param_storages = {p.untyped_storage().data_ptr() for p in params}
-    state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.numel() > 1]
-    masters = [p for g in optimizer.optimizer.param_groups for p in g["params"]
+    adams = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    state = [v for adam in adams for s in adam.state.values() for v in s.values()
+             if torch.is_tensor(v) and v.numel() > 1]
+    masters = [p for adam in adams for g in adam.param_groups for p in g["params"]
                if p.untyped_storage().data_ptr() not in param_storages]
-    return {"parameters": _storage_bytes(params), "gradients": _storage_bytes(p.main_grad for p in params),
+    return {"optimizers": len(adams), "parameters": _storage_bytes(params),
+            "gradients": _storage_bytes(p.main_grad for p in params),
             "optimizer": _storage_bytes(state) + _storage_bytes(masters)}
 
 

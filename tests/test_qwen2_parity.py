@@ -6,15 +6,16 @@ from distributed_harness import run_distributed
 from tiny_models import make_tiny_qwen2
 
 
-def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batch_size):
+def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batch_size, ep=1, etp=None):
     import torch.distributed as dist
 
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+    from megatron_gtpo.models.hf_mapping import ShardCoordinates
     from megatron_gtpo.models.qwen2 import build_model
     from megatron_gtpo.training.forward import make_micro_batches, run_pipeline
 
-    groups = initialize_parallel(tp, pp)
+    groups = initialize_parallel(tp, pp, expert_parallel=ep, expert_tensor_parallel=etp)
 
     def gather_vocab(mb, logits_local):
         parts = [torch.empty_like(logits_local) for _ in range(tp)]
@@ -24,8 +25,9 @@ def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batc
     per_model = []
     for model_dir in model_dirs:
         with HFCheckpoint(model_dir) as ckpt:
-            chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank)
-            load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
+            chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
+                                 expert_parallel=ep, expert_tensor_parallel=etp)
+            load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
         for c in chunks:
             c.eval()
         micro_batches = make_micro_batches(sequences, micro_batch_size, device=groups.device)
@@ -47,12 +49,20 @@ def tiny_models(tmp_path_factory):
 SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
 
 
-def assert_logits_match_transformers(models, tp, pp):
-    """Megatron's logits of SEQUENCES at TP/PP against each transformers model of `models` ((path, model) pairs of
-    vocabulary 1000)."""
+def assert_logits_match_transformers(models, tp, pp, *, ep=1, etp=None, dp=1):
+    """Megatron's logits of SEQUENCES at TP/PP (and, for a mixture-of-experts model, EP/ETP) on TP x PP x `dp` ranks
+    against each transformers model of `models` ((path, model) pairs of vocabulary 1000); every data-parallel replica
+    scores the same sequences, and each one's logits are checked."""
     dirs = [str(path) for path, _ in models]
-    results = run_distributed(_megatron_logits, tp * pp, args=(dirs, tp, pp, SEQUENCES, 2), timeout_s=300)
-    per_model = next(r for r in results if r is not None)
+    results = run_distributed(_megatron_logits, tp * pp * dp, args=(dirs, tp, pp, SEQUENCES, 2, ep, etp),
+                              timeout_s=300)
+    replicas = [r for r in results if r is not None]
+    assert len(replicas) == dp
+    for per_model in replicas:
+        _assert_close(models, per_model, f"TP={tp} PP={pp} EP={ep} ETP={etp or tp}")
+
+
+def _assert_close(models, per_model, where: str) -> None:
     for (path, hf), micro_batch_logits in zip(models, per_model):
         rows = [row for mb in micro_batch_logits for row in mb]
         assert len(rows) == len(SEQUENCES)
@@ -61,7 +71,7 @@ def assert_logits_match_transformers(models, tp, pp):
                 ref = hf(torch.tensor([seq])).logits[0]
             ours = logits[:len(seq), :1000]
             rel = (ours - ref).abs().max() / ref.abs().max()
-            assert rel < 1e-4, f"{path.name} TP={tp} PP={pp}: relative error {rel:.2e}"
+            assert rel < 1e-4, f"{path.name} {where}: relative error {rel:.2e}"
             assert logits.shape[-1] == 1024  # vocabulary padded to the TP-independent multiple
 
 

@@ -70,7 +70,8 @@ def _stand_in_slurm_commands(bin_dir, record):
 
 @pytest.mark.parametrize("script,algorithm", [("qwen2.5-7b.sbatch", "gtpo"), ("qwen2.5-7b.sbatch", "grpo_s"),
                                               ("qwen2.5-7b.sbatch", "dapo"), ("qwen2.5-32b.sbatch", "gtpo"),
-                                              ("qwen2.5-32b.sbatch", "grpo_s"), ("qwen2.5-32b.sbatch", "dapo")])
+                                              ("qwen2.5-32b.sbatch", "grpo_s"), ("qwen2.5-32b.sbatch", "dapo"),
+                                              ("qwen3-30b-a3b.sbatch", "gtpo")])
 def test_per_model_scripts_pick_the_recipe_and_pass_the_knobs(tmp_path, script, algorithm):
     _stand_in_slurm_commands(tmp_path / "bin", tmp_path / "scontrol.log")
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NAME="t",

@@ -13,7 +13,8 @@ import torch
 import yaml
 
 from megatron_gtpo.config import load_config
-from trainer_runs import DEMO_CONFIG, checkpoint_tensors, read_metrics, run_train, train_command
+from trainer_runs import (DEMO_CONFIG, assert_resumed_run_equals, checkpoint_tensors, comparable, read_metrics,
+                          run_train, train_command)
 
 pytestmark = pytest.mark.slow  # whole training runs under torchrun
 
@@ -76,12 +77,6 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
 
 
-def _comparable(row):
-    """The row's deterministic values; the prompt ids as a tuple (compared exactly, not with approx)."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in row.items()
-            if not k.startswith("time_") and k != "tokens_per_s"}
-
-
 def test_resume_matches_uninterrupted_run(tmp_path):
     # With a KL term: the reference policy (the policy as RL started) must come back unchanged on resume.
     # Warm-up of 2 RL steps = 4 optimizer steps (2 mini-batches per step).
@@ -103,21 +98,10 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     res = run_train(part, 2, [*common, "steps=4"])  # resumes from step 2 automatically
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr
-    full_rows, part_rows = read_metrics(full), read_metrics(part)
-    assert [r["step"] for r in part_rows] == [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3]
+    full_rows, tensors = assert_resumed_run_equals(full, part, "step_00000004")
+    assert [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3]
     assert all(r["ref_kl"] > 0 for r in full_rows[2:])  # the policy has moved away from the reference
-    for a, b in zip(full_rows, part_rows):
-        a, b = _comparable(a), _comparable(b)
-        assert a.keys() == b.keys()
-        for k in a:
-            assert a[k] == (b[k] if isinstance(b[k], tuple) else pytest.approx(b[k], rel=1e-6, abs=1e-7)), \
-                (a["step"], k)
-    ta = checkpoint_tensors(full / "checkpoints" / "step_00000004")
-    tb = checkpoint_tensors(part / "checkpoints" / "step_00000004")
-    model_keys = [k for k in ta if k.startswith("decoder") or k.startswith("embedding") or k.startswith("output")]
-    assert model_keys and ta.keys() == tb.keys()
-    for k in ta:
-        assert torch.allclose(ta[k].float(), tb[k].float(), rtol=1e-5, atol=1e-6), k
+    assert [k for k in tensors if k.startswith("decoder") or k.startswith("embedding") or k.startswith("output")]
 
 
 def test_kl_reference_is_the_policy_as_rl_starts(tmp_path):
@@ -137,7 +121,7 @@ def test_kl_reference_is_the_policy_as_rl_starts(tmp_path):
     res = run_train(tmp_path / "b", 2, [*common, f"model.reference={reference}"])
     assert res.returncode == 0, res.stderr[-4000:]
     for a, b in zip(rows, [r for r in read_metrics(tmp_path / "b") if r["step"] >= 0]):
-        a, b = _comparable(a), _comparable(b)
+        a, b = comparable(a), comparable(b)
         for k in a:
             assert a[k] == (b[k] if isinstance(b[k], tuple) else pytest.approx(b[k], rel=1e-6, abs=1e-7)), \
                 (a["step"], k)

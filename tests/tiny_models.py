@@ -1,21 +1,28 @@
-"""Tiny random Qwen2 / Qwen3 checkpoints built in code (nothing can be downloaded), saved as HF safetensors
+"""Tiny random Qwen2 / Qwen3 / Qwen3-MoE checkpoints built in code (nothing can be downloaded), saved as HF safetensors
 directories."""
 from __future__ import annotations
 
 import torch
 
 # model_type: (transformers config class, model class)
-FAMILY_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+FAMILY_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                  "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+# Qwen3-MoE's tiny experts: 4 of width 32, 2 per token, top-k probabilities renormalised (the published models' choice)
+TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
 
 def tiny_config(family="qwen2", *, vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                num_kv_heads=2, tie=False, max_positions=256, rope_theta=1e6, head_dim=None):
-    """A transformers config of `family` ("qwen2" or "qwen3"). `head_dim`: None leaves the config class's default
-    (Qwen2: hidden_size / num_heads; Qwen3: 128)."""
+                num_kv_heads=2, tie=False, max_positions=256, rope_theta=1e6, head_dim=None, **experts):
+    """A transformers config of `family` ("qwen2", "qwen3" or "qwen3_moe"). `head_dim`: None leaves the config
+    class's default (Qwen2: hidden_size / num_heads; Qwen3: 128). `experts`: Qwen3-MoE's keys over TINY_EXPERTS."""
     import transformers
 
     config_class, model_class = FAMILY_CLASSES[family]
     explicit = {} if head_dim is None else {"head_dim": head_dim}
+    if family == "qwen3_moe":
+        explicit.update({**TINY_EXPERTS, **experts})
+    elif experts:
+        raise ValueError(f"{sorted(experts)} are Qwen3-MoE keys, not {family}'s")
     return getattr(transformers, config_class)(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

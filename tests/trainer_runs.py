@@ -39,3 +39,32 @@ def checkpoint_tensors(checkpoint_dir) -> dict:
         dcp_to_torch_save(str(checkpoint_dir), path)
         state = torch.load(path, weights_only=False)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without what depends on the machine's speed (phase times, tokens per second); lists (the prompt
+    ids) as tuples, compared exactly, not with approx."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in row.items()
+            if not k.startswith("time_") and k != "tokens_per_s"}
+
+
+def assert_resumed_run_equals(full, part, checkpoint: str) -> tuple[list[dict], list[str]]:
+    """The run in `part` (interrupted and resumed) logged the same metrics as the one in `full` (rel 1e-6) and wrote
+    the same tensors to `checkpoint` (rel 1e-5); returns the full run's rows and the checkpoint's tensor names."""
+    import pytest
+    import torch
+
+    full_rows, part_rows = read_metrics(full), read_metrics(part)
+    assert [r["step"] for r in part_rows] == [r["step"] for r in full_rows]
+    for a, b in zip(full_rows, part_rows):
+        a, b = comparable(a), comparable(b)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == (b[k] if isinstance(b[k], tuple) else pytest.approx(b[k], rel=1e-6, abs=1e-7)), \
+                (a["step"], k)
+    ta = checkpoint_tensors(os.path.join(full, "checkpoints", checkpoint))
+    tb = checkpoint_tensors(os.path.join(part, "checkpoints", checkpoint))
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.allclose(ta[k].float(), tb[k].float(), rtol=1e-5, atol=1e-6), k
+    return full_rows, list(ta)

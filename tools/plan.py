@@ -1,11 +1,14 @@
-"""Memory and FLOPs plan of a Qwen2.5 / Qwen3 model under a TP/PP/DP layout, for one RL step (megatron_gtpo.planning).
+"""Memory and FLOPs plan of a Qwen2.5 / Qwen3 / Qwen3-MoE model under a TP/PP/DP/EP layout, for one RL step
+(megatron_gtpo.planning).
 
     python tools/plan.py --model qwen2.5-32b --tp 8 --pp 2 --dp 4 [--json]
     python tools/plan.py --model qwen2.5-7b --config examples/qwen2.5-7b-gtpo.yaml --nodes 1
+    python tools/plan.py --model qwen3-30b-a3b --config examples/qwen3-30b-a3b-gtpo.yaml --nodes 2 --suggest
 
---model is a name (qwen2.5-0.5b ... qwen2.5-72b, qwen3-0.6b ... qwen3-32b), a config.json, or a Hugging Face model
-directory. --config takes the layout, workload, dtype, recompute and vLLM settings from a trainer config; explicit
-flags win.
+--model is a name (qwen2.5-0.5b ... qwen2.5-72b, qwen3-0.6b ... qwen3-32b, qwen3-30b-a3b, qwen3-235b-a22b), a
+config.json, or a Hugging Face model directory. --config takes the layout, workload, dtype, recompute and rollout
+settings from a trainer config; explicit flags win. A mixture-of-experts model generates on the built-in engine (no
+vLLM). --suggest plans every layout of the --nodes' GPUs the rules allow and prints the best that fits.
 Exit status: 0 the layout fits, 1 it does not (the reasons are printed), 2 it is invalid (TP must divide the heads
 and query groups, PP the layers, ...).
 """
@@ -20,7 +23,7 @@ from dataclasses import replace
 from megatron_gtpo.cli import run_cli
 from megatron_gtpo.layout import ParallelLayout
 from megatron_gtpo.planning import (KERNEL_PROFILES, Settings, Workload, plan, settings_from_config,
-                                    workload_from_config)
+                                    suggest_layouts, workload_from_config)
 
 
 def parse_args(argv=None):
@@ -35,6 +38,10 @@ def parse_args(argv=None):
     layout.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs: DP = nodes x GPUs / (TP x PP)")
     layout.add_argument("--vpp", type=int, help="virtual pipeline size (interleaved schedule)")
     layout.add_argument("--sp", action="store_true", default=None, help="sequence parallelism")
+    layout.add_argument("--ep", type=int, help="expert parallel size (mixture-of-experts models; default 1)")
+    layout.add_argument("--etp", type=int, help="expert tensor parallel size (default: TP)")
+    layout.add_argument("--suggest", action="store_true",
+                        help="plan every allowed layout of the GPUs of --nodes and print the best that fits")
     work = p.add_argument_group("workload (defaults: the paper's 128 prompts x 16, 2048 + 4096 tokens)")
     work.add_argument("--prompts-per-step", type=int)
     work.add_argument("--responses-per-prompt", type=int, help="G, the group size")
@@ -62,6 +69,9 @@ def parse_args(argv=None):
     mem.add_argument("--framework-overhead-gib", type=float, default=Settings.framework_overhead_gib)
     mem.add_argument("--allocator-slack", type=float, default=Settings.allocator_slack_fraction,
                      help="caching-allocator slack as a fraction of the transient allocations (default %(default)s)")
+    mem.add_argument("--builtin-batch-tokens", type=int,
+                     help="the built-in engine's KV-cache token slots per batch (default: the config's "
+                          "rollout.builtin_max_batch_tokens, else every row of a replica at once)")
     mem.add_argument("--logprob-workspace-mib", type=float,
                      help="the vocab-parallel op's workspace budget (default: the config's, else 256)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -70,10 +80,12 @@ def parse_args(argv=None):
 
 def load_model(model: str) -> tuple[str, dict]:
     from megatron_gtpo.models.qwen25_sizes import QWEN25_MODEL_NAMES, qwen25_hf_config
+    from megatron_gtpo.models.qwen3_moe_sizes import QWEN3_MOE_MODEL_NAMES, qwen3_moe_hf_config
     from megatron_gtpo.models.qwen3_sizes import QWEN3_MODEL_NAMES, qwen3_hf_config
 
     presets = {**dict.fromkeys(QWEN25_MODEL_NAMES, qwen25_hf_config),
-               **dict.fromkeys(QWEN3_MODEL_NAMES, qwen3_hf_config)}
+               **dict.fromkeys(QWEN3_MODEL_NAMES, qwen3_hf_config),
+               **dict.fromkeys(QWEN3_MOE_MODEL_NAMES, qwen3_moe_hf_config)}
     if model.lower() in presets:
         return model.lower(), presets[model.lower()](model)
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
@@ -84,7 +96,9 @@ def load_model(model: str) -> tuple[str, dict]:
         return model, json.load(f)
 
 
-def build_inputs(args) -> tuple[ParallelLayout, Workload, Settings]:
+def build_inputs(args, moe: bool = False) -> tuple[ParallelLayout, Workload, Settings]:
+    """The layout, workload and settings of the flags and --config; `moe`: the model has experts, so it plans the
+    built-in engine unless asked otherwise."""
     workload, settings, layout = Workload(), Settings(), ParallelLayout()
     if args.config:
         from megatron_gtpo.config import load_config
@@ -93,8 +107,9 @@ def build_inputs(args) -> tuple[ParallelLayout, Workload, Settings]:
         workload = workload_from_config(cfg)
         settings = settings_from_config(cfg)
         layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
-                        virtual_pipeline=cfg.parallel.virtual_pipeline,
-                        sequence_parallel=cfg.parallel.sequence_parallel)
+                                virtual_pipeline=cfg.parallel.virtual_pipeline,
+                                sequence_parallel=cfg.parallel.sequence_parallel, expert=cfg.parallel.expert,
+                                expert_tensor=cfg.parallel.expert_tensor)
     pick = lambda value, default: default if value is None else value  # noqa: E731
     tp, pp = pick(args.tp, layout.tensor), pick(args.pp, layout.pipeline)
     if args.nodes is not None:
@@ -108,7 +123,8 @@ def build_inputs(args) -> tuple[ParallelLayout, Workload, Settings]:
     else:
         dp = pick(args.dp, 1)
     layout = ParallelLayout(tensor=tp, pipeline=pp, data=dp, virtual_pipeline=pick(args.vpp, layout.virtual_pipeline),
-                    sequence_parallel=pick(args.sp, layout.sequence_parallel))
+                            sequence_parallel=pick(args.sp, layout.sequence_parallel),
+                            expert=pick(args.ep, layout.expert), expert_tensor=pick(args.etp, layout.expert_tensor))
     workload = Workload(
         prompts_per_step=pick(args.prompts_per_step, workload.prompts_per_step),
         num_responses_per_prompt=pick(args.responses_per_prompt, workload.num_responses_per_prompt),
@@ -117,8 +133,9 @@ def build_inputs(args) -> tuple[ParallelLayout, Workload, Settings]:
         micro_batch_size=pick(args.micro_batch_size, workload.micro_batch_size),
         mini_batches_per_step=pick(args.mini_batches, workload.mini_batches_per_step),
         epochs_per_step=pick(args.epochs, workload.epochs_per_step))
-    fraction = None if args.no_vllm else pick(args.vllm_memory_fraction, settings.vllm_memory_fraction
-                                              if args.config else Settings.vllm_memory_fraction)
+    default_fraction = settings.vllm_memory_fraction if args.config else \
+        (None if moe else Settings.vllm_memory_fraction)
+    fraction = None if args.no_vllm else pick(args.vllm_memory_fraction, default_fraction)
     settings = replace(settings, gpu_memory_gib=args.gpu_memory_gib, gpus_per_node=args.gpus_per_node,
                        params_dtype=pick(args.dtype, settings.params_dtype),
                        distributed_optimizer=not args.no_distributed_optimizer,
@@ -127,24 +144,28 @@ def build_inputs(args) -> tuple[ParallelLayout, Workload, Settings]:
                        vllm_tensor_parallel=pick(args.vllm_tp, settings.vllm_tensor_parallel),
                        vllm_overhead_gib=args.vllm_overhead_gib, framework_overhead_gib=args.framework_overhead_gib,
                        allocator_slack_fraction=args.allocator_slack,
-                       logprob_workspace_mib=pick(args.logprob_workspace_mib, settings.logprob_workspace_mib))
+                       logprob_workspace_mib=pick(args.logprob_workspace_mib, settings.logprob_workspace_mib),
+                       builtin_max_batch_tokens=pick(args.builtin_batch_tokens, settings.builtin_max_batch_tokens))
     return layout, workload, settings
 
 
 def format_table(result: dict) -> str:
     lay, mem, kv, fl = result["layout"], result["memory_gib"], result["kv_cache"], result["flops_per_step"]
+    experts = f", EP={lay['expert']} ETP={lay['expert_tensor'] or lay['tensor']}" if lay["expert"] > 1 \
+        or result["params_active"] != result["params_total"] else ""
     lines = [
-        f"{result['model']}: TP={lay['tensor']} PP={lay['pipeline']} DP={lay['data']} "
+        f"{result['model']}: TP={lay['tensor']} PP={lay['pipeline']} DP={lay['data']}{experts} "
         f"(VPP={lay['virtual_pipeline']}, SP={lay['sequence_parallel']}), {lay['world_size']} GPUs of "
         f"{mem['gpu']:g} GiB",
-        f"parameters: {result['params_total']:,} total, {result['params_per_gpu']:,} on the largest rank "
-        f"(per stage: {', '.join(f'{n:,}' for n in result['params_per_stage'])})",
+        f"parameters: {result['params_total']:,} total, {result['params_active']:,} active per token, "
+        f"{result['params_per_gpu']:,} on the largest rank (per stage: "
+        f"{', '.join(f'{n:,}' for n in result['params_per_stage'])})",
         "",
         f"memory per GPU, GiB (worst pipeline stage: {result['worst_stage']})",
     ]
     for key in ("parameters", "gradients", "optimizer", "activations", "logits", "logprob_workspaces",
-                "allocator_slack", "framework_overhead", "vllm_asleep", "training_peak", "vllm_budget", "vllm_weights",
-                "vllm_kv_cache", "generation_peak"):
+                "dispatcher_buffers", "allocator_slack", "framework_overhead", "vllm_asleep", "training_peak",
+                "vllm_budget", "vllm_weights", "vllm_kv_cache", "builtin_kv_cache", "generation_peak"):
         lines.append(f"  {key:<20} {mem[key]:9.2f}")
     lines += ["", "training peak, GiB        no recompute   recompute"]
     for name, label in (("distopt", "distributed optimizer"), ("no_distopt", "replicated optimizer")):
@@ -158,10 +179,24 @@ def format_table(result: dict) -> str:
                   f"({kv['bytes_per_token']:,} B/token per GPU) = {kv['full_length_sequences']} full-length "
                   f"sequences at once; {kv['sequences_per_engine']} sequences per engine per step "
                   f"({kv['waves_at_full_length']} waves at full length)"]
+    else:
+        lines += ["", f"rollout: the built-in engine on the training model, a KV cache of "
+                      f"{kv['builtin_batch_tokens']:,} token slots per batch"]
     lines += ["", "FLOPs per step (" + fl["note"] + ")"]
     for key in ("generate", "old_logprob", "update", "total"):
         lines.append(f"  {key:<12} {fl[key]:.3e}")
     lines += ["", "FITS" if result["fits"] else "DOES NOT FIT:"] + [f"  - {r}" for r in result["reasons"]]
+    return "\n".join(lines)
+
+
+def format_suggestions(plans: list) -> str:
+    lines = ["", "layouts that fit, best first (TP PP DP EP ETP SP recompute: training / generation peak GiB)"]
+    for p in plans[:8]:
+        lay, mem = p.layout, p.memory_gib
+        lines.append(f"  TP={lay.tensor} PP={lay.pipeline} DP={lay.data} EP={lay.expert} "
+                     f"ETP={lay.expert_tensor_size} SP={lay.sequence_parallel} "
+                     f"recompute={p.settings.recompute_activations}: {mem['training_peak']:.1f} / "
+                     f"{mem['generation_peak']:.1f}")
     return "\n".join(lines)
 
 
@@ -170,8 +205,17 @@ def main(argv=None) -> int:
     from megatron_gtpo.models.qwen2 import Qwen2Shape
 
     name, hf_config = load_model(args.model)
-    layout, workload, settings = build_inputs(args)
-    result = plan(Qwen2Shape.from_hf(hf_config), layout, workload, settings, model_name=name).to_json()
+    shape = Qwen2Shape.from_hf(hf_config)
+    layout, workload, settings = build_inputs(args, moe=shape.moe is not None)
+    if args.suggest:
+        fitting = suggest_layouts(shape, layout.world_size, workload, settings)
+        if not fitting:
+            raise ValueError(f"no layout of {layout.world_size} GPUs fits {name}: use more nodes")
+        best = fitting[0]
+        result = plan(shape, best.layout, workload, best.settings, model_name=name).to_json()
+        print(json.dumps(result) if args.json else format_table(result) + format_suggestions(fitting))
+        return 0
+    result = plan(shape, layout, workload, settings, model_name=name).to_json()
     print(json.dumps(result) if args.json else format_table(result))
     if not result["fits"] and args.json:
         print("plan: does not fit: " + "; ".join(result["reasons"]), file=sys.stderr)

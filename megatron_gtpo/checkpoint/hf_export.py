@@ -1,11 +1,11 @@
-"""megatron_gtpo checkpoint -> Hugging Face Qwen2 / Qwen3 directory (sharded safetensors + index, config.json,
-generation config, tokenizer files), streaming, in one process.
+"""megatron_gtpo checkpoint -> Hugging Face Qwen2 / Qwen3 / Qwen3-MoE directory (sharded safetensors + index,
+config.json, generation config, tokenizer files), streaming, in one process.
 
-Works on converter output and on trainer checkpoints (written at any TP/PP, with or without optimizer state): only
+Works on converter output and on trainer checkpoints (written at any TP/PP/EP, with or without optimizer state): only
 the model's keys are read. For each entry of the single HF<->Megatron mapping, the global megatron tensor of one
-layer is read from the torch_dist data (whatever chunks it was stored in), split into HF tensors by
-`megatron_shards_to_hf` (which also drops the padded vocabulary rows), and appended to a safetensors file whose
-header was written up front. Memory: one layer's global tensor, its HF pieces and one stored chunk being
+layer (or of one expert of a layer) is read from the torch_dist data (whatever chunks it was stored in), split into
+HF tensors by `megatron_shards_to_hf` (which also drops the padded vocabulary rows), and appended to a safetensors
+file whose header was written up front. Memory: one layer's global tensor, its HF pieces and one stored chunk being
 deserialised, about 3x the largest tensor above the interpreter's baseline.
 """
 from __future__ import annotations
@@ -201,13 +201,14 @@ def convert_megatron_to_hf(megatron_dir: str, output_dir: str, *, dtype: torch.d
     # Plan from the stored metadata alone: every key and global shape is checked before anything is written.
     reads, specs = [], []
     for mapping in mappings:
-        key, layer = dist_checkpoint_key(mapping.megatron_name)
+        at = dist_checkpoint_key(mapping.megatron_name, shape)
+        key, axes = at.key, len(at.index)
         md = reader.tensor_metadata(key)
         stored = tuple(md.size)
-        per_layer = stored if layer is None else stored[1:]
-        if layer is not None and (len(stored) < 2 or stored[0] != shape.num_layers):
-            raise ValueError(f"{key}: stored shape {stored} is not [{shape.num_layers} layers, ...] as config.json "
-                             f"says")
+        per_layer = stored[axes:]
+        if stored[:axes] != at.stacked or not per_layer:
+            axes_named = ", ".join(f"{n} {what}" for n, what in zip(at.stacked, ("layers", "experts")))
+            raise ValueError(f"{key}: stored shape {stored} is not [{axes_named}, ...] as config.json says")
         metas = [torch.empty(per_layer, dtype=md.properties.dtype, device="meta")]
         try:
             hf_metas = megatron_shards_to_hf(mapping, metas, shape)
@@ -218,10 +219,7 @@ def convert_megatron_to_hf(megatron_dir: str, output_dir: str, *, dtype: torch.d
                 raise ValueError(f"{key}: stored shape {stored} gives {name} {tuple(hf_meta.shape)}, but config.json "
                                  f"implies {hf_tensor_shape(name, shape)}")
             specs.append(TensorSpec(name, tuple(hf_meta.shape), dtype or hf_meta.dtype))
-        if layer is None:
-            reads.append((mapping, key, (0,) * len(stored), stored, False))
-        else:
-            reads.append((mapping, key, (layer,) + (0,) * len(per_layer), (1, *per_layer), True))
+        reads.append((mapping, key, (*at.index, *(0 for _ in per_layer)), (*(1 for _ in at.index), *per_layer), axes))
 
     out_dtypes = {spec.dtype for spec in specs}
     hf_config = dict(meta.hf_config)
@@ -231,10 +229,9 @@ def convert_megatron_to_hf(megatron_dir: str, output_dir: str, *, dtype: torch.d
 
     with atomic_output_dir(output_dir, force=force, inputs=(megatron_dir,)) as tmp:
         writer = SafetensorsShardWriter(tmp, plan_shards(specs, max_shard_bytes))
-        for mapping, key, offsets, sizes, is_layer in tqdm(reads, desc="HF tensors", unit="tensor",
-                                                           disable=not progress):
+        for mapping, key, offsets, sizes, axes in tqdm(reads, desc="HF tensors", unit="tensor", disable=not progress):
             stored = reader.read(key, offsets, sizes)
-            global_tensor = stored[0] if is_layer else stored
+            global_tensor = stored.reshape(stored.shape[axes:])  # without the stacked axes (each of size 1 here)
             for name, tensor in zip(mapping.hf_names, megatron_shards_to_hf(mapping, [global_tensor], shape)):
                 writer.write(name, tensor if dtype is None else tensor.to(dtype))
             del stored, global_tensor

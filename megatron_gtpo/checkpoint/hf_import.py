@@ -1,11 +1,12 @@
-"""Hugging Face Qwen2 / Qwen3 safetensors -> megatron_gtpo checkpoint, streaming, in one process.
+"""Hugging Face Qwen2 / Qwen3 / Qwen3-MoE safetensors -> megatron_gtpo checkpoint, streaming, in one process.
 
 No model is built and torch.distributed is not started. For each entry of the single HF<->Megatron mapping, the HF
 tensors are read (memory-mapped), `hf_to_megatron_shard(..., tp_size=1)` gives the global megatron tensor (the
 TP-independent view dist_checkpointing stores), and it is written as the chunks a run at `tensor_parallel` would
 write (equal parts along its TP split dimension; 2*TP parts for linear_fc1, whose global layout is
 [gate of all ranks; up of all ranks]) straight into the torch_dist format, under megatron's sharded keys
-(megatron_checkpoint.dist_checkpoint_key). megatron.core.dist_checkpointing then loads it at any TP/PP.
+(megatron_checkpoint.dist_checkpoint_key; an expert's at its layer and expert index). megatron.core.dist_checkpointing
+then loads it at any TP/PP/EP.
 
 Memory: every write item is planned from shapes alone (config.json, checked against each HF tensor's header), then
 data is produced one mapping at a time when the writer asks for it: at most the HF tensors of one mapping, their
@@ -35,8 +36,9 @@ from megatron_gtpo.layout import ParallelLayout, check_layout
 
 from .atomic_dir import atomic_output_dir
 from .manifest import write_manifest
-from .megatron_checkpoint import (HF_FILES_DIR, CheckpointMetadata, copy_hf_side_files, dist_checkpoint_key,
-                                  dtype_name, write_checkpoint_metadata, write_megatron_format_files)
+from .megatron_checkpoint import (HF_FILES_DIR, CheckpointMetadata, StoredAt, copy_hf_side_files,
+                                  dist_checkpoint_key, dtype_name, write_checkpoint_metadata,
+                                  write_megatron_format_files)
 
 
 @dataclass(frozen=True)
@@ -44,29 +46,28 @@ class _Chunk:
     """One stored piece of a megatron tensor: rows/columns `start:start+length` of its TP split dimension."""
 
     mapping: TensorMapping
-    key: str
-    layer: int | None  # index on the stacked layer axis, None for tensors outside the transformer layers
+    stored: StoredAt  # its key and index on the stacked leading axes (layer; layer and expert)
     split_dim: int | None  # in the per-layer tensor; None: stored whole
     start: int
     length: int
 
     def offsets(self, ndim: int) -> tuple[int, ...]:
         per_layer = [self.start if d == self.split_dim else 0 for d in range(ndim)]
-        return tuple(per_layer) if self.layer is None else (self.layer, *per_layer)
+        return (*self.stored.index, *per_layer)
 
     def sizes(self, global_shape: tuple[int, ...]) -> tuple[int, ...]:
         per_layer = [self.length if d == self.split_dim else n for d, n in enumerate(global_shape)]
-        return tuple(per_layer) if self.layer is None else (1, *per_layer)
+        return (*(1 for _ in self.stored.index), *per_layer)
 
 
-def _chunks(mapping: TensorMapping, global_shape: tuple[int, ...], tensor_parallel: int) -> list[_Chunk]:
-    key, layer = dist_checkpoint_key(mapping.megatron_name)
+def _chunks(mapping: TensorMapping, global_shape: tuple[int, ...], tensor_parallel: int, shape) -> list[_Chunk]:
+    stored = dist_checkpoint_key(mapping.megatron_name, shape)
     split_dim = mapping.tp_split_dim
     if split_dim is None:
-        return [_Chunk(mapping, key, layer, None, 0, 0)]
+        return [_Chunk(mapping, stored, None, 0, 0)]
     parts = 2 * tensor_parallel if mapping.layout == FC1 else tensor_parallel
     length = global_shape[split_dim] // parts
-    return [_Chunk(mapping, key, layer, split_dim, i * length, length) for i in range(parts)]
+    return [_Chunk(mapping, stored, split_dim, i * length, length) for i in range(parts)]
 
 
 class _ChunkSavePlanner(DefaultSavePlanner):
@@ -145,11 +146,10 @@ class _Importer:
         self.dtypes.add(dtype)
         metas = [torch.empty(t.shape, dtype=dtype, device="meta") for t in headers]
         global_shape = tuple(hf_to_megatron_shard(mapping, metas, self.shape, 0, 1).shape)
-        num_layers = self.shape.num_layers
-        for chunk in _chunks(mapping, global_shape, tensor_parallel):
-            stored_shape = global_shape if chunk.layer is None else (num_layers, *global_shape)
+        for chunk in _chunks(mapping, global_shape, tensor_parallel, self.shape):
+            stored_shape = (*chunk.stored.stacked, *global_shape)
             item = WriteItem(
-                index=MetadataIndex(chunk.key, torch.Size(chunk.offsets(len(global_shape)))),
+                index=MetadataIndex(chunk.stored.key, torch.Size(chunk.offsets(len(global_shape)))),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offsets(len(global_shape))),
@@ -170,16 +170,16 @@ class _Importer:
         tensor = self._global_tensor(chunk.mapping)
         if chunk.split_dim is not None:
             tensor = tensor.narrow(chunk.split_dim, chunk.start, chunk.length)
-        return tensor if chunk.layer is None else tensor.unsqueeze(0)
+        return tensor.reshape(chunk.sizes(tuple(tensor.shape)))  # a leading 1 per stacked axis
 
 
 def convert_hf_to_megatron(hf_dir: str, output_dir: str, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                            dtype: torch.dtype | None = None, force: bool = False,
                            progress: bool = True) -> CheckpointMetadata:
-    """Write the megatron_gtpo checkpoint of the HF Qwen2 / Qwen3 model in `hf_dir` to `output_dir` (created atomically;
-    an existing one is replaced only with `force`). Each tensor keeps its dtype unless `dtype` is given.
-    `tensor_parallel` / `pipeline_parallel` are checked against the model and set how the data is chunked on disk;
-    the checkpoint loads at any TP/PP."""
+    """Write the megatron_gtpo checkpoint of the HF Qwen2 / Qwen3 / Qwen3-MoE model in `hf_dir` to `output_dir`
+    (created atomically; an existing one is replaced only with `force`). Each tensor keeps its dtype unless `dtype` is
+    given. `tensor_parallel` / `pipeline_parallel` are checked against the model and set how the data is chunked on
+    disk; the checkpoint loads at any TP/PP/EP."""
     from torch.distributed.checkpoint import save as dcp_save
 
     for name, value in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):

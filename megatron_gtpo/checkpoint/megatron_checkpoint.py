@@ -10,8 +10,9 @@ A checkpoint directory holds
     manifest.json                  every other file's size and SHA-256 (checkpoint/manifest.py), checked before a load
 
 Model tensors are stored under megatron-core's own sharded keys (`GPTModel.sharded_state_dict()`, no prefix) in
-their global, TP/PP-independent shape: transformer-layer tensors are stacked on a leading layer axis under
-`decoder.layers.<name>` (layer norms under their Transformer Engine names, `dist_checkpoint_key`), linear_fc1 is
+their global, TP/PP/EP-independent shape: transformer-layer tensors are stacked on a leading layer axis under
+`decoder.layers.<name>` (a dense layer's norms under their Transformer Engine names, `dist_checkpoint_key`), an
+expert's on a layer axis and then an expert axis under `decoder.layers.mlp.experts.experts.<name>`, linear_fc1 is
 [gate of all TP ranks; up of all TP ranks], linear_qkv is grouped per query group, and the embedding / output layer
 hold the padded vocabulary. This is the layout Megatron-LM writes, so dist_checkpointing reshards it on load to any
 TP/PP. The state dict nests each model chunk under "model" ("model0", "model1", ... with virtual pipeline stages), as
@@ -61,6 +62,7 @@ MEGATRON_FORMAT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1
 MEGATRON_COMMON_FILE = "common.pt"
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -78,6 +80,7 @@ class CheckpointMetadata:
     contents: tuple[str, ...] = ("model",)  # top-level state keys: "model" (or "model0", ...) plus the trainer's
     extra: dict = field(default_factory=dict)  # anything the writer wants to keep (the trainer's step, config, ...)
     format_version: int = FORMAT_VERSION
+    expert_parallel: int = 1  # the EP it was written at (1 for dense models); it loads at any
 
     @property
     def shape(self) -> Qwen2Shape:
@@ -125,7 +128,8 @@ def read_checkpoint_metadata(directory: str) -> CheckpointMetadata:
         metadata = CheckpointMetadata(
             hf_config=record["hf_config"], dtype=record["dtype"], tensor_parallel=int(record["tensor_parallel"]),
             pipeline_parallel=int(record["pipeline_parallel"]), contents=tuple(record["contents"]),
-            extra=record.get("extra", {}), format_version=version)
+            extra=record.get("extra", {}), format_version=version,
+            expert_parallel=int(record.get("expert_parallel", 1)))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: missing or malformed field {e}") from e
     if record.get("vocab_size", metadata.vocab_size) != metadata.vocab_size:
@@ -134,14 +138,33 @@ def read_checkpoint_metadata(directory: str) -> CheckpointMetadata:
     return metadata
 
 
-def dist_checkpoint_key(megatron_name: str) -> tuple[str, int | None]:
-    """(sharded key, layer index or None) under which megatron-core's dist_checkpointing stores a canonical megatron
-    tensor (hf_mapping names): 'decoder.layers.3.input_layernorm.weight' ->
-    ('decoder.layers.self_attention.linear_qkv.layer_norm_weight', 3), stacked on a leading layer axis."""
+@dataclass(frozen=True)
+class StoredAt:
+    """Where megatron-core's dist_checkpointing stores a canonical megatron tensor: under `key`, at `index` of the
+    leading axes it is stacked on, whose sizes are `stacked` (() for tensors outside the layers; (layers,) for a
+    layer's; (layers, experts) for an expert's)."""
+
+    key: str
+    index: tuple[int, ...] = ()
+    stacked: tuple[int, ...] = ()
+
+
+def dist_checkpoint_key(megatron_name: str, shape: Qwen2Shape) -> StoredAt:
+    """Where a canonical megatron tensor (hf_mapping names) of a model of `shape` is stored:
+    'decoder.layers.3.input_layernorm.weight' -> 'decoder.layers.self_attention.linear_qkv.layer_norm_weight' at
+    layer 3 (a dense layer's norms under their TE names); 'decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.
+    weight' -> 'decoder.layers.mlp.experts.experts.linear_fc2.weight' at (3, 5). A mixture-of-experts layer keeps its
+    pre-MLP norm's own name (models/qwen2.layer_spec)."""
     m = _LAYER_NAME.fullmatch(megatron_name)
     if m is None:
-        return megatron_name, None
-    return f"decoder.layers.{LOCAL_TO_TE.get(m.group(2), m.group(2))}", int(m.group(1))
+        return StoredAt(megatron_name)
+    layer, rest = int(m.group(1)), m.group(2)
+    if (expert := _EXPERT_NAME.fullmatch(rest)) is not None:
+        return StoredAt(f"decoder.layers.mlp.experts.experts.{expert.group(2)}", (layer, int(expert.group(1))),
+                        (shape.num_layers, shape.moe.num_experts))
+    if shape.moe is None or rest != "pre_mlp_layernorm.weight":
+        rest = LOCAL_TO_TE.get(rest, rest)
+    return StoredAt(f"decoder.layers.{rest}", (layer,), (shape.num_layers,))
 
 
 def stored_keys(directory: str) -> set[str]:
@@ -221,7 +244,7 @@ def save_checkpoint(directory: str, model_chunks: list, *, hf_config: dict, mode
     metadata = CheckpointMetadata(
         hf_config=hf_config, dtype=_weights_dtype(model_chunks), tensor_parallel=config.tensor_model_parallel_size,
         pipeline_parallel=config.pipeline_model_parallel_size, contents=tuple(state) + tuple(extra),
-        extra=dict(extra_metadata or {}))
+        extra=dict(extra_metadata or {}), expert_parallel=config.expert_model_parallel_size)
     json.dumps(metadata.to_json())  # fail before writing anything if the metadata is not JSON-serialisable
 
     # Rank 0 decides and every rank learns the outcome, so that a refused overwrite fails on all ranks alike.

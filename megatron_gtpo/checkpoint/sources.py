@@ -34,13 +34,14 @@ class ModelSource:
         return load_hf_config(self.path)
 
     def load_into(self, model_chunks: list, groups) -> None:
-        """Copy the weights into this rank's chunks (any TP/PP)."""
+        """Copy the weights into this rank's chunks (any TP/PP/EP)."""
         if self.is_megatron_checkpoint:
             from .megatron_checkpoint import load_model_only
 
             load_model_only(self.path, model_chunks)
             return
         from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+        from megatron_gtpo.models.hf_mapping import ShardCoordinates
 
         with HFCheckpoint(self.path) as ckpt:
-            load_hf_weights(model_chunks, ckpt, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
+            load_hf_weights(model_chunks, ckpt, shard=ShardCoordinates.of(groups))

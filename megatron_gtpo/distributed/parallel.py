@@ -80,6 +80,15 @@ class ParallelGroups:
     world_rank: int
     world_size: int
     device: torch.device
+    # The experts of a mixture-of-experts model (layout.ParallelLayout): this rank holds experts
+    # [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size), each split over the etp_size ranks of its expert-TP group.
+    # A dense model has ep_size 1, etp = tp and the groups of a world of one expert rank.
+    ep_group: dist.ProcessGroup | None = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_group: dist.ProcessGroup | None = None
+    etp_rank: int = 0
+    etp_size: int = 1
 
     @property
     def is_last_stage(self) -> bool:
@@ -95,6 +104,14 @@ class ParallelGroups:
     def last_stage_global_rank(self) -> int:
         return dist.get_global_rank(self.pp_group, self.pp_size - 1)
 
+    @property
+    def expert_lockstep_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel group when it spans more than this rank (EP > 1), else None. Its ranks exchange
+        tokens by all-to-all inside every MoE layer, so they must run their forward (and backward) passes in
+        lockstep: the same number of micro-batches and of generation steps, whatever their own data (ranks with
+        less take part with empty work)."""
+        return self.ep_group if self.ep_size > 1 else None
+
 
 def _pick_backend(backend: str | None) -> str:
     if backend is None:
@@ -108,10 +125,14 @@ def _pick_backend(backend: str | None) -> str:
 
 def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
                         virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
+                        expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
                         backend: str | None = None, seed: int = 1234, timeout_minutes: float = 30.0) -> ParallelGroups:
     """Start torch.distributed (unless already started) and megatron's model-parallel state; seed the RNGs.
 
-    Rank layout is megatron's default order (tp-cp-ep-dp-pp): TP ranks are adjacent. On a machine without CUDA the
+    Rank layout is megatron's default order (tp-cp-ep-dp-pp): TP ranks are adjacent. The experts of a
+    mixture-of-experts model at `expert_parallel` (EP) and `expert_tensor_parallel` (ETP, None: TP): megatron lays
+    every stage's ranks out again as etp-ep-edp, so with ETP = TP an EP group is EP consecutive data-parallel
+    replicas. On a machine without CUDA the
     CPU platform layer is activated first, so megatron-core runs unmodified on gloo. megatron-core's checkpoint writer
     processes end with the rank, and the rank with its torchrun agent, even after a SIGKILL (process_lifetime.py).
     """
@@ -121,7 +142,8 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
     launch = read_launch_env()
     check_layout(ParallelLayout.from_world_size(launch.world_size, tensor=tensor_parallel, pipeline=pipeline_parallel,
                                                 virtual_pipeline=virtual_pipeline_parallel,
-                                                sequence_parallel=sequence_parallel))
+                                                sequence_parallel=sequence_parallel, expert=expert_parallel,
+                                                expert_tensor=expert_tensor_parallel))
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
     if not dist.is_initialized():
@@ -142,6 +164,8 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel,
     )
     # As Megatron-LM does: stages get different seeds (different layers), DP replicas the same one.
     stage_seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
@@ -157,6 +181,9 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
         world_rank=dist.get_rank(), world_size=dist.get_world_size(),
         # On the CPU platform too: there the "cuda" device is the CPU, and the device audit tracks what lives on it.
         device=torch.device("cuda", torch.cuda.current_device()),
+        ep_group=ps.get_expert_model_parallel_group(), ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=expert_parallel, etp_group=ps.get_expert_tensor_parallel_group(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
 
 
@@ -165,7 +192,8 @@ def warm_up_communicators() -> list:
     returns those groups. NCCL creates a group's communicator, and its device buffers, lazily at the group's first
     collective; a colocated rollout engine sizes its KV cache from the free GPU memory when it starts, so the
     communicators must exist before that (rollout/server_engine.start_colocated_servers). Only these groups: each
-    communicator costs GPU memory, and megatron-core creates many groups a dense model never uses.
+    communicator costs GPU memory, and megatron-core creates many groups a dense model never uses. (Mixture-of-experts
+    models run on the built-in engine only, which sizes nothing from free memory.)
     tests/test_device_audit.py checks that a training step communicates over no other group."""
     from megatron.core import parallel_state as ps
 

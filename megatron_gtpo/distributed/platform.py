@@ -12,9 +12,15 @@ onto the CPU:
   host tensor meeting a device tensor, or going to a collective on a group that is NCCL on a GPU, raises
   DeviceMixError, so the CPU runs catch what would fail on CUDA;
 - `torch.Generator(device="cuda")` gives a CPU generator;
+- CUDA streams and events (megatron-core's MoE token dispatcher copies its split sizes to the host on a side
+  stream) get stand-ins that order nothing, as everything on the CPU runs in program order: there is one stream,
+  so no tensor is ever used on a side stream (nothing calls `record_stream`, which takes real streams only);
 - `torch.cuda.{current_device, synchronize, manual_seed, get_rng_state, set_rng_state, ...}` get CPU stand-ins,
   so megatron's RNG tracker forks and restores the CPU generator exactly as it would the CUDA one;
 - megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` helpers get the same CPU stand-ins;
+- megatron's MoE all-to-all allocates its output on `torch.cuda.current_device()`, also when autograd calls it in
+  the backward pass, where no torch-function mode is active (the mode stack is thread-local, and autograd's engine
+  does not carry it): its forward runs under the platform's mode when called without one;
 - megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (a CUDA stream setting) is marked as already given.
 
 `activate_cpu_platform()` is the one place this happens. It is a no-op when CUDA is available, idempotent, and must
@@ -25,6 +31,7 @@ build of torch, would otherwise train on the CPU without a word.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -84,6 +91,38 @@ class _CpuGenerator(torch.Generator):
         pass
 
 
+class _CpuEvent:
+    """A CUDA event on the CPU: every operation before it has already happened."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+class _CpuStream:
+    """The CPU's one stream: work runs in program order, so waiting and recording order nothing."""
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
 def _cpu_manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
@@ -94,6 +133,17 @@ def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
 
 def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
+
+
+def _under_platform_mode(function):
+    """`function` run under the platform's mode where it is called without any (autograd's backward)."""
+    def wrapped(*args, **kwargs):
+        if _mode is None or torch._C._len_torch_function_stack() > 0:
+            return function(*args, **kwargs)
+        with _mode:
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 def is_cpu_platform_active() -> bool:
@@ -162,6 +212,10 @@ def activate_cpu_platform(dev: str = "/dev") -> bool:
     cuda.random.set_rng_state = _cpu_set_rng_state
     cuda.empty_cache = lambda: None
     cuda.set_device = lambda device: None
+    cuda.Stream = lambda *args, **kwargs: _DEFAULT_STREAM
+    cuda.Event = _CpuEvent
+    cuda.current_stream = cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     from megatron.core.tensor_parallel import layers as megatron_layers
     from megatron.core.tensor_parallel import random as megatron_random
@@ -171,6 +225,10 @@ def activate_cpu_platform(dev: str = "/dev") -> bool:
     # Its advice to set CUDA_DEVICE_MAX_CONNECTIONS (how CUDA streams order communication and compute) has no
     # meaning on the CPU: mark it as given. On a GPU it stays, and applies.
     megatron_layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
+
+    from megatron.core.tensor_parallel import mappings as megatron_mappings
+
+    megatron_mappings._AllToAll.forward = staticmethod(_under_platform_mode(megatron_mappings._AllToAll.forward))
 
     torch.Generator = _CpuGenerator
     audit = DeviceAudit()

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .hf_mapping import canonical_name, hf_tensor_shape, hf_to_megatron_shard, tensor_mappings
+from .hf_mapping import ShardCoordinates, canonical_name, hf_tensor_shape, hf_to_megatron_shard, tensor_mappings
 from .qwen2 import Qwen2Shape, load_hf_config
 
 SINGLE_FILE = "model.safetensors"
@@ -81,19 +81,25 @@ def layer_offset(model_chunk) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights(model_chunks: list, checkpoint: HFCheckpoint, *, tp_rank: int, tp_size: int) -> None:
-    """Copy the HF tensors into this rank's parameters (any TP/PP/VPP). Every parameter must be covered."""
-    by_name = {m.megatron_name: m for m in tensor_mappings(checkpoint.shape)}
+def load_hf_weights(model_chunks: list, checkpoint: HFCheckpoint, *, tp_rank: int = 0, tp_size: int = 1,
+                    shard: ShardCoordinates | None = None) -> None:
+    """Copy the HF tensors into this rank's parameters (any TP/PP/VPP; a mixture-of-experts model at any EP/ETP with
+    `shard`, ShardCoordinates.of(groups), which replaces tp_rank / tp_size). Every parameter must be covered; only
+    this rank's experts are read."""
+    shard = shard or ShardCoordinates(tp_rank, tp_size)
+    shape = checkpoint.shape
+    by_name = {m.megatron_name: m for m in tensor_mappings(shape)}
     for chunk in model_chunks:
         offset = layer_offset(chunk)
         for param_name, param in chunk.named_parameters():
-            name = canonical_name(param_name, offset)
+            name = canonical_name(param_name, offset, shard.expert_offset(shape))
             mapping = by_name.get(name)
             if mapping is None:
                 raise KeyError(f"megatron parameter {param_name!r} ({name}) has no Hugging Face counterpart")
-            shard = hf_to_megatron_shard(mapping, [checkpoint.get(n) for n in mapping.hf_names], checkpoint.shape,
-                                         tp_rank, tp_size)
-            if shard.shape != param.shape:
-                raise ValueError(f"{param_name}: HF shard shape {tuple(shard.shape)} != parameter shape "
-                                 f"{tuple(param.shape)} (TP={tp_size})")
-            param.copy_(shard)
+            rank, size = shard.split(mapping)
+            tensor = hf_to_megatron_shard(mapping, [checkpoint.get(n) for n in mapping.hf_names], shape, rank, size)
+            if tensor.shape != param.shape:
+                raise ValueError(f"{param_name}: HF shard shape {tuple(tensor.shape)} != parameter shape "
+                                 f"{tuple(param.shape)} (TP={shard.tp_size}, EP={shard.ep_size}, "
+                                 f"ETP={shard.etp_size})")
+            param.copy_(tensor)

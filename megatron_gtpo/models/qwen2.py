@@ -1,11 +1,12 @@
-"""Qwen2 / Qwen2.5 and Qwen3 dense on megatron-core: TransformerConfig from a Hugging Face config.json, layer specs,
-model builder.
+"""Qwen2 / Qwen2.5, Qwen3 dense and Qwen3-MoE on megatron-core: TransformerConfig from a Hugging Face config.json,
+layer specs, model builder.
 
-Both families are the same GPTModel (GQA, RMSNorm, SwiGLU, RoPE); what differs is in `QwenFamily`, chosen by the
+All families are the same GPTModel (GQA, RMSNorm, SwiGLU, RoPE); what differs is in `QwenFamily`, chosen by the
 config's `model_type` (`Qwen2Shape.from_hf`): Qwen2 has a bias on q/k/v; Qwen3 has none, but an RMSNorm over
 head_dim on every query and key head before RoPE (megatron's qk_layernorm) and an explicit head_dim (megatron's
-kv_channels), which need not be hidden_size / heads. `transformer_config_from_hf` is the ONE function that turns a
-config.json into a megatron TransformerConfig. Everything about tensor names and layouts lives in `hf_mapping.py`.
+kv_channels), which need not be hidden_size / heads. Qwen3-MoE is Qwen3 with a router and experts in place of every
+layer's MLP (models/moe.py). `transformer_config_from_hf` is the ONE function that turns a config.json into a
+megatron TransformerConfig. Everything about tensor names and layouts lives in `hf_mapping.py`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from megatron_gtpo.layout import ParallelLayout, check_layout
 
 from .accelerator import Accelerator, fusion_settings
+from .moe import MoeShape, RouterLosses, mark_expert_parameters, moe_config_kwargs
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,15 @@ class QwenFamily:
     qkv_bias: bool  # bias on the q/k/v projections
     qk_norm: bool  # RMSNorm over head_dim on each query and key head, before RoPE
     required_keys: tuple[str, ...]  # beyond _REQUIRED_KEYS
+    moe: bool = False  # a router and experts in every layer's place of the MLP (models/moe.py)
 
 
 # Qwen3 wants head_dim spelled out: transformers' Qwen3Config defaults it to 128, not hidden_size / heads.
 FAMILIES = {
     "qwen2": QwenFamily("Qwen2ForCausalLM", "Qwen2, Qwen2.5", qkv_bias=True, qk_norm=False, required_keys=()),
     "qwen3": QwenFamily("Qwen3ForCausalLM", "Qwen3 dense", qkv_bias=False, qk_norm=True, required_keys=("head_dim",)),
+    "qwen3_moe": QwenFamily("Qwen3MoeForCausalLM", "Qwen3-MoE", qkv_bias=False, qk_norm=True,
+                            required_keys=("head_dim",), moe=True),
 }
 
 # Megatron pads the vocabulary so that every TP rank holds an equal, 128-aligned slice. We pad to a multiple of
@@ -80,8 +85,9 @@ def family_of(hf_config: dict) -> QwenFamily:
 
 @dataclass(frozen=True)
 class Qwen2Shape:
-    """The architecture facts of a Qwen2 or Qwen3 (dense) config.json that the model, the mapping and the planner
-    use; `qkv_bias` and `qk_norm` come from its family (`QwenFamily`)."""
+    """The architecture facts of a Qwen2, Qwen3 or Qwen3-MoE config.json that the model, the mapping and the planner
+    use; `qkv_bias` and `qk_norm` come from its family (`QwenFamily`), `moe` (None for dense models) from the
+    mixture-of-experts keys (models/moe.py)."""
 
     hidden_size: int
     ffn_hidden_size: int
@@ -97,6 +103,7 @@ class Qwen2Shape:
     init_std: float
     qkv_bias: bool
     qk_norm: bool
+    moe: MoeShape | None = None
 
     @classmethod
     def from_hf(cls, hf_config: dict) -> "Qwen2Shape":
@@ -133,19 +140,23 @@ class Qwen2Shape:
             init_std=float(hf_config.get("initializer_range", 0.02)),
             qkv_bias=family.qkv_bias,
             qk_norm=family.qk_norm,
+            moe=MoeShape.from_hf(hf_config) if family.moe else None,
         )
 
 
 def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                                virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
+                               expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
                                params_dtype: torch.dtype = torch.float32, recompute_activations: bool = False,
                                accelerator: Accelerator | None = None, transformer_engine: bool = False,
-                               packed_sequences: bool = False):
-    """The megatron-core TransformerConfig of a Qwen2 / Qwen3 config.json, for the given parallel layout, layer spec
-    (`transformer_engine`) and machine (`accelerator`, default this process's: models/accelerator.py decides the
-    fusions). `packed_sequences`: the model will see packed rows (data.pack_sequences).
+                               packed_sequences: bool = False, router_losses: RouterLosses = RouterLosses()):
+    """The megatron-core TransformerConfig of a Qwen2 / Qwen3 / Qwen3-MoE config.json, for the given parallel layout,
+    layer spec (`transformer_engine`) and machine (`accelerator`, default this process's: models/accelerator.py
+    decides the fusions). `packed_sequences`: the model will see packed rows (data.pack_sequences). Qwen3-MoE: its
+    experts at `expert_parallel` (EP) and `expert_tensor_parallel` (None: TP, megatron's default), with
+    `router_losses` (models/moe.py).
 
-    Both families: GQA (num_query_groups = num_key_value_heads), head_dim as kv_channels, no biases except Qwen2's on
+    All families: GQA (num_query_groups = num_key_value_heads), head_dim as kv_channels, no biases except Qwen2's on
     q/k/v, RMSNorm, SwiGLU, RoPE (rope_theta is passed to GPTModel, which owns the rotary embedding); Qwen3's per-head
     q/k RMSNorm is megatron's qk_layernorm (built over kv_channels with layernorm_epsilon; finalize_model_grads sums
     its gradients over TP, each rank seeing only its own heads). Dropout is 0 (RL fine-tuning, and exact parity with
@@ -154,11 +165,15 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     from megatron.core.transformer import TransformerConfig
 
     shape = Qwen2Shape.from_hf(hf_config)
-    check_layout(ParallelLayout(tensor_parallel, pipeline_parallel, None, virtual_pipeline_parallel, sequence_parallel),
+    check_layout(ParallelLayout(tensor_parallel, pipeline_parallel, None, virtual_pipeline_parallel, sequence_parallel,
+                                expert=expert_parallel, expert_tensor=expert_tensor_parallel),
                  shape=shape, transformer_engine=transformer_engine)  # LayoutError (a ValueError) naming the rule
     accelerator = accelerator or Accelerator.probe()
     if transformer_engine and not accelerator.transformer_engine:
         raise ValueError("the Transformer Engine layer spec needs CUDA and a working transformer_engine.pytorch")
+    experts = {} if shape.moe is None else moe_config_kwargs(
+        shape.moe, expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
+        transformer_engine=transformer_engine, router_losses=router_losses)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -186,7 +201,8 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
         fp16=params_dtype == torch.float16,
         attention_softmax_in_fp32=True,
         variable_seq_lengths=True,  # RL micro-batches have different lengths
-        moe_token_dispatcher_type="alltoall",  # no MoE here; the default "allgather" vetoes variable_seq_lengths
+        # MoE: the all-to-all dispatcher (models/moe.py). Dense: the default "allgather" vetoes variable_seq_lengths.
+        **(experts or {"moe_token_dispatcher_type": "alltoall"}),
         **fusion_settings(accelerator, transformer_engine=transformer_engine, packed_sequences=packed_sequences),
         recompute_granularity="full" if recompute_activations else None,
         recompute_method="uniform" if recompute_activations else None,
@@ -194,19 +210,30 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     )
 
 
-def layer_spec(transformer_engine: bool, qk_norm: bool):
-    """Transformer Engine's or megatron's local layer spec; `qk_norm`: with per-head q/k norms (Qwen3)."""
+def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None = None):
+    """Transformer Engine's or megatron's local layer spec; `qk_norm`: with per-head q/k norms (Qwen3); `num_experts`:
+    a router and that many experts in place of the MLP (Qwen3-MoE; TE's grouped GEMM or the local SequentialMLP).
+
+    The local spec stores a dense layer's pre-MLP norm under TE's name (mlp.linear_fc1.layer_norm_weight), since TE
+    fuses it into fc1; TE's MoE layer keeps it a module of its own (pre_mlp_layernorm), and so does the local MoE
+    layer here, so that MoE checkpoints load with either spec."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
     if transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(num_experts),
+                                                          qk_layernorm=qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_norm)
+    if num_experts:
+        spec.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.")
+    return spec
 
 
 def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int, pp_rank: int,
                 virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
-                params_dtype: torch.dtype = torch.float32, recompute_activations: bool = False,
+                expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
+                router_losses: RouterLosses = RouterLosses(), params_dtype: torch.dtype = torch.float32,
+                recompute_activations: bool = False,
                 use_transformer_engine: bool | None = None,
                 parallel_output: bool = True, meta_device: bool = False, accelerator: Accelerator | None = None,
                 packed_sequences: bool = False) -> list:
@@ -218,7 +245,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
     The layer spec is Transformer Engine's where `accelerator` (default: this process's) runs it, unless
     `use_transformer_engine` says otherwise. `meta_device=True` builds shapes only (no memory, no initialisation;
     the local spec unless asked otherwise, which has the same parameters): for parameter counts, planning, and
-    building a GPU run's model on a CPU (`accelerator=Accelerator(cuda=True, ...)`).
+    building a GPU run's model on a CPU (`accelerator=Accelerator(cuda=True, ...)`). Qwen3-MoE: its experts at
+    `expert_parallel` / `expert_tensor_parallel` (initialize_parallel's), with `router_losses`.
     """
     import contextlib
 
@@ -231,11 +259,13 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
     config = transformer_config_from_hf(
         hf_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         virtual_pipeline_parallel=virtual_pipeline_parallel, sequence_parallel=sequence_parallel,
+        expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
         params_dtype=params_dtype, recompute_activations=recompute_activations,
-        accelerator=accelerator, transformer_engine=use_transformer_engine, packed_sequences=packed_sequences)
+        accelerator=accelerator, transformer_engine=use_transformer_engine, packed_sequences=packed_sequences,
+        router_losses=router_losses)
     if meta_device:
         config.use_cpu_initialization, config.perform_initialization = True, False
-    spec = layer_spec(use_transformer_engine, shape.qk_norm)
+    spec = layer_spec(use_transformer_engine, shape.qk_norm, shape.moe.num_experts if shape.moe else None)
     num_chunks = virtual_pipeline_parallel or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -251,6 +281,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
                 vp_stage=vp_stage if virtual_pipeline_parallel else None,
             )
+        if shape.moe is not None:
+            mark_expert_parameters(model)
         if not meta_device:
             # As Megatron-LM's get_model: the local spec's norms (and everything under use_cpu_initialization) are
             # built on the host. DDP moves the parameters it wraps into its device buffers; every other model (the

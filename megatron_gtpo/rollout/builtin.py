@@ -35,6 +35,14 @@ return the same responses. The tokens and log-probs stay on the device: each ste
 max_new_tokens] tensors, which become the rollout record (responses.py) of the call. Host synchronisation: one
 small [b] read of the sampled token ids per decoded position (needed for the per-sequence early exit).
 
+Mixture-of-experts models with expert parallelism: the ranks of an expert-parallel group exchange tokens inside every
+MoE layer, so they must take every forward step together, whatever their own prompts (their replicas generate
+different responses of different lengths). Before each forward step every rank says whether it has rows left, one
+all-reduce (MAX) over the group; a rank with none left takes part in its peers' steps with a one-token forward whose
+output it drops (`stand_by`), until no peer has rows left. Without expert parallelism nothing of this runs.
+`record_routing`: `generate_routed` also gives, per response, the experts each of its fed tokens went to at this
+rank's MoE layers (models/moe_routing.py), for routing replay in training; it stays on the rank, beside the record.
+
 Sampling and the log-prob convention are in sampling.py and engine.py. Sequence parallelism is switched off for the
 duration of a call (decode steps have one token, which cannot be split over TP ranks) with megatron's own
 `set_model_to_sequence_parallel`, and restored afterwards, as are the modules' train/eval modes.
@@ -46,6 +54,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+from megatron_gtpo.models.moe_routing import recording
 
 from .engine import SamplingParams, check_prompts, response_seed
 from .responses import FINISH_LENGTH_CODE, FINISH_STOP_CODE, Responses
@@ -67,10 +77,12 @@ class BuiltinEngine:
     """
 
     def __init__(self, model_chunks: list, parallel, vocab_size: int, *, max_batch_size: int | None = None,
-                 max_batch_tokens: int | None = None, prompt_alignment: str = "auto", progress: bool = False):
+                 max_batch_tokens: int | None = None, prompt_alignment: str = "auto", progress: bool = False,
+                 record_routing: bool = False):
         """`max_batch_size` / `max_batch_tokens`: caps on the rows and on the KV-cache token slots of one batch
         (None: no cap; see the module doc). `prompt_alignment`: "left_pad", "teacher_force" or "auto" (left_pad
-        where the attention honours explicit masks, else teacher_force). `progress`: a progress bar over the rows."""
+        where the attention honours explicit masks, else teacher_force). `progress`: a progress bar over the rows.
+        `record_routing`: responses carry their tokens' experts (a mixture-of-experts model; module doc)."""
         if not model_chunks:
             raise ValueError("model_chunks is empty")
         if prompt_alignment not in ("auto", "left_pad", "teacher_force"):
@@ -85,6 +97,9 @@ class BuiltinEngine:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
+        self.record_routing = record_routing
+        # ParallelGroups of a dense model (or stand-ins without the attribute) need no lockstep.
+        self.lockstep_group = getattr(parallel, "expert_lockstep_group", None)
         config = self.models[0].config
         padded_vocab = self.models[0].vocab_size
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded_vocab:
@@ -116,6 +131,17 @@ class BuiltinEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
         """The record (responses.py) of params.n responses per prompt, on the group's device on every rank."""
+        record, _ = self.generate_routed(prompts, params)
+        return record
+
+    @torch.no_grad()
+    def generate_routed(self, prompts: list[list[int]], params: SamplingParams) \
+            -> tuple[Responses, list[torch.Tensor] | None]:
+        """`generate`, and with `record_routing` (a mixture-of-experts model) the experts each response's fed tokens
+        went to at this rank's MoE layers: per response of the record (prompt-major), int16 [P + R - 1, M, k] (its
+        prompt's P tokens and all its tokens but the last, which is never fed back), M ordered as
+        moe_routing.routed_layers. The routing differs between pipeline stages (each rank records its own layers), so
+        it stays rank-local, beside the record: never sent between ranks. None without `record_routing`."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.vocab_size, max_positions=self.max_positions,
@@ -125,20 +151,52 @@ class BuiltinEngine:
         batches = batch_ranges([len(r) for r in rows], max_new_tokens=params.max_new_tokens,
                                max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
         tokens, logprobs, lengths, finish = [], [], [], []  # per batch: flat device tensors; per row: host ints
-        with self._inference_mode(), tqdm(total=len(rows), desc="decoding", unit="row", leave=False,
-                                          disable=not self.progress) as bar:
+        routed: list[torch.Tensor] | None = [] if self.record_routing else None
+        with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
+                tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
             for batch in batches:
-                tokens_T, logprobs_T, batch_lengths, batch_finish = self._generate_batch(
-                    [rows[r] for r in batch], [seeds[r] for r in batch], params)
+                tokens_T, logprobs_T, batch_lengths, batch_finish, batch_routes = self._generate_batch(
+                    [rows[r] for r in batch], [seeds[r] for r in batch], params, recorder)
                 tokens.append(tokens_T)
                 logprobs.append(logprobs_T)
                 lengths += batch_lengths
                 finish += batch_finish
+                if routed is not None:
+                    routed += batch_routes if batch_routes is not None else [None] * len(batch)
                 bar.update(len(batch))
+            self._stand_by()
+        if routed is not None and any(r is None for r in routed):
+            routed = None  # a model without experts records nothing
         device = self.parallel.device
-        return Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=device),
-                         lengths_R=torch.tensor(lengths, device=device), finish_R=torch.tensor(finish, device=device),
-                         token_ids_T=torch.cat(tokens), logprobs_T=torch.cat(logprobs))
+        record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=device),
+                           lengths_R=torch.tensor(lengths, device=device),
+                           finish_R=torch.tensor(finish, device=device),
+                           token_ids_T=torch.cat(tokens), logprobs_T=torch.cat(logprobs))
+        return record, routed
+
+    @torch.no_grad()
+    def stand_by(self) -> None:
+        """Generate nothing, but take part in the forward steps of the expert-parallel peers that generate (a rank
+        whose replica has no prompts this time, e.g. dynamic sampling's later rounds). Collective over the
+        expert-parallel group; a no-op without expert parallelism."""
+        with self._inference_mode():
+            self._stand_by()
+
+    def _stand_by(self) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        while self._peers_forward(False):  # a one-token forward, dropped, for each of the peers' steps
+            self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.parallel.device),
+                          StaticInferenceContext(max_batch_size=1, max_sequence_length=1), None)
+
+    def _peers_forward(self, forwarding: bool) -> bool:
+        """Whether this rank or an expert-parallel peer takes a forward step now (one all-reduce over the lockstep
+        group; without one, `forwarding`)."""
+        if self.lockstep_group is None:
+            return forwarding
+        flag = torch.tensor([float(forwarding)], device=self.parallel.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.lockstep_group)
+        return bool(flag.item())
 
     @contextlib.contextmanager
     def _inference_mode(self):
@@ -161,9 +219,9 @@ class BuiltinEngine:
                 if not model.pre_process:
                     model.set_input_tensor(None)
 
-    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams):
-        """One batch of rows: (token_ids_T, logprobs_T) on the device, the rows' tokens back to back, and the rows'
-        lengths and finish codes as host lists."""
+    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams, recorder=None):
+        """One batch of rows: (token_ids_T, logprobs_T) on the device, the rows' tokens back to back, the rows'
+        lengths and finish codes as host lists, and with a `recorder` each row's recorded experts (else None)."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         device = self.parallel.device
@@ -192,8 +250,13 @@ class BuiltinEngine:
             feed_BS = torch.tensor([r[:position] for r in rows], dtype=torch.long, device=device)
             key_is_pad_BK = None
         active = list(range(len(rows)))  # original row of each batch row, in KV-cache order
+        pads = [width - len(r) if self.left_pad else 0 for r in rows]
+        routes = _RouteLog(len(rows), pads) if recorder is not None else None
         while active:
+            self._peers_forward(True)
             logits_BV = self._forward(feed_BS, context, _attention_mask(key_is_pad_BK, feed_BS.shape[1], position))
+            if routes is not None:  # the fed columns [position - S, position) of the active rows
+                routes.add(position - feed_BS.shape[1], active, recorder.take())
             context.enable_decode_mode()
             # Rows still inside their prompt (teacher forcing) draw nothing: their prediction is discarded.
             drawing = generators and [generators[row] if position >= prompt_end[row] else None for row in active]
@@ -227,7 +290,8 @@ class BuiltinEngine:
             feed_BS = torch.tensor(next_tokens, dtype=torch.long, device=device).unsqueeze(1)
             position += 1
         valid_RN = torch.arange(params.max_new_tokens, device=device) < torch.tensor(lengths, device=device)[:, None]
-        return tokens_RN[valid_RN], logprobs_RN[valid_RN], lengths, finish
+        experts = routes.per_row() if routes is not None else None
+        return tokens_RN[valid_RN], logprobs_RN[valid_RN], lengths, finish, experts
 
     def _forward(self, tokens_BS: torch.Tensor, context, attention_mask) -> torch.Tensor | None:
         """One forward step of `tokens_BS` (positions from the cache offset on) through all pipeline stages, with
@@ -278,6 +342,29 @@ class BuiltinEngine:
         if parallel.pp_size > 1:
             dist.broadcast(shared_2B, src=parallel.last_stage_global_rank, group=parallel.pp_group)
         return [int(t) for t in shared_2B[0].cpu().tolist()], shared_2B
+
+
+class _RouteLog:
+    """The experts recorded at each forward step of one batch, sorted out per row at the end: row r's fed tokens,
+    its pads (left padding) left out, in position order."""
+
+    def __init__(self, num_rows: int, pads: list[int]):
+        self.pads = pads
+        self.steps: list[tuple[int, list[int], torch.Tensor]] = []
+        self.num_rows = num_rows
+
+    def add(self, first_column: int, active: list[int], experts_TMK: torch.Tensor) -> None:
+        """A forward step over columns first_column.. of the rows `active` (in batch order); `experts_TMK`: the
+        recorder's [S * B, M, k] (position major)."""
+        self.steps.append((first_column, list(active), experts_TMK.view(-1, len(active), *experts_TMK.shape[1:])))
+
+    def per_row(self) -> list[torch.Tensor]:
+        parts: list[list[torch.Tensor]] = [[] for _ in range(self.num_rows)]
+        for first_column, active, experts_SBMK in self.steps:
+            for b, row in enumerate(active):
+                skip = max(0, self.pads[row] - first_column)  # left pads are no tokens of the row
+                parts[row].append(experts_SBMK[skip:, b])
+        return [torch.cat(p) for p in parts]
 
 
 def batch_ranges(row_lengths: list[int], *, max_new_tokens: int, max_rows: int | None, max_tokens: int | None,

@@ -24,6 +24,12 @@ megatron tensor being converted (its gathered TP shards, while its HF form joins
 
 Other ranks' iterations yield nothing; they only take part in the gathers and sends.
 
+Experts (a mixture-of-experts model): an expert lives on one EP rank of its layer's stage, split over that rank's
+expert-TP group. Step 1 gathers its shards there (over the expert-TP group instead of TP), and the holder then
+broadcasts the HF tensors over its expert-parallel group, so that the converting ranks of every replica in the group
+get them (with ETP = TP the EP group spans data-parallel replicas, which therefore sync together: the iteration is
+then collective over the EP group too).
+
 `pack_bucket` / `unpack_bucket`: a bucket as one byte string plus names, dtypes and shapes, for engines reached
 through an RPC that does not carry tensors (vLLM's collective_rpc, rollout/vllm_engine.py). Packing makes one host
 copy, so a packed sync holds about two buckets at once (measured by the same test).
@@ -38,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.models.hf_checkpoint import layer_offset
-from megatron_gtpo.models.hf_mapping import (REPLICATED, canonical_name, hf_tensor_shape, megatron_shards_to_hf,
-                                             tensor_mappings)
+from megatron_gtpo.models.hf_mapping import (REPLICATED, ShardCoordinates, canonical_name, hf_tensor_shape,
+                                             megatron_shards_to_hf, tensor_mappings)
 
 _LAYER_INDEX = re.compile(r"^decoder\.layers\.(\d+)\.")
 DEFAULT_BUCKET_BYTES = 512 * 2**20
@@ -85,12 +91,12 @@ def is_sync_destination(parallel, destinations=SINGLE_DESTINATION) -> bool:
     return (parallel.pp_rank, parallel.tp_rank) in set(destinations)
 
 
-def _local_parameters(model_chunks: list) -> dict[str, torch.Tensor]:
+def _local_parameters(model_chunks: list, expert_offset: int) -> dict[str, torch.Tensor]:
     params = {}
     for chunk in model_chunks:
         offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
-            params[canonical_name(name, offset)] = param
+            params[canonical_name(name, offset, expert_offset)] = param
     return params
 
 
@@ -121,7 +127,8 @@ def hf_weight_buckets(model_chunks: list, parallel, shape, *, bucket_bytes: int 
     if not destinations or any(not (0 <= p < parallel.pp_size and 0 <= t < parallel.tp_size) for p, t in destinations):
         raise ValueError(f"sync destinations {sorted(destinations)} must be (pp_rank, tp_rank) pairs of this "
                          f"{parallel.pp_size} x {parallel.tp_size} replica")
-    local = _local_parameters(model_chunks)
+    shard = ShardCoordinates.of(parallel)
+    local = _local_parameters(model_chunks, shard.expert_offset(shape))
     owners = _owner_stages(list(local), parallel)
     dtype = next(iter(local.values())).dtype
     destination = is_sync_destination(parallel, destinations)
@@ -138,12 +145,18 @@ def hf_weight_buckets(model_chunks: list, parallel, shape, *, bucket_bytes: int 
             yield bucket
             bucket, bucket_size = [], 0
         for mapping in unit:
-            owner = owners.get(mapping.megatron_name)
+            # An expert's stage is its layer's, which every EP rank there knows by the layer's router.
+            holder_name = mapping.megatron_name if mapping.expert is None else \
+                mapping.megatron_name.split(".mlp.experts.")[0] + ".mlp.router.weight"
+            owner = owners.get(holder_name)
             if owner is None:
                 raise KeyError(f"no pipeline stage holds {mapping.megatron_name!r}: the model chunks do not match "
                                f"the checkpoint shape")
             hf_tensors = None
-            if owner == parallel.pp_rank:
+            if owner == parallel.pp_rank and mapping.expert is not None:
+                hf_tensors = _gather_expert_to_hf(mapping, local.get(mapping.megatron_name), parallel, shape,
+                                                  converters, dtype)
+            elif owner == parallel.pp_rank:
                 hf_tensors = _gather_to_hf(mapping, local[mapping.megatron_name], parallel, shape, converters)
             if column_stages - {owner}:  # stage `owner` -> the other stages' destinations, along the pipeline group
                 hf_tensors = _broadcast_all(hf_tensors, mapping, shape, dtype, owner, parallel)
@@ -186,6 +199,47 @@ def _gather_to_hf(mapping, param: torch.Tensor, parallel, shape, converters: set
         shards = [torch.empty_like(shard) for _ in range(parallel.tp_size)]
         dist.all_gather(shards, shard, group=parallel.tp_group)
     return megatron_shards_to_hf(mapping, shards, shape) if converts else None
+
+
+@torch.no_grad()
+def _gather_expert_to_hf(mapping, param: torch.Tensor | None, parallel, shape, converters: set[int],
+                         dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """On the owning stage: an expert's HF tensors on the TP ranks in `converters` (None on the others). `param` is
+    this rank's shard of it, None where another EP rank holds the expert. Its holder gathers the expert-TP shards
+    (onto expert-TP rank 0 when only that one converts, else onto all), then broadcasts the HF tensors over the
+    expert-parallel group (ranks of one EP group share their expert-TP rank, so they all take part or none does)."""
+    wanted = {t % parallel.etp_size for t in converters}  # expert-TP ranks of the converting TP ranks
+    holder = mapping.expert // (shape.moe.num_experts // parallel.ep_size)
+    if parallel.etp_rank not in wanted:
+        if parallel.ep_rank == holder and parallel.etp_size > 1:  # its shard still goes to the converting ranks
+            _gather_expert_shards(param.detach().contiguous(), parallel, wanted)
+        return None
+    hf_tensors = None
+    if parallel.ep_rank == holder:
+        shards = _gather_expert_shards(param.detach().contiguous(), parallel, wanted)
+        hf_tensors = [t.contiguous() for t in megatron_shards_to_hf(mapping, shards, shape)]
+    if parallel.ep_size > 1:
+        if hf_tensors is None:
+            hf_tensors = [torch.empty(hf_tensor_shape(name, shape), dtype=dtype, device=parallel.device)
+                          for name in mapping.hf_names]
+        src = dist.get_global_rank(parallel.ep_group, holder)
+        for tensor in hf_tensors:
+            dist.broadcast(tensor, src=src, group=parallel.ep_group)
+    return hf_tensors if parallel.tp_rank in converters else None
+
+
+def _gather_expert_shards(shard: torch.Tensor, parallel, wanted: set[int]) -> list[torch.Tensor] | None:
+    """The expert-TP shards of one expert tensor, on the expert-TP ranks in `wanted` (None elsewhere)."""
+    if parallel.etp_size == 1:
+        return [shard]
+    if wanted == {0}:
+        shards = [torch.empty_like(shard) for _ in range(parallel.etp_size)] if parallel.etp_rank == 0 else None
+        dist.gather(shard, gather_list=shards, dst=dist.get_global_rank(parallel.etp_group, 0),
+                    group=parallel.etp_group)
+        return shards
+    shards = [torch.empty_like(shard) for _ in range(parallel.etp_size)]
+    dist.all_gather(shards, shard, group=parallel.etp_group)
+    return shards
 
 
 def pack_bucket(bucket: list) -> tuple[list[str], list[str], list[list[int]], memoryview]:

@@ -29,7 +29,10 @@ from megatron_gtpo.config import config_text, save_config, to_dict
 
 STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.json"
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# chained_optim_avoid_prefix: a mixture-of-experts model's optimizer is a chain of two at EP > 1 (its experts'
+# gradients reduce over another group) and one at EP = 1; without megatron's chained_<i> key prefix the state's keys
+# are the parameters' alone, so a checkpoint resumes at another EP (a dense model's has one optimizer either way).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 class StopSignal:
@@ -139,8 +142,13 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _layout(parallel) -> dict:
-    return {"tensor": parallel.tp_size, "pipeline": parallel.pp_size, "data": parallel.dp_size,
-            "world": parallel.world_size}
+    """What a resume compares to decide whether the RNG states still apply. The experts' layout is part of it only
+    where it is not a dense model's (the same entries as before experts existed otherwise)."""
+    layout = {"tensor": parallel.tp_size, "pipeline": parallel.pp_size, "data": parallel.dp_size,
+              "world": parallel.world_size}
+    if parallel.ep_size > 1 or parallel.etp_size != parallel.tp_size:
+        layout.update(expert=parallel.ep_size, expert_tensor=parallel.etp_size)
+    return layout
 
 
 def save(trainer, step: int) -> str:
@@ -217,7 +225,7 @@ def newest_intact_checkpoint(root: str, *, say) -> str | None:
 
 
 def restore(trainer) -> int:
-    """Resume from the newest intact checkpoint (any TP/PP). Returns the step to continue from (0 if none)."""
+    """Resume from the newest intact checkpoint (any TP/PP/EP). Returns the step to continue from (0 if none)."""
     from megatron.core import dist_checkpointing
 
     cfg, parallel = trainer.cfg, trainer.parallel

@@ -13,10 +13,14 @@ from .task import Task
 
 
 def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups):
-    """The engine of rollout.engine started from the policy's weights."""
+    """The engine of rollout.engine started from the policy's weights. The built-in engine records each token's
+    experts for routing replay (algorithm.routing_replay: rollout)."""
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
-    engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size),
+    replay = cfg.algorithm.routing_replay == "rollout"
+    engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
+                                               max_batch_tokens=cfg.rollout.builtin_max_batch_tokens,
+                                               record_routing=replay),
               "vllm": lambda: _vllm_engine(cfg, task, parallel),
               "vllm_remote": lambda: _remote_engine(cfg, shape, parallel),
               "builtin_remote": lambda: _remote_engine(cfg, shape, parallel)}[cfg.rollout.engine]()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,10 @@ class Experience:
     stats: dict = field(default_factory=dict)
     prompts: list = field(default_factory=list)  # [n] the loader's items (ids, answers) of the kept groups
     policy_versions_N: torch.Tensor | None = None  # int64 [n]: the policy version that sampled each kept group
+    # Routing replay (algorithm.routing_replay: rollout): per response of `responses` (prompt-major), the experts
+    # [P + R - 1, M, k] its fed tokens went to at this rank's MoE layers (BuiltinEngine.generate_routed). Rank-local:
+    # each pipeline stage records its own layers, so it never goes through the transport with the record.
+    routed_experts: list[torch.Tensor] | None = None
 
     @property
     def num_prompt_groups(self) -> int:
@@ -40,23 +44,27 @@ def collect_experience(sample_round: Callable[[int], tuple[list, int, Callable[[
                        score_groups: Callable[[list, Responses], torch.Tensor],
                        params: SamplingParams, parallel: ParallelGroups, *, target_prompt_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
-                       length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> Experience:
+                       length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                       stand_by: Callable[[], None] | None = None) -> Experience:
     """Sample G responses per prompt and score them. `sample_round(round_index) -> (prompts, policy version, wait)`
-    draws a round's prompts and gives the function that returns their responses (one record; called only when the
-    round is needed); `score_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the host. With
+    draws a round's prompts and gives the function that returns their responses (one record, or with routing replay
+    the record and its per-response routing, rank-local: `Rollout`; called only when the round is needed);
+    `score_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the host. With
     dynamic sampling, groups whose rewards are all equal (algorithms.informative_groups) are dropped and more prompts
     are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders stay
     aligned) until `target_prompt_groups` informative groups are kept; then train on what there is.
     `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards. The kept groups' responses are
     selected and concatenated as tensors where the engine left them; only their lengths and finish reasons come to
-    the host (rewards, stats)."""
+    the host (rewards, stats). `stand_by()` is called in the rounds where this rank has enough groups and generates
+    nothing (the built-in engine then takes part in its expert-parallel peers' generation)."""
     kept_prompts, kept_responses, kept_correct, kept_rewards, kept_versions = [], [], [], [], []
+    kept_routes: list[torch.Tensor] | None = None  # per kept response, with routing replay (rank-local)
     all_correct, all_rewards, all_lengths, all_truncated = [], [], [], []
     rounds = 0
     while True:
         prompts, version, wait = sample_round(rounds)
         if len(kept_prompts) < target_prompt_groups:
-            responses = wait()
+            responses, routes = _split_rollout(wait())
             correct_NG = score_groups(prompts, responses)
             lengths_NG = responses.lengths_NG().cpu().float()
             rewards_NG = correct_NG + (length_penalty(lengths_NG, correct_NG) if length_penalty else 0.0)
@@ -66,12 +74,17 @@ def collect_experience(sample_round: Callable[[int], tuple[list, int, Callable[[
             kept_prompts += [prompts[i] for i in chosen_K.tolist()]
             kept_versions += [version] * len(chosen_K)
             kept_responses.append(responses.select_prompts(chosen_K))
+            if routes is not None:  # the kept groups' G responses each, in the record's (prompt-major) order
+                G = len(routes) // max(len(prompts), 1)
+                kept_routes = (kept_routes or []) + [routes[i * G + j] for i in chosen_K.tolist() for j in range(G)]
             kept_correct.append(correct_NG[chosen_K])
             kept_rewards.append(rewards_NG[chosen_K])
             all_correct.append(correct_NG.flatten())
             all_rewards.append(rewards_NG.flatten())
             all_lengths.append(lengths_NG.flatten())
             all_truncated.append(responses.truncated_R().cpu().float())
+        elif stand_by is not None:
+            stand_by()
         rounds += 1
         # Collectives run on the process groups' device: an NCCL group takes no host tensors.
         short = torch.tensor([float(len(kept_prompts) < target_prompt_groups)], device=parallel.device)
@@ -91,4 +104,12 @@ def collect_experience(sample_round: Callable[[int], tuple[list, int, Callable[[
     }
     return Experience([p.prompt_token_ids for p in kept_prompts], Responses.cat(kept_responses),
                       torch.cat(kept_correct), torch.cat(kept_rewards), stats, kept_prompts,
-                      torch.tensor(kept_versions, dtype=torch.int64))
+                      torch.tensor(kept_versions, dtype=torch.int64), kept_routes)
+
+
+Rollout = Union[Responses, tuple[Responses, "list[torch.Tensor] | None"]]
+
+
+def _split_rollout(rollout: Rollout) -> tuple[Responses, list[torch.Tensor] | None]:
+    """(record, per-response routing or None) of what a round's `wait` gave."""
+    return rollout if isinstance(rollout, tuple) else (rollout, None)

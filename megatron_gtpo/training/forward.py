@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
+from megatron_gtpo.models.moe_routing import RoutedExperts, prepare_routers
 
 
 @dataclass
@@ -37,6 +38,14 @@ class MicroBatch:
     # last segment, so segments tile the row. max_segment: the longest segment's length (host int).
     cu_seqlens: torch.Tensor | None = None
     max_segment: int = 0
+    # Routing replay (a mixture-of-experts model): the experts [B, L, M, k] every token goes to at each of this
+    # rank's MoE layers (models/moe_routing.py); None: the routers choose.
+    routed_experts: RoutedExperts | None = None
+
+    @property
+    def token_mask_LB(self) -> torch.Tensor:
+        """bool [L, B]: the row positions that hold tokens (not padding), in the routers' order."""
+        return torch.arange(self.tokens_BL.shape[1], device=self.lengths_B.device)[:, None] < self.lengths_B[None, :]
 
 
 def next_token_targets(tokens_BL: torch.Tensor) -> torch.Tensor:
@@ -128,14 +137,17 @@ def uses_local_attention(model_chunk) -> bool:
 
 def model_forward(model, mb: MicroBatch, *, local_attention: bool):
     """The model's logits for a micro-batch of either layout (module docstring); `local_attention` as
-    `uses_local_attention` says of the model."""
+    `uses_local_attention` says of the model. A mixture-of-experts model's routers replay `mb.routed_experts` (or
+    choose, without) and see which tokens are real (models/moe_routing.prepare_routers)."""
+    packed_locally = mb.cu_seqlens is not None and local_attention
+    if packed_locally and model.config.masked_softmax_fusion:
+        raise ValueError("data.pack_sequences on megatron-core's local layer spec needs masked_softmax_fusion "
+                         "off (its fused causal softmax ignores the block-diagonal mask): use Transformer "
+                         "Engine on GPU (THD), or set data.pack_sequences=false")
+    prepare_routers(model, mb.routed_experts, mb.token_mask_LB)
     if mb.cu_seqlens is None:
         return model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None)
-    if local_attention:
-        if model.config.masked_softmax_fusion:
-            raise ValueError("data.pack_sequences on megatron-core's local layer spec needs masked_softmax_fusion "
-                             "off (its fused causal softmax ignores the block-diagonal mask): use Transformer "
-                             "Engine on GPU (THD), or set data.pack_sequences=false")
+    if packed_locally:
         return model(mb.tokens_BL, mb.position_ids_BL,
                      attention_mask=block_causal_mask(mb.cu_seqlens, mb.tokens_BL.shape[1]))
     from megatron.core.packed_seq_params import PackedSeqParams

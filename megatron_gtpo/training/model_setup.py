@@ -57,11 +57,15 @@ def build_chunks(cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups, *,
                  accelerator=None) -> list:
     """This rank's model chunks as the config describes them (weights not loaded). `meta_device` and `accelerator`
     (models/accelerator.py) build on a CPU what a GPU run builds, for the configuration tests."""
+    from megatron_gtpo.models.moe import RouterLosses
     from megatron_gtpo.models.qwen2 import build_model
 
     return build_model(hf_config, tensor_parallel=parallel.tp_size, pipeline_parallel=parallel.pp_size,
                        pp_rank=parallel.pp_rank, virtual_pipeline_parallel=parallel.vpp_size,
-                       sequence_parallel=parallel.sequence_parallel, params_dtype=_DTYPES[cfg.model.dtype],
+                       sequence_parallel=parallel.sequence_parallel, expert_parallel=parallel.ep_size,
+                       expert_tensor_parallel=parallel.etp_size,
+                       router_losses=RouterLosses(cfg.model.moe_aux_loss_coef, cfg.model.moe_z_loss_coef),
+                       params_dtype=_DTYPES[cfg.model.dtype],
                        recompute_activations=cfg.model.recompute_activations,
                        packed_sequences=cfg.data.pack_sequences, meta_device=meta_device, accelerator=accelerator)
 

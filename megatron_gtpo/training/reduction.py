@@ -93,6 +93,29 @@ METRICS: dict[str, Metric] = {
        for phase in ("generate", "reward", "old_logprob", "advantages", "update", "sync")},
     "tokens_per_s": SUM,  # each replica's generated response tokens per second of its step: the run's throughput
 }
+def moe_metrics(num_layers: int) -> dict[str, Metric]:
+    """A mixture-of-experts model's routing metrics (of the old-policy pass, `moe_layer_values`) per layer 1..
+    num_layers (megatron's numbers), and the largest imbalance over layers. Each is measured over the step's global
+    batch by the ranks of its layer's pipeline stage (the same value on all of them), hence the largest over every
+    rank."""
+    per_layer = Metric(Reduce.MAX, optional=True, over_world=True)
+    names = [f"{name}/layer_{layer:02d}" for layer in range(1, num_layers + 1)
+             for name in ("expert_load_imbalance", "router_entropy")] + ["expert_load_imbalance_max"]
+    return dict.fromkeys(names, per_layer)
+
+
+def moe_layer_values(per_layer: dict[int, tuple[float, float]]) -> dict:
+    """The metrics of `moe_metrics` from models/moe_routing.RouterStatistics.per_layer's values (this
+    rank's layers; already reduced over the data-parallel group)."""
+    values = {}
+    for layer, (imbalance, entropy) in per_layer.items():
+        values[f"expert_load_imbalance/layer_{layer:02d}"] = imbalance
+        values[f"router_entropy/layer_{layer:02d}"] = entropy
+    if per_layer:
+        values["expert_load_imbalance_max"] = max(imbalance for imbalance, _ in per_layer.values())
+    return values
+
+
 WARM_START_METRICS = ("sft_loss", "num_tokens", "grad_norm", "grad_norm_max", "update_successful", "optimizer_steps")
 STEP_METRICS = tuple(name for name in METRICS if name not in ("sft_loss", "num_tokens"))
 

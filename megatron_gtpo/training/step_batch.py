@@ -21,6 +21,13 @@ o + P - 1 + t (o = 0 unpacked); `_planned` is the one place that computes these 
 those scores into the response-aligned layout [S_mb, T_mb] that the step batch's fields and the losses use,
 whichever the micro-batch's layout, and selects a micro-batch's rows of a field.
 
+Expert parallelism (a mixture-of-experts model): the ranks of an expert-parallel group exchange tokens in every MoE
+layer, so they must run the same number of micro-batches: each mini-batch's plan is padded with empty micro-batches
+(one dummy sequence that scores nothing, as for a rank without sequences) to the largest count in the group.
+Routing replay: each micro-batch's model inputs carry the experts the rollout routed its tokens to
+(`MicroBatch.routed_experts`, models/moe_routing.py), placed like its tokens; positions nobody recorded (padding,
+each sequence's last token) get filler experts.
+
 Fields, by the phase that adds them (all on parallel.device; build_step_batch's on every pipeline stage, the later
 phases' on the last stage only, elsewhere None and mismatch_sums empty):
     build_step_batch      mask_ST, rollout_logprobs_ST, correct_NG, rewards_NG, group_index_S, response_index_S
@@ -34,7 +41,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import torch.distributed as dist
+
 from megatron_gtpo.distributed import ParallelGroups
+from megatron_gtpo.models.moe_routing import RoutedExperts, filler_experts
 
 from megatron_gtpo.rollout.responses import Responses
 
@@ -143,6 +153,7 @@ class StepBatch:
     correct_NG: torch.Tensor
     rewards_NG: torch.Tensor
     plan: list[list[PlannedMicroBatch]]  # per mini-batch
+    lockstep: bool = False  # expert parallelism: the plan's padding micro-batches run too (module doc)
     old_logprobs_ST: torch.Tensor | None = None
     entropy_ST: torch.Tensor | None = None
     ref_logprobs_ST: torch.Tensor | None = None
@@ -156,8 +167,9 @@ class StepBatch:
         return len(self.sequence_lengths)
 
     def micro_batches(self) -> list[PlannedMicroBatch]:
-        """Every micro-batch of the plan that holds sequences, in plan order (what the old-policy pass scores)."""
-        return [mb for mini in self.plan for mb in mini if mb.rows]
+        """Every micro-batch of the plan that holds sequences, in plan order (what the old-policy pass scores); in
+        lockstep, the padding ones too."""
+        return [mb for mini in self.plan for mb in mini if mb.rows or self.lockstep]
 
     def per_group_NGT(self, values_ST: torch.Tensor) -> torch.Tensor:
         """[S, T] -> [n, G, T] through the group index."""
@@ -170,12 +182,22 @@ class StepBatch:
         return values_NG_or_NGT[self.group_index_S, self.response_index_S]
 
 
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Routing replay's shape on this rank: its MoE layers (megatron's layer numbers) and the experts per token."""
+
+    layers: tuple[int, ...]
+    topk: int
+
+
 def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches: list[list[int]], max_sequences: int,
-                     max_tokens: int | None, pack: bool = False) -> StepBatch:
+                     max_tokens: int | None, pack: bool = False, replay: ReplayPlan | None = None) -> StepBatch:
     """The step batch of `exp`'s kept groups; `mini_batches` lists the group ids of each mini-batch; `pack`: packed
-    micro-batches (one row of several sequences each, forward.py) instead of padded ones. Built from the rollout
-    record's flat tensors by tensor ops on the device (`sequence_tokens_SL`); only the lengths come to the host (the
-    plan is built from them)."""
+    micro-batches (one row of several sequences each, forward.py) instead of padded ones; `replay`: the micro-batches
+    carry the experts each response's recorded routing (`exp.routed_experts`, rank-local) holds (module doc). Built
+    from the rollout record's flat tensors by tensor ops on the device (`sequence_tokens_SL`); only the lengths come
+    to the host (the plan is built from them). With expert parallelism, collective over the expert-parallel group
+    (the micro-batch counts are agreed on)."""
     device, G = parallel.device, exp.group_size
     responses = exp.responses.to(device)
     lengths_S = responses.lengths_R
@@ -189,13 +211,32 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
     sequence_ids = [[g * G + j for g in groups_of_mini for j in range(G)] for groups_of_mini in mini_batches]
     plan = plan_micro_batches(sequence_lengths, sequence_ids, max_sequences=max_sequences,
                               max_tokens=max_tokens, pad_to_multiple=parallel.sequence_multiple, pack=pack)
-    planned = [[_planned(rows, tokens_SL, mask_ST, sequence_lengths, prompt_lengths, response_lengths, parallel, pack)
+    lockstep = getattr(parallel, "expert_lockstep_group", None)
+    if lockstep is not None:
+        plan = _pad_to_peers(plan, lockstep, parallel.device)
+    routes = None
+    if replay is not None:
+        routes = exp.routed_experts if exp.routed_experts is not None else []
+        if len(routes) != len(response_lengths):
+            raise ValueError(f"routing replay needs each response's recorded experts: {len(routes)} recorded for "
+                             f"{len(response_lengths)} responses (the engine must record routing: rollout.engine "
+                             f"builtin)")
+    planned = [[_planned(rows, tokens_SL, mask_ST, sequence_lengths, prompt_lengths, response_lengths, parallel, pack,
+                         replay, routes)
                 for rows in mini] for mini in plan]
     index_S = torch.arange(len(response_lengths), device=device)
     return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G, sequence_lengths=sequence_lengths,
                      response_lengths=response_lengths, group_index_S=index_S // G, response_index_S=index_S % G,
                      mask_ST=mask_ST, rollout_logprobs_ST=rollout_ST, correct_NG=exp.correct_NG.to(device),
-                     rewards_NG=exp.rewards_NG.to(device), plan=planned)
+                     rewards_NG=exp.rewards_NG.to(device), plan=planned, lockstep=lockstep is not None)
+
+
+def _pad_to_peers(plan: list[list[list[int]]], group, device) -> list[list[list[int]]]:
+    """Each mini-batch's micro-batches padded with empty ones to the most any rank of `group` has (one
+    all-reduce)."""
+    counts = torch.tensor([len(mini) for mini in plan], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    return [mini + [[] for _ in range(most - len(mini))] for mini, most in zip(plan, counts.tolist())]
 
 
 def sequence_tokens_SL(prompt_token_ids: list, group_size: int, responses: Responses,
@@ -217,12 +258,15 @@ def sequence_tokens_SL(prompt_token_ids: list, group_size: int, responses: Respo
 
 
 def _planned(rows: list[int], tokens_SL: torch.Tensor, mask_ST: torch.Tensor, sequence_lengths, prompt_lengths,
-             response_lengths, parallel: ParallelGroups, pack: bool) -> PlannedMicroBatch:
+             response_lengths, parallel: ParallelGroups, pack: bool, replay: ReplayPlan | None = None,
+             routes: list | None = None) -> PlannedMicroBatch:
     """The micro-batch of sequences `rows`: its inputs cut out of the step batch's token rows, its columns computed
-    on the device from the step batch's mask (host ints for the starts only)."""
+    on the device from the step batch's mask (host ints for the starts only); with `replay`, its routing targets."""
     device, multiple = parallel.device, parallel.sequence_multiple
     if not rows:  # a rank without sequences: one dummy sequence that scores nothing
         (inputs,) = make_micro_batches([[0, 0]], 1, device=device, pad_to_multiple=multiple)
+        inputs.lengths_B.zero_()  # no real token (what the routers' statistics count)
+        inputs.routed_experts = _placed_experts(inputs, [], [], replay, device)
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return PlannedMicroBatch(inputs, rows, MicroBatchColumns(empty, empty, empty[:, None][:, :0],
                                                                   torch.zeros(0, 0, dtype=torch.bool, device=device)))
@@ -238,9 +282,27 @@ def _planned(rows: list[int], tokens_SL: torch.Tensor, mask_ST: torch.Tensor, se
     else:
         inputs = padded_micro_batch(selected_SL, lengths, pad_to_multiple=multiple)
         row_S, offsets = list(range(len(rows))), [0] * len(rows)
+    if replay is not None:
+        inputs.routed_experts = _placed_experts(inputs, [routes[i] for i in rows],
+                                                list(zip(row_S, offsets)), replay, device)
     T = max(response_lengths[i] for i in rows)
     starts_S1 = torch.tensor([offset + prompt_lengths[i] - 1 for i, offset in zip(rows, offsets)], device=device)
     valid_ST = mask_ST[:, :T].index_select(0, rows_S)
     columns_ST = (starts_S1[:, None] + torch.arange(T, device=device)).masked_fill_(~valid_ST, 0)
     columns = MicroBatchColumns(rows_S, torch.tensor(row_S, device=device), columns_ST, valid_ST)
     return PlannedMicroBatch(inputs, rows, columns)
+
+
+def _placed_experts(inputs: MicroBatch, experts: list, places: list[tuple[int, int]], replay: ReplayPlan | None,
+                    device) -> RoutedExperts | None:
+    """The micro-batch's [B, L, M, k] replay targets: each sequence's recorded experts (its first length - 1 tokens)
+    at its (row, start column), filler elsewhere (and which are recorded)."""
+    if replay is None:
+        return None
+    B, L = inputs.tokens_BL.shape
+    placed_BLMK = filler_experts(B * L, len(replay.layers), replay.topk, device).reshape(B, L, -1, replay.topk).clone()
+    recorded_BL = torch.zeros(B, L, dtype=torch.bool, device=device)
+    for experts_TMK, (row, start) in zip(experts, places):
+        placed_BLMK[row, start:start + experts_TMK.shape[0]] = experts_TMK.to(device)
+        recorded_BL[row, start:start + experts_TMK.shape[0]] = True
+    return RoutedExperts(replay.layers, placed_BLMK, recorded_BL)

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from megatron_gtpo.algorithms import configure_algorithm
 from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS
-from megatron_gtpo.config import TrainConfig, to_dict, validate_layout
+from megatron_gtpo.config import TrainConfig, to_dict, validate_for_model, validate_layout
 from megatron_gtpo.distributed import initialize_parallel, read_launch_env
+from megatron_gtpo.models.moe_routing import RouterStatistics, routed_layers
 from megatron_gtpo.rollout.engine import SamplingParams
 from megatron_gtpo.rollout.responses import Response, Responses
 
@@ -29,10 +30,10 @@ from .experience import Experience, collect_experience
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel
 from .old_policy import correct_rollout, old_policy_pass
-from .reduction import WARM_START_METRICS, MetricReducer
+from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
 from .rollout_queue import AskedBatch, RolloutQueue
-from .step_batch import StepBatch, build_step_batch
+from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task
 from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
 from .update import record_optimizer_step, update_policy
@@ -47,16 +48,23 @@ class Trainer:
         self.cfg = cfg
         self.task = build_task(cfg)  # prompts, tokenizer, reward, the model's HF config
         shape = Qwen2Shape.from_hf(self.task.hf_config)
+        validate_for_model(cfg, shape)
         validate_layout(cfg, world_size=read_launch_env().world_size, shape=shape)  # before any process group
         p = cfg.parallel
         self.parallel = initialize_parallel(p.tensor, p.pipeline, virtual_pipeline_parallel=p.virtual_pipeline,
-                                            sequence_parallel=p.sequence_parallel, seed=cfg.seed)
+                                            sequence_parallel=p.sequence_parallel, expert_parallel=p.expert,
+                                            expert_tensor_parallel=p.expert_tensor, seed=cfg.seed)
         self.vocab_size = shape.vocab_size
         # The vocab-parallel log-prob op's chunk, from model.logprob_workspace_mib.
         self.logprob_chunk_tokens = chunk_tokens_for_budget(
             cfg.model.logprob_workspace_mib * 2**20,
             padded_vocab_size(shape.vocab_size, self.parallel.tp_size) // self.parallel.tp_size)
         self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
+        # Routing replay: this rank's MoE layers, whose experts the rollout records and the passes replay.
+        self.replay = ReplayPlan(routed_layers(self.policy.chunks), shape.moe.topk) \
+            if cfg.algorithm.routing_replay == "rollout" else None
+        # A mixture-of-experts model's per-layer routing metrics (the same names on every rank, for the reducer).
+        self.moe_metrics = moe_metrics(shape.num_layers) if shape.moe else {}
         self.reference = ReferencePolicy.build(cfg, self.task.hf_config, self.parallel)  # None without a KL term
         self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
@@ -83,11 +91,13 @@ class Trainer:
                 checkpointing.save(self, 0)
         self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference
         for step in range(self.start_step, self.cfg.steps):
-            timer, metrics = PhaseTimer(), MetricReducer(self.parallel.device)
+            timer = PhaseTimer()
+            metrics = MetricReducer(self.parallel.device, (*STEP_METRICS, *self.moe_metrics),
+                                    {**METRICS, **self.moe_metrics})
             experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
             with timer("old_logprob"):
                 batch = self.build_step_batch(experience)  # tokens, masks, group index, the micro-batch plan
-                self.old_policy_pass(batch)  # old log-probs, entropies; the rollout mismatch correction
+                self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
             with timer("advantages"):
                 self.compute_advantages(batch)  # the configured algorithm's, over the global batch
             with timer("update"):
@@ -143,8 +153,9 @@ class Trainer:
             if round_index == 0:
                 return first.prompts, first.version, timed(timer, "generate", first.wait)
             prompts = self.loader.next_batch().items  # a new seed per step, sampling round and DP replica
-            ask = partial(self.engine.generate, [list(p.prompt_token_ids) for p in prompts],
-                          self.sampling_params(step, round_index))
+            # With routing replay, the built-in engine's record and the routing it recorded on this rank.
+            ask = partial(self.engine.generate_routed if self.replay is not None else self.engine.generate,
+                          [list(p.prompt_token_ids) for p in prompts], self.sampling_params(step, round_index))
             return prompts, step, timed(timer, "generate", ask)
 
         def reward(prompts, responses):
@@ -155,7 +166,9 @@ class Trainer:
         exp = collect_experience(sample_round, reward, self.sampling_params(step, 0), self.parallel,
                                  target_prompt_groups=self.cfg.data.prompts_per_step // self.parallel.dp_size,
                                  dynamic_sampling=self.algorithm.dynamic_sampling,
-                                 max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty)
+                                 max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty,
+                                 # the built-in engine's: take part in expert-parallel peers' generation
+                                 stand_by=getattr(self.engine, "stand_by", None))
         stats = exp.stats
         metrics.add({k: stats[k] for k in ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio",
                                            "response_length_max", "groups_kept", "groups_generated",
@@ -170,7 +183,11 @@ class Trainer:
     def ask_rollout(self, step: int, version: int) -> AskedBatch:
         """Batch `step`'s prompts, and the engine asked for their responses with the weights of now (`version`)."""
         prompts = self.loader.next_batch().items
-        wait = self.engine.submit([list(p.prompt_token_ids) for p in prompts], self.sampling_params(step, 0))
+        asked = [list(p.prompt_token_ids) for p in prompts]
+        if self.replay is not None:  # the built-in engine (layout.check_layout): it generates now, on this rank
+            rollout = self.engine.generate_routed(asked, self.sampling_params(step, 0))
+            return AskedBatch(step, version, prompts, lambda: rollout)
+        wait = self.engine.submit(asked, self.sampling_params(step, 0))
         return AskedBatch(step, version, prompts, wait)
 
     def build_step_batch(self, exp: Experience) -> StepBatch:
@@ -178,15 +195,19 @@ class Trainer:
         return build_step_batch(exp, self.parallel,
                                 mini_batches=split_evenly(list(range(exp.num_prompt_groups)), d.mini_batches_per_step),
                                 max_sequences=d.micro_batch_size, max_tokens=d.max_tokens_per_micro_batch,
-                                pack=d.pack_sequences)
+                                pack=d.pack_sequences, replay=self.replay)
 
-    def old_policy_pass(self, batch: StepBatch) -> None:
+    def old_policy_pass(self, batch: StepBatch, metrics: MetricReducer) -> None:
         """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
-        mismatch correction's loss mask and importance weights."""
-        a = self.cfg.algorithm
-        old_policy_pass(self.policy.chunks, batch, self.parallel, vocab_size=self.vocab_size,
-                         temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
-                         reference_chunks=self.reference.chunks if self.reference else None)
+        mismatch correction's loss mask and importance weights. A mixture-of-experts model's routing in this pass
+        gives the per-layer expert load imbalance and router entropy (reduction.moe_metrics)."""
+        a, parallel = self.cfg.algorithm, self.parallel
+        with RouterStatistics(self.policy.chunks) as routing:
+            old_policy_pass(self.policy.chunks, batch, parallel, vocab_size=self.vocab_size,
+                             temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
+                             reference_chunks=self.reference.chunks if self.reference else None)
+        tp_routes_own_tokens = parallel.tp_group if parallel.sequence_parallel else None
+        metrics.add(moe_layer_values(routing.per_layer(parallel.dp_group, tp_routes_own_tokens)))
         correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
                         rollout_rs_bounds=tuple(a.rollout_rs_bounds))
 

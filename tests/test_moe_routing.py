@@ -1,0 +1,105 @@
+"""models/moe_routing.py against transformers' Qwen3MoeForCausalLM on the same weights (one process, a padded
+micro-batch of two sequences):
+- recording: the experts each real token goes to at each layer are transformers' top-k;
+- replay: forcing other experts (each token's k least likely) gives the logits transformers gives when its routers
+  are forced to the same experts (probabilities renormalised over them), not the unforced ones;
+- statistics: the per-layer expert load imbalance and router entropy equal those computed in float64 from
+  transformers' router logits, padding excluded."""
+import math
+
+import pytest
+import torch
+
+from distributed_harness import run_distributed
+from test_models_qwen3_moe import TINY
+from tiny_models import make_tiny_model
+
+SEQUENCES = [[5, 17, 250, 999, 3, 42, 7, 8, 9], [1, 2, 3, 4]]  # one micro-batch, the second row padded
+TOPK, EXPERTS = 2, 4
+
+
+def _megatron_routing(rank, world_size, model_dir, forced):
+    """(recorded experts [L*B, M, k], per-layer statistics, logits [B, L, V] with `forced` replayed) on one rank."""
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+    from megatron_gtpo.models.moe_routing import RoutedExperts, RouterStatistics, recording, routed_layers
+    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.training.forward import make_micro_batches, model_forward
+
+    groups = initialize_parallel(1, 1)
+    with HFCheckpoint(model_dir) as ckpt:
+        chunks = build_model(ckpt.config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0)
+        load_hf_weights(chunks, ckpt)
+    model = chunks[0].eval()
+    (mb,) = make_micro_batches(SEQUENCES, len(SEQUENCES), device=groups.device)
+    with torch.no_grad(), RouterStatistics(chunks) as stats, recording(chunks) as recorder:
+        model_forward(model, mb, local_attention=True)
+        recorded = recorder.take()
+    with torch.no_grad():
+        mb.routed_experts = RoutedExperts(routed_layers(chunks), forced.to(groups.device))
+        replayed_logits = model_forward(model, mb, local_attention=True)
+    return recorded.cpu(), stats.per_layer(groups.dp_group), replayed_logits[..., :TINY["vocab_size"]].cpu()
+
+
+def _force_routing(hf, forced_LMK):
+    """Make transformers' routers pick the given experts ([L, M, k] of the one sequence run next), with its
+    probabilities renormalised over them, as Qwen3MoeTopKRouter does for its own top-k."""
+    for m, layer in enumerate(hf.model.layers):
+        gate = layer.mlp.gate
+
+        def forward(hidden, gate=gate, m=m):
+            logits = torch.nn.functional.linear(hidden, gate.weight)
+            indices = forced_LMK[:, m].long()
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, indices)
+            return logits, (scores / scores.sum(-1, keepdim=True)).to(logits.dtype), indices
+
+        gate.forward = forward
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe_routing")
+    return path, make_tiny_model(path, "qwen3_moe", seed=41, **TINY)
+
+
+def test_recorded_replayed_and_measured_routing_is_transformers(moe):
+    path, hf = moe
+    L, B = max(map(len, SEQUENCES)), len(SEQUENCES)
+    layers = TINY["num_layers"]
+    with torch.no_grad():
+        router_logits = [hf(torch.tensor([s]), output_router_logits=True).router_logits for s in SEQUENCES]
+    # Each token's k least likely experts at every layer: [B, L, M, k] (padding positions: anything valid).
+    forced_BLMK = torch.zeros(B, L, layers, TOPK, dtype=torch.int16)
+    for b, per_layer in enumerate(router_logits):
+        for m, logits in enumerate(per_layer):
+            forced_BLMK[b, :logits.shape[0], m] = torch.topk(-logits, TOPK, dim=-1).indices.to(torch.int16)
+    recorded, stats, replayed = run_distributed(_megatron_routing, 1, args=(str(path), forced_BLMK),
+                                                timeout_s=300)[0]
+
+    recorded_LBMK = recorded.view(L, B, layers, TOPK)
+    counts_ME = torch.zeros(layers, EXPERTS, dtype=torch.float64)
+    entropy_M, tokens = torch.zeros(layers, dtype=torch.float64), 0
+    for b, per_layer in enumerate(router_logits):
+        tokens += per_layer[0].shape[0]
+        for m, logits in enumerate(per_layer):
+            chosen = torch.topk(torch.softmax(logits.float(), -1), TOPK, dim=-1).indices
+            for t in range(logits.shape[0]):
+                assert set(recorded_LBMK[t, b, m].tolist()) == set(chosen[t].tolist()), (b, t, m)
+            counts_ME[m] += torch.bincount(chosen.flatten(), minlength=EXPERTS)
+            p = torch.softmax(logits.double(), -1)
+            entropy_M[m] += -(p * p.log()).sum()
+    for m, layer in enumerate(sorted(stats)):
+        imbalance, entropy = stats[layer]
+        assert imbalance == pytest.approx((counts_ME[m].max() / counts_ME[m].mean()).item(), rel=1e-12)
+        assert entropy == pytest.approx((entropy_M[m] / tokens).item(), rel=1e-5)
+        assert 1.0 < imbalance <= EXPERTS / TOPK and 0 < entropy < math.log(EXPERTS)
+
+    with torch.no_grad():
+        unforced_logits = [hf(torch.tensor([sequence])).logits[0] for sequence in SEQUENCES]
+    for b, (sequence, unforced) in enumerate(zip(SEQUENCES, unforced_logits)):
+        with torch.no_grad():
+            _force_routing(hf, forced_BLMK[b, :len(sequence)])
+            forced = hf(torch.tensor([sequence])).logits[0]
+        ours = replayed[b, :len(sequence)]
+        assert (ours - forced).abs().max() / forced.abs().max() < 1e-4, b
+        assert (ours - unforced).abs().max() / unforced.abs().max() > 1e-2, b  # forcing mattered

@@ -1,0 +1,78 @@
+"""The trainer on a tiny Qwen3-MoE under torchrun on CPU: GTPO at EP=2 (each of the 2 data-parallel replicas holds 2
+of the 4 experts of every layer) with and without routing replay, logging the routing metrics; its checkpoint
+resumes exactly, and at EP=1 (docs/checkpoints.md)."""
+import math
+import shutil
+
+import pytest
+
+from trainer_runs import assert_resumed_run_equals, comparable, read_metrics, run_train
+from tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.slow  # whole training runs under torchrun
+
+NUM_LAYERS, EXPERTS, TOPK = 2, 4, 2
+# The synthetic addition task (16-character vocabulary) on a HF Qwen3-MoE directory instead of the tiny dense model.
+MOE = ["model.tiny_synthetic=false", "parallel.tensor=1", "steps=2", "warm_start.steps=10", "data.prompts_per_step=8",
+       "checkpoint.save_every=0"]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe_synthetic")
+    make_tiny_model(path, "qwen3_moe", vocab_size=16, hidden_size=64, num_layers=NUM_LAYERS, num_heads=4,
+                    num_kv_heads=2, head_dim=16, max_positions=64, seed=5, num_experts=EXPERTS,
+                    num_experts_per_tok=TOPK)
+    return path
+
+
+@pytest.mark.parametrize("replay", ["none", "rollout"])
+def test_gtpo_trains_a_moe_model_at_ep2_and_logs_its_routing(tmp_path, moe_dir, replay):
+    res = run_train(tmp_path, 2, [*MOE, f"model.hf_dir={moe_dir}", "parallel.expert=2", "algorithm.name=gtpo",
+                                  f"algorithm.routing_replay={replay}"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    warm, *rows = read_metrics(tmp_path)
+    assert warm["step"] == -1 and [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["update_successful"] and math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+        # The engine's sampling log-probs and the old-policy pass's agree (same weights, fp32; with replay the
+        # pass routes every token as the engine did: tests/test_moe_routing_replay.py).
+        assert row["rollout_logprob_mismatch"] < 1e-5
+        for layer in range(1, NUM_LAYERS + 1):
+            imbalance = row[f"expert_load_imbalance/layer_{layer:02d}"]
+            entropy = row[f"router_entropy/layer_{layer:02d}"]
+            assert 1.0 <= imbalance <= EXPERTS / TOPK  # balanced .. every token to the same k experts
+            assert 0.0 < entropy <= math.log(EXPERTS) + 1e-9
+        assert row["expert_load_imbalance_max"] == max(row[f"expert_load_imbalance/layer_{i:02d}"]
+                                                       for i in range(1, NUM_LAYERS + 1))
+
+
+RESUME = [*MOE, "algorithm.routing_replay=rollout", "checkpoint.save_every=2", "data.mini_batches_per_step=2",
+          "optim.lr_decay_style=constant"]
+
+
+def test_resume_is_exact_and_works_at_another_expert_layout(tmp_path, moe_dir):
+    full, part, other = tmp_path / "full", tmp_path / "part", tmp_path / "other"
+    common = [*RESUME, f"model.hf_dir={moe_dir}"]
+    for out, overrides in ((full, ["parallel.expert=2", "steps=4"]), (part, ["parallel.expert=2", "steps=2"]),
+                           (part, ["parallel.expert=2", "steps=4"])):
+        res = run_train(out, 2, [*common, *overrides])
+        assert res.returncode == 0, res.stderr[-4000:]
+    assert "resumed from" in res.stderr
+    full_rows, tensors = assert_resumed_run_equals(full, part, "step_00000004")
+    assert [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3] and any("experts" in k for k in tensors)
+
+    # The step-2 checkpoint of the EP=2 run, resumed with every expert on each replica (EP=1): weights and
+    # optimizer state reshard, and the next step is the uninterrupted run's up to float rounding (sampling does not
+    # depend on the RNG states, which a new layout re-seeds: each response has a stream of its own).
+    shutil.copytree(part / "checkpoints" / "step_00000002", other / "checkpoints" / "step_00000002")
+    (other / "checkpoints" / "latest").write_text("step_00000002\n")
+    res = run_train(other, 2, [*common, "parallel.expert=1", "steps=3"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "at a different layout" in res.stderr and "resumed from" in res.stderr
+    (resumed,) = read_metrics(other)
+    expected = comparable(full_rows[3])
+    assert resumed["step"] == expected["step"] == 2
+    for k in ("reward_mean", "entropy_mean", "pg_loss", "grad_norm", "ratio_mean", "lr",
+              "expert_load_imbalance/layer_01", "router_entropy/layer_02"):
+        assert resumed[k] == pytest.approx(expected[k], rel=1e-4, abs=1e-6), k

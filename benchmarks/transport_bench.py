@@ -3,7 +3,8 @@ rollout record (rollout/responses.py, rollout/transport.py, training/step_batch.
 of `broadcast_object_list` (the path the tensor transport replaced), in one run.
 
     torchrun --nproc_per_node 2 benchmarks/transport_bench.py [--prompts 128] [--samples 16] [--tokens 4096]
-        [--prompt-tokens 128] [--micro-batch-size 8] [--rounds 3] [--output benchmarks/results/transport.md]
+        [--prompt-tokens 128] [--micro-batch-size 8] [--rounds 3] [--warmup 3]
+        [--output benchmarks/results/transport.md]
 
 The batch: --prompts x --samples responses of --tokens tokens each (random ids and log-probs; finish reason
 "length"), prompts of --prompt-tokens tokens. Candidates, each timed from what rank 0's engine produced to what
@@ -16,7 +17,9 @@ every rank holds at the end:
   list on every rank. It stops there: building a step batch from those lists would come on top;
 - "record wire only" and "step batch only": the two parts of the first candidate alone (the record's broadcasts;
   `build_step_batch` from a record already on the rank).
-Times are the slowest rank's, median over --rounds after one warm-up.
+Times are the slowest rank's, median over --rounds after --warmup rounds: a trainer runs its step many times, and
+the first calls of each candidate pay one-time costs (on this CPU the allocator's heap growing to the step batch's
+size made the first 2-3 rounds of the tensor path 2-5x slower).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--output", default=None)
     return p.parse_args(argv)
 
@@ -80,9 +84,9 @@ def step_batch(args, prompts, record):
                             max_tokens=None)
 
 
-def timed(fn, rounds: int) -> tuple[float, object]:
+def timed(fn, rounds: int, warmup: int) -> tuple[float, object]:
     times, result = [], None
-    for _ in range(rounds + 1):
+    for _ in range(warmup + rounds):
         result = None  # the previous round's result is gone, as the trainer's previous step batch is
         dist.barrier()
         start = time.perf_counter()
@@ -90,7 +94,7 @@ def timed(fn, rounds: int) -> tuple[float, object]:
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
-    return statistics.median(times[1:]), result
+    return statistics.median(times[warmup:]), result
 
 
 def check(args, name: str, result, prompts, ids_RN, logprobs_RN) -> None:
@@ -133,7 +137,7 @@ def main(argv=None):
                   ("step batch only", lambda: step_batch(args, prompts, received))]
     rows = []
     for name, fn in candidates:
-        seconds, result = timed(fn, args.rounds)
+        seconds, result = timed(fn, args.rounds, args.warmup)
         if rank == 1:
             check(args, name, result, prompts, ids_RN, logprobs_RN)
         rows.append((name, seconds))
@@ -145,10 +149,10 @@ def main(argv=None):
                  f"Command: `torchrun --nproc_per_node {dist.get_world_size()} benchmarks/transport_bench.py "
                  f"--prompts {args.prompts} --samples {args.samples} --tokens {args.tokens} "
                  f"--prompt-tokens {args.prompt_tokens} --micro-batch-size {args.micro_batch_size} "
-                 f"--rounds {args.rounds}`", "",
+                 f"--rounds {args.rounds} --warmup {args.warmup}`", "",
                  f"Batch: {args.prompts} x {args.samples} responses x {args.tokens} tokens = {tokens / 1e6:.1f} M "
                  f"tokens, prompts of {args.prompt_tokens} tokens; {dist.get_world_size()} ranks; {args.rounds} "
-                 "timed rounds.",
+                 f"timed rounds after {args.warmup} warm-up rounds.",
                  f"Device: CPU ({platform.machine()}, {os.cpu_count()} cores); torch {torch.__version__}; gloo.", "",
                  "| path | median s | M tokens/s | / pickled |", "|---|---:|---:|---:|"]
         lines += [f"| {name} | {s:.3f} | {tokens / s / 1e6:.1f} | {s / base:.3f} |" for name, s in rows]

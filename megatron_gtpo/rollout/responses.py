@@ -47,7 +47,8 @@ class Response:
 
 @dataclass(frozen=True)
 class Responses:
-    """One engine call's responses (module doc). Every method keeps the tensors on their device."""
+    """One engine call's responses (module doc). Every method but `to` and the list views (`token_id_lists`,
+    `to_lists`) keeps the tensors on their device."""
 
     responses_per_prompt_P: torch.Tensor = _tensor_field(torch.int64)
     lengths_R: torch.Tensor = _tensor_field(torch.int64)

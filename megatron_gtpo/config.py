@@ -87,6 +87,12 @@ class RolloutConfig:
     # the policy of step max(0, k - max_staleness); 0 is the on-policy trainer. >= 1 needs engines of their own
     # (vllm_remote, builtin_remote), which then generate the next batches while the current one trains.
     max_staleness: int = 0
+    # Partial rollouts (docs/algorithms.md, "Partial rollouts"): an engine call generates at most
+    # partial_segment_tokens per response; a group with an unfinished response waits, and the next batch asked for
+    # continues it under the weights of then. A response spans at most max_new_tokens / partial_segment_tokens
+    # policy versions. Needs dynamic sampling (further rounds fill a step the unfinished groups leave short).
+    partial_rollouts: bool = False
+    partial_segment_tokens: int | None = None
 
 
 @dataclass
@@ -354,6 +360,15 @@ def validate(cfg: TrainConfig) -> None:
     need(r.max_staleness == 0 or r.engine in REMOTE_ENGINES,
          f"rollout.max_staleness: {r.max_staleness} needs engines on processes of their own that generate while "
          f"the trainer trains ({' or '.join(REMOTE_ENGINES)}); the {r.engine} engine shares the trainer's")
+    need(not r.partial_rollouts or (r.partial_segment_tokens is not None and 1 <= r.partial_segment_tokens
+                                    < r.max_new_tokens and r.max_new_tokens % r.partial_segment_tokens == 0),
+         f"rollout.partial_segment_tokens: partial rollouts need a segment in [1, rollout.max_new_tokens = "
+         f"{r.max_new_tokens}) that divides it, got {r.partial_segment_tokens}")
+    need(r.partial_rollouts or r.partial_segment_tokens is None,
+         "rollout.partial_segment_tokens: set only with rollout.partial_rollouts: true")
+    need(not r.partial_rollouts or a.routing_replay != "rollout",
+         "rollout.partial_rollouts: not with algorithm.routing_replay: rollout (a continued response's routing would "
+         "span engine calls)")
     need(d.source != "synthetic" or m.tiny_synthetic or m.hf_dir or m.load, "data.source: synthetic needs a model")
     need(d.source == "synthetic" or not m.tiny_synthetic,
          f"model.tiny_synthetic: the tiny model is built for the synthetic task's character vocabulary; with "
@@ -362,6 +377,9 @@ def validate(cfg: TrainConfig) -> None:
          f"warm_start.steps: the supervised warm start trains on the synthetic task's answers; with data.source "
          f"{d.source} it must be 0, got {cfg.warm_start.steps}")
     entry = ALGORITHMS[resolve_algorithm(a.name)]
+    need(not r.partial_rollouts or (entry.dynamic_sampling if a.dynamic_sampling is None else a.dynamic_sampling),
+         f"rollout.partial_rollouts: needs dynamic sampling (algorithm.dynamic_sampling: true), whose further rounds "
+         f"fill the step that unfinished groups leave short; {a.name} has it off")
     # GTPO / GRPO-S (the entropy-shaped ones) split each group by a binary reward: a length penalty has nowhere to go.
     need(not entry.uses_entropy or a.length_penalty in (None, "none"),
          f"algorithm.length_penalty: {a.length_penalty} is not available with {a.name}, whose shaped rewards need "

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 # Deterministic metrics (the phase times and throughput are not).
 COMPARED = ("reward_mean", "accuracy", "response_length_mean", "groups_kept", "sampling_rounds", "entropy_mean",
             "rollout_logprob_mismatch", "pg_loss", "grad_norm", "staleness_mean", "staleness_max",
-            "stale_token_fraction", "trained_prompt_ids")
+            "stale_token_fraction", "continued_fraction", "groups_unfinished", "trained_prompt_ids")
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +104,16 @@ def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, s
     assert max(rows[k]["time_generate_s"] for k in range(2, 5)) < rows[0]["time_generate_s"]
 
 
-def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_path, server_model):
+@pytest.mark.parametrize("partial", [False, True], ids=["whole_responses", "partial_rollouts"])
+def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_path, server_model, partial):
     """N = 1 with dynamic sampling (further rounds generated on the spot): SIGKILL of the trainer and its server after
-    the step-3 checkpoint, then a relaunch with a new server, trains steps 3-5 on what the uninterrupted run did."""
+    the step-3 checkpoint, then a relaunch with a new server, trains steps 3-5 on what the uninterrupted run did.
+    With partial rollouts (2-token segments of the 4-token budget) the checkpoint also holds the unfinished groups,
+    and responses continued over two engine calls are trained on."""
     # A warm start, so that some groups hold both outcomes and steps train (dynamic sampling keeps only those).
     extra = ("data.prompts_per_step=8", "warm_start.steps=30")
+    if partial:
+        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2")
     _train(tmp_path, "whole", server_model, 6, 1, *extra)
     assert _train(tmp_path, "killed", server_model, 6, 1, *extra, kill_after_checkpoint=3) == -signal.SIGKILL
     state = json.loads((tmp_path / "killed" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
@@ -120,8 +125,13 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     for step in range(6):
         assert {k: resumed[step].get(k) for k in COMPARED} == {k: whole[step].get(k) for k in COMPARED}, step
     # Steps trained on batches of the step before (staleness 1) and on rounds generated on the spot (0).
-    assert {whole[k].get("staleness_max") for k in range(1, 6)} >= {1}
+    assert max(whole[k].get("staleness_max", 0) for k in range(1, 6)) >= 1
     assert sum(whole[k]["groups_kept"] for k in range(6)) >= 6
+    if partial:
+        # A response's second segment is in the batch asked for after its first was waited for, N + 1 steps
+        # later: trained at most (N + 1) x 2 segments - 1 = 3 versions after its first token was sampled.
+        assert max(whole[k]["continued_fraction"] or 0 for k in range(6)) > 0  # null: no group kept
+        assert max(whole[k]["staleness_max"] for k in range(6) if "staleness_max" in whole[k]) <= 3
 
 
 def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_stays_intact(tmp_path, server_model):

@@ -46,6 +46,13 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["rollout.max_staleness=1"], "rollout.max_staleness: 1 needs engines on processes of their own that "
                                         "generate while the trainer trains"),
     (BASE, ["rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
+    (BASE, ["rollout.partial_rollouts=true"], "rollout.partial_segment_tokens: partial rollouts need a segment"),
+    (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=6", "rollout.partial_segment_tokens=4"],
+     "rollout.max_new_tokens = 6.? that divides it, got 4"),
+    (BASE, ["rollout.partial_segment_tokens=2"], "rollout.partial_segment_tokens: set only with "
+                                                 "rollout.partial_rollouts: true"),
+    (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout.partial_segment_tokens=2",
+            "algorithm.name=grpo"], "rollout.partial_rollouts: needs dynamic sampling"),
     (BASE, ["rollout.vllm_kv_cache_memory_bytes=0"], "rollout.vllm_kv_cache_memory_bytes: must be > 0"),
     (BASE, ["rollout.vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization: must be in (0, 1]"),
     (BASE, ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: must be in [0, optim.lr = 0.1]"),

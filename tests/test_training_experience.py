@@ -29,6 +29,7 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
     from megatron_gtpo.rollout.engine import SamplingParams
     from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.training.experience import collect_experience
+    from megatron_gtpo.training.partial_rollouts import SampledGroups
 
     script = SCRIPTS[scenario][rank]
     calls = {"prompts": 0, "generate": []}
@@ -44,7 +45,8 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
             return Responses.from_lists([[Response([p.prompt_token_ids[0]] * (1 + 2 * j), [-0.1] * (1 + 2 * j),
                                                    "stop") for j in range(G)] for p in prompts])
 
-        return prompts, round_index, generate
+        # The round index stands in for the policy version that sampled the round.
+        return lambda: SampledGroups.sampled(prompts, generate(), round_index)
 
     def score_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
@@ -55,7 +57,8 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
                              dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
                              length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG)
     return {"prompts": [p[0] for p in exp.prompt_token_ids], "correct": exp.correct_NG.tolist(),
-            "versions": exp.policy_versions_N.tolist(),
+            "versions": exp.start_versions_R.view(-1, G)[:, 0].tolist(),
+            "token_versions": exp.versions_T.tolist(), "continued": exp.continued_R.tolist(),
             "rewards": exp.rewards_NG.tolist(), "stats": exp.stats, "generate_rounds": calls["generate"],
             "prompt_draws": calls["prompts"]}
 
@@ -72,6 +75,7 @@ def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks()
     assert rank1["prompts"] == [102, 111] and rank1["correct"] == [[1, 0], [0, 1]]
     # Each kept group carries the policy version of its round (here the round index stands in for it).
     assert rank0["versions"] == [0, 0] and rank1["versions"] == [0, 1]
+    assert rank1["token_versions"] == [0] * 4 + [1] * 4 and rank1["continued"] == [False] * 4
     assert (rank1["stats"]["groups_generated"], rank1["stats"]["groups_kept"]) == (6, 2)
     # Rewards = correctness + the length penalty (-0.1 x length, lengths 1 and 3).
     assert torch.allclose(torch.tensor(rank0["rewards"]), torch.tensor([[0.9, -0.3], [-0.1, 0.7]]))

@@ -8,9 +8,10 @@ transport and the experience to the step batch without a Python object per respo
     logprobs_T              float32  [T]  logprobs_T[t] belongs to token_ids_T[t] (the convention of engine.py)
 
 A field's name ends with its axis: _P per prompt, _R per response, _T per token. Selection (`select_prompts`),
-concatenation (`cat`), moves (`to`), allocation (`allocate`) and the transport work field by field from that
-suffix and the field's declared dtype, so a new per-token or per-response field (per-token policy versions for
-asynchronous RL, say) is one more declaration here. A response ends with its stop token when its finish reason is
+concatenation (`cat`), continuation (`extend`), moves (`to`), allocation (`allocate`) and the transport work field
+by field from that suffix and the field's declared dtype, so a new per-token or per-response field is one more
+declaration here. (The policy versions of partial rollouts stay beside the record, training/partial_rollouts.py:
+no engine knows them.) A response ends with its stop token when its finish reason is
 "stop"; "length" means max_new_tokens were generated without one.
 
 The tensors live wherever their producer put them: the built-in engine's on the training device, a vLLM server's on
@@ -167,13 +168,30 @@ class Responses:
     def select_prompts(self, index_P) -> Responses:
         """The record of prompts `index_P` (long indices, any device, in that order), with their responses and
         tokens: gathers by tensor indexing, three host reads of sizes."""
+        index = self.prompt_index(index_P)
+        return type(self)(**{f.name: getattr(self, f.name).index_select(0, index[_axis(f.name)])
+                             for f in dataclasses.fields(self)})
+
+    def prompt_index(self, index_P) -> dict[str, torch.Tensor]:
+        """{"P", "R", "T"}: the long indices along each axis of prompts `index_P`, their responses and their tokens,
+        in that order (what `select_prompts` gathers; also what selects tensors kept beside the record)."""
         index_P = torch.as_tensor(index_P, dtype=torch.int64).to(self.device)
         counts_P = self.responses_per_prompt_P
         index_R = _ranges(_exclusive_cumsum(counts_P)[index_P], counts_P[index_P])
         index_T = _ranges(self.token_starts_R()[index_R], self.lengths_R[index_R])
-        index = {"P": index_P, "R": index_R, "T": index_T}
-        return type(self)(**{f.name: getattr(self, f.name).index_select(0, index[_axis(f.name)])
-                             for f in dataclasses.fields(self)})
+        return {"P": index_P, "R": index_R, "T": index_T}
+
+    def extend(self, continuation: Responses) -> Responses:
+        """Each response followed by `continuation`'s response of the same index (the same responses per prompt):
+        its tokens and log-probs appended, lengths added, and the continuation's finish reason (a partial response
+        continued; an empty continuation keeps a response's tokens and takes its finish reason)."""
+        if not torch.equal(self.responses_per_prompt_P, continuation.responses_per_prompt_P):
+            raise ValueError("a continuation must have the responses per prompt of the record it extends")
+        per_token = {f.name: concat_per_response(getattr(self, f.name), self.lengths_R,
+                                                 getattr(continuation, f.name), continuation.lengths_R)
+                     for f in dataclasses.fields(self) if _axis(f.name) == "T"}
+        return dataclasses.replace(self, lengths_R=self.lengths_R + continuation.lengths_R,
+                                   finish_R=continuation.finish_R, **per_token)
 
     def token_id_lists(self) -> list[list[int]]:
         """Each response's token ids as a host list (what a tokenizer decodes): one copy to the host."""
@@ -204,6 +222,16 @@ def _axis(name: str) -> str:
     if axis not in AXES:
         raise AssertionError(f"field {name!r} names no axis of {AXES}")
     return axis
+
+
+def concat_per_response(first_T: torch.Tensor, first_lengths_R: torch.Tensor, then_T: torch.Tensor,
+                        then_lengths_R: torch.Tensor) -> torch.Tensor:
+    """Per-token values of responses laid back to back (`first_T`, lengths `first_lengths_R`), each response's
+    followed by its values in `then_T` (lengths `then_lengths_R`, the same responses): [sum of both lengths]."""
+    lengths_2R = torch.stack([first_lengths_R, then_lengths_R], dim=1).flatten()
+    starts_2R = torch.stack([_exclusive_cumsum(first_lengths_R),
+                             first_T.shape[0] + _exclusive_cumsum(then_lengths_R)], dim=1).flatten()
+    return torch.cat([first_T, then_T]).index_select(0, _ranges(starts_2R, lengths_2R))
 
 
 def _from_array(values: array.array, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Trainer checkpoints: model, optimizer (DistributedOptimizer, fully reshardable), LR schedule, data position,
-RNG states, step and config, and with bounded staleness the rollouts generated and not yet trained on; every K
-steps, at the end, and on SIGTERM/SIGUSR1 (SLURM pre-emption).
+RNG states, step and config, and with bounded staleness or partial rollouts the rollouts generated and not yet
+trained on; every K steps, at the end, and on SIGTERM/SIGUSR1 (SLURM pre-emption).
 
 The trainer hands its state to the collective checkpoint writer (checkpoint/megatron_checkpoint.save_checkpoint):
 <checkpoint dir>/step_00000010/ holds a megatron.core.dist_checkpointing checkpoint (model and optimizer sharded
@@ -175,10 +175,15 @@ def save(trainer, step: int) -> str:
 
 
 def _rollouts_in_flight(trainer) -> dict:
-    """The batches asked for and not yet trained on (rollout_queue.py), waited for: with bounded staleness only."""
-    if not trainer.cfg.rollout.max_staleness:
+    """The batches asked for and not yet trained on and the unfinished groups (rollout_queue.py), waited for: with
+    bounded staleness or partial rollouts only."""
+    if not _holds_rollouts(trainer.cfg):
         return {}
     return {_rollouts_file(trainer.parallel): trainer.rollouts.state_dict()}
+
+
+def _holds_rollouts(cfg) -> bool:
+    return bool(cfg.rollout.max_staleness or cfg.rollout.partial_rollouts)
 
 
 def _rollouts_file(parallel) -> str:
@@ -248,7 +253,7 @@ def restore(trainer) -> int:
     trainer.policy.scheduler.load_state_dict(state["scheduler"])
     trainer.loader.load_state_dict(state["loader"])
     in_flight = os.path.join(directory, _rollouts_file(parallel))
-    if os.path.isfile(in_flight) and cfg.rollout.max_staleness:
+    if os.path.isfile(in_flight) and _holds_rollouts(cfg):
         if state["layout"] != _layout(parallel):
             raise ValueError(f"checkpoint {directory} holds rollouts generated and not yet trained on at the layout "
                              f"{state['layout']}; resume it at that layout (this run's is {_layout(parallel)})")

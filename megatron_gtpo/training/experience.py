@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,8 @@ from megatron_gtpo.algorithms import informative_groups
 from megatron_gtpo.distributed import ParallelGroups
 from megatron_gtpo.rollout.engine import SamplingParams
 from megatron_gtpo.rollout.responses import Responses
+
+from .partial_rollouts import SampledGroups
 
 
 @dataclass
@@ -25,11 +27,15 @@ class Experience:
     rewards_NG: torch.Tensor  # correctness plus the length penalty (if any): what the advantages see
     stats: dict = field(default_factory=dict)
     prompts: list = field(default_factory=list)  # [n] the loader's items (ids, answers) of the kept groups
-    policy_versions_N: torch.Tensor | None = None  # int64 [n]: the policy version that sampled each kept group
+    # int64: the policy version that sampled each response token, and each response's first token (its oldest;
+    # partial_rollouts.SampledGroups)
+    versions_T: torch.Tensor | None = None
+    start_versions_R: torch.Tensor | None = None
     # Routing replay (algorithm.routing_replay: rollout): per response of `responses` (prompt-major), the experts
     # [P + R - 1, M, k] its fed tokens went to at this rank's MoE layers (BuiltinEngine.generate_routed). Rank-local:
     # each pipeline stage records its own layers, so it never goes through the transport with the record.
     routed_experts: list[torch.Tensor] | None = None
+    continued_R: torch.Tensor | None = None  # bool: the response spans more than one engine call (partial rollouts)
 
     @property
     def num_prompt_groups(self) -> int:
@@ -40,54 +46,54 @@ class Experience:
         return self.correct_NG.shape[1]  # G even when this rank kept no group ([0, G])
 
 
-def collect_experience(sample_round: Callable[[int], tuple[list, int, Callable[[], Responses]]],
+def collect_experience(sample_round: Callable[[int], Callable[[], SampledGroups]],
                        score_groups: Callable[[list, Responses], torch.Tensor],
                        params: SamplingParams, parallel: ParallelGroups, *, target_prompt_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
                        length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                        stand_by: Callable[[], None] | None = None) -> Experience:
-    """Sample G responses per prompt and score them. `sample_round(round_index) -> (prompts, policy version, wait)`
-    draws a round's prompts and gives the function that returns their responses (one record, or with routing replay
-    the record and its per-response routing, rank-local: `Rollout`; called only when the round is needed);
-    `score_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the host. With
-    dynamic sampling, groups whose rewards are all equal (algorithms.informative_groups) are dropped and more prompts
-    are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders stay
-    aligned) until `target_prompt_groups` informative groups are kept; then train on what there is.
-    `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards. The kept groups' responses are
-    selected and concatenated as tensors where the engine left them; only their lengths and finish reasons come to
-    the host (rewards, stats). `stand_by()` is called in the rounds where this rank has enough groups and generates
-    nothing (the built-in engine then takes part in its expert-parallel peers' generation)."""
-    kept_prompts, kept_responses, kept_correct, kept_rewards, kept_versions = [], [], [], [], []
-    kept_routes: list[torch.Tensor] | None = None  # per kept response, with routing replay (rank-local)
+    """Sample G responses per prompt and score them. `sample_round(round_index)` draws a round's prompts and gives
+    the function that returns its groups (called only when the round is needed: the engine is asked then, unless
+    the round was asked for ahead); `score_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the
+    host. With dynamic sampling, groups whose rewards are all equal (algorithms.informative_groups) are dropped and
+    more prompts are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders
+    stay aligned) until `target_prompt_groups` informative groups are kept; then train on what there is. A round's
+    groups come in the order the engine was asked for them: with partial rollouts the continued (older) ones first,
+    so they are kept first. `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards. The kept
+    groups' responses are selected and concatenated as tensors where the engine left them; only their lengths and
+    finish reasons come to the host (rewards, stats). `stand_by()` is called in the rounds where this rank has enough
+    groups and generates nothing (the built-in engine then takes part in its expert-parallel peers' generation)."""
+    kept: list[SampledGroups] = []
+    kept_correct, kept_rewards = [], []
     all_correct, all_rewards, all_lengths, all_truncated = [], [], [], []
     rounds = 0
+
+    def kept_groups():
+        return sum(k.num_groups for k in kept)
+
     while True:
-        prompts, version, wait = sample_round(rounds)
-        if len(kept_prompts) < target_prompt_groups:
-            responses, routes = _split_rollout(wait())
-            correct_NG = score_groups(prompts, responses)
-            lengths_NG = responses.lengths_NG().cpu().float()
+        wait = sample_round(rounds)
+        if kept_groups() < target_prompt_groups:
+            groups = wait()
+            correct_NG = score_groups(groups.prompts, groups.responses)
+            lengths_NG = groups.responses.lengths_NG().cpu().float()
             rewards_NG = correct_NG + (length_penalty(lengths_NG, correct_NG) if length_penalty else 0.0)
             # Filter on correctness, before length penalties (DAPO's rule).
-            keep_N = informative_groups(correct_NG) if dynamic_sampling else torch.ones(len(prompts), dtype=torch.bool)
-            chosen_K = keep_N.nonzero().flatten()[:target_prompt_groups - len(kept_prompts)]
-            kept_prompts += [prompts[i] for i in chosen_K.tolist()]
-            kept_versions += [version] * len(chosen_K)
-            kept_responses.append(responses.select_prompts(chosen_K))
-            if routes is not None:  # the kept groups' G responses each, in the record's (prompt-major) order
-                G = len(routes) // max(len(prompts), 1)
-                kept_routes = (kept_routes or []) + [routes[i * G + j] for i in chosen_K.tolist() for j in range(G)]
+            keep_N = informative_groups(correct_NG) if dynamic_sampling \
+                else torch.ones(groups.num_groups, dtype=torch.bool)
+            chosen_K = keep_N.nonzero().flatten()[:target_prompt_groups - kept_groups()]
+            kept.append(groups.select(chosen_K))
             kept_correct.append(correct_NG[chosen_K])
             kept_rewards.append(rewards_NG[chosen_K])
             all_correct.append(correct_NG.flatten())
             all_rewards.append(rewards_NG.flatten())
             all_lengths.append(lengths_NG.flatten())
-            all_truncated.append(responses.truncated_R().cpu().float())
+            all_truncated.append(groups.responses.truncated_R().cpu().float())
         elif stand_by is not None:
             stand_by()
         rounds += 1
         # Collectives run on the process groups' device: an NCCL group takes no host tensors.
-        short = torch.tensor([float(len(kept_prompts) < target_prompt_groups)], device=parallel.device)
+        short = torch.tensor([float(kept_groups() < target_prompt_groups)], device=parallel.device)
         dist.all_reduce(short, op=dist.ReduceOp.MAX, group=parallel.dp_group)
         if not dynamic_sampling or short.item() == 0 or rounds > max_extra_rounds:
             break
@@ -96,20 +102,13 @@ def collect_experience(sample_round: Callable[[int], tuple[list, int, Callable[[
         "reward_mean": torch.cat(all_rewards).mean().item(),
         "accuracy": torch.cat(all_correct).mean().item(),
         "response_length_mean": torch.cat(all_lengths).mean().item(),
-        "response_length_max": torch.cat(all_lengths).max().item(),
+        "response_length_max": torch.cat(all_lengths).max().item() if sum(map(len, all_lengths)) else float("nan"),
         "response_clip_ratio": torch.cat(all_truncated).mean().item(),
         "sampling_rounds": rounds,
         "groups_generated": sum(len(c) for c in all_correct) // G,
-        "groups_kept": len(kept_prompts),
+        "groups_kept": kept_groups(),
     }
-    return Experience([p.prompt_token_ids for p in kept_prompts], Responses.cat(kept_responses),
-                      torch.cat(kept_correct), torch.cat(kept_rewards), stats, kept_prompts,
-                      torch.tensor(kept_versions, dtype=torch.int64), kept_routes)
-
-
-Rollout = Union[Responses, tuple[Responses, "list[torch.Tensor] | None"]]
-
-
-def _split_rollout(rollout: Rollout) -> tuple[Responses, list[torch.Tensor] | None]:
-    """(record, per-response routing or None) of what a round's `wait` gave."""
-    return rollout if isinstance(rollout, tuple) else (rollout, None)
+    groups = SampledGroups.cat(kept)
+    return Experience([p.prompt_token_ids for p in groups.prompts], groups.responses, torch.cat(kept_correct),
+                      torch.cat(kept_rewards), stats, groups.prompts, groups.versions_T, groups.start_versions_R,
+                      groups.routed_experts, groups.continued_R())

@@ -54,11 +54,15 @@ METRICS: dict[str, Metric] = {
     "groups_kept": Metric(Reduce.SUM, kind=int),
     "groups_generated": Metric(Reduce.SUM, kind=int),
     "sampling_rounds": Metric(Reduce.MAX, kind=int),
-    # Bounded staleness (rollout.max_staleness), over the kept responses: steps between the policy that sampled a
-    # response and the one it trains; the fraction of kept response tokens an earlier policy sampled.
+    # Bounded staleness (rollout.max_staleness) and partial rollouts, over the kept responses: steps between the
+    # policy that sampled a response's first token and the one it trains; the fraction of responses continued over
+    # several engine calls; the fraction of kept response tokens an earlier policy sampled; the groups left
+    # unfinished for a later step.
     "staleness_mean": _mean("kept_responses"),
     "staleness_max": Metric(Reduce.MAX, kind=int, optional=True),
+    "continued_fraction": _mean("kept_responses"),
     "stale_token_fraction": _mean("kept_tokens"),
+    "groups_unfinished": Metric(Reduce.SUM, kind=int, optional=True),
     # The old-policy pass over the kept response tokens: weighted by tokens (correct / failed: those tokens only).
     "entropy_mean": _mean("tokens"),
     "entropy_correct_mean": _mean("correct_tokens"),

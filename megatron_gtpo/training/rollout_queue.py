@@ -1,4 +1,4 @@
-"""Rollouts asked for ahead of training: bounded staleness (rollout.max_staleness = N).
+"""Rollouts asked for ahead of training (rollout.max_staleness = N), and the groups partial rollouts left unfinished.
 
 Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked
 for when step max(0, k - N) begins, so it is generated with the policy of version max(0, k - N) (the weights after
@@ -6,9 +6,13 @@ that many steps) while the trainer trains the steps in between, and no batch is 
 after the weights that sampled it. The schedule is fixed, so a run is the same whatever the engines' speed.
 N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
 
+With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
+batches and rounds waited for until then; a response's first tokens may then be older than N versions, by at most
+(N + 1) x (its segments) - 1 in all.
+
 A checkpoint holds the batches asked for and not yet trained on (`state_dict` waits for them: the prompts, the
-version that generated them and their rollout records), so a resumed run trains on the very batches an
-uninterrupted one would, in the same order.
+version that generated them, their rollout records and the groups they continue) and the unfinished groups, so a
+resumed run trains on the very batches an uninterrupted one would, in the same order.
 """
 from __future__ import annotations
 
@@ -17,48 +21,73 @@ from typing import Callable
 
 import torch
 
-from megatron_gtpo.rollout.responses import Responses
+from .partial_rollouts import PartialRollouts, SampledGroups
 
 
 @dataclass
 class AskedBatch:
-    """One step's first sampling round: its prompts (the loader's items), the policy version (steps trained) whose
-    weights generate it, and the function that waits for its record (collective over the model replica)."""
+    """One sampling round asked of the engine: its new prompts (the loader's items), the policy version (steps
+    trained) whose weights generate it, the function that waits for the engine's answer (collective over the model
+    replica), and with partial rollouts the groups whose unfinished responses it continues."""
 
     step: int
     version: int
     prompts: list
-    wait: Callable[[], Responses]
+    wait: Callable
+    continued: SampledGroups | None = None
 
 
 class RolloutQueue:
-    """The batches asked for and not yet trained on (module doc). `ask(step, version)` draws a batch's prompts and
-    asks the engine for its responses."""
+    """The batches asked for and not yet trained on, and the unfinished groups (module doc). `ask(step, version,
+    continued)` draws a batch's prompts and asks the engine for its responses (and the continuation of
+    `continued`'s unfinished responses)."""
 
-    def __init__(self, max_staleness: int, ask: Callable[[int, int], AskedBatch], *, steps: int):
+    def __init__(self, max_staleness: int, ask: Callable[[int, int, SampledGroups | None], AskedBatch], *,
+                 steps: int, partial: PartialRollouts | None = None):
         self.max_staleness = max_staleness
         self.ask = ask
         self.steps = steps  # the run's: no batch is asked for beyond its last step
+        self.partial = partial
         self.asked: dict[int, AskedBatch] = {}
+        self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
 
     def take(self, step: int) -> AskedBatch:
         """Batch `step`, after asking for every batch up to step + N (and before the run's end) not asked for yet,
         with the weights of now (version `step`): the engine generates those while this one trains."""
         for later in range(step, max(step + 1, min(step + self.max_staleness + 1, self.steps))):
             if later not in self.asked:
-                self.asked[later] = self.ask(later, step)
+                continued, self.unfinished = self.unfinished, None
+                self.asked[later] = self.ask(later, step, continued)
         return self.asked.pop(step)
 
+    def groups(self, asked: AskedBatch) -> SampledGroups:
+        """The groups of a round, waited for: with partial rollouts only the complete ones; the others wait for the
+        next batch asked for."""
+        rollout = asked.wait()
+        if self.partial is None:
+            return SampledGroups.sampled(asked.prompts, rollout, asked.version)
+        complete, unfinished = self.partial.merge(asked.continued, asked.prompts, rollout, asked.version)
+        self.unfinished = unfinished if self.unfinished is None else SampledGroups.cat([self.unfinished, unfinished])
+        return complete
+
     def state_dict(self) -> dict:
-        """Every batch asked for, waited for (collective over the model replica), on the host."""
-        state = {}
+        """Every batch asked for, waited for (collective over the model replica), and the unfinished groups, on the
+        host."""
+        cpu = torch.device("cpu")
+        batches = {}
         for step, batch in sorted(self.asked.items()):
             responses = batch.wait()
-            self.asked[step] = AskedBatch(step, batch.version, batch.prompts, lambda r=responses: r)
-            state[step] = {"version": batch.version, "prompts": batch.prompts,
-                           "responses": responses.to(torch.device("cpu"))}
-        return state
+            self.asked[step] = AskedBatch(step, batch.version, batch.prompts, lambda r=responses: r, batch.continued)
+            batches[step] = {"version": batch.version, "prompts": batch.prompts, "responses": responses.to(cpu),
+                             "continued": _moved(batch.continued, cpu)}
+        return {"batches": batches, "unfinished": _moved(self.unfinished, cpu)}
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
-        self.asked = {step: AskedBatch(step, b["version"], b["prompts"], lambda r=b["responses"].to(device): r)
-                      for step, b in state.items()}
+        self.asked = {step: AskedBatch(step, b["version"], b["prompts"], lambda r=b["responses"].to(device): r,
+                                       _moved(b["continued"], device))
+                      for step, b in state["batches"].items()}
+        self.unfinished = _moved(state["unfinished"], device)
+
+
+def _moved(groups: SampledGroups | None, device: torch.device) -> SampledGroups | None:
+    return None if groups is None else groups.to(device)

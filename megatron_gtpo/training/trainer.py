@@ -32,6 +32,7 @@ from .model_setup import PolicyModel
 from .old_policy import correct_rollout, old_policy_pass
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
+from .partial_rollouts import PartialRollouts, SampledGroups
 from .rollout_queue import AskedBatch, RolloutQueue
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task
@@ -69,7 +70,11 @@ class Trainer:
         self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
         self.algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
-        self.rollouts = RolloutQueue(cfg.rollout.max_staleness, self.ask_rollout, steps=cfg.steps)  # asked ahead
+        r = cfg.rollout
+        # Responses generated over several steps, a segment each (partial_rollouts.py); None: whole responses.
+        self.partial = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, r.partial_segment_tokens) \
+            if r.partial_rollouts else None
+        self.rollouts = RolloutQueue(r.max_staleness, self.ask_rollout, steps=cfg.steps, partial=self.partial)
         self.start_step = checkpointing.restore(self)  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
         self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
@@ -150,13 +155,8 @@ class Trainer:
             first = self.rollouts.take(step)
 
         def sample_round(round_index):
-            if round_index == 0:
-                return first.prompts, first.version, timed(timer, "generate", first.wait)
-            prompts = self.loader.next_batch().items  # a new seed per step, sampling round and DP replica
-            # With routing replay, the built-in engine's record and the routing it recorded on this rank.
-            ask = partial(self.engine.generate_routed if self.replay is not None else self.engine.generate,
-                          [list(p.prompt_token_ids) for p in prompts], self.sampling_params(step, round_index))
-            return prompts, step, timed(timer, "generate", ask)
+            asked = self.ask_round(step, round_index) if round_index else first
+            return timed(timer, "generate", partial(self.rollouts.groups, asked))
 
         def reward(prompts, responses):
             with timer("reward"):
@@ -170,25 +170,46 @@ class Trainer:
                                  # the built-in engine's: take part in expert-parallel peers' generation
                                  stand_by=getattr(self.engine, "stand_by", None))
         stats = exp.stats
-        metrics.add({k: stats[k] for k in ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio",
-                                           "response_length_max", "groups_kept", "groups_generated",
-                                           "sampling_rounds")},
+        counts = ("groups_kept", "groups_generated", "sampling_rounds")
+        scored = ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio", "response_length_max")
+        # Partial rollouts may complete no group this step: then there is nothing to average.
+        metrics.add({k: stats[k] for k in counts + (scored if stats["groups_generated"] else ())},
                     {"responses": stats["groups_generated"] * exp.group_size})
         totals, weights = _staleness_totals(exp, step)
         metrics.add_totals(totals, weights)
         if exp.num_prompt_groups:
-            metrics.add({"staleness_max": int((step - exp.policy_versions_N).max())})
+            metrics.add({"staleness_max": int((step - exp.start_versions_R).max())})
+        if self.partial is not None:
+            unfinished = self.rollouts.unfinished
+            metrics.add({"groups_unfinished": unfinished.num_groups if unfinished is not None else 0})
         return exp
 
-    def ask_rollout(self, step: int, version: int) -> AskedBatch:
-        """Batch `step`'s prompts, and the engine asked for their responses with the weights of now (`version`)."""
+    def ask_rollout(self, step: int, version: int, continued: SampledGroups | None) -> AskedBatch:
+        """Batch `step`'s prompts, and the engine asked for their responses (and the continuation of `continued`'s
+        unfinished responses) with the weights of now (`version`)."""
         prompts = self.loader.next_batch().items
-        asked = [list(p.prompt_token_ids) for p in prompts]
+        asked, params = self.request(prompts, continued, self.sampling_params(step, 0))
         if self.replay is not None:  # the built-in engine (layout.check_layout): it generates now, on this rank
-            rollout = self.engine.generate_routed(asked, self.sampling_params(step, 0))
+            rollout = self.engine.generate_routed(asked, params)
             return AskedBatch(step, version, prompts, lambda: rollout)
-        wait = self.engine.submit(asked, self.sampling_params(step, 0))
-        return AskedBatch(step, version, prompts, wait)
+        return AskedBatch(step, version, prompts, self.engine.submit(asked, params), continued)
+
+    def ask_round(self, step: int, round_index: int) -> AskedBatch:
+        """A further sampling round of dynamic sampling at step `step`, generated by the weights of now when waited
+        for (the engine is not asked before: a rank with enough groups never waits)."""
+        prompts = self.loader.next_batch().items  # a new seed per step, sampling round and DP replica
+        asked, params = self.request(prompts, None, self.sampling_params(step, round_index))
+        # With routing replay, the built-in engine's record and the routing it recorded on this rank.
+        generate = self.engine.generate_routed if self.replay is not None else self.engine.generate
+        return AskedBatch(step, step, prompts, partial(generate, asked, params))
+
+    def request(self, prompts: list, continued: SampledGroups | None, params: SamplingParams) \
+            -> tuple[list[list[int]], SamplingParams]:
+        """The engine's prompts and params for `prompts` (G responses each) and, with partial rollouts, the
+        continuation of `continued`'s unfinished responses (partial_rollouts.PartialRollouts.request)."""
+        if self.partial is not None:
+            return self.partial.request(continued, prompts, params)
+        return [list(p.prompt_token_ids) for p in prompts], params
 
     def build_step_batch(self, exp: Experience) -> StepBatch:
         d = self.cfg.data
@@ -271,7 +292,7 @@ class Trainer:
             texts = [self.task.tokenizer.decode(ids) for ids in responses.token_id_lists()]
             rewards = torch.tensor(self.task.score(texts, references), dtype=torch.float32, device=device)
         dist.broadcast(rewards, src=dist.get_global_rank(mp_group, 0), group=mp_group)
-        return rewards.cpu().view(responses.num_prompts, -1)
+        return rewards.cpu().view(responses.num_prompts, self.cfg.rollout.num_responses_per_prompt)
 
 
 def timed(timer: PhaseTimer, phase: str, fn):
@@ -283,14 +304,13 @@ def timed(timer: PhaseTimer, phase: str, fn):
 
 
 def _staleness_totals(exp: Experience, step: int) -> tuple[dict, dict]:
-    """How many versions old the kept responses' sampling policy is (step - version; 0 on policy), and the fraction
-    of their tokens an earlier version sampled, as totals over the kept responses and tokens."""
-    staleness_N = step - exp.policy_versions_N.double()
-    lengths_NG = exp.responses.lengths_NG().cpu().double()
-    tokens_N = lengths_NG.sum(dim=1)
-    totals = {"staleness_mean": (staleness_N * exp.group_size).sum(),
-              "stale_token_fraction": (tokens_N * (staleness_N > 0)).sum()}
-    return totals, {"kept_responses": exp.group_size * exp.num_prompt_groups, "kept_tokens": tokens_N.sum()}
+    """How many versions old the kept responses are (step - the version of their first token; 0 on policy), the
+    fraction of them continued over several engine calls (partial rollouts), and the fraction of their tokens an
+    earlier version sampled, as totals over the kept responses and tokens (device tensors)."""
+    totals = {"staleness_mean": (step - exp.start_versions_R).double().sum(),
+              "continued_fraction": exp.continued_R.double().sum(),
+              "stale_token_fraction": (exp.versions_T < step).double().sum()}
+    return totals, {"kept_responses": exp.responses.num_responses, "kept_tokens": exp.responses.num_tokens}
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

@@ -1,0 +1,148 @@
+"""Sampled groups with the policy version of every token, and partial rollouts (rollout.partial_rollouts).
+
+With partial rollouts every engine call generates at most `segment_tokens` (rollout.partial_segment_tokens) tokens
+per response. A group of G responses is complete when each of them is finished (it sampled a stop token, or
+max_new_tokens in all); only complete groups are scored and trained on. A group with an unfinished response waits,
+and the next batch asked for continues each of its unfinished responses for one more segment under the weights of
+then: the engine's prompt is the response's prompt followed by its tokens so far. Tokens keep the policy version
+that sampled them and their behaviour log-probs, so the rollout correction weighs each token against the policy
+that sampled it. A response spans at most max_new_tokens / segment_tokens engine calls, so that many versions.
+
+This is Kimi k1.5's scheme (a fixed budget of output tokens per step; the unfinished rest continues in the next)
+rather than slime's (abort the unfinished responses once enough groups are done): with a budget, which tokens each
+policy version samples depends on the responses only, not on the engines' speed, so a run is reproducible and a
+resumed run trains on what an uninterrupted one does (docs/algorithms.md, "Partial rollouts").
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.responses import FINISH_LENGTH_CODE, Responses, concat_per_response
+
+
+@dataclass
+class SampledGroups:
+    """Prompt groups of G responses each, as sampled so far: the loader's items, their record (prompt-major), per
+    token the policy version (steps trained) whose weights sampled it, and per response the version of its first
+    segment (its oldest). With routing replay, per response the experts the built-in engine routed its tokens to
+    (rank-local; experience.py)."""
+
+    prompts: list  # [N]
+    responses: Responses
+    versions_T: torch.Tensor  # int64, on the record's device
+    start_versions_R: torch.Tensor  # int64, on the record's device
+    routed_experts: list[torch.Tensor] | None = None
+
+    @classmethod
+    def sampled(cls, prompts: list, rollout, version: int) -> SampledGroups:
+        """One engine call's groups (`rollout`: a record, or with routing replay the record and its routing), every
+        token sampled by the weights of `version`."""
+        responses, routes = rollout if isinstance(rollout, tuple) else (rollout, None)
+        return cls(prompts, responses, _full(responses.num_tokens, version, responses.device),
+                   _full(responses.num_responses, version, responses.device), routes)
+
+    @classmethod
+    def cat(cls, parts: list[SampledGroups]) -> SampledGroups:
+        """The groups of `parts` one after the other (at least one part; routing with none or all parts)."""
+        routes = None if any(p.routed_experts is None for p in parts) else \
+            [r for p in parts for r in p.routed_experts]
+        return cls([x for p in parts for x in p.prompts], Responses.cat([p.responses for p in parts]),
+                   torch.cat([p.versions_T for p in parts]), torch.cat([p.start_versions_R for p in parts]), routes)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompts)
+
+    def select(self, index_N) -> SampledGroups:
+        """Groups `index_N` (long indices), in that order."""
+        index = self.responses.prompt_index(index_N)
+        routes = None if self.routed_experts is None else [self.routed_experts[r] for r in index["R"].tolist()]
+        return SampledGroups([self.prompts[i] for i in index["P"].tolist()], self.responses.select_prompts(index_N),
+                             self.versions_T.index_select(0, index["T"]),
+                             self.start_versions_R.index_select(0, index["R"]), routes)
+
+    def to(self, device) -> SampledGroups:
+        """The groups' tensors on `device` (the routing is rank-local and not moved)."""
+        return dataclasses.replace(self, responses=self.responses.to(device), versions_T=self.versions_T.to(device),
+                                   start_versions_R=self.start_versions_R.to(device))
+
+    def continued_R(self) -> torch.Tensor:
+        """bool [R]: the response was continued, so sampled by more than one version (its last token is newer than
+        its first segment; a continued segment is never empty)."""
+        lengths_R = self.responses.lengths_R
+        last_T = (self.responses.token_starts_R() + lengths_R - 1).clamp(min=0)
+        last_versions_R = self.versions_T[last_T] if self.versions_T.numel() else self.start_versions_R
+        return (lengths_R > 0) & (last_versions_R > self.start_versions_R)
+
+
+@dataclass(frozen=True)
+class PartialRollouts:
+    """The engine requests of partial rollouts and the groups they complete (module doc)."""
+
+    group_size: int  # G
+    max_new_tokens: int  # a response's budget, over all its segments
+    segment_tokens: int  # one engine call's, per response
+
+    def __post_init__(self):
+        if not 1 <= self.segment_tokens < self.max_new_tokens or self.max_new_tokens % self.segment_tokens:
+            raise ValueError(f"segment_tokens must be in [1, max_new_tokens = {self.max_new_tokens}) and divide it "
+                             f"(every unfinished response then has a whole number of segments left), got "
+                             f"{self.segment_tokens}")
+
+    def unfinished_R(self, responses: Responses) -> torch.Tensor:
+        """bool [R]: the response stopped at a segment's end, short of max_new_tokens and of a stop token."""
+        return (responses.finish_R == FINISH_LENGTH_CODE) & (responses.lengths_R < self.max_new_tokens)
+
+    def request(self, continued: SampledGroups | None, prompts: list, params: SamplingParams) \
+            -> tuple[list[list[int]], SamplingParams]:
+        """The engine call (prompts, params) that continues `continued`'s unfinished responses (its first rows, in
+        record order) and starts G responses for each of `prompts` (the following rows, G each): one response per
+        row, at most one segment each. Row seeds follow from `params.seed` as for any call (engine.response_seed)."""
+        rows = []
+        if continued is not None:
+            unfinished = self.unfinished_R(continued.responses).tolist()
+            groups = continued.responses.responses_per_prompt_P.tolist()
+            owners = [i for i, count in enumerate(groups) for _ in range(count)]
+            for r, ids in enumerate(continued.responses.token_id_lists()):
+                if unfinished[r]:
+                    rows.append(list(continued.prompts[owners[r]].prompt_token_ids) + ids)
+        rows += [list(p.prompt_token_ids) for p in prompts for _ in range(self.group_size)]
+        return rows, dataclasses.replace(params, n=1, max_new_tokens=self.segment_tokens)
+
+    def merge(self, continued: SampledGroups | None, prompts: list, record: Responses, version: int) \
+            -> tuple[SampledGroups, SampledGroups]:
+        """(complete groups, groups with an unfinished response) after the call `request(continued, prompts, ...)`
+        answered with `record`, sampled by the weights of `version`: `continued`'s groups first, then the new ones,
+        each in the order they were asked for."""
+        device = record.device
+        continuing = record.num_prompts - len(prompts) * self.group_size  # rows that continue responses
+        rows = record.select_prompts(torch.arange(continuing))
+        fresh = record.select_prompts(torch.arange(continuing, record.num_prompts))
+        fresh = dataclasses.replace(fresh, responses_per_prompt_P=_full(len(prompts), self.group_size, device))
+        parts = [SampledGroups.sampled(prompts, fresh, version)]
+        if continued is not None:
+            parts.insert(0, self._continue(continued.to(device), rows, version))
+        groups = SampledGroups.cat(parts)
+        done_N = ~self.unfinished_R(groups.responses).view(groups.num_groups, self.group_size).any(dim=1)
+        return groups.select(done_N.nonzero().flatten()), groups.select((~done_N).nonzero().flatten())
+
+    def _continue(self, groups: SampledGroups, rows: Responses, version: int) -> SampledGroups:
+        """`groups` with each unfinished response followed by its row of `rows` (in order), sampled by `version`;
+        finished responses get an empty continuation."""
+        responses = groups.responses
+        where_U = self.unfinished_R(responses).nonzero().flatten()
+        lengths_R = torch.zeros_like(responses.lengths_R).index_copy(0, where_U, rows.lengths_R)
+        finish_R = responses.finish_R.index_copy(0, where_U, rows.finish_R)
+        continuation = Responses(responses_per_prompt_P=responses.responses_per_prompt_P, lengths_R=lengths_R,
+                                 finish_R=finish_R, token_ids_T=rows.token_ids_T, logprobs_T=rows.logprobs_T)
+        versions_T = concat_per_response(groups.versions_T, responses.lengths_R,
+                                         _full(rows.num_tokens, version, responses.device), lengths_R)
+        return SampledGroups(groups.prompts, responses.extend(continuation), versions_T, groups.start_versions_R)
+
+
+def _full(size: int, value: int, device) -> torch.Tensor:
+    return torch.full((size,), value, dtype=torch.int64, device=device)

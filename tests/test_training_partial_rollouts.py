@@ -1,0 +1,90 @@
+"""Partial rollouts (training/partial_rollouts.py) on hand-built records: the engine request that continues
+unfinished responses, and the groups an answer completes or leaves unfinished, with every token's policy version and
+log-prob, checked against lists written out by hand."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.responses import Response, Responses, concat_per_response
+from megatron_gtpo.training.partial_rollouts import PartialRollouts, SampledGroups
+
+G = 2
+PARTIAL = PartialRollouts(group_size=G, max_new_tokens=4, segment_tokens=2)
+
+
+def _prompt(*ids):
+    return SimpleNamespace(prompt_token_ids=ids, id=ids[0])
+
+
+def _carried() -> SampledGroups:
+    """Two groups sampled at version 3: group A's first response stopped (token 9 is the stop token), its second
+    was cut at the segment's end; group B's responses were both cut."""
+    record = Responses.from_lists([
+        [Response([5, 9], [-0.5, -0.9], "stop"), Response([6, 7], [-0.6, -0.7], "length")],
+        [Response([1, 2], [-0.1, -0.2], "length"), Response([3, 4], [-0.3, -0.4], "length")],
+    ])
+    return SampledGroups.sampled([_prompt(100, 101), _prompt(200)], record, 3)
+
+
+def test_the_request_continues_unfinished_responses_then_starts_new_groups():
+    rows, params = PARTIAL.request(_carried(), [_prompt(300, 301)], SamplingParams(n=G, max_new_tokens=4, seed=7))
+    assert rows == [[100, 101, 6, 7], [200, 1, 2], [200, 3, 4], [300, 301], [300, 301]]
+    assert (params.n, params.max_new_tokens, params.seed) == (1, 2, 7)
+    rows, _ = PARTIAL.request(None, [_prompt(300)], SamplingParams(n=G))
+    assert rows == [[300], [300]]
+
+
+def test_an_answer_completes_groups_and_leaves_the_others_for_later():
+    answer = Responses.from_lists([
+        [Response([8, 9], [-0.8, -0.9], "stop")],  # group A's second response, finished by a stop token
+        [Response([5, 6], [-0.5, -0.6], "length")],  # group B's first: 4 tokens in all, max_new_tokens: finished
+        [Response([9], [-0.9], "stop")],  # group B's second
+        [Response([1, 2], [-0.1, -0.2], "length")],  # the new group C: cut, so unfinished
+        [Response([9], [-0.99], "stop")],
+        [Response([9], [-0.4], "stop")], [Response([3, 9], [-0.3, -0.2], "stop")],  # the new group D: finished
+    ])
+    complete, unfinished = PARTIAL.merge(_carried(), [_prompt(300), _prompt(400)], answer, 4)
+    # The continued (older) groups first, then the new ones, each in the order asked for.
+    assert [p.id for p in complete.prompts] == [100, 200, 400] and [p.id for p in unfinished.prompts] == [300]
+    groups = complete.responses.to_lists()
+    assert [[r.token_ids for r in g] for g in groups] == [[[5, 9], [6, 7, 8, 9]], [[1, 2, 5, 6], [3, 4, 9]],
+                                                          [[9], [3, 9]]]
+    assert [[r.finish_reason for r in g] for g in groups] == [["stop", "stop"], ["length", "stop"], ["stop"] * 2]
+    assert torch.allclose(complete.responses.logprobs_T, torch.tensor(
+        [-0.5, -0.9, -0.6, -0.7, -0.8, -0.9, -0.1, -0.2, -0.5, -0.6, -0.3, -0.4, -0.9, -0.4, -0.3, -0.2]))
+    # Each token keeps the version that sampled it; each response the version of its first segment.
+    assert complete.versions_T.tolist() == [3, 3, 3, 3, 4, 4, 3, 3, 4, 4, 3, 3, 4, 4, 4, 4]
+    assert complete.start_versions_R.tolist() == [3, 3, 3, 3, 4, 4]
+    assert complete.continued_R().tolist() == [False, True, True, True, False, False]
+    assert unfinished.versions_T.tolist() == [4, 4, 4] and unfinished.start_versions_R.tolist() == [4, 4]
+    assert unfinished.continued_R().tolist() == [False, False]
+    complete.responses.check()
+    unfinished.responses.check()
+
+
+def test_continuing_the_unfinished_groups_again_finishes_them():
+    _, unfinished = PARTIAL.merge(None, [_prompt(300)], Responses.from_lists(
+        [[Response([1, 2], [-0.1, -0.2], "length")], [Response([3, 4], [-0.3, -0.4], "length")]]), 0)
+    rows, _ = PARTIAL.request(unfinished, [], SamplingParams(n=G, max_new_tokens=4))
+    assert rows == [[300, 1, 2], [300, 3, 4]]
+    complete, left = PARTIAL.merge(unfinished, [], Responses.from_lists(
+        [[Response([5, 6], [-0.5, -0.6], "length")], [Response([7], [-0.7], "stop")]]), 1)
+    assert left.num_groups == 0 and complete.versions_T.tolist() == [0, 0, 1, 1, 0, 0, 1]
+    assert [r.finish_reason for r in complete.responses.to_lists()[0]] == ["length", "stop"]
+
+
+def test_concat_per_response_against_lists():
+    first = [[1, 2], [], [3]]
+    then = [[4], [5, 6], []]
+    out = concat_per_response(torch.tensor([1, 2, 3]), torch.tensor([2, 0, 1]), torch.tensor([4, 5, 6]),
+                              torch.tensor([1, 2, 0]))
+    assert out.tolist() == [x for a, b in zip(first, then) for x in a + b]
+
+
+def test_segments_must_divide_the_budget():
+    with pytest.raises(ValueError, match="divide"):
+        PartialRollouts(group_size=2, max_new_tokens=5, segment_tokens=2)
+    with pytest.raises(ValueError, match="segment_tokens"):
+        PartialRollouts(group_size=2, max_new_tokens=4, segment_tokens=4)

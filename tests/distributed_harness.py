@@ -52,9 +52,21 @@ def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result
 
 def run_distributed(fn, world_size: int, args=(), kwargs=None, *, timeout_s: float = 300.0,
                     init_process_group: bool = True) -> list:
+    attempt = 1
+    while True:
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout_s, init_process_group, free_port())
+        except (RuntimeError, TimeoutError) as error:
+            # The port was free when chosen and taken by another process before rank 0 bound it (other tests or
+            # jobs on the machine): a race of the harness, not of the code under test. Again on a new port.
+            if "EADDRINUSE" not in str(error) or attempt == 3:
+                raise
+            attempt += 1
+
+
+def _run_once(fn, world_size: int, args, kwargs, timeout_s: float, init_process_group: bool, port: int) -> list:
     ctx = mp.get_context("spawn")
     result_queue = ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs or {},
                                           init_process_group, result_queue), daemon=False)

@@ -1,14 +1,18 @@
-"""Memory and FLOPs planning for a Qwen2 / Qwen3 model under a TP/PP/DP layout (the logic behind tools/plan.py).
+"""Memory, FLOPs and phase-time planning for a Qwen2 / Qwen3 model under a TP/PP/DP layout (the logic behind
+tools/plan.py).
 
 The contract: `plan(shape, layout, workload, settings)` returns the per-stage memory (parameters, gradients and
 optimizer state exactly as megatron-core's DDP + distributed Adam allocate them; activations, vLLM and allocator
-slack as estimates) and the FLOPs of one RL step; `check_plan` refuses what cannot run. docs/planning.md says which
-numbers are exact, which are estimates, and how each was checked.
+slack as estimates) and the FLOPs of one RL step; `check_plan` refuses what cannot run. `plan_disaggregated` splits a
+job's nodes between rollout servers and training (rollout.engine vllm_remote) by a phase-time model whose rates and
+efficiencies are assumptions (Settings). docs/planning.md says which numbers are exact, which are estimates, and how
+each was checked.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 
 from megatron_gtpo.distributed.vocab_parallel import WORKSPACE_BYTES_PER_ELEMENT, chunk_tokens_for_budget
 from megatron_gtpo.layout import ParallelLayout, RolloutLayout, check_layout
@@ -22,7 +26,8 @@ KERNEL_PROFILES = ("te", "local")
 
 @dataclass(frozen=True)
 class Workload:
-    """One RL step: prompts x responses, each sequence at most max_prompt + max_response tokens."""
+    """One RL step: prompts x responses, each sequence at most max_prompt + max_response tokens. The phase-time
+    model also needs the expected (mean) response length: `mean_response_tokens`, else half the maximum."""
 
     prompts_per_step: int = 128
     num_responses_per_prompt: int = 16
@@ -31,6 +36,14 @@ class Workload:
     micro_batch_size: int = 1  # sequences per micro-batch
     mini_batches_per_step: int = 1
     epochs_per_step: int = 1
+    mean_response_tokens: int | None = None  # None: half of max_response_tokens (an assumption)
+
+    @property
+    def expected_response_tokens(self) -> int:
+        """The mean response length the phase-time model uses."""
+        if self.mean_response_tokens is not None:
+            return self.mean_response_tokens
+        return max(1, self.max_response_tokens // 2)
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -61,6 +74,17 @@ class Settings:
     # Without a colocated vLLM the built-in engine generates on the training model: its static KV cache holds at
     # most this many token slots per batch (rollout.builtin_max_batch_tokens; None: every row of a replica at once).
     builtin_max_batch_tokens: int | None = None
+    # The phase-time model (plan_disaggregated): one GPU's peak rates (H100 SXM datasheet: bf16 dense, HBM3) and the
+    # fractions of them each phase reaches. The fractions are assumptions, not measurements.
+    peak_flops_per_s: float = 989e12
+    hbm_bytes_per_s: float = 3.35e12
+    training_mfu: float = 0.4  # old_logprob and update model FLOPs / peak (bubbles and communication included)
+    generation_mfu: float = 0.5  # prefill, and a decode step where its FLOPs outlast its reads
+    decode_bandwidth_efficiency: float = 0.6  # of HBM bandwidth a decode step's weight and KV-cache reads reach
+    # One replica's weight sync into its rollout server, NCCL across nodes from one destination rank: half the line
+    # rate of a 400 Gb/s NIC (8 per node, one per GPU), replicas at once.
+    weight_sync_bytes_per_s: float = 25e9
+    server_memory_fraction: float = 0.9  # a rollout server's share of its GPUs (remote_server --gpu-memory-utilization)
 
 
 def check_plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload | None = None,
@@ -80,6 +104,9 @@ def check_plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload | N
                      "micro_batch_size", "mini_batches_per_step", "epochs_per_step"):
             if getattr(w, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(w, name)}")
+        if w.mean_response_tokens is not None and not 1 <= w.mean_response_tokens <= w.max_response_tokens:
+            raise ValueError(f"mean_response_tokens must be in [1, max_response_tokens = {w.max_response_tokens}], "
+                             f"got {w.mean_response_tokens}")
         if w.max_sequence_tokens > shape.max_position_embeddings:
             raise ValueError(f"max_prompt_tokens + max_response_tokens = {w.max_sequence_tokens} exceeds the model's "
                              f"max_position_embeddings {shape.max_position_embeddings}")
@@ -92,6 +119,12 @@ def check_plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload | N
             raise ValueError(f"gpu_memory_gib must be > 0, got {settings.gpu_memory_gib}")
         if settings.vllm_memory_fraction is not None and not 0 < settings.vllm_memory_fraction < 1:
             raise ValueError(f"vllm_memory_fraction must be in (0, 1), got {settings.vllm_memory_fraction}")
+        for name in ("peak_flops_per_s", "hbm_bytes_per_s", "weight_sync_bytes_per_s"):
+            if getattr(settings, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(settings, name)}")
+        for name in ("training_mfu", "generation_mfu", "decode_bandwidth_efficiency", "server_memory_fraction"):
+            if not 0 < getattr(settings, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(settings, name)}")
         if vllm_tp is not None and vllm_tp > settings.gpus_per_node:
             raise ValueError(f"vLLM tensor parallel size {vllm_tp} exceeds the {settings.gpus_per_node} GPUs of a "
                              f"node (one engine runs on one node)")
@@ -299,6 +332,14 @@ def generation_flops(shape: Qwen2Shape, *, num_sequences: int, prompt_tokens: in
     return num_sequences * (prefill + decode)
 
 
+def training_flops(shape: Qwen2Shape, workload: Workload, *, response_tokens: int, padded_vocab: int) -> dict:
+    """Model FLOPs of one step's training phases with every response `response_tokens` long: old_logprob, a forward
+    over every sequence; update, forward and backward (3 x forward) per epoch."""
+    n, length = workload.sequences_per_step, workload.max_prompt_tokens + response_tokens
+    logprob = n * forward_flops(shape, num_tokens=length, sum_squared_lengths=length**2, padded_vocab=padded_vocab)
+    return {"old_logprob": logprob, "update": 3.0 * logprob * workload.epochs_per_step}
+
+
 # ---------------------------------------------------------------------------------------------- the plan
 
 
@@ -314,6 +355,17 @@ def vllm_tensor_parallel(shape: Qwen2Shape, layout: ParallelLayout, settings: Se
 def rollout_engines(layout: ParallelLayout, vllm_tp: int) -> int:
     """Colocated vLLM engines of the whole job (rollout/placement.engine_hosts per replica, times DP)."""
     return layout.data * len(engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp))
+
+
+def vllm_weight_bytes(shape: Qwen2Shape, vllm_tp: int) -> float:
+    """The weights on one GPU of a vLLM engine: the whole model in bf16, split over the engine's TP."""
+    return total_parameter_count(shape) * 2.0 / vllm_tp
+
+
+def vllm_kv_bytes_per_token(shape: Qwen2Shape, vllm_tp: int) -> int:
+    """K and V of one cached token on one GPU of a vLLM engine (bf16); vLLM replicates KV heads when TP > groups."""
+    kv_heads_per_gpu = max(1, shape.num_query_groups // vllm_tp)
+    return 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * 2
 
 
 @dataclass
@@ -431,12 +483,11 @@ def plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload = Workloa
     vllm_tp = vllm_tensor_parallel(shape, layout, settings)
     engines = rollout_engines(layout, vllm_tp) if colocated else 0
     vllm_budget = settings.vllm_memory_fraction * gpu if colocated else 0.0
-    vllm_weights = total_parameter_count(shape) * 2.0 / vllm_tp if colocated else 0.0
+    vllm_weights = vllm_weight_bytes(shape, vllm_tp) if colocated else 0.0
     vllm_overhead = settings.vllm_overhead_gib * GIB if colocated else 0.0
     vllm_asleep = vllm_overhead  # level-1 sleep frees the KV cache and offloads the weights; the rest stays
     kv_bytes = vllm_budget - vllm_weights - vllm_overhead
-    kv_heads_per_gpu = max(1, shape.num_query_groups // vllm_tp)  # vLLM replicates KV heads when TP > groups
-    kv_bytes_per_token = 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * 2  # K and V, bf16
+    kv_bytes_per_token = vllm_kv_bytes_per_token(shape, vllm_tp)
     kv_tokens = max(0, int(kv_bytes // kv_bytes_per_token)) if colocated else 0
     full_sequences = kv_tokens // workload.max_sequence_tokens
     sequences_per_engine = math.ceil(workload.sequences_per_step / engines) if colocated else 0
@@ -470,11 +521,11 @@ def plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload = Workloa
                 = peak / GIB
 
     vocab = padded_vocab_size(shape.vocab_size, layout.tensor)
-    n, lp, lr = workload.sequences_per_step, workload.max_prompt_tokens, workload.max_response_tokens
-    logprob = n * forward_flops(shape, num_tokens=lp + lr, sum_squared_lengths=(lp + lr) ** 2, padded_vocab=vocab)
-    update = 3.0 * logprob * workload.epochs_per_step
-    generate = generation_flops(shape, num_sequences=n, prompt_tokens=lp, response_tokens=lr, padded_vocab=vocab)
-    flops = {"generate": generate, "old_logprob": logprob, "update": update, "total": generate + logprob + update,
+    train = training_flops(shape, workload, response_tokens=workload.max_response_tokens, padded_vocab=vocab)
+    generate = generation_flops(shape, num_sequences=workload.sequences_per_step,
+                                prompt_tokens=workload.max_prompt_tokens,
+                                response_tokens=workload.max_response_tokens, padded_vocab=vocab)
+    flops = {"generate": generate, **train, "total": generate + train["old_logprob"] + train["update"],
              "note": "at the maximum prompt and response lengths (an upper bound); update = 3 x forward x epochs"}
 
     reasons = []
@@ -540,6 +591,235 @@ def suggest_layouts(shape: Qwen2Shape, gpus: int, workload: Workload, settings: 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------------------------------------- phase times
+# Seconds of one RL step's phases: its FLOPs and HBM bytes at the peak rates of Settings times the efficiencies
+# Settings assumes. Responses have the workload's expected (mean) length, prompts their maximum (an upper bound).
+
+
+def training_phase_s(shape: Qwen2Shape, workload: Workload, settings: Settings, *, gpus: int,
+                     tensor_parallel: int) -> dict[str, float]:
+    """old_logprob and update seconds of one step on `gpus` training GPUs: their model FLOPs at the mean response
+    length / (gpus x peak_flops_per_s x training_mfu). Full activation recompute runs the forward once more in the
+    update (4 passes where the model FLOPs count 3)."""
+    flops = training_flops(shape, workload, response_tokens=workload.expected_response_tokens,
+                           padded_vocab=padded_vocab_size(shape.vocab_size, tensor_parallel))
+    flops_per_s = gpus * settings.peak_flops_per_s * settings.training_mfu
+    old_logprob_s = flops["old_logprob"] / flops_per_s
+    update_s = flops["update"] * (4 / 3 if settings.recompute_activations else 1) / flops_per_s
+    return {"old_logprob_s": old_logprob_s, "update_s": update_s, "train_s": old_logprob_s + update_s}
+
+
+def decode_step_s(shape: Qwen2Shape, settings: Settings, *, running: int, context_tokens: int, vllm_tp: int) -> float:
+    """One decode step of a vLLM engine on `vllm_tp` GPUs with `running` sequences of `context_tokens` cached tokens
+    each: every GPU reads its share of the matmul weights and of those sequences' KV cache from HBM (bytes /
+    (hbm_bytes_per_s x decode_bandwidth_efficiency)) and computes one token per sequence (FLOPs / (peak_flops_per_s
+    x generation_mfu)); the slower of the two. The reads win at RL batch sizes: decode is bandwidth bound."""
+    weights = matmul_parameters(shape, padded_vocab_size(shape.vocab_size, vllm_tp))
+    read_bytes = 2.0 * weights / vllm_tp + running * context_tokens * vllm_kv_bytes_per_token(shape, vllm_tp)
+    read_s = read_bytes / (settings.hbm_bytes_per_s * settings.decode_bandwidth_efficiency)
+    token_flops = 2.0 * weights + 4.0 * shape.num_attention_heads * shape.head_dim * shape.num_layers * context_tokens
+    compute_s = running * token_flops / vllm_tp / (settings.peak_flops_per_s * settings.generation_mfu)
+    return max(read_s, compute_s)
+
+
+def generation_phase_s(shape: Qwen2Shape, workload: Workload, settings: Settings, *, engines: int, vllm_tp: int,
+                       kv_tokens_per_engine: int) -> dict:
+    """Seconds one step's generation takes on `engines` vLLM engines of `vllm_tp` GPUs each (they run at once, the
+    step's prompts split evenly over them), each with a KV cache of `kv_tokens_per_engine` tokens:
+    - prefill: every prompt's forward once (vLLM's prefix cache shares it between the prompt's G samples), compute
+      bound: FLOPs / (vllm_tp x peak_flops_per_s x generation_mfu);
+    - decode: waves of as many sequences as the KV cache holds (each its mean response plus its 1/G share of the
+      prompt's cache), each wave decoding the mean response length, then one straggler decoding on alone to the
+      maximum length (an engine is done when its longest response is); decode_step_s per step. The waves stand for
+      continuous batching, which refills a slot when a sequence ends.
+    ValueError when the KV cache cannot hold one sequence."""
+    prompt, mean, longest = (workload.max_prompt_tokens, workload.expected_response_tokens,
+                             workload.max_response_tokens)
+    group = workload.num_responses_per_prompt
+    prompts_per_engine = math.ceil(workload.prompts_per_step / engines)
+    sequences = prompts_per_engine * group
+    running = min(sequences, int(kv_tokens_per_engine // (mean + prompt / group)))
+    if running < 1:
+        raise ValueError(f"a KV cache of {kv_tokens_per_engine:,} tokens cannot hold one sequence")
+    prefill_flops = prompts_per_engine * forward_flops(shape, num_tokens=prompt, sum_squared_lengths=prompt**2,
+                                                       padded_vocab=padded_vocab_size(shape.vocab_size, vllm_tp))
+    prefill_s = prefill_flops / (vllm_tp * settings.peak_flops_per_s * settings.generation_mfu)
+    waves = [running] * (sequences // running) + ([sequences % running] if sequences % running else [])
+    step = partial(decode_step_s, shape, settings, vllm_tp=vllm_tp)
+    decode_s = sum(step(running=batch, context_tokens=prompt + t) for batch in waves for t in range(mean)) \
+        + sum(step(running=1, context_tokens=prompt + t) for t in range(mean, longest))
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "generate_s": prefill_s + decode_s,
+            "sequences_per_engine": sequences, "running_per_engine": running, "waves": len(waves)}
+
+
+def weight_sync_s(shape: Qwen2Shape, settings: Settings) -> float:
+    """One weight update of a rollout server: the whole model in bf16 from its replica's destination rank at
+    weight_sync_bytes_per_s (every replica updates its own server at the same time)."""
+    return total_parameter_count(shape) * 2.0 / settings.weight_sync_bytes_per_s
+
+
+def step_s(generate_s: float, train_s: float, sync_s: float, max_staleness: int) -> float:
+    """The steady-state seconds of an RL step whose generation and training run on GPUs of their own.
+
+    N = 0 asks for a batch and waits for it: generation, then training, then the weight sync. At N >= 1 batch k is
+    asked for when step k - N begins (training/rollout_queue.py), so the engine generates while the trainer trains;
+    but a rollout server answers requests in order and every step ends with a weight sync, which waits for the
+    generation before it (the update drains the engine, never interrupts it). So one generation overlaps one
+    training step whatever N: the step is max(generation, training) + sync at every N >= 1, and staleness 1 is
+    all it takes to keep both sides busy. The ceil(generation / training) of pipelines whose engines keep generating
+    through weight updates does not apply: here a generation longer than a training step is the split's to fix (more
+    rollout GPUs), not the staleness's."""
+    if max_staleness == 0:
+        return generate_s + train_s + sync_s
+    return max(generate_s, train_s) + sync_s
+
+
+def _step_phases(generation: dict, training: dict[str, float], sync_s: float | None,
+                 max_staleness: int) -> dict[str, float]:
+    """A step's phase seconds (of generation_phase_s and training_phase_s), its weight sync (None: not counted,
+    left out) and its step_s."""
+    phases = {**{k: generation[k] for k in ("prefill_s", "decode_s", "generate_s")}, **training}
+    if sync_s is not None:
+        phases["weight_sync_s"] = sync_s
+    phases["step_s"] = step_s(phases["generate_s"], phases["train_s"], sync_s or 0.0, max_staleness)
+    return phases
+
+
+# ---------------------------------------------------------------------------------------------- the split
+
+
+def server_tensor_parallel_sizes(shape: Qwen2Shape, gpus_per_node: int) -> list[int]:
+    """The vLLM TP sizes a rollout server can take within a node: dividing the attention heads, and dividing or
+    divided by the KV heads (vLLM splits them, or replicates them when TP exceeds them)."""
+    return [v for v in range(1, gpus_per_node + 1) if shape.num_attention_heads % v == 0
+            and (shape.num_query_groups % v == 0 or v % shape.num_query_groups == 0)]
+
+
+def _split(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settings: Settings, *, data_parallel: int,
+           server_tp: int, max_staleness: int) -> dict:
+    """`data_parallel` replicas of `layout` on training nodes of their own, one rollout server of `server_tp` GPUs
+    per replica (the vllm_remote rule) on rollout nodes of their own (disaggregated.sbatch: ROLLOUT_NODES x
+    SERVERS_PER_NODE servers; the caller spreads them evenly): its nodes, memory and phase times. ValueError naming
+    why it cannot run."""
+    gpus_per_node = settings.gpus_per_node
+    training = replace(layout, data=data_parallel)
+    rollout_nodes = math.ceil(data_parallel * server_tp / gpus_per_node)
+    trained = plan(shape, training, workload, replace(settings, vllm_memory_fraction=None))
+    peak_gib = trained.memory_gib["training_peak"]
+    if peak_gib > settings.gpu_memory_gib:
+        raise ValueError(f"TP={layout.tensor} PP={layout.pipeline} DP={data_parallel}: training needs "
+                         f"{peak_gib:.1f} GiB per GPU, more than the {settings.gpu_memory_gib:g} GiB GPU")
+    kv_bytes = settings.server_memory_fraction * settings.gpu_memory_gib * GIB - vllm_weight_bytes(shape, server_tp) \
+        - settings.vllm_overhead_gib * GIB
+    kv_tokens = max(0, int(kv_bytes // vllm_kv_bytes_per_token(shape, server_tp)))
+    if kv_tokens < workload.max_sequence_tokens:
+        raise ValueError(f"a server of TP={server_tp}: its KV cache ({max(kv_bytes, 0) / GIB:.2f} GiB per GPU) "
+                         f"cannot hold one sequence of {workload.max_sequence_tokens} tokens")
+    generation = generation_phase_s(shape, workload, settings, engines=data_parallel, vllm_tp=server_tp,
+                                    kv_tokens_per_engine=kv_tokens)
+    phases = _step_phases(generation, training_phase_s(shape, workload, settings, gpus=training.world_size,
+                                                       tensor_parallel=layout.tensor),
+                          weight_sync_s(shape, settings), max_staleness)
+    busy_s = phases["step_s"] - phases["weight_sync_s"]
+    return {"training": {"nodes": math.ceil(training.world_size / gpus_per_node), "gpus": training.world_size,
+                         "layout": asdict(training), "training_peak_gib": peak_gib},
+            "rollout": {"nodes": rollout_nodes, "gpus": data_parallel * server_tp, "servers": data_parallel,
+                        "server_tp": server_tp, "servers_per_node": data_parallel // rollout_nodes,
+                        "kv_cache_gib_per_gpu": kv_bytes / GIB, "kv_tokens_per_engine": kv_tokens,
+                        **{k: generation[k] for k in ("sequences_per_engine", "running_per_engine", "waves")}},
+            "phases_s": phases,
+            "idle_s": {"training": busy_s - phases["train_s"], "rollout": busy_s - phases["generate_s"]}}
+
+
+def _colocated(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settings: Settings) -> dict:
+    """Today's default, for comparison: `layout` on all the job's GPUs with colocated vLLM engines on the same GPUs
+    (plan()'s engines and KV cache), generation then training, nothing overlapped. Its weight sync (a device-local
+    reload) and the engines' sleep and wake are not counted. No phase times where it has no vLLM engine that holds a
+    full-length sequence (or cannot run at all)."""
+    result = {"layout": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data},
+              "gpus": layout.world_size, "phases_s": None}
+    try:
+        colocated = plan(shape, layout, workload, settings)
+    except ValueError as e:
+        return {**result, "fits": False, "reasons": [str(e)]}
+    kv = colocated.kv_cache
+    result.update(fits=colocated.fits, reasons=colocated.reasons, engines=kv["engines"],
+                  vllm_tp=kv["vllm_tensor_parallel"], kv_tokens_per_engine=kv["tokens"])
+    if kv["full_length_sequences"] < 1:  # plan()'s reasons say why, unless no vLLM engine is planned
+        return result
+    generation = generation_phase_s(shape, workload, settings, engines=kv["engines"],
+                                    vllm_tp=kv["vllm_tensor_parallel"], kv_tokens_per_engine=kv["tokens"])
+    training = training_phase_s(shape, workload, settings, gpus=layout.world_size, tensor_parallel=layout.tensor)
+    return {**result, "phases_s": _step_phases(generation, training, None, max_staleness=0)}
+
+
+NOT_MODELLED = (
+    "dynamic sampling's further rounds (generated on the spot by the current policy, on the step's critical path)",
+    "reward scoring, advantages, logging and checkpoints",
+    "colocated engines' sleep, wake and device-local weight reload",
+    "variance between steps, and stragglers beyond one per engine",
+)
+
+
+def phase_assumptions(workload: Workload, settings: Settings) -> dict:
+    """What the phase-time model assumes, for the report: the rates, efficiencies and lengths it uses."""
+    names = ("peak_flops_per_s", "hbm_bytes_per_s", "training_mfu", "generation_mfu", "decode_bandwidth_efficiency",
+             "weight_sync_bytes_per_s", "server_memory_fraction", "vllm_memory_fraction", "vllm_overhead_gib")
+    return {**{name: getattr(settings, name) for name in names},
+            "prompt_tokens": workload.max_prompt_tokens,
+            "mean_response_tokens": workload.expected_response_tokens,
+            "mean_response_source": "given" if workload.mean_response_tokens is not None
+            else "assumed: half of max_response_tokens",
+            "max_response_tokens": workload.max_response_tokens,
+            "not_modelled": list(NOT_MODELLED)}
+
+
+def plan_disaggregated(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settings: Settings, *,
+                       nodes: int, max_staleness: int = 1, server_tp: int | None = None,
+                       model_name: str = "") -> dict:
+    """The split of `nodes` nodes between training and rollout (rollout.engine vllm_remote) with the shortest step at
+    rollout.max_staleness `max_staleness` (step_s), against `layout` on all of them with colocated engines.
+
+    Training runs DP replicas of `layout` (its TP, PP and the rest; DP is the split's) on nodes of their own, and
+    must fit in memory (plan()'s training peak); rollout runs one vLLM server of `server_tp` GPUs per replica (the
+    vllm_remote rule; every size of server_tensor_parallel_sizes when None) on nodes of their own, each holding the
+    model and a KV cache of at least one full-length sequence in server_memory_fraction of its GPUs. Ties go to
+    fewer nodes, then fewer GPUs. ValueError when no split runs, with the reasons."""
+    gpus_per_node, replica_gpus = settings.gpus_per_node, layout.tensor * layout.pipeline
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    check_plan(shape, replace(layout, data=None), workload, replace(settings, vllm_memory_fraction=None))
+    check_layout(replace(layout, data=1), shape=shape, rollout=RolloutLayout("vllm_remote", 1, 1))  # the engine's rules
+    allowed = server_tensor_parallel_sizes(shape, gpus_per_node)
+    if server_tp is not None and server_tp not in allowed:
+        raise ValueError(f"a rollout server's TP must divide the model's {shape.num_attention_heads} attention heads, "
+                         f"divide or be divided by its {shape.num_query_groups} KV heads, and fit a node of "
+                         f"{gpus_per_node} GPUs ({', '.join(map(str, allowed))}); got {server_tp}")
+    splits, reasons = [], []
+    for tp in [server_tp] if server_tp is not None else allowed:
+        for dp in range(1, nodes * gpus_per_node // replica_gpus + 1):
+            rollout_nodes = math.ceil(dp * tp / gpus_per_node)
+            if math.ceil(dp * replica_gpus / gpus_per_node) + rollout_nodes > nodes or dp % rollout_nodes:
+                continue  # more nodes than the job's, or servers that do not spread evenly over their nodes
+            try:
+                splits.append(_split(shape, layout, workload, settings, data_parallel=dp, server_tp=tp,
+                                     max_staleness=max_staleness))
+            except ValueError as e:
+                reasons.append(str(e))
+    if not splits:
+        why = "; ".join(dict.fromkeys(reasons)) or (
+            f"one training replica (TP x PP = {replica_gpus} GPUs) and one rollout server, on nodes of their own, "
+            f"need more than {nodes} node(s)")
+        raise ValueError(f"no split of {nodes} node(s) x {gpus_per_node} GPUs into training and rollout runs: {why}")
+    splits.sort(key=lambda s: (s["phases_s"]["step_s"], s["training"]["nodes"] + s["rollout"]["nodes"],
+                               s["training"]["gpus"] + s["rollout"]["gpus"]))
+    colocated = _colocated(shape, replace(layout, data=nodes * gpus_per_node // replica_gpus), workload, settings)
+    return {"model": model_name, "nodes": nodes, "gpus_per_node": gpus_per_node,
+            "max_staleness": max_staleness, "staleness_needed": 1,
+            **splits[0], "colocated": colocated, "alternatives": splits[1:],
+            "assumptions": phase_assumptions(workload, settings)}
 
 
 def settings_from_config(cfg, **overrides) -> Settings:

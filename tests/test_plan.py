@@ -7,13 +7,16 @@
 - per-layer activation bytes of the "local" kernel profile equal the tensors autograd saves on CPU (TP 1/2, with and
   without full recompute);
 - forward FLOPs equal torch's FLOP counter on a megatron-core forward minus the upper attention triangle;
-- the CLI's JSON contract and exit codes; the recipes in examples/ fit the GPUs their sbatch scripts ask for.
+- the CLI's JSON contract and exit codes; the recipes in examples/ fit the GPUs their sbatch scripts ask for;
+- the phase-time model against hand-computed times of a tiny shape, the step's staleness rule, and the split of a
+  job's nodes between rollout servers and training (--disaggregated).
 All measurements come from one spawn of WORLD gloo ranks (the `measurements` fixture).
 """
 import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,8 +25,9 @@ from distributed_harness import run_distributed
 from megatron_gtpo.layout import ParallelLayout
 from megatron_gtpo.models.qwen2 import Qwen2Shape
 from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
-from megatron_gtpo.planning import (Settings, Workload, forward_flops, layer_activation_bytes,
-                                    parameter_count, plan, settings_from_config, workload_from_config)
+from megatron_gtpo.planning import (Settings, Workload, forward_flops, generation_phase_s, layer_activation_bytes,
+                                    parameter_count, plan, plan_disaggregated, settings_from_config, step_s,
+                                    total_parameter_count, training_phase_s, workload_from_config)
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 WORLD = 4  # ranks of the one spawn that measures everything (TP=4 and TP=2 x PP=2 need four)
@@ -409,3 +413,127 @@ def test_default_vllm_tp_tiles_every_gpu_and_bad_ones_are_refused():
         plan(shape, ParallelLayout(tensor=2, pipeline=2, data=2), Workload(), Settings(vllm_tensor_parallel=4))
     with pytest.raises(ValueError, match="must divide the training tensor parallel size 4"):
         plan(shape, ParallelLayout(tensor=4, pipeline=1, data=2), Workload(), Settings(vllm_tensor_parallel=7))
+
+
+# A two-layer Qwen2 whose vocabulary needs no padding (5120 = 5 x 1024) and whose matmul weights are easy to count.
+TINY = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 5120,
+        "tie_word_embeddings": False, "max_position_embeddings": 512}
+# 2 prompts x 2 responses, prompts of 8 tokens, responses of 4 on average and 8 at most.
+TINY_WORK = Workload(prompts_per_step=2, num_responses_per_prompt=2, max_prompt_tokens=8, max_response_tokens=8,
+                     mean_response_tokens=4)
+# Per layer: q, k, v (4 + 2 + 2 heads of 64) and the output projection, gate, up and down; then the output layer.
+TINY_MATMUL_WEIGHTS = 2 * (8 * 64 * 256 + 256 * 256 + 3 * 512 * 256) + 5120 * 256
+TINY_ATTENTION = 4 * 64 * 2  # heads x head_dim x layers
+
+
+def test_training_phase_times_by_hand():
+    """4 sequences of 8 + 4 tokens: forward = 2 x weights x tokens + 2 a d layers x length^2 each, on 2 GPUs of
+    1e12 FLOP/s at MFU 0.5; update = 3 forwards, 4 with recompute."""
+    shape = Qwen2Shape.from_hf(TINY)
+    forward = 4 * (2 * TINY_MATMUL_WEIGHTS * 12 + 2 * TINY_ATTENTION * 12 ** 2)
+    settings = Settings(peak_flops_per_s=1e12, training_mfu=0.5)
+    times = training_phase_s(shape, TINY_WORK, settings, gpus=2, tensor_parallel=1)
+    assert times["old_logprob_s"] == pytest.approx(forward / 1e12)
+    assert times["update_s"] == pytest.approx(3 * forward / 1e12)
+    assert times["train_s"] == pytest.approx(4 * forward / 1e12)
+    recompute = training_phase_s(shape, TINY_WORK, Settings(peak_flops_per_s=1e12, training_mfu=0.5,
+                                                            recompute_activations=True), gpus=2, tensor_parallel=1)
+    assert recompute["update_s"] == pytest.approx(4 * forward / 1e12)
+
+
+def test_generation_phase_times_by_hand_bandwidth_and_compute_bound():
+    """One engine of one GPU (and of two), 4 sequences (2 prompts x 2), a KV cache of 16 tokens: each sequence
+    takes its 4 response tokens plus half its prompt's 8 (the prefix cache shares it), so 2 run at once: two waves
+    of 2 decoding 4 steps at contexts 8..11, then one straggler at contexts 12..15 up to the maximum of 8."""
+    shape = Qwen2Shape.from_hf(TINY)
+    weight_bytes = 2 * TINY_MATMUL_WEIGHTS
+    kv_bytes_per_token = 2 * 2 * 2 * 64 * 2  # K and V x layers x KV heads x head_dim x bf16
+    # Bandwidth bound (compute nearly free): bytes / (1e9 B/s x 0.5).
+    reads = 2 * (4 * weight_bytes + 2 * kv_bytes_per_token * (8 + 9 + 10 + 11)) \
+        + 4 * weight_bytes + kv_bytes_per_token * (12 + 13 + 14 + 15)
+    settings = Settings(peak_flops_per_s=1e30, hbm_bytes_per_s=1e9, decode_bandwidth_efficiency=0.5)
+    times = generation_phase_s(shape, TINY_WORK, settings, engines=1, vllm_tp=1, kv_tokens_per_engine=16)
+    assert (times["sequences_per_engine"], times["running_per_engine"], times["waves"]) == (4, 2, 2)
+    assert times["decode_s"] == pytest.approx(reads / 5e8)
+    # The same engine on 2 GPUs: each reads half the weights and one of the 2 KV heads.
+    reads_per_gpu = 2 * (4 * weight_bytes / 2 + 2 * kv_bytes_per_token / 2 * (8 + 9 + 10 + 11)) \
+        + 4 * weight_bytes / 2 + kv_bytes_per_token / 2 * (12 + 13 + 14 + 15)
+    times = generation_phase_s(shape, TINY_WORK, settings, engines=1, vllm_tp=2, kv_tokens_per_engine=16)
+    assert times["decode_s"] == pytest.approx(reads_per_gpu / 5e8)
+    # Compute bound (reads nearly free): per sequence and step 2 x weights + 4 a d layers x context, at 1e12 x 0.5;
+    # prefill: each of the 2 prompts once, 2 x weights x 8 + 2 a d layers x 8^2.
+    flops = 2 * sum(2 * (2 * TINY_MATMUL_WEIGHTS + 4 * TINY_ATTENTION * c) for c in (8, 9, 10, 11)) \
+        + sum(2 * TINY_MATMUL_WEIGHTS + 4 * TINY_ATTENTION * c for c in (12, 13, 14, 15))
+    prefill = 2 * (2 * TINY_MATMUL_WEIGHTS * 8 + 2 * TINY_ATTENTION * 64)
+    settings = Settings(peak_flops_per_s=1e12, generation_mfu=0.5, hbm_bytes_per_s=1e30)
+    times = generation_phase_s(shape, TINY_WORK, settings, engines=1, vllm_tp=1, kv_tokens_per_engine=16)
+    assert times["decode_s"] == pytest.approx(flops / 5e11)
+    assert times["prefill_s"] == pytest.approx(prefill / 5e11)
+    assert times["generate_s"] == pytest.approx((flops + prefill) / 5e11)
+
+
+def test_mean_response_length_defaults_to_half_the_maximum_and_is_checked():
+    assert Workload().expected_response_tokens == 2048
+    assert Workload(mean_response_tokens=3000).expected_response_tokens == 3000
+    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))
+    with pytest.raises(ValueError, match="mean_response_tokens must be in"):
+        plan(shape, ParallelLayout(tensor=4), Workload(mean_response_tokens=5000))
+
+
+@pytest.mark.parametrize("generate,train,staleness,expected", [
+    (10.0, 4.0, 0, 15.0),  # on-policy: generation, training, sync in turn
+    (10.0, 4.0, 1, 11.0),  # generation-bound: the trainer waits 6 s
+    (10.0, 4.0, 3, 11.0),  # a larger N cannot hide it: the sync waits for the generation before it
+    (3.0, 4.0, 1, 5.0),  # training-bound
+])
+def test_step_time_staleness_rule(generate, train, staleness, expected):
+    assert step_s(generate, train, 1.0, staleness) == expected
+
+
+def test_split_of_three_nodes_for_7b_at_tp4_is_two_training_nodes_and_one_rollout_node():
+    """3 nodes, TP=4, servers of TP=2, 96 prompts: DP=4 on 2 nodes with its 4 servers on the third, DP=3 likewise
+    (12 GPUs, 2 nodes), or DP=2 or 1 on 1 node with its servers on another. Each larger DP trains on more GPUs and
+    gives each server fewer sequences, so the step shortens with DP and DP=4 wins."""
+    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))
+    layout = ParallelLayout(tensor=4, data=6)
+    workload = Workload(prompts_per_step=96, micro_batch_size=2, mini_batches_per_step=4)  # DP=6 divides 96 x 4
+    result = plan_disaggregated(shape, layout, workload, Settings(), nodes=3, server_tp=2)
+    train, rollout, phases = result["training"], result["rollout"], result["phases_s"]
+    assert (train["nodes"], train["gpus"], train["layout"]["data"]) == (2, 16, 4)
+    assert (rollout["nodes"], rollout["servers"], rollout["servers_per_node"], rollout["gpus"]) == (1, 4, 4, 8)
+    others = result["alternatives"]
+    assert [(o["training"]["layout"]["data"], o["rollout"]["nodes"]) for o in others] == [(3, 1), (2, 1), (1, 1)]
+    assert phases["step_s"] == pytest.approx(max(phases["generate_s"], phases["train_s"]) + phases["weight_sync_s"])
+    steps = [phases["step_s"]] + [o["phases_s"]["step_s"] for o in others]
+    assert steps == sorted(steps) and len(set(steps)) == 4
+    # 7.6e9 parameters in bf16 at 25 GB/s
+    assert phases["weight_sync_s"] == pytest.approx(total_parameter_count(shape) * 2 / 25e9)
+    # The colocated comparison: the layout on all 24 GPUs, generation then training.
+    colocated = result["colocated"]["phases_s"]
+    assert colocated["step_s"] == pytest.approx(colocated["generate_s"] + colocated["train_s"])
+    assert result["colocated"]["gpus"] == 24 and result["staleness_needed"] == 1
+    on_policy = plan_disaggregated(shape, layout, workload, Settings(), nodes=3, server_tp=2, max_staleness=0)
+    assert on_policy["phases_s"]["step_s"] == pytest.approx(
+        phases["generate_s"] + phases["train_s"] + phases["weight_sync_s"])
+    # 128 prompts do not split over 6 replicas x 4 mini-batches: no colocated comparison, the reason said.
+    result = plan_disaggregated(shape, layout, replace(workload, prompts_per_step=128), Settings(), nodes=3,
+                                server_tp=2)
+    assert result["colocated"]["phases_s"] is None and "must be divisible" in result["colocated"]["reasons"][0]
+    assert result["training"]["layout"]["data"] == 4
+
+
+def test_cli_disaggregated_prints_the_split_and_refuses_too_few_nodes(capsys):
+    args = ("--model", "qwen2.5-7b", "--tp", "4", "--nodes", "3", "--server-tp", "2", "--micro-batch-size", "2",
+            "--mini-batches", "4", "--disaggregated")
+    status, out, _ = _plan_cli(capsys, *args)
+    assert status == 0
+    assert "training: 2 node(s), TP=4 PP=1 DP=4 (16 GPUs)" in out
+    assert "ROLLOUT_NODES=1 SERVER_TP=2 SERVERS_PER_NODE=4 MAX_STALENESS=1" in out
+    assert "staleness needed: 1" in out and "training MFU 0.4" in out
+    status, out, _ = _plan_cli(capsys, *args, "--json", "--training-mfu", "0.2")
+    result = json.loads(out)
+    assert status == 0 and result["assumptions"]["training_mfu"] == 0.2
+    assert (result["rollout"]["servers"], result["training"]["layout"]["data"]) == (4, 4)
+    status, _, err = _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "4", "--nodes", "1", "--disaggregated")
+    assert status == 2 and "one training replica (TP x PP = 4 GPUs) and one rollout server" in err

@@ -9,8 +9,14 @@
 config.json, or a Hugging Face model directory. --config takes the layout, workload, dtype, recompute and rollout
 settings from a trainer config; explicit flags win. A mixture-of-experts model generates on the built-in engine (no
 vLLM). --suggest plans every layout of the --nodes' GPUs the rules allow and prints the best that fits.
-Exit status: 0 the layout fits, 1 it does not (the reasons are printed), 2 it is invalid (TP must divide the heads
-and query groups, PP the layers, ...).
+--disaggregated splits the --nodes between rollout servers (rollout.engine vllm_remote, one per data-parallel
+replica) and training by a phase-time model, and prints the split, the phase times against colocated engines on all
+the GPUs, the staleness it needs and the model's assumptions (docs/planning.md):
+
+    python tools/plan.py --model qwen2.5-7b --config examples/qwen2.5-7b-gtpo.yaml --nodes 4 --disaggregated
+
+Exit status: 0 the layout fits (--disaggregated: a split runs), 1 it does not (the reasons are printed), 2 it is
+invalid (TP must divide the heads and query groups, PP the layers, ...; --disaggregated: no split runs).
 """
 from __future__ import annotations
 
@@ -18,12 +24,13 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from dataclasses import replace
 
 from megatron_gtpo.cli import run_cli
 from megatron_gtpo.layout import ParallelLayout
-from megatron_gtpo.planning import (KERNEL_PROFILES, Settings, Workload, plan, settings_from_config,
-                                    suggest_layouts, workload_from_config)
+from megatron_gtpo.planning import (KERNEL_PROFILES, Settings, Workload, plan, plan_disaggregated,
+                                    settings_from_config, suggest_layouts, workload_from_config)
 
 
 def parse_args(argv=None):
@@ -50,6 +57,8 @@ def parse_args(argv=None):
     work.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (default 1)")
     work.add_argument("--mini-batches", type=int, help="optimizer steps per RL step")
     work.add_argument("--epochs", type=int, help="passes over each step's data")
+    work.add_argument("--mean-response-tokens", type=int,
+                      help="expected response length for the phase times (default: half of the maximum)")
     mem = p.add_argument_group("memory")
     mem.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80, H100)")
     mem.add_argument("--gpus-per-node", type=int, default=8)
@@ -74,6 +83,23 @@ def parse_args(argv=None):
                           "rollout.builtin_max_batch_tokens, else every row of a replica at once)")
     mem.add_argument("--logprob-workspace-mib", type=float,
                      help="the vocab-parallel op's workspace budget (default: the config's, else 256)")
+    split = p.add_argument_group("generating while training (--disaggregated; the rates are assumptions)")
+    split.add_argument("--disaggregated", action="store_true",
+                       help="split the GPUs of --nodes between rollout servers and training (whole nodes each)")
+    split.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the step (default 1)")
+    split.add_argument("--server-tp", type=int,
+                       help="vLLM TP of each rollout server (SERVER_TP; default: the best of those the model allows)")
+    defaults = Settings()
+    for flag, name, what in (
+            ("--peak-flops-per-s", "peak_flops_per_s", "one GPU's bf16 dense peak"),
+            ("--hbm-bytes-per-s", "hbm_bytes_per_s", "one GPU's HBM bandwidth"),
+            ("--training-mfu", "training_mfu", "old_logprob and update model FLOPs / peak"),
+            ("--generation-mfu", "generation_mfu", "prefill and compute-bound decode FLOPs / peak"),
+            ("--decode-bandwidth-efficiency", "decode_bandwidth_efficiency", "decode reads / HBM bandwidth"),
+            ("--weight-sync-bytes-per-s", "weight_sync_bytes_per_s", "one replica's weight sync to its server"),
+            ("--server-memory-fraction", "server_memory_fraction", "a rollout server's share of its GPUs")):
+        split.add_argument(flag, type=float, default=getattr(defaults, name),
+                           help=f"{what} (default {getattr(defaults, name):g})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -132,7 +158,8 @@ def build_inputs(args, moe: bool = False) -> tuple[ParallelLayout, Workload, Set
         max_response_tokens=pick(args.max_response_tokens, workload.max_response_tokens),
         micro_batch_size=pick(args.micro_batch_size, workload.micro_batch_size),
         mini_batches_per_step=pick(args.mini_batches, workload.mini_batches_per_step),
-        epochs_per_step=pick(args.epochs, workload.epochs_per_step))
+        epochs_per_step=pick(args.epochs, workload.epochs_per_step),
+        mean_response_tokens=pick(args.mean_response_tokens, workload.mean_response_tokens))
     default_fraction = settings.vllm_memory_fraction if args.config else \
         (None if moe else Settings.vllm_memory_fraction)
     fraction = None if args.no_vllm else pick(args.vllm_memory_fraction, default_fraction)
@@ -145,7 +172,12 @@ def build_inputs(args, moe: bool = False) -> tuple[ParallelLayout, Workload, Set
                        vllm_overhead_gib=args.vllm_overhead_gib, framework_overhead_gib=args.framework_overhead_gib,
                        allocator_slack_fraction=args.allocator_slack,
                        logprob_workspace_mib=pick(args.logprob_workspace_mib, settings.logprob_workspace_mib),
-                       builtin_max_batch_tokens=pick(args.builtin_batch_tokens, settings.builtin_max_batch_tokens))
+                       builtin_max_batch_tokens=pick(args.builtin_batch_tokens, settings.builtin_max_batch_tokens),
+                       peak_flops_per_s=args.peak_flops_per_s, hbm_bytes_per_s=args.hbm_bytes_per_s,
+                       training_mfu=args.training_mfu, generation_mfu=args.generation_mfu,
+                       decode_bandwidth_efficiency=args.decode_bandwidth_efficiency,
+                       weight_sync_bytes_per_s=args.weight_sync_bytes_per_s,
+                       server_memory_fraction=args.server_memory_fraction)
     return layout, workload, settings
 
 
@@ -200,6 +232,75 @@ def format_suggestions(plans: list) -> str:
     return "\n".join(lines)
 
 
+PHASES = (("prefill_s", "prefill"), ("decode_s", "decode"), ("generate_s", "generate"),
+          ("old_logprob_s", "old_logprob"), ("update_s", "update"), ("train_s", "train"),
+          ("weight_sync_s", "weight sync"), ("step_s", "step"))
+
+
+def format_disaggregated(result: dict) -> str:
+    train, roll, phases, co = result["training"], result["rollout"], result["phases_s"], result["colocated"]
+    lay, a, n = train["layout"], result["assumptions"], result["max_staleness"]
+    unused = result["nodes"] - train["nodes"] - roll["nodes"]
+    lines = [
+        f"{result['model']} on {result['nodes']} nodes x {result['gpus_per_node']} GPUs: rollout servers "
+        f"(rollout.engine vllm_remote) and training on nodes of their own, rollout.max_staleness {n}",
+        "",
+        f"split (the shortest step of the {1 + len(result['alternatives'])} that run):",
+        f"  training: {train['nodes']} node(s), TP={lay['tensor']} PP={lay['pipeline']} DP={lay['data']} "
+        f"({train['gpus']} GPUs), training peak {train['training_peak_gib']:.1f} GiB per GPU",
+        f"  rollout:  {roll['nodes']} node(s), {roll['servers']} vLLM servers of TP={roll['server_tp']} "
+        f"({roll['gpus']} GPUs), KV cache {roll['kv_cache_gib_per_gpu']:.2f} GiB per GPU = "
+        f"{roll['kv_tokens_per_engine']:,} tokens per server;",
+        f"            {roll['sequences_per_engine']} sequences per server, {roll['running_per_engine']} at once "
+        f"({roll['waves']} wave(s))",
+        f"  unused:   {unused} node(s)",
+        f"  launch:   ROLLOUT_NODES={roll['nodes']} SERVER_TP={roll['server_tp']} "
+        f"SERVERS_PER_NODE={roll['servers_per_node']} MAX_STALENESS={n} "
+        f"sbatch --nodes={train['nodes'] + roll['nodes']} examples/slurm/disaggregated.sbatch",
+        "",
+    ]
+    co_phases, co_lay = co["phases_s"] or {}, co["layout"]
+    engines = f", {co['engines']} vLLM engines of TP={co['vllm_tp']}" if co.get("engines") else ""
+    lines.append(f"phase times per step, s   disaggregated   colocated (TP={co_lay['tensor']} PP={co_lay['pipeline']} "
+                 f"DP={co_lay['data']} on all {co['gpus']} GPUs{engines})")
+    for key, label in PHASES:
+        colocated = f"{co_phases[key]:10.2f}" if key in co_phases else f"{'-':>10}"
+        lines.append(f"  {label:<22} {phases[key]:10.2f}   {colocated}")
+    idle = result["idle_s"]
+    lines.append(f"  idle per step: training {idle['training']:.2f} s, rollout {idle['rollout']:.2f} s")
+    if co_phases:
+        ratio = phases["step_s"] / co_phases["step_s"]
+        lines.append(f"  step, disaggregated / colocated: {ratio:.2f} "
+                     f"({'disaggregated' if ratio < 1 else 'colocated'} is faster)")
+    else:
+        lines.append("  colocated: no phase times: " + ("; ".join(co["reasons"]) or "no vLLM engine planned"))
+    lines += [""] + textwrap.wrap(
+        f"staleness needed: {result['staleness_needed']}. At every N >= 1 the step is max(generate, train) + weight "
+        f"sync: each step's weight sync waits for the generation before it (a server answers in order), so one "
+        f"generation overlaps one training step, and a larger N only makes the batches staler. At N = 0 the step is "
+        f"generate + train + weight sync.", 118, subsequent_indent="  ")
+    lines += ["", "assumptions (estimates, not measurements):",
+              f"  GPU: {a['peak_flops_per_s'] / 1e12:g} TFLOP/s bf16 dense peak, {a['hbm_bytes_per_s'] / 1e12:g} TB/s "
+              f"HBM (H100 SXM datasheet by default)",
+              f"  training MFU {a['training_mfu']:g}; generation MFU {a['generation_mfu']:g} (prefill, "
+              f"compute-bound decode steps); decode reads weights and KV cache at {a['decode_bandwidth_efficiency']:g} "
+              f"of HBM bandwidth",
+              f"  weight sync {a['weight_sync_bytes_per_s'] / 1e9:g} GB/s per replica; rollout servers use "
+              f"{a['server_memory_fraction']:g} of their GPUs, colocated vLLM {a['vllm_memory_fraction']}, vLLM "
+              f"overhead {a['vllm_overhead_gib']:g} GiB per GPU",
+              f"  lengths: prompts {a['prompt_tokens']} tokens (the maximum), responses {a['mean_response_tokens']} "
+              f"on average ({a['mean_response_source']}), one straggler per server to {a['max_response_tokens']}",
+              *textwrap.wrap("not modelled: " + "; ".join(a["not_modelled"]), 118, initial_indent="  ",
+                             subsequent_indent="    ")]
+    if result["alternatives"]:
+        lines += ["", "other splits that run, s (training + rollout nodes: step; generate, train)"]
+        for other in result["alternatives"][:6]:
+            t, r, ph = other["training"], other["rollout"], other["phases_s"]
+            lines.append(f"  DP={t['layout']['data']}, servers of TP={r['server_tp']}, {t['nodes']} + {r['nodes']} "
+                         f"nodes: {ph['step_s']:.2f} (generate {ph['generate_s']:.2f}, train {ph['train_s']:.2f})")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_gtpo.models.qwen2 import Qwen2Shape
@@ -207,6 +308,13 @@ def main(argv=None) -> int:
     name, hf_config = load_model(args.model)
     shape = Qwen2Shape.from_hf(hf_config)
     layout, workload, settings = build_inputs(args, moe=shape.moe is not None)
+    if args.disaggregated:
+        if args.nodes is None or args.suggest:
+            raise ValueError("--disaggregated splits the GPUs of --nodes (give it), and does not take --suggest")
+        result = plan_disaggregated(shape, layout, workload, settings, nodes=args.nodes,
+                                    max_staleness=args.max_staleness, server_tp=args.server_tp, model_name=name)
+        print(json.dumps(result) if args.json else format_disaggregated(result))
+        return 0
     if args.suggest:
         fitting = suggest_layouts(shape, layout.world_size, workload, settings)
         if not fitting:

@@ -3,14 +3,15 @@
     python benchmarks/async_bench.py [--steps 16] [--learn-steps 250] [--out benchmarks/results/async.md]
 
 One run per rollout.max_staleness (0, then 1), with partial rollouts off and on (2-token segments of the demo's
-4-token budget), of the CPU demo's task (examples/cpu_demo.yaml at TP = 1, its warm start included), with
-`rollout.engine: builtin_remote`: the server (`python -m megatron_gtpo.rollout.remote_server --engine builtin`)
-pinned to core 1, the trainer (one torchrun rank) to core 0, one thread each. Reported per run, over the RL steps
-after the first two: the mean step wall time (from one metrics row to the next), the trainer's phases (medians of
-`time_*_s`; the wait for rollouts is `time_generate_s`), tokens/s (the tokens of the responses scored, over the
-wall time), the mean staleness and the fraction of responses continued. With --learn-steps, further runs at
-staleness 1 (partial rollouts off, then on) of that many steps check the demo's criterion: the mean reward of the
-last 10 steps minus that of the first 10 is >= 0.3. Appends a dated section to --out.
+4-token budget, with the token-level rollout correction they need), of the CPU demo's task (examples/cpu_demo.yaml
+at TP = 1, its warm start included), with `rollout.engine: builtin_remote`: the server (`python -m
+megatron_gtpo.rollout.remote_server --engine builtin`) pinned to core 1, the trainer (one torchrun rank) to core 0,
+one thread each. Reported per run, over the RL steps after the first two: the mean step wall time (from one
+metrics row to the next), the trainer's phases (medians of `time_*_s`; the wait for rollouts is
+`time_generate_s`), tokens/s (the tokens of the responses scored, over the wall time), the mean staleness and the
+fraction of responses continued. With --learn-steps, further runs at staleness 1 (partial rollouts off, then on)
+of that many steps check the demo's criterion: the mean reward of the last 10 steps minus that of the first 10 is
+>= 0.3. Appends a dated section to --out.
 """
 from __future__ import annotations
 
@@ -30,8 +31,11 @@ import yaml
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CONFIG = os.path.join(REPO, "examples", "cpu_demo.yaml")
 PHASES = ("generate", "reward", "old_logprob", "advantages", "update", "sync")
-PARTIAL = ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2")
+# Partial rollouts need the rollout correction (the config refuses them without): token-level weights.
+PARTIAL = ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "algorithm.rollout_is=token")
 RUNS = ((0, False), (1, False), (0, True), (1, True))  # (max_staleness, partial rollouts)
+# The learning runs at staleness 1, partial rollouts off (the demo's config, no rollout correction) and on.
+LEARN_STEPS_PARTIAL = (False, True)
 with open(CONFIG, encoding="utf-8") as _f:
     GROUP_SIZE = yaml.safe_load(_f)["rollout"]["num_responses_per_prompt"]
 
@@ -52,36 +56,44 @@ def _server_model(root: str) -> str:
     return path
 
 
-def run(root: str, model_dir: str, staleness: int, partial: bool, steps: int) -> list[dict]:
-    """One training run against its own server; the metrics rows of its RL steps, with their arrival times."""
+def run(root: str, model_dir: str, staleness: int, partial: bool, steps: int, *extra: str) -> list[dict]:
+    """One training run against its own server (`extra`: more config overrides); the metrics rows of its RL steps,
+    with their arrival times."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     address = f"127.0.0.1:{_free_port()}"
-    out = os.path.join(root, f"staleness{staleness}_partial{int(partial)}_{steps}")
+    out = os.path.join(root, f"staleness{staleness}_partial{int(partial)}_{steps}_{len(os.listdir(root))}")
     server = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "megatron_gtpo.rollout.remote_server",
                                "--engine", "builtin", "--hf-dir", model_dir, "--listen", address],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     sets = [f"logging.output_dir={out}", "logging.progress_bar=false", "logging.tensorboard=false",
             "parallel.tensor=1", f"steps={steps}", "rollout.engine=builtin_remote",
             f"rollout.remote_addresses=[{address}]", f"rollout.max_staleness={staleness}", "checkpoint.save_every=0",
-            *(PARTIAL if partial else ())]
+            *(PARTIAL if partial else ()), *extra]
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone",
            "-m", "megatron_gtpo.train", "--config", CONFIG, *sum((["--set", s] for s in sets), [])]
     trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     rows, metrics_path = [], os.path.join(out, "metrics.jsonl")
     try:
         while trainer.poll() is None:  # time each step's row as it is written
-            if os.path.exists(metrics_path):
-                with open(metrics_path, encoding="utf-8") as f:
-                    lines = [line for line in f if line.strip()]
-                for line in lines[len(rows):]:
-                    rows.append({**json.loads(line), "arrived_s": time.monotonic()})
+            rows += _new_rows(metrics_path, len(rows))
             time.sleep(0.01)
+        rows += _new_rows(metrics_path, len(rows))  # those written just before the trainer exited
         if trainer.returncode != 0:
             raise RuntimeError(f"staleness {staleness}: the trainer failed:\n{trainer.stdout.read()[-3000:]}")
     finally:
         server.kill()
         server.wait()
     return [r for r in rows if r["step"] >= 0]
+
+
+def _new_rows(metrics_path: str, seen: int) -> list[dict]:
+    """The complete rows of the metrics file after the first `seen`, stamped with the time they were read (a line
+    the trainer is still writing is left for the next read)."""
+    if not os.path.exists(metrics_path):
+        return []
+    with open(metrics_path, encoding="utf-8") as f:
+        lines = [line for line in f if line.endswith("\n") and line.strip()]
+    return [{**json.loads(line), "arrived_s": time.monotonic()} for line in lines[seen:]]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -113,7 +125,7 @@ def main() -> None:
         model_dir = _server_model(root)
         results = {key: summary(run(root, model_dir, *key, args.steps)) for key in RUNS}
         learned = {partial: reward_rise(run(root, model_dir, 1, partial, args.learn_steps))
-                   for partial in (False, True)} if args.learn_steps else {}
+                   for partial in LEARN_STEPS_PARTIAL} if args.learn_steps else {}
     lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n",
              f"Command: `python benchmarks/async_bench.py --steps {args.steps} --learn-steps {args.learn_steps}`\n",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores; trainer pinned to core 0, the built-in rollout "
@@ -130,9 +142,10 @@ def main() -> None:
                  + ", ".join(f"staleness {n} partial {'on' if p else 'off'} {r['step_s'] / base['step_s']:.2f}x"
                              for (n, p), r in results.items() if (n, p) != (0, False)) + ".")
     for partial, (first, last) in learned.items():
-        lines.append(f"\nLearning at staleness 1, partial rollouts {'on' if partial else 'off'}, over "
-                     f"{args.learn_steps} steps: mean reward {first:.3f} over the first 10 RL steps, {last:.3f} over "
-                     f"the last 10 (rise {last - first:+.3f}; the demo requires +0.30).")
+        mode = "on (rollout_is token)" if partial else "off"
+        lines.append(f"\nLearning at staleness 1, partial rollouts {mode}, over {args.learn_steps} steps: mean reward "
+                     f"{first:.3f} over the first 10 RL steps, {last:.3f} over the last 10 (rise {last - first:+.3f}; "
+                     f"the demo requires +0.30).")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(args.out, "a", encoding="utf-8") as f:

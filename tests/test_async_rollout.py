@@ -113,7 +113,7 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     # A warm start, so that some groups hold both outcomes and steps train (dynamic sampling keeps only those).
     extra = ("data.prompts_per_step=8", "warm_start.steps=30")
     if partial:
-        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2")
+        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "algorithm.rollout_is=token")
     _train(tmp_path, "whole", server_model, 6, 1, *extra)
     assert _train(tmp_path, "killed", server_model, 6, 1, *extra, kill_after_checkpoint=3) == -signal.SIGKILL
     state = json.loads((tmp_path / "killed" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())

@@ -30,9 +30,9 @@ from .experience import Experience, collect_experience
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel
 from .old_policy import correct_rollout, old_policy_pass
+from .partial_rollouts import PartialRollouts, SampledGroups
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
-from .partial_rollouts import PartialRollouts, SampledGroups
 from .rollout_queue import AskedBatch, RolloutQueue
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task

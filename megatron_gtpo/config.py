@@ -90,7 +90,8 @@ class RolloutConfig:
     # Partial rollouts (docs/algorithms.md, "Partial rollouts"): an engine call generates at most
     # partial_segment_tokens per response; a group with an unfinished response waits, and the next batch asked for
     # continues it under the weights of then. A response spans at most max_new_tokens / partial_segment_tokens
-    # policy versions. Needs dynamic sampling (further rounds fill a step the unfinished groups leave short).
+    # policy versions. Needs dynamic sampling (further rounds fill a step the unfinished groups leave short) and
+    # the rollout correction (algorithm.rollout_is: older versions sampled a continued response's first tokens).
     partial_rollouts: bool = False
     partial_segment_tokens: int | None = None
 

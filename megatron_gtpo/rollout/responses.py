@@ -168,7 +168,10 @@ class Responses:
     def select_prompts(self, index_P) -> Responses:
         """The record of prompts `index_P` (long indices, any device, in that order), with their responses and
         tokens: gathers by tensor indexing, three host reads of sizes."""
-        index = self.prompt_index(index_P)
+        return self.gather(self.prompt_index(index_P))
+
+    def gather(self, index: dict[str, torch.Tensor]) -> Responses:
+        """The record of the indices `index` gives along each axis (`prompt_index`'s)."""
         return type(self)(**{f.name: getattr(self, f.name).index_select(0, index[_axis(f.name)])
                              for f in dataclasses.fields(self)})
 

@@ -61,7 +61,7 @@ class SampledGroups:
         """Groups `index_N` (long indices), in that order."""
         index = self.responses.prompt_index(index_N)
         routes = None if self.routed_experts is None else [self.routed_experts[r] for r in index["R"].tolist()]
-        return SampledGroups([self.prompts[i] for i in index["P"].tolist()], self.responses.select_prompts(index_N),
+        return SampledGroups([self.prompts[i] for i in index["P"].tolist()], self.responses.gather(index),
                              self.versions_T.index_select(0, index["T"]),
                              self.start_versions_R.index_select(0, index["R"]), routes)
 

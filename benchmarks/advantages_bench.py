@@ -41,8 +41,8 @@ import time
 import torch
 
 from megatron_gtpo.algorithms import grpo_advantages, grpo_s_advantages, gtpo_advantages, token_policy_loss
-from megatron_gtpo.models.qwen2 import Qwen2Shape
-from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+from megatron_gtpo.models.qwen import ModelShape
+from megatron_gtpo.models.presets import hf_config
 from megatron_gtpo.planning import forward_flops
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -81,7 +81,7 @@ def matmul_flops_per_s(size: int = 1024, repeats: int = 20) -> float:
 def training_step_lower_bound_s(mask_NGT: torch.Tensor, flops_per_s: float, model: str = "qwen2.5-0.5b") -> float:
     """Seconds for the matmul FLOPs alone of one forward + backward (3x forward) over the valid tokens."""
     lengths = mask_NGT.sum(dim=-1).flatten().double()
-    shape = Qwen2Shape.from_hf(qwen25_hf_config(model))
+    shape = ModelShape.from_hf(hf_config(model))
     flops = 3 * forward_flops(shape, num_tokens=int(lengths.sum()), sum_squared_lengths=int(lengths.square().sum()))
     return flops / flops_per_s
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/convert_bench.py [--model qwen2.5-1.5b] [--layers N] [--workdir DIR] [--keep]
 
-1. A random bf16 HF checkpoint of the model's exact tensor shapes (megatron_gtpo/models/qwen25_sizes.py) is built
+1. A random bf16 HF checkpoint of the model's exact tensor shapes (megatron_gtpo/models/presets.py) is built
    tensor by tensor straight into safetensors files (no transformers model is instantiated). `--layers N` keeps the
    real widths with fewer layers: the streaming converters' peak memory is set by the largest tensors (embedding,
    output layer), not by depth, so e.g. a 2-layer Qwen2.5-32B measures the 32B peak with a 5 GB file.
@@ -64,9 +64,9 @@ import json, sys
 import torch
 from megatron_gtpo.checkpoint.hf_export import SafetensorsShardWriter, TensorSpec, plan_shards
 from megatron_gtpo.models.hf_mapping import hf_tensor_names, hf_tensor_shape
-from megatron_gtpo.models.qwen2 import Qwen2Shape
+from megatron_gtpo.models.qwen import ModelShape
 config = json.load(open(sys.argv[1] + '/config.json'))
-shape = Qwen2Shape.from_hf(config)
+shape = ModelShape.from_hf(config)
 specs = [TensorSpec(n, hf_tensor_shape(n, shape), torch.bfloat16) for n in hf_tensor_names(shape)]
 writer = SafetensorsShardWriter(sys.argv[1], plan_shards(specs, 5 * 10**9))
 gen = torch.Generator().manual_seed(0)
@@ -135,13 +135,13 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, REPO)
     from megatron_gtpo.models.hf_mapping import hf_tensor_names, hf_tensor_shape
-    from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
-    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.models.presets import hf_config
+    from megatron_gtpo.models.qwen import ModelShape
 
-    config = qwen25_hf_config(args.model)
+    config = hf_config(args.model)
     if args.layers is not None:
         config["num_hidden_layers"] = args.layers
-    shape = Qwen2Shape.from_hf(config)
+    shape = ModelShape.from_hf(config)
     largest = 2 * max(math.prod(hf_tensor_shape(n, shape)) for n in hf_tensor_names(shape))  # bf16 bytes
 
     hf_dir, mg_dir, hf2_dir = (os.path.join(args.workdir, d) for d in ("hf", "megatron", "hf_roundtrip"))

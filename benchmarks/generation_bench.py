@@ -98,7 +98,7 @@ def main(argv=None):
 
         from megatron_gtpo.distributed import initialize_parallel
         from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-        from megatron_gtpo.models.qwen2 import build_model
+        from megatron_gtpo.models.qwen import build_model
         from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
 
         groups = initialize_parallel(1, 1)

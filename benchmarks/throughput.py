@@ -167,12 +167,12 @@ def make_random_model(name: str, directory: str) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+    from megatron_gtpo.models.presets import hf_config
 
     path = os.path.join(directory, f"{name}-random")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    config = {k: v for k, v in qwen25_hf_config(name).items() if k not in ("architectures", "model_type")}
+    config = {k: v for k, v in hf_config(name).items() if k not in ("architectures", "model_type")}
     model = Qwen2ForCausalLM(Qwen2Config(**config, architectures=["Qwen2ForCausalLM"])).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -208,12 +208,12 @@ def run_algorithm(args, algorithm: str, work_dir: str, extra: list[str], repeat:
 
 def step_rows(run: dict, skip: int, peak_tflops: float | None) -> list[dict]:
     """Per measured step of one run: phase times, throughput, FLOPs and MFU."""
-    from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+    from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
     from megatron_gtpo.planning import forward_flops
 
     records, metrics = run["records"], run["metrics"]
     world = records[0]["world_size"]
-    shape = Qwen2Shape.from_hf(records[0]["hf_config"])
+    shape = ModelShape.from_hf(records[0]["hf_config"])
     vocab = padded_vocab_size(shape.vocab_size, records[0]["tp_size"])
     replicas = [r for r in records if r["tp_rank"] == 0 and r["pp_rank"] == 0]  # one per data-parallel rank
     logger = next(r for r in records if r["is_logging_rank"])  # the rank whose clock metrics.jsonl has
@@ -269,9 +269,9 @@ def machine_description() -> str:
 
 
 def model_description(record: dict) -> str:
-    from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+    from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
 
-    shape = Qwen2Shape.from_hf(record["hf_config"])
+    shape = ModelShape.from_hf(record["hf_config"])
     padded = padded_vocab_size(shape.vocab_size, record["tp_size"])
     return (f"hidden {shape.hidden_size}, {shape.num_layers} layers, {shape.num_attention_heads} heads "
             f"({shape.num_query_groups} KV groups), FFN {shape.ffn_hidden_size}, vocabulary {shape.vocab_size} padded "

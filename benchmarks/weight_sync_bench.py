@@ -4,7 +4,7 @@ the same bytes on the destination device, in one run.
     torchrun --nproc_per_node 2 benchmarks/weight_sync_bench.py --model qwen2.5-1.5b --tp 2 [--layers N]
         [--bucket-mb 512] [--dtype float32|bfloat16] [--rounds 5] [--output benchmarks/results/weight_sync.md]
 
-Model: the shape of a Qwen2.5 preset (megatron_gtpo/models/qwen25_sizes.py) with megatron's random init (no
+Model: the shape of a Qwen2.5 preset (megatron_gtpo/models/presets.py) with megatron's random init (no
 checkpoint needed); `--layers` keeps only the first N decoder layers so that a real-shaped model fits a small machine
 (embeddings and layer shapes stay the preset's). The destination rank (TP rank 0 of the first pipeline stage, where
 a colocated engine lives) preallocates "engine weights": one tensor per HF tensor, on its device, as an engine holds
@@ -60,18 +60,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_mapping import hf_tensor_shape
-    from megatron_gtpo.models.qwen2 import Qwen2Shape, build_model
-    from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+    from megatron_gtpo.models.qwen import ModelShape, build_model
+    from megatron_gtpo.models.presets import hf_config as preset_config
     from megatron_gtpo.rollout.cuda_ipc import export_buffer
     from megatron_gtpo.rollout.weight_sync import (hf_weight_buckets, is_sync_destination, pack_bucket, pack_on_device,
                                                    sync_units, unpack_bucket, unpack_flat)
 
     dtype = getattr(torch, args.dtype)
     groups = initialize_parallel(args.tp, args.pp)
-    hf_config = dict(qwen25_hf_config(args.model))
+    hf_config = preset_config(args.model)
     if args.layers is not None:
         hf_config["num_hidden_layers"] = args.layers
-    shape = Qwen2Shape.from_hf(hf_config)
+    shape = ModelShape.from_hf(hf_config)
     chunks = build_model(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp, pp_rank=groups.pp_rank,
                          params_dtype=dtype)
     device = groups.device

@@ -163,7 +163,7 @@ class DataConfig:
     max_prompt_tokens: int = 2048
     seed: int = 1234
     reward_workers: int = 4  # math-verify worker processes per model replica (jsonl tasks)
-    reward_timeout_s: float = 5.0  # per response; a verification that runs longer scores 0
+    reward_timeout_s: float = 5.0  # per response; a verification that runs longer gets reward 0
 
 
 @dataclass
@@ -435,7 +435,7 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
     """The parallel layout's rules (layout.check_layout) for this config, as a ConfigError. Without `world_size` the
     rules that need the data-parallel size or the machine are not checked (`validate` runs this part when the config
     is loaded); with it, also what the machine runs (`accelerator`, models/accelerator.py; default this process's:
-    the Transformer Engine spec or the local one). `shape` (models.qwen2.Qwen2Shape) adds the model's splits. The
+    the Transformer Engine spec or the local one). `shape` (models.qwen.ModelShape) adds the model's splits. The
     trainer runs all of it before any process group exists."""
     par, r, d = cfg.parallel, cfg.rollout, cfg.data
     transformer_engine = None
@@ -460,7 +460,7 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
 
 
 def validate_for_model(cfg: TrainConfig, shape) -> None:
-    """The settings that depend on the model (`shape`: models.qwen2.Qwen2Shape), as a ConfigError; the trainer checks
+    """The settings that depend on the model (`shape`: models.qwen.ModelShape), as a ConfigError; the trainer checks
     them once it has read the model's config."""
     if shape.moe is None:
         for key, value in (("algorithm.routing_replay", cfg.algorithm.routing_replay != "none"),

@@ -25,7 +25,7 @@ from megatron_gtpo.data import EVAL_SET_NAMES, PROMPT_STYLES, load_dataset, load
 from megatron_gtpo.evaluation.replicas import build_replica
 from megatron_gtpo.evaluation.report import RESPONSES_JSONL, RESULTS_CSV, RESULTS_JSON, format_summary, write_report
 from megatron_gtpo.evaluation.run import SamplingSettings, evaluate_dataset
-from megatron_gtpo.rewards import DEFAULT_TIMEOUT_S, RewardScorer, verify_math_answer
+from megatron_gtpo.rewards import DEFAULT_TIMEOUT_S, RewardPool, verify_math_answer
 
 ENGINES = ("builtin", "vllm")
 DTYPES = ("bfloat16", "float32")
@@ -152,16 +152,16 @@ def main(argv: Sequence[str] | None = None, *, replica_factory=build_replica) ->
     # Each replica generates and grades its share; rank 0 gathers everything, speaks and writes.
     speaks = not dist.is_initialized() or dist.get_rank() == 0
     results = {}
-    scorer = RewardScorer(verify_math_answer, num_workers=args.num_reward_workers, timeout_s=args.reward_timeout_s)
+    reward_pool = RewardPool(verify_math_answer, num_workers=args.num_reward_workers, timeout_s=args.reward_timeout_s)
     try:
-        with scorer:
+        with reward_pool:
             for name, records in datasets.items():
                 if speaks:
                     print(f"evaluating {name}: {len(records)} problems x {args.num_samples} samples on "
                           f"{replica.share.count} replica(s)", file=sys.stderr)
                 results[name] = evaluate_dataset(
                     records, replica=replica, tokenizer=tokenizer, template=template, sampling=sampling,
-                    scorer=scorer, prompts_per_call=args.prompts_per_call, progress=speaks,
+                    reward_pool=reward_pool, prompts_per_call=args.prompts_per_call, progress=speaks,
                 )
     finally:
         replica.close()

@@ -1,7 +1,7 @@
 """The parallel layout and every rule it must follow, in one function.
 
 `check_layout` is what the config validation (config.py), the process-group setup (distributed/parallel.py), the
-model builder (models/qwen2.py), the checkpoint tools and the planner (planning.py) call: each passes what it knows
+model builder (models/qwen.py), the checkpoint tools and the planner (planning.py) call: each passes what it knows
 (the model's shape, the machine's layer spec, the batch, the rollout engines) and gets the same rules with the same
 messages, named by the config keys a user sets. Rules whose inputs a caller does not pass are not checked.
 """
@@ -71,7 +71,7 @@ def check_layout(layout: ParallelLayout, *, shape=None, transformer_engine: bool
 
     Always: sizes >= 1; virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1; ETP divides TP. With
     `shape` (an object with num_attention_heads, num_query_groups, ffn_hidden_size, num_layers and moe:
-    models.qwen2.Qwen2Shape): the heads, KV heads and FFN width divide by TP, the layers by PP x VPP; experts (EP > 1
+    models.qwen.ModelShape): the heads, KV heads and FFN width divide by TP, the layers by PP x VPP; experts (EP > 1
     or an ETP of its own) need a mixture-of-experts model, whose experts divide by EP and expert width by ETP. With a
     known data size: ETP x EP divides TP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
     model at TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without). With

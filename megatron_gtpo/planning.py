@@ -16,7 +16,7 @@ from functools import partial
 
 from megatron_gtpo.distributed.vocab_parallel import WORKSPACE_BYTES_PER_ELEMENT, chunk_tokens_for_budget
 from megatron_gtpo.layout import ParallelLayout, RolloutLayout, check_layout
-from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
 from megatron_gtpo.rollout.placement import engine_hosts
 
 GIB = float(2**30)
@@ -87,7 +87,7 @@ class Settings:
     server_memory_fraction: float = 0.9  # a rollout server's share of its GPUs (remote_server --gpu-memory-utilization)
 
 
-def check_plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload | None = None,
+def check_plan(shape: ModelShape, layout: ParallelLayout, workload: Workload | None = None,
                 settings: Settings | None = None) -> None:
     """ValueError naming the problem for what cannot run: the layout's rules (layout.check_layout, with the
     colocated vLLM engines of `settings`), then the workload's and the settings' own."""
@@ -133,19 +133,19 @@ def check_plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload | N
 # ---------------------------------------------------------------------------------------------- parameters
 
 
-def stage_layer_counts(shape: Qwen2Shape, layout: ParallelLayout) -> list[int]:
+def stage_layer_counts(shape: ModelShape, layout: ParallelLayout) -> list[int]:
     """Transformer layers held by each pipeline rank (all its virtual chunks together); even splits only."""
     return [shape.num_layers // layout.pipeline] * layout.pipeline
 
 
-def _attention_matrix_count(shape: Qwen2Shape, tensor_parallel: int) -> int:
+def _attention_matrix_count(shape: ModelShape, tensor_parallel: int) -> int:
     """The weights of one decoder layer's attention matmuls on one TP rank (every matrix is split)."""
     h, t = shape.hidden_size, tensor_parallel
     qkv_out = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim // t
     return qkv_out * h + h * shape.num_attention_heads * shape.head_dim // t  # linear_qkv, attention output
 
 
-def _mlp_matrix_count(shape: Qwen2Shape, tensor_parallel: int, experts: int | None = None) -> int:
+def _mlp_matrix_count(shape: ModelShape, tensor_parallel: int, experts: int | None = None) -> int:
     """One decoder layer's MLP matrices on one TP rank (linear_fc1: gate and up, linear_fc2): the dense MLP split
     over `tensor_parallel`, or `experts` experts (default all) of a mixture-of-experts layer, each split over
     `tensor_parallel` (then the expert-TP size)."""
@@ -155,12 +155,12 @@ def _mlp_matrix_count(shape: Qwen2Shape, tensor_parallel: int, experts: int | No
     return experts * 3 * shape.moe.ffn_hidden_size // tensor_parallel * shape.hidden_size
 
 
-def _router_count(shape: Qwen2Shape) -> int:
+def _router_count(shape: ModelShape) -> int:
     """A mixture-of-experts layer's router [E, H] (replicated on every rank); 0 for a dense model."""
     return shape.moe.num_experts * shape.hidden_size if shape.moe else 0
 
 
-def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int, expert_parallel: int = 1,
+def layer_parameter_count(shape: ModelShape, tensor_parallel: int, expert_parallel: int = 1,
                           expert_tensor_parallel: int | None = None) -> int:
     """One decoder layer on one TP rank: its matrices (split; a mixture-of-experts layer's E / EP experts over the
     expert-TP size, default TP), the router and RMSNorm weights (replicated) and the q/k/v bias (split)."""
@@ -174,7 +174,7 @@ def layer_parameter_count(shape: Qwen2Shape, tensor_parallel: int, expert_parall
             + (qkv_bias if shape.qkv_bias else 0))  # Qwen2
 
 
-def parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> int:
+def parameter_count(shape: ModelShape, layout: ParallelLayout, pp_rank: int) -> int:
     """Parameters on one rank of pipeline stage `pp_rank` (every TP rank of a stage holds the same number)."""
     if not 0 <= pp_rank < layout.pipeline:
         raise ValueError(f"pp_rank must be in [0, {layout.pipeline}), got {pp_rank}")
@@ -192,7 +192,7 @@ def parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> 
     return count
 
 
-def expert_parameter_count(shape: Qwen2Shape, layout: ParallelLayout, pp_rank: int) -> int:
+def expert_parameter_count(shape: ModelShape, layout: ParallelLayout, pp_rank: int) -> int:
     """The experts' parameters on one rank of pipeline stage `pp_rank` (E / EP experts per layer, each split over
     ETP); their gradients are reduced, and their optimizer state sharded, over the expert-data-parallel group."""
     if shape.moe is None:
@@ -206,12 +206,12 @@ def expert_data_parallel_size(layout: ParallelLayout) -> int:
     return layout.tensor * layout.data // (layout.expert_tensor_size * layout.expert)
 
 
-def total_parameter_count(shape: Qwen2Shape) -> int:
+def total_parameter_count(shape: ModelShape) -> int:
     """The unsharded model, padded vocabulary included (the published counts have the unpadded one)."""
     return parameter_count(shape, ParallelLayout(), 0)
 
 
-def active_parameter_count(shape: Qwen2Shape) -> int:
+def active_parameter_count(shape: ModelShape) -> int:
     """The parameters one token uses, padded vocabulary included: a mixture-of-experts model's total less the
     experts a token is not routed to (num_experts - top-k per layer); a dense model's total."""
     if shape.moe is None:
@@ -255,7 +255,7 @@ _QK_NORM_ACTIVATION_TERMS = {"te": _QK_NORM, "local": _QK_NORM + ((1, "q", "tp")
 _MOE_ACTIVATION_TERMS = ((2, "topk_h", "sp"), (2, "experts_fp32", "sp"))
 
 
-def layer_activation_bytes(shape: Qwen2Shape, *, seq_len: int, micro_batch_size: int, tensor_parallel: int,
+def layer_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch_size: int, tensor_parallel: int,
                            sequence_parallel: bool, kernels: str, bytes_per_element: int,
                            recompute: bool = False, expert_tensor_parallel: int | None = None) -> int:
     """Bytes autograd keeps for one decoder layer and one micro-batch of `micro_batch_size` sequences of
@@ -301,7 +301,7 @@ def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_m
 # ---------------------------------------------------------------------------------------------- FLOPs
 
 
-def matmul_parameters(shape: Qwen2Shape, padded_vocab: int) -> int:
+def matmul_parameters(shape: ModelShape, padded_vocab: int) -> int:
     """Weights that take part in a matmul for every token (the embedding lookup is not a matmul): a
     mixture-of-experts layer's router and the top-k experts a token is routed to."""
     experts = shape.moe.topk if shape.moe else None
@@ -309,7 +309,7 @@ def matmul_parameters(shape: Qwen2Shape, padded_vocab: int) -> int:
     return shape.num_layers * per_layer + padded_vocab * shape.hidden_size
 
 
-def forward_flops(shape: Qwen2Shape, *, num_tokens: int, sum_squared_lengths: int,
+def forward_flops(shape: ModelShape, *, num_tokens: int, sum_squared_lengths: int,
                   padded_vocab: int | None = None) -> float:
     """FLOPs of one forward pass over sequences with `num_tokens` tokens in total and sum of squared lengths
     `sum_squared_lengths` (causal attention is quadratic in each sequence's own length)."""
@@ -318,7 +318,7 @@ def forward_flops(shape: Qwen2Shape, *, num_tokens: int, sum_squared_lengths: in
     return 2.0 * matmul_parameters(shape, vocab) * num_tokens + attention
 
 
-def generation_flops(shape: Qwen2Shape, *, num_sequences: int, prompt_tokens: int, response_tokens: int,
+def generation_flops(shape: ModelShape, *, num_sequences: int, prompt_tokens: int, response_tokens: int,
                      padded_vocab: int | None = None) -> float:
     """Prefill of every prompt (no prefix sharing between a prompt's samples) plus token-by-token decoding with a
     KV cache: the decode step at context c costs the matmuls plus 4 a d c attention FLOPs per layer."""
@@ -332,7 +332,7 @@ def generation_flops(shape: Qwen2Shape, *, num_sequences: int, prompt_tokens: in
     return num_sequences * (prefill + decode)
 
 
-def training_flops(shape: Qwen2Shape, workload: Workload, *, response_tokens: int, padded_vocab: int) -> dict:
+def training_flops(shape: ModelShape, workload: Workload, *, response_tokens: int, padded_vocab: int) -> dict:
     """Model FLOPs of one step's training phases with every response `response_tokens` long: old_logprob, a forward
     over every sequence; update, forward and backward (3 x forward) per epoch."""
     n, length = workload.sequences_per_step, workload.max_prompt_tokens + response_tokens
@@ -343,7 +343,7 @@ def training_flops(shape: Qwen2Shape, workload: Workload, *, response_tokens: in
 # ---------------------------------------------------------------------------------------------- the plan
 
 
-def vllm_tensor_parallel(shape: Qwen2Shape, layout: ParallelLayout, settings: Settings) -> int:
+def vllm_tensor_parallel(shape: ModelShape, layout: ParallelLayout, settings: Settings) -> int:
     """The given vLLM TP size, else the largest divisor of the training TP (within a node) that divides the attention
     heads: colocated engines then tile every GPU, TP / vLLM TP of them per pipeline stage (rollout/placement.py)."""
     if settings.vllm_tensor_parallel is not None:
@@ -357,12 +357,12 @@ def rollout_engines(layout: ParallelLayout, vllm_tp: int) -> int:
     return layout.data * len(engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp))
 
 
-def vllm_weight_bytes(shape: Qwen2Shape, vllm_tp: int) -> float:
+def vllm_weight_bytes(shape: ModelShape, vllm_tp: int) -> float:
     """The weights on one GPU of a vLLM engine: the whole model in bf16, split over the engine's TP."""
     return total_parameter_count(shape) * 2.0 / vllm_tp
 
 
-def vllm_kv_bytes_per_token(shape: Qwen2Shape, vllm_tp: int) -> int:
+def vllm_kv_bytes_per_token(shape: ModelShape, vllm_tp: int) -> int:
     """K and V of one cached token on one GPU of a vLLM engine (bf16); vLLM replicates KV heads when TP > groups."""
     kv_heads_per_gpu = max(1, shape.num_query_groups // vllm_tp)
     return 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * 2
@@ -425,7 +425,7 @@ class Plan:
                 "flops_per_step": self.flops_per_step, "fits": self.fits, "reasons": self.reasons}
 
 
-def _stage_memory(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settings: Settings, pp_rank: int, *,
+def _stage_memory(shape: ModelShape, layout: ParallelLayout, workload: Workload, settings: Settings, pp_rank: int, *,
                   distributed_optimizer: bool, recompute: bool) -> StageMemory:
     e = BYTES_PER_ELEMENT[settings.params_dtype]
     params = parameter_count(shape, layout, pp_rank)
@@ -463,7 +463,7 @@ def _stage_memory(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload,
                        dispatcher)
 
 
-def plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload = Workload(), settings: Settings = Settings(), *,
+def plan(shape: ModelShape, layout: ParallelLayout, workload: Workload = Workload(), settings: Settings = Settings(), *,
          model_name: str = "") -> Plan:
     check_plan(shape, layout, workload, settings)
     gpu = settings.gpu_memory_gib * GIB
@@ -558,7 +558,7 @@ def plan(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload = Workloa
                 kv_cache=kv_cache, flops_per_step=flops, fits=not reasons, reasons=reasons)
 
 
-def suggest_layouts(shape: Qwen2Shape, gpus: int, workload: Workload, settings: Settings) -> list[Plan]:
+def suggest_layouts(shape: ModelShape, gpus: int, workload: Workload, settings: Settings) -> list[Plan]:
     """The plans of every layout of `gpus` GPUs the rules allow that fit, best first: TP within a node, dividing
     the heads; PP dividing the layers; a mixture-of-experts model's EP dividing its experts and TP x DP, ETP 1 or TP,
     and sequence parallelism at TP > 1 (which training it needs); each without and with activation recompute
@@ -598,7 +598,7 @@ def _divisors(n: int) -> list[int]:
 # Settings assumes. Responses have the workload's expected (mean) length, prompts their maximum (an upper bound).
 
 
-def training_phase_s(shape: Qwen2Shape, workload: Workload, settings: Settings, *, gpus: int,
+def training_phase_s(shape: ModelShape, workload: Workload, settings: Settings, *, gpus: int,
                      tensor_parallel: int) -> dict[str, float]:
     """old_logprob and update seconds of one step on `gpus` training GPUs: their model FLOPs at the mean response
     length / (gpus x peak_flops_per_s x training_mfu). Full activation recompute runs the forward once more in the
@@ -611,7 +611,7 @@ def training_phase_s(shape: Qwen2Shape, workload: Workload, settings: Settings, 
     return {"old_logprob_s": old_logprob_s, "update_s": update_s, "train_s": old_logprob_s + update_s}
 
 
-def decode_step_s(shape: Qwen2Shape, settings: Settings, *, running: int, context_tokens: int, vllm_tp: int) -> float:
+def decode_step_s(shape: ModelShape, settings: Settings, *, running: int, context_tokens: int, vllm_tp: int) -> float:
     """One decode step of a vLLM engine on `vllm_tp` GPUs with `running` sequences of `context_tokens` cached tokens
     each: every GPU reads its share of the matmul weights and of those sequences' KV cache from HBM (bytes /
     (hbm_bytes_per_s x decode_bandwidth_efficiency)) and computes one token per sequence (FLOPs / (peak_flops_per_s
@@ -624,7 +624,7 @@ def decode_step_s(shape: Qwen2Shape, settings: Settings, *, running: int, contex
     return max(read_s, compute_s)
 
 
-def generation_phase_s(shape: Qwen2Shape, workload: Workload, settings: Settings, *, engines: int, vllm_tp: int,
+def generation_phase_s(shape: ModelShape, workload: Workload, settings: Settings, *, engines: int, vllm_tp: int,
                        kv_tokens_per_engine: int) -> dict:
     """Seconds one step's generation takes on `engines` vLLM engines of `vllm_tp` GPUs each (they run at once, the
     step's prompts split evenly over them), each with a KV cache of `kv_tokens_per_engine` tokens:
@@ -654,7 +654,7 @@ def generation_phase_s(shape: Qwen2Shape, workload: Workload, settings: Settings
             "sequences_per_engine": sequences, "running_per_engine": running, "waves": len(waves)}
 
 
-def weight_sync_s(shape: Qwen2Shape, settings: Settings) -> float:
+def weight_sync_s(shape: ModelShape, settings: Settings) -> float:
     """One weight update of a rollout server: the whole model in bf16 from its replica's destination rank at
     weight_sync_bytes_per_s (every replica updates its own server at the same time)."""
     return total_parameter_count(shape) * 2.0 / settings.weight_sync_bytes_per_s
@@ -690,14 +690,14 @@ def _step_phases(generation: dict, training: dict[str, float], sync_s: float | N
 # ---------------------------------------------------------------------------------------------- the split
 
 
-def server_tensor_parallel_sizes(shape: Qwen2Shape, gpus_per_node: int) -> list[int]:
+def server_tensor_parallel_sizes(shape: ModelShape, gpus_per_node: int) -> list[int]:
     """The vLLM TP sizes a rollout server can take within a node: dividing the attention heads, and dividing or
     divided by the KV heads (vLLM splits them, or replicates them when TP exceeds them)."""
     return [v for v in range(1, gpus_per_node + 1) if shape.num_attention_heads % v == 0
             and (shape.num_query_groups % v == 0 or v % shape.num_query_groups == 0)]
 
 
-def _split(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settings: Settings, *, data_parallel: int,
+def _split(shape: ModelShape, layout: ParallelLayout, workload: Workload, settings: Settings, *, data_parallel: int,
            server_tp: int, max_staleness: int) -> dict:
     """`data_parallel` replicas of `layout` on training nodes of their own, one rollout server of `server_tp` GPUs
     per replica (the vllm_remote rule) on rollout nodes of their own (disaggregated.sbatch: ROLLOUT_NODES x
@@ -733,7 +733,7 @@ def _split(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settin
             "idle_s": {"training": busy_s - phases["train_s"], "rollout": busy_s - phases["generate_s"]}}
 
 
-def _colocated(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settings: Settings) -> dict:
+def _colocated(shape: ModelShape, layout: ParallelLayout, workload: Workload, settings: Settings) -> dict:
     """Today's default, for comparison: `layout` on all the job's GPUs with colocated vLLM engines on the same GPUs
     (plan()'s engines and KV cache), generation then training, nothing overlapped. Its weight sync (a device-local
     reload) and the engines' sleep and wake are not counted. No phase times where it has no vLLM engine that holds a
@@ -776,7 +776,7 @@ def phase_assumptions(workload: Workload, settings: Settings) -> dict:
             "not_modelled": list(NOT_MODELLED)}
 
 
-def plan_disaggregated(shape: Qwen2Shape, layout: ParallelLayout, workload: Workload, settings: Settings, *,
+def plan_disaggregated(shape: ModelShape, layout: ParallelLayout, workload: Workload, settings: Settings, *,
                        nodes: int, max_staleness: int = 1, server_tp: int | None = None,
                        model_name: str = "") -> dict:
     """The split of `nodes` nodes between training and rollout (rollout.engine vllm_remote) with the shortest step at

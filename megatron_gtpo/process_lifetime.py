@@ -19,7 +19,7 @@ SIGKILL when the thread that started it ends, however that thread ends. Off Linu
     megatron's asynchronous save, whose background process would put to it, fails after this ("results_queue
     should not be empty");
   - the writer processes that megatron forks for every save die with their rank.
-The reward scorer's workers tie themselves with `die_with_parent` (rewards/scorer.py). This module sits outside
+The reward reward_pool's workers tie themselves with `die_with_parent` (rewards/pool.py). This module sits outside
 distributed/, whose package imports torch, because those workers import it and must stay light.
 """
 from __future__ import annotations

@@ -69,7 +69,7 @@ def _model_source(args):
     from megatron_gtpo.checkpoint.sources import ModelSource
 
     if args.hf:
-        from megatron_gtpo.models.qwen2 import load_hf_config
+        from megatron_gtpo.models.qwen import load_hf_config
 
         load_hf_config(args.hf)  # names a missing config.json before anything else
     source = ModelSource.detect(args.hf or args.load)
@@ -82,10 +82,10 @@ def _model_source(args):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.models.qwen import ModelShape
 
     hf_config, load_weights = _model_source(args)
-    shape = Qwen2Shape.from_hf(hf_config)
+    shape = ModelShape.from_hf(hf_config)
     sequences = read_token_ids(args.input, vocab_size=shape.vocab_size, max_positions=shape.max_position_embeddings)
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from megatron_gtpo.distributed import destroy_parallel, initialize_parallel
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
     parallel = initialize_parallel(args.tp, args.pp, sequence_parallel=args.sequence_parallel)

@@ -102,9 +102,9 @@ def test_layout_dependent_checks():
 
 def test_the_model_must_split_at_the_layout():
     from megatron_gtpo.data.synthetic import tiny_model_hf_config
-    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.models.qwen import ModelShape
 
-    shape = Qwen2Shape.from_hf(tiny_model_hf_config())
+    shape = ModelShape.from_hf(tiny_model_hf_config())
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "parallel.tensor=2"])
     validate_layout(cfg, world_size=2, shape=shape)
     cfg.parallel.tensor = shape.num_query_groups * 2

@@ -57,7 +57,7 @@ def _declared_global_shapes(chunks) -> dict:
 
 
 def _build(hf_config, groups):
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
 
     chunks = build_model(hf_config, tensor_parallel=groups.tp_size, pipeline_parallel=groups.pp_size,
                          pp_rank=groups.pp_rank, expert_parallel=groups.ep_size,

@@ -21,8 +21,7 @@ import torch
 from distributed_harness import run_distributed
 from megatron_gtpo.config import ConfigError, TrainConfig, validate_layout
 from megatron_gtpo.models.accelerator import Accelerator
-from megatron_gtpo.models.qwen25_sizes import QWEN25_MODEL_NAMES, qwen25_hf_config
-from megatron_gtpo.models.qwen3_sizes import QWEN3_MODEL_NAMES, qwen3_hf_config
+from megatron_gtpo.models.presets import FAMILY_PRESETS, hf_config
 
 # What each TransformerConfig fusion switch needs where it runs, from megatron-core 0.16.1:
 # - masked_softmax_fusion: fusions/fused_softmax.py imports scaled_(upper_triang_)masked_softmax_cuda or
@@ -44,12 +43,12 @@ MACHINES = {
     "cpu": Accelerator(cuda=False),
 }
 TP = 2
-PRESET_NAMES = QWEN25_MODEL_NAMES + QWEN3_MODEL_NAMES
+PRESET_NAMES = FAMILY_PRESETS["qwen2"] + FAMILY_PRESETS["qwen3"]
 
 
 def shrunk_preset(name: str) -> dict:
     """A preset's structure (family, heads, KV heads, tied embeddings, norm eps) at a small width: head_dim 8."""
-    hf = (qwen3_hf_config if name in QWEN3_MODEL_NAMES else qwen25_hf_config)(name)
+    hf = hf_config(name)
     heads = hf["num_attention_heads"]
     return dict(hf, hidden_size=8 * heads, head_dim=8, intermediate_size=16 * heads, num_hidden_layers=2,
                 vocab_size=1000)
@@ -78,7 +77,7 @@ def fusion_violations(config, machine: Accelerator) -> list[str]:
 
 def _build_every_configuration(rank, world_size, machines):
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import Qwen2Shape, transformer_config_from_hf
+    from megatron_gtpo.models.qwen import ModelShape, transformer_config_from_hf
     from megatron_gtpo.training.model_setup import build_chunks
 
     parallel = initialize_parallel(TP, 1)
@@ -89,7 +88,7 @@ def _build_every_configuration(rank, world_size, machines):
         hf = shrunk_preset(name)
         key = (machine_name, name, *choice)
         try:
-            validate_layout(cfg, world_size=world_size, shape=Qwen2Shape.from_hf(hf), accelerator=machine)
+            validate_layout(cfg, world_size=world_size, shape=ModelShape.from_hf(hf), accelerator=machine)
         except ConfigError as e:
             outcome[key] = ("refused", str(e))
             continue

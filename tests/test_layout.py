@@ -3,11 +3,11 @@ rollout engines) deciding which apply; hand-picked layouts on the Qwen2.5 preset
 import pytest
 
 from megatron_gtpo.layout import LayoutError, ParallelLayout, RolloutLayout, check_layout
-from megatron_gtpo.models.qwen2 import Qwen2Shape
-from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+from megatron_gtpo.models.qwen import ModelShape
+from megatron_gtpo.models.presets import hf_config
 
-SHAPE_7B = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))  # 28 heads, 4 query groups, 28 layers, FFN 18944
-SHAPE_05B = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-0.5b"))  # 14 heads, 2 query groups, 24 layers
+SHAPE_7B = ModelShape.from_hf(hf_config("qwen2.5-7b"))  # 28 heads, 4 query groups, 28 layers, FFN 18944
+SHAPE_05B = ModelShape.from_hf(hf_config("qwen2.5-0.5b"))  # 14 heads, 2 query groups, 24 layers
 
 
 def test_the_world_size_sets_data_parallel_or_is_refused():

@@ -1,12 +1,11 @@
 """The family of a config.json (its model_type), what a Qwen3 config becomes in megatron, the Qwen3 presets
-(models/qwen3_sizes.py) against the published parameter counts, on the meta device and in the planner, and the
+(models/presets.py) against the published parameter counts, on the meta device and in the planner, and the
 planner's activation bytes of a Qwen3 layer (its q/k norms) against the tensors autograd saves."""
 import pytest
 
 from distributed_harness import run_distributed
-from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size, transformer_config_from_hf
-from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
-from megatron_gtpo.models.qwen3_sizes import QWEN3_MODEL_NAMES, qwen3_hf_config
+from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size, transformer_config_from_hf
+from megatron_gtpo.models.presets import FAMILY_PRESETS, hf_config
 from megatron_gtpo.layout import ParallelLayout
 from megatron_gtpo.planning import layer_activation_bytes, parameter_count
 from test_plan import LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, _saved_activation_bytes
@@ -22,28 +21,28 @@ QWEN3_PROBE = dict(LAYER_PROBE, architectures=["Qwen3ForCausalLM"], model_type="
 
 
 def test_family_is_chosen_by_model_type():
-    qwen3 = Qwen2Shape.from_hf(qwen3_hf_config("qwen3-0.6b"))
+    qwen3 = ModelShape.from_hf(hf_config("qwen3-0.6b"))
     assert (qwen3.qk_norm, qwen3.qkv_bias, qwen3.head_dim, qwen3.hidden_size // qwen3.num_attention_heads) == \
         (True, False, 128, 64)
-    qwen25 = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-0.5b"))
+    qwen25 = ModelShape.from_hf(hf_config("qwen2.5-0.5b"))
     assert (qwen25.qk_norm, qwen25.qkv_bias) == (False, True)
     # Files without a model_type are recognised by their architectures.
-    no_type = {k: v for k, v in qwen3_hf_config("qwen3-8b").items() if k != "model_type"}
-    assert Qwen2Shape.from_hf(no_type) == Qwen2Shape.from_hf(qwen3_hf_config("qwen3-8b"))
+    no_type = {k: v for k, v in hf_config("qwen3-8b").items() if k != "model_type"}
+    assert ModelShape.from_hf(no_type) == ModelShape.from_hf(hf_config("qwen3-8b"))
 
-    moe = dict(qwen3_hf_config("qwen3-8b"), model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
+    moe = dict(hf_config("qwen3-8b"), model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
     with pytest.raises(ValueError, match=r"unsupported architecture \['Qwen2MoeForCausalLM'\] \(model_type "
                                          r"'qwen2_moe'\): supported are model_type 'qwen2' .* 'qwen3'"):
-        Qwen2Shape.from_hf(moe)
-    without_head_dim = {k: v for k, v in qwen3_hf_config("qwen3-8b").items() if k != "head_dim"}
+        ModelShape.from_hf(moe)
+    without_head_dim = {k: v for k, v in hf_config("qwen3-8b").items() if k != "head_dim"}
     with pytest.raises(ValueError, match=r"lacks required keys \['head_dim'\]"):
-        Qwen2Shape.from_hf(without_head_dim)
+        ModelShape.from_hf(without_head_dim)
     with pytest.raises(ValueError, match="attention_bias=true is not supported for Qwen3ForCausalLM"):
-        Qwen2Shape.from_hf(dict(qwen3_hf_config("qwen3-8b"), attention_bias=True))
+        ModelShape.from_hf(dict(hf_config("qwen3-8b"), attention_bias=True))
 
 
 def test_transformer_config_of_qwen3():
-    config = transformer_config_from_hf(qwen3_hf_config("qwen3-32b"), tensor_parallel=8)
+    config = transformer_config_from_hf(hf_config("qwen3-32b"), tensor_parallel=8)
     assert (config.qk_layernorm, config.add_qkv_bias, config.kv_channels, config.num_attention_heads,
             config.num_query_groups, config.hidden_size, config.layernorm_epsilon) == \
         (True, False, 128, 64, 8, 5120, 1e-6)
@@ -53,10 +52,10 @@ def _measure(rank, world_size):
     """Parameters of every preset at TP=1, and on this rank of each of LAYOUTS, built on the meta device; the bytes
     autograd saves for one QWEN3_PROBE layer (a 2-layer model minus a 1-layer one) at TP=1 and TP=2."""
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
 
     def count(name, tp, pp, pp_rank):
-        chunks = build_model(qwen3_hf_config(name), tensor_parallel=tp, pipeline_parallel=pp, pp_rank=pp_rank,
+        chunks = build_model(hf_config(name), tensor_parallel=tp, pipeline_parallel=pp, pp_rank=pp_rank,
                              meta_device=True)
         return sum(p.numel() for c in chunks for p in c.parameters())
 
@@ -65,7 +64,7 @@ def _measure(rank, world_size):
         groups = initialize_parallel(tp, pp)
         out["layouts"].append((groups.pp_rank, count(name, tp, pp, groups.pp_rank)))
     initialize_parallel(1, 1)
-    out["totals"] = {name: count(name, 1, 1, 0) for name in QWEN3_MODEL_NAMES}
+    out["totals"] = {name: count(name, 1, 1, 0) for name in FAMILY_PRESETS["qwen3"]}
     for tp in (1, 2):
         initialize_parallel(tp, 1)
         saved = [_saved_activation_bytes(build_model(dict(QWEN3_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
@@ -84,7 +83,7 @@ def test_presets_have_the_published_parameter_counts(measurements):
     totals = measurements[0]["totals"]
     assert sorted(totals) == sorted(PUBLISHED)
     for name, (total, non_embedding) in PUBLISHED.items():
-        shape = Qwen2Shape.from_hf(qwen3_hf_config(name))
+        shape = ModelShape.from_hf(hf_config(name))
         tables = 1 if shape.tie_word_embeddings else 2
         padded_table = padded_vocab_size(shape.vocab_size, 1) * shape.hidden_size
         unpadded = totals[name] - tables * (padded_table - shape.vocab_size * shape.hidden_size)
@@ -97,7 +96,7 @@ def test_presets_have_the_published_parameter_counts(measurements):
 
 def test_planner_counts_equal_meta_device_models(measurements):
     for i, (name, tp, pp) in enumerate(LAYOUTS):
-        shape = Qwen2Shape.from_hf(qwen3_hf_config(name))
+        shape = ModelShape.from_hf(hf_config(name))
         layout = ParallelLayout(tensor=tp, pipeline=pp, data=2 // (tp * pp))
         for rank_counts in measurements:
             pp_rank, count = rank_counts["layouts"][i]
@@ -106,7 +105,7 @@ def test_planner_counts_equal_meta_device_models(measurements):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_local_profile_layer_activations_equal_saved_tensors(measurements, tp):
-    shape = Qwen2Shape.from_hf(dict(QWEN3_PROBE, num_hidden_layers=1))
+    shape = ModelShape.from_hf(dict(QWEN3_PROBE, num_hidden_layers=1))
     expected = layer_activation_bytes(shape, seq_len=PROBE_SEQ, micro_batch_size=PROBE_BATCH, tensor_parallel=tp,
                                       sequence_parallel=False, kernels="local", bytes_per_element=4)
     assert all(rank[tp] == expected for rank in measurements)

@@ -123,7 +123,7 @@ def _sync_and_serve(rank, world_size, model_dir, tp, pp, ep, etp):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.hf_mapping import ShardCoordinates
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
     from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination
 

@@ -1,5 +1,5 @@
 """Qwen3-MoE's config.json in megatron: the mixture-of-experts keys and the layouts refused with one error each, the
-router settings it becomes, the expert-parallel layout rules, the presets (models/qwen3_moe_sizes.py) against the
+router settings it becomes, the expert-parallel layout rules, the presets (models/presets.py) against the
 published total and active parameter counts, and the planner's per-rank counts against models built on the meta
 device at expert-parallel layouts."""
 from dataclasses import replace
@@ -10,17 +10,16 @@ import torch
 from distributed_harness import run_distributed
 from megatron_gtpo.layout import LayoutError, ParallelLayout, RolloutLayout, check_layout
 from megatron_gtpo.models.moe import RouterLosses
-from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size, transformer_config_from_hf
-from megatron_gtpo.models.qwen3_moe_sizes import QWEN3_MOE_MODEL_NAMES, qwen3_moe_hf_config
-from megatron_gtpo.models.qwen3_sizes import qwen3_hf_config
+from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size, transformer_config_from_hf
+from megatron_gtpo.models.presets import FAMILY_PRESETS, hf_config
 from megatron_gtpo.planning import active_parameter_count, parameter_count, total_parameter_count
 
 # The model cards: "Number of Parameters: 30.5B in total and 3.3B activated" (Qwen3-30B-A3B) and "235B in total and
 # 22B activated" (Qwen3-235B-A22B); billions, as printed: cut after the printed digits (3.35B activated is "3.3B").
 PUBLISHED = {"qwen3-30b-a3b": ("30.5", "3.3"), "qwen3-235b-a22b": ("235", "22")}
-SHAPE_30B = Qwen2Shape.from_hf(qwen3_moe_hf_config("qwen3-30b-a3b"))  # 128 experts of width 768, 48 layers
+SHAPE_30B = ModelShape.from_hf(hf_config("qwen3-30b-a3b"))  # 128 experts of width 768, 48 layers
 # The 30B-A3B with 4 layers (the same layers, fewer of them): cheap to build on the meta device at EP layouts.
-SMALL_30B = dict(qwen3_moe_hf_config("qwen3-30b-a3b"), num_hidden_layers=4)
+SMALL_30B = dict(hf_config("qwen3-30b-a3b"), num_hidden_layers=4)
 # (TP, PP, EP, ETP) on 2 ranks: experts over DP (EP = DP = 2), over TP (ETP 1 inside TP 2), and over stages.
 META_LAYOUTS = [(1, 1, 2, None), (2, 1, 2, 1), (1, 2, 1, None)]
 
@@ -29,11 +28,11 @@ def test_moe_keys_become_the_shape():
     moe = SHAPE_30B.moe
     assert (moe.num_experts, moe.topk, moe.ffn_hidden_size, moe.norm_topk_prob) == (128, 8, 768, True)
     assert (SHAPE_30B.qk_norm, SHAPE_30B.qkv_bias, SHAPE_30B.head_dim) == (True, False, 128)  # Qwen3's attention
-    assert Qwen2Shape.from_hf(qwen3_hf_config("qwen3-8b")).moe is None
+    assert ModelShape.from_hf(hf_config("qwen3-8b")).moe is None
     # transformers 5 saves the expert count as num_local_experts
-    renamed = {("num_local_experts" if k == "num_experts" else k): v for k, v in qwen3_moe_hf_config(
+    renamed = {("num_local_experts" if k == "num_experts" else k): v for k, v in hf_config(
         "qwen3-30b-a3b").items()}
-    assert Qwen2Shape.from_hf(renamed) == SHAPE_30B
+    assert ModelShape.from_hf(renamed) == SHAPE_30B
 
 
 @pytest.mark.parametrize("change, message", [
@@ -44,15 +43,15 @@ def test_moe_keys_become_the_shape():
     ({"moe_intermediate_size": None}, r"lacks the mixture-of-experts keys \['moe_intermediate_size'\]"),
 ])
 def test_unsupported_expert_layouts_are_refused_with_one_error(change, message):
-    config = {k: v for k, v in dict(qwen3_moe_hf_config("qwen3-30b-a3b"), **change).items() if v is not None}
+    config = {k: v for k, v in dict(hf_config("qwen3-30b-a3b"), **change).items() if v is not None}
     with pytest.raises(ValueError, match=message):
-        Qwen2Shape.from_hf(config)
+        ModelShape.from_hf(config)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_router_settings(norm_topk_prob):
-    hf_config = dict(qwen3_moe_hf_config("qwen3-30b-a3b"), norm_topk_prob=norm_topk_prob)
-    config = transformer_config_from_hf(hf_config, tensor_parallel=2, expert_parallel=8, expert_tensor_parallel=1)
+    config_json = dict(hf_config("qwen3-30b-a3b"), norm_topk_prob=norm_topk_prob)
+    config = transformer_config_from_hf(config_json, tensor_parallel=2, expert_parallel=8, expert_tensor_parallel=1)
     assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size, config.qk_layernorm) == \
         (128, 8, 768, True)
     # The top k of the logits then a softmax over them is the renormalised top-k probabilities.
@@ -64,17 +63,17 @@ def test_router_settings(norm_topk_prob):
     # The router losses are off unless asked for (docs/algorithms.md, "Mixture of experts").
     assert (config.moe_router_load_balancing_type, config.moe_aux_loss_coeff, config.moe_z_loss_coeff) == \
         ("none", 0.0, None)
-    losses = transformer_config_from_hf(hf_config, router_losses=RouterLosses(aux_loss_coef=1e-3, z_loss_coef=1e-4))
+    losses = transformer_config_from_hf(config_json, router_losses=RouterLosses(aux_loss_coef=1e-3, z_loss_coef=1e-4))
     assert (losses.moe_router_load_balancing_type, losses.moe_aux_loss_coeff, losses.moe_z_loss_coeff) == \
         ("aux_loss", 1e-3, 1e-4)
 
 
 @pytest.mark.parametrize("layout, kwargs, message", [
-    (ParallelLayout(data=2, expert=2), {"shape": Qwen2Shape.from_hf(qwen3_hf_config("qwen3-8b"))},
+    (ParallelLayout(data=2, expert=2), {"shape": ModelShape.from_hf(hf_config("qwen3-8b"))},
      "parallel.expert / parallel.expert_tensor: the model has no experts"),
     (ParallelLayout(data=3, expert=3), {"shape": SHAPE_30B}, "the model's 128 experts are not divisible by EP=3"),
-    (ParallelLayout(tensor=4), {"shape": Qwen2Shape.from_hf(
-        dict(qwen3_moe_hf_config("qwen3-30b-a3b"), moe_intermediate_size=766))},
+    (ParallelLayout(tensor=4), {"shape": ModelShape.from_hf(
+        dict(hf_config("qwen3-30b-a3b"), moe_intermediate_size=766))},
      "moe_intermediate_size 766 is not divisible by ETP=4"),
     (ParallelLayout(tensor=2, expert_tensor=4), {}, "parallel.expert_tensor: 4 must divide parallel.tensor = 2"),
     (ParallelLayout(tensor=2, data=2, expert=4), {},
@@ -99,9 +98,9 @@ def test_expert_layout_rules(layout, kwargs, message):
 
 
 def test_presets_have_the_published_total_and_active_counts():
-    assert sorted(QWEN3_MOE_MODEL_NAMES) == sorted(PUBLISHED)
+    assert sorted(FAMILY_PRESETS["qwen3_moe"]) == sorted(PUBLISHED)
     for name, (total, active) in PUBLISHED.items():
-        shape = Qwen2Shape.from_hf(qwen3_moe_hf_config(name))
+        shape = ModelShape.from_hf(hf_config(name))
         padding = 2 * (padded_vocab_size(shape.vocab_size, 1) - shape.vocab_size) * shape.hidden_size  # untied
         for count, published in ((total_parameter_count(shape), total), (active_parameter_count(shape), active)):
             last_digit = 10.0 ** -len(published.split(".")[1]) if "." in published else 1.0
@@ -111,7 +110,7 @@ def test_presets_have_the_published_total_and_active_counts():
 def _meta_counts(rank, world_size):
     """Parameters on this rank of SMALL_30B built on the meta device at each of META_LAYOUTS: (pp_rank, count)."""
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
 
     counts = []
     for tp, pp, ep, etp in META_LAYOUTS:
@@ -123,7 +122,7 @@ def _meta_counts(rank, world_size):
 
 
 def test_planner_counts_equal_meta_device_models_at_expert_layouts():
-    shape = Qwen2Shape.from_hf(SMALL_30B)
+    shape = ModelShape.from_hf(SMALL_30B)
     per_rank = run_distributed(_meta_counts, 2, timeout_s=300)
     for i, (tp, pp, ep, etp) in enumerate(META_LAYOUTS):
         layout = ParallelLayout(tensor=tp, pipeline=pp, data=2 // (tp * pp), expert=ep, expert_tensor=etp)
@@ -154,11 +153,11 @@ def test_expert_settings_need_a_mixture_of_experts_model(key):
 
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", key])
     with pytest.raises(ConfigError, match=f"{key.split('=')[0]}: needs a mixture-of-experts model"):
-        validate_for_model(cfg, Qwen2Shape.from_hf(qwen3_hf_config("qwen3-8b")))
+        validate_for_model(cfg, ModelShape.from_hf(hf_config("qwen3-8b")))
     validate_for_model(cfg, SHAPE_30B)
 
 
-SMALL_MOE = dict(qwen3_moe_hf_config("qwen3-30b-a3b"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+SMALL_MOE = dict(hf_config("qwen3-30b-a3b"), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000, num_experts=4,
                  num_experts_per_tok=2, moe_intermediate_size=64, max_position_embeddings=512)
 
@@ -169,7 +168,7 @@ def _measured_training_state(rank, world_size):
     gradients and optimizer state (moments and fp32 masters) that exist afterwards."""
     from megatron_gtpo.config import TrainConfig
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.model_setup import wrap_for_training
     from test_plan import state_bytes_after_one_step
 
@@ -186,7 +185,7 @@ def test_planner_training_state_bytes_at_ep2_equal_measured_tensors():
     from megatron_gtpo.planning import Settings, Workload, plan
 
     measured = run_distributed(_measured_training_state, 2, timeout_s=300)
-    stage = plan(Qwen2Shape.from_hf(SMALL_MOE), ParallelLayout(data=2, expert=2),
+    stage = plan(ModelShape.from_hf(SMALL_MOE), ParallelLayout(data=2, expert=2),
                  Workload(prompts_per_step=2, num_responses_per_prompt=2, max_prompt_tokens=16, max_response_tokens=16),
                  Settings(params_dtype="bfloat16", vllm_memory_fraction=None, kernels="local")).stages[0]
     for rank in measured:

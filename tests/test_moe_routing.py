@@ -23,7 +23,7 @@ def _megatron_routing(rank, world_size, model_dir, forced):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.moe_routing import RoutedExperts, RouterStatistics, recording, routed_layers
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.forward import make_micro_batches, model_forward
 
     groups = initialize_parallel(1, 1)

@@ -48,7 +48,7 @@ def _replay_rank(rank, world_size, model_dir):
     from megatron_gtpo.config import load_config
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.moe_routing import routed_layers
-    from megatron_gtpo.models.qwen2 import load_hf_config
+    from megatron_gtpo.models.qwen import load_hf_config
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
     from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.model_setup import PolicyModel

@@ -88,7 +88,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, replay=False):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.hf_mapping import ShardCoordinates
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.model_setup import wrap_for_training
     from megatron_gtpo.distributed.platform import device_audit

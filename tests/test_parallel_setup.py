@@ -3,8 +3,8 @@ import pytest
 
 from megatron_gtpo.distributed.parallel import (_pick_backend, first_host_in_nodelist,
                                                 read_launch_env)
-from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
-from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
+from megatron_gtpo.models.presets import hf_config
 
 
 def test_torchrun_env_wins_over_slurm():
@@ -44,12 +44,12 @@ def test_backend_errors():
 
 def test_unsupported_architecture_and_rope_scaling():
     with pytest.raises(ValueError, match="unsupported architecture"):
-        Qwen2Shape.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    cfg = dict(qwen25_hf_config("qwen2.5-0.5b"), rope_scaling={"type": "yarn", "factor": 4.0})
+        ModelShape.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    cfg = dict(hf_config("qwen2.5-0.5b"), rope_scaling={"type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="RoPE scaling"):
-        Qwen2Shape.from_hf(cfg)
+        ModelShape.from_hf(cfg)
     with pytest.raises(ValueError, match="lacks required keys"):
-        Qwen2Shape.from_hf({"model_type": "qwen2"})
+        ModelShape.from_hf({"model_type": "qwen2"})
 
 
 def test_vocab_padding_is_tp_independent_up_to_8():
@@ -64,12 +64,12 @@ def test_vocab_padding_is_tp_independent_up_to_8():
 
 def _meta_param_counts(rank, world_size, names):
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
 
     initialize_parallel(1, 1)
     counts = {}
     for name in names:
-        model = build_model(qwen25_hf_config(name), tensor_parallel=1, pipeline_parallel=1, pp_rank=0,
+        model = build_model(hf_config(name), tensor_parallel=1, pipeline_parallel=1, pp_rank=0,
                             meta_device=True)[0]
         assert {p.device.type for p in model.parameters()} == {"meta"}
         counts[name] = sum(p.numel() for p in model.parameters())
@@ -84,7 +84,7 @@ def test_real_sizes_build_on_meta_device_with_published_parameter_counts():
     published = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen2.5-32b": 32_763_876_352}
     counts = run_distributed(_meta_param_counts, 1, args=(list(published),), timeout_s=180)[0]
     for name, expected in published.items():
-        cfg = qwen25_hf_config(name)
+        cfg = hf_config(name)
         padding_rows = padded_vocab_size(cfg["vocab_size"], 1) - cfg["vocab_size"]
         tables = 1 if cfg["tie_word_embeddings"] else 2
         assert counts[name] == expected + padding_rows * cfg["hidden_size"] * tables, name

@@ -23,8 +23,8 @@ import torch
 
 from distributed_harness import run_distributed
 from megatron_gtpo.layout import ParallelLayout
-from megatron_gtpo.models.qwen2 import Qwen2Shape
-from megatron_gtpo.models.qwen25_sizes import qwen25_hf_config
+from megatron_gtpo.models.qwen import ModelShape
+from megatron_gtpo.models.presets import hf_config
 from megatron_gtpo.planning import (Settings, Workload, forward_flops, generation_phase_s, layer_activation_bytes,
                                     parameter_count, plan, plan_disaggregated, settings_from_config, step_s,
                                     total_parameter_count, training_phase_s, workload_from_config)
@@ -45,7 +45,7 @@ def _measure_all(rank, world_size):
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
 
     out = {"meta_counts": _meta_parameter_counts(META_LAYOUTS),
            "training_state": {case: _measured_training_state(*case) for case in TRAINING_STATE_CASES}}
@@ -76,12 +76,12 @@ def measurements():
 
 def _meta_parameter_counts(layouts):
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
 
     counts = []
     for name, tp, pp, vpp in layouts:
         groups = initialize_parallel(tp, pp, virtual_pipeline_parallel=vpp)
-        chunks = build_model(qwen25_hf_config(name), tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
+        chunks = build_model(hf_config(name), tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
                              virtual_pipeline_parallel=vpp, meta_device=True)
         counts.append((groups.pp_rank, groups.tp_rank, sum(p.numel() for c in chunks for p in c.parameters())))
     return counts
@@ -91,7 +91,7 @@ def _meta_parameter_counts(layouts):
 def test_parameter_counts_equal_meta_device_models(measurements):
     per_rank = [rank["meta_counts"] for rank in measurements]
     for i, (name, tp, pp, vpp) in enumerate(META_LAYOUTS):
-        shape = Qwen2Shape.from_hf(qwen25_hf_config(name))
+        shape = ModelShape.from_hf(hf_config(name))
         layout = ParallelLayout(tensor=tp, pipeline=pp, data=WORLD // (tp * pp), virtual_pipeline=vpp)
         seen = set()
         for rank_counts in per_rank:
@@ -124,7 +124,7 @@ def _measured_training_state(dtype_name, distributed_optimizer):
 
     from megatron_gtpo.config import TrainConfig
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.model_setup import wrap_for_training
 
     initialize_parallel(1, 1)
@@ -173,7 +173,7 @@ TRAINING_STATE_CASES = [("float32", True), ("bfloat16", True), ("bfloat16", Fals
 @pytest.mark.parametrize("dtype,distributed_optimizer", TRAINING_STATE_CASES)
 def test_training_state_bytes_equal_measured_tensors(measurements, dtype, distributed_optimizer):
     measured = [rank["training_state"][(dtype, distributed_optimizer)] for rank in measurements]
-    shape = Qwen2Shape.from_hf(SMALL)
+    shape = ModelShape.from_hf(SMALL)
     result = plan(shape, ParallelLayout(tensor=1, pipeline=1, data=WORLD),
                   Workload(prompts_per_step=WORLD, num_responses_per_prompt=2, max_prompt_tokens=16,
                            max_response_tokens=16),
@@ -215,7 +215,7 @@ def _saved_activation_bytes(model, *, seq_len, batch) -> int:
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_local_profile_layer_activations_equal_saved_tensors(measurements, tp, recompute):
-    shape = Qwen2Shape.from_hf(dict(LAYER_PROBE, num_hidden_layers=1))
+    shape = ModelShape.from_hf(dict(LAYER_PROBE, num_hidden_layers=1))
     expected = layer_activation_bytes(shape, seq_len=PROBE_SEQ, micro_batch_size=PROBE_BATCH, tensor_parallel=tp,
                                       sequence_parallel=False, kernels="local", bytes_per_element=4,
                                       recompute=recompute)
@@ -223,7 +223,7 @@ def test_local_profile_layer_activations_equal_saved_tensors(measurements, tp, r
 
 
 def test_forward_flops_equal_torch_flop_counter_on_a_megatron_forward(measurements):
-    shape = Qwen2Shape.from_hf(dict(LAYER_PROBE, num_hidden_layers=2))
+    shape = ModelShape.from_hf(dict(LAYER_PROBE, num_hidden_layers=2))
     tokens, s = PROBE_BATCH * PROBE_SEQ, PROBE_SEQ
     planned = forward_flops(shape, num_tokens=tokens, sum_squared_lengths=PROBE_BATCH * s * s)
     # megatron's unfused attention multiplies the full s x s score matrix (QK^T and AV: 2 x 2 a d s^2 per layer and
@@ -258,7 +258,7 @@ def test_cli_json_contract_for_the_design_example():
                           "--pp", "2", "--dp", "4", "--json"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-32b"))
+    shape = ModelShape.from_hf(hf_config("qwen2.5-32b"))
     layout = ParallelLayout(tensor=8, pipeline=2, data=4)
     assert out["params_per_gpu"] == max(parameter_count(shape, layout, r) for r in range(2))
     assert out["fits"] is True and out["reasons"] == []
@@ -312,7 +312,7 @@ def test_cli_distributed_optimizer_and_recompute_variants(capsys):
 
 
 def test_cli_takes_a_config_json_or_model_directory(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps(qwen25_hf_config("qwen2.5-1.5b")))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config("qwen2.5-1.5b")))
     by_dir = _plan_cli(capsys, "--model", str(tmp_path), "--json", "--tp", "2")
     by_file = _plan_cli(capsys, "--model", str(tmp_path / "config.json"), "--json", "--tp", "2")
     by_name = _plan_cli(capsys, "--model", "qwen2.5-1.5b", "--json", "--tp", "2")
@@ -333,7 +333,7 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
 
     cfg = load_config(os.path.join(REPO, "examples", path))
     model = next(m for m in RECIPE_GPUS if path.startswith(m + "-"))
-    shape = Qwen2Shape.from_hf(qwen25_hf_config(model))
+    shape = ModelShape.from_hf(hf_config(model))
     for gpus in RECIPE_GPUS[model]:
         tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
         layout = ParallelLayout(tensor=tp, pipeline=pp, data=gpus // (tp * pp),
@@ -349,9 +349,9 @@ def test_logprob_workspaces_equal_what_the_vocab_parallel_op_allocates():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_gtpo.distributed.vocab_parallel import chunk_tokens_for_budget, vocab_parallel_logprobs_and_entropy
-    from megatron_gtpo.models.qwen2 import padded_vocab_size
+    from megatron_gtpo.models.qwen import padded_vocab_size
 
-    shape = Qwen2Shape.from_hf(SMALL)
+    shape = ModelShape.from_hf(SMALL)
     vocab_local = padded_vocab_size(shape.vocab_size, 1)
     workload = Workload(prompts_per_step=1, num_responses_per_prompt=2, max_prompt_tokens=16, max_response_tokens=16)
     budget_mib = 8 * 2 * vocab_local * 4 / 2**20  # an 8-token chunk: smaller than the 32-token micro-batch
@@ -389,7 +389,7 @@ def test_rollout_layout_and_kv_cache_per_gpu_for_32b_at_tp8_pp2_dp2():
     """The colocated rollout of a 32B TP8 PP2 DP2 job (rollout/placement.py): an engine per pipeline stage of each
     replica, 4 engines on all 32 GPUs, each holding the whole model over its 8 GPUs; the KV cache per GPU is vLLM's
     share of the GPU less its weights and overhead, worked out here by hand."""
-    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-32b"))
+    shape = ModelShape.from_hf(hf_config("qwen2.5-32b"))
     settings = Settings(vllm_memory_fraction=0.5, vllm_tensor_parallel=8)
     result = plan(shape, ParallelLayout(tensor=8, pipeline=2, data=2), Workload(), settings)
     kv = result.kv_cache
@@ -404,7 +404,7 @@ def test_rollout_layout_and_kv_cache_per_gpu_for_32b_at_tp8_pp2_dp2():
 
 
 def test_default_vllm_tp_tiles_every_gpu_and_bad_ones_are_refused():
-    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))
+    shape = ModelShape.from_hf(hf_config("qwen2.5-7b"))
     kv = plan(shape, ParallelLayout(tensor=4, pipeline=2, data=1), Workload(), Settings()).kv_cache
     assert (kv["vllm_tensor_parallel"], kv["engines"], kv["gpus_generating"]) == (4, 2, 8)
     kv = plan(shape, ParallelLayout(tensor=1, pipeline=1, data=8), Workload(), Settings()).kv_cache
@@ -430,7 +430,7 @@ TINY_ATTENTION = 4 * 64 * 2  # heads x head_dim x layers
 def test_training_phase_times_by_hand():
     """4 sequences of 8 + 4 tokens: forward = 2 x weights x tokens + 2 a d layers x length^2 each, on 2 GPUs of
     1e12 FLOP/s at MFU 0.5; update = 3 forwards, 4 with recompute."""
-    shape = Qwen2Shape.from_hf(TINY)
+    shape = ModelShape.from_hf(TINY)
     forward = 4 * (2 * TINY_MATMUL_WEIGHTS * 12 + 2 * TINY_ATTENTION * 12 ** 2)
     settings = Settings(peak_flops_per_s=1e12, training_mfu=0.5)
     times = training_phase_s(shape, TINY_WORK, settings, gpus=2, tensor_parallel=1)
@@ -446,7 +446,7 @@ def test_generation_phase_times_by_hand_bandwidth_and_compute_bound():
     """One engine of one GPU (and of two), 4 sequences (2 prompts x 2), a KV cache of 16 tokens: each sequence
     takes its 4 response tokens plus half its prompt's 8 (the prefix cache shares it), so 2 run at once: two waves
     of 2 decoding 4 steps at contexts 8..11, then one straggler at contexts 12..15 up to the maximum of 8."""
-    shape = Qwen2Shape.from_hf(TINY)
+    shape = ModelShape.from_hf(TINY)
     weight_bytes = 2 * TINY_MATMUL_WEIGHTS
     kv_bytes_per_token = 2 * 2 * 2 * 64 * 2  # K and V x layers x KV heads x head_dim x bf16
     # Bandwidth bound (compute nearly free): bytes / (1e9 B/s x 0.5).
@@ -476,7 +476,7 @@ def test_generation_phase_times_by_hand_bandwidth_and_compute_bound():
 def test_mean_response_length_defaults_to_half_the_maximum_and_is_checked():
     assert Workload().expected_response_tokens == 2048
     assert Workload(mean_response_tokens=3000).expected_response_tokens == 3000
-    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))
+    shape = ModelShape.from_hf(hf_config("qwen2.5-7b"))
     with pytest.raises(ValueError, match="mean_response_tokens must be in"):
         plan(shape, ParallelLayout(tensor=4), Workload(mean_response_tokens=5000))
 
@@ -495,7 +495,7 @@ def test_split_of_three_nodes_for_7b_at_tp4_is_two_training_nodes_and_one_rollou
     """3 nodes, TP=4, servers of TP=2, 96 prompts: DP=4 on 2 nodes with its 4 servers on the third, DP=3 likewise
     (12 GPUs, 2 nodes), or DP=2 or 1 on 1 node with its servers on another. Each larger DP trains on more GPUs and
     gives each server fewer sequences, so the step shortens with DP and DP=4 wins."""
-    shape = Qwen2Shape.from_hf(qwen25_hf_config("qwen2.5-7b"))
+    shape = ModelShape.from_hf(hf_config("qwen2.5-7b"))
     layout = ParallelLayout(tensor=4, data=6)
     workload = Workload(prompts_per_step=96, micro_batch_size=2, mini_batches_per_step=4)  # DP=6 divides 96 x 4
     result = plan_disaggregated(shape, layout, workload, Settings(), nodes=3, server_tp=2)

@@ -112,10 +112,10 @@ def test_a_run_killed_mid_checkpoint_leaves_no_process(tmp_path, victim):
 PARENT_SCRIPT = f"""
 import sys
 sys.path.insert(0, {HERE!r})
-from megatron_gtpo.rewards import RewardScorer
+from megatron_gtpo.rewards import RewardPool
 from test_process_lifetime import reward_blocking_its_timer
 
-RewardScorer(reward_blocking_its_timer, num_workers=1, timeout_s=300).score(["hang"], [sys.argv[1]])
+RewardPool(reward_blocking_its_timer, num_workers=1, timeout_s=300).rewards(["hang"], [sys.argv[1]])
 """
 
 

@@ -12,7 +12,7 @@ def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batc
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.hf_mapping import ShardCoordinates
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.forward import make_micro_batches, run_pipeline
 
     groups = initialize_parallel(tp, pp, expert_parallel=ep, expert_tensor_parallel=etp)

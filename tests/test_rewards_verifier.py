@@ -1,6 +1,6 @@
 """Math verifier on reference answers of the public datasets, rewritten in equivalent forms, and adversarial cases.
 
-Every case is scored through one RewardScorer(verify_math_answer, num_workers=2), the batch path the trainer
+Every case is scored through one RewardPool(verify_math_answer, num_workers=2), the batch path the trainer
 uses. Expected rewards come from how each case is built (an equivalent rewriting must score 1.0, another
 problem's different answer 0.0), not from the verifier.
 """
@@ -15,7 +15,7 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_gtpo.rewards import RewardScorer, extract_final_answer, verify_math_answer
+from megatron_gtpo.rewards import RewardPool, extract_final_answer, verify_math_answer
 
 # Full-size answer sets, used when present: the repository's data/ (where the README's "From a Hugging Face model"
 # puts the training data) with dapo_math_17k.jsonl and gsm8k_test.jsonl (GSM8K's test split as {problem, answer}).
@@ -96,15 +96,15 @@ def _comparable(answer: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def scorer():
-    # A generous limit: these tests are about answers, the limit itself is tested in test_rewards_scorer.py,
+def reward_pool():
+    # A generous limit: these tests are about answers, the limit itself is tested in test_rewards_pool.py,
     # and a shared 2-core machine can slow a 5 ms verification a hundredfold.
-    with RewardScorer(verify_math_answer, num_workers=2, timeout_s=60.0, chunk_size=32) as scorer:
-        yield scorer
+    with RewardPool(verify_math_answer, num_workers=2, timeout_s=60.0, chunk_size=32) as reward_pool:
+        yield reward_pool
 
 
 @pytest.mark.slow
-def test_reference_answers_verify_in_equivalent_forms_and_not_against_other_answers(scorer):
+def test_reference_answers_verify_in_equivalent_forms_and_not_against_other_answers(reward_pool):
     responses, references, expected, labels = [], [], [], []
     for dataset, answers in _sampled_answers().items():
         for position, answer in enumerate(answers):
@@ -129,10 +129,10 @@ def test_reference_answers_verify_in_equivalent_forms_and_not_against_other_answ
                     expected.append(0.0)
                     labels.append(f"{dataset}[{position}] {answer!r} must reject {response!r}")
     assert len(set(references)) > 300
-    rewards = scorer.score(responses, references)
+    rewards = reward_pool.rewards(responses, references)
     wrong = [label for label, got, want in zip(labels, rewards, expected) if got != want]
     assert not wrong, f"{len(wrong)} of {len(labels)} cases wrong, e.g.:\n" + "\n".join(wrong[:80])
-    assert scorer.stats.num_soft_timeouts == 0 and scorer.stats.num_killed == 0
+    assert reward_pool.stats.num_soft_timeouts == 0 and reward_pool.stats.num_killed == 0
 
 
 @pytest.mark.parametrize(
@@ -174,8 +174,8 @@ def test_reference_answers_verify_in_equivalent_forms_and_not_against_other_answ
         ("\\boxed{\\text{(C)}}", "\\text{(C)}", 1.0),
     ],
 )
-def test_adversarial_extraction(scorer, response, reference, expected):
-    assert scorer.score([response], [reference]) == [expected]
+def test_adversarial_extraction(reward_pool, response, reference, expected):
+    assert reward_pool.rewards([response], [reference]) == [expected]
 
 
 def test_extract_final_answer_cleans_delimiters_and_markdown():

@@ -27,7 +27,7 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_token):
 
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
     from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 

@@ -20,7 +20,7 @@ def _ipc_sync(rank, world_size, model_dir):
 
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout import cuda_ipc
     from megatron_gtpo.rollout.placement import engine_hosts, engine_members
     from megatron_gtpo.rollout.server_engine import ServerEngine

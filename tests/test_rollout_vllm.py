@@ -107,7 +107,7 @@ def _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out: dict) 
 def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
     from megatron_gtpo.rollout.placement import engine_hosts
     from megatron_gtpo.rollout.vllm_engine import VLLMEngine
@@ -275,7 +275,7 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
 
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
     from megatron_gtpo.rollout.remote_client import RemoteClient, RemoteEngine
 

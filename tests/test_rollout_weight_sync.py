@@ -23,7 +23,7 @@ def _sync_all_layouts(rank, world_size, model_dirs, layouts, bucket_sizes):
 def _sync(model_dir, tp, pp, vpp, destinations, bucket_sizes):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, layer_offset, load_hf_weights
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination
 
     groups = initialize_parallel(tp, pp, virtual_pipeline_parallel=vpp)
@@ -141,7 +141,7 @@ def _peak_sync_memory(rank, world_size, model_dir, bucket_sizes, packed):
 
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout.weight_sync import hf_weight_buckets, is_sync_destination, pack_bucket
 
     ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)

@@ -48,11 +48,11 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
         # The round index stands in for the policy version that sampled the round.
         return lambda: SampledGroups.sampled(prompts, generate(), round_index)
 
-    def score_groups(prompts, responses):
+    def reward_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
 
     groups = SimpleNamespace(dp_group=dist.group.WORLD, device=torch.device("cpu"))
-    exp = collect_experience(sample_round, score_groups, SamplingParams(n=G), groups,
+    exp = collect_experience(sample_round, reward_groups, SamplingParams(n=G), groups,
                              target_prompt_groups=TARGET_GROUPS,
                              dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
                              length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG)

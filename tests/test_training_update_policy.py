@@ -38,7 +38,7 @@ def _policy_run(algorithm, overrides=(), *, tp=1, pp=1, tied=False):
     from megatron_gtpo.config import load_config
     from megatron_gtpo.data.synthetic import tiny_model_hf_config
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.models.qwen import ModelShape
     from megatron_gtpo.training.model_setup import build_chunks, wrap_for_training
 
     import torch
@@ -51,7 +51,7 @@ def _policy_run(algorithm, overrides=(), *, tp=1, pp=1, tied=False):
     policy = wrap_for_training(cfg, build_chunks(cfg, hf_config, parallel))
     return SimpleNamespace(cfg=cfg, parallel=parallel, policy=policy,
                            algorithm=configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens),
-                           vocab_size=Qwen2Shape.from_hf(tiny_model_hf_config()).vocab_size)
+                           vocab_size=ModelShape.from_hf(tiny_model_hf_config()).vocab_size)
 
 
 def _step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_equals_old=False, **correction):

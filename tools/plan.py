@@ -105,18 +105,13 @@ def parse_args(argv=None):
 
 
 def load_model(model: str) -> tuple[str, dict]:
-    from megatron_gtpo.models.qwen25_sizes import QWEN25_MODEL_NAMES, qwen25_hf_config
-    from megatron_gtpo.models.qwen3_moe_sizes import QWEN3_MOE_MODEL_NAMES, qwen3_moe_hf_config
-    from megatron_gtpo.models.qwen3_sizes import QWEN3_MODEL_NAMES, qwen3_hf_config
+    from megatron_gtpo.models.presets import PRESET_NAMES, hf_config
 
-    presets = {**dict.fromkeys(QWEN25_MODEL_NAMES, qwen25_hf_config),
-               **dict.fromkeys(QWEN3_MODEL_NAMES, qwen3_hf_config),
-               **dict.fromkeys(QWEN3_MOE_MODEL_NAMES, qwen3_moe_hf_config)}
-    if model.lower() in presets:
-        return model.lower(), presets[model.lower()](model)
+    if model.lower() in PRESET_NAMES:
+        return model.lower(), hf_config(model)
     path = os.path.join(model, "config.json") if os.path.isdir(model) else model
     if not os.path.isfile(path):
-        raise ValueError(f"--model {model!r} is neither a known name ({', '.join(presets)}) nor a "
+        raise ValueError(f"--model {model!r} is neither a known name ({', '.join(PRESET_NAMES)}) nor a "
                          f"config.json / model directory")
     with open(path, encoding="utf-8") as f:
         return model, json.load(f)
@@ -303,10 +298,10 @@ def format_disaggregated(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.models.qwen import ModelShape
 
     name, hf_config = load_model(args.model)
-    shape = Qwen2Shape.from_hf(hf_config)
+    shape = ModelShape.from_hf(hf_config)
     layout, workload, settings = build_inputs(args, moe=shape.moe is not None)
     if args.disaggregated:
         if args.nodes is None or args.suggest:

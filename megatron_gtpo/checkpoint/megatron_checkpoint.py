@@ -40,7 +40,7 @@ import torch
 
 from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.models.hf_mapping import LOCAL_TO_TE
-from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
 
 from .atomic_dir import begin_output_dir, commit_output_dir
 from .manifest import check_intact, write_manifest
@@ -83,8 +83,8 @@ class CheckpointMetadata:
     expert_parallel: int = 1  # the EP it was written at (1 for dense models); it loads at any
 
     @property
-    def shape(self) -> Qwen2Shape:
-        return Qwen2Shape.from_hf(self.hf_config)
+    def shape(self) -> ModelShape:
+        return ModelShape.from_hf(self.hf_config)
 
     @property
     def vocab_size(self) -> int:
@@ -149,7 +149,7 @@ class StoredAt:
     stacked: tuple[int, ...] = ()
 
 
-def dist_checkpoint_key(megatron_name: str, shape: Qwen2Shape) -> StoredAt:
+def dist_checkpoint_key(megatron_name: str, shape: ModelShape) -> StoredAt:
     """Where a canonical megatron tensor (hf_mapping names) of a model of `shape` is stored:
     'decoder.layers.3.input_layernorm.weight' -> 'decoder.layers.self_attention.linear_qkv.layer_norm_weight' at
     layer 3 (a dense layer's norms under their TE names); 'decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.

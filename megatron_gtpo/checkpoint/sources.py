@@ -29,7 +29,7 @@ class ModelSource:
             from .megatron_checkpoint import read_checkpoint_metadata
 
             return read_checkpoint_metadata(self.path).hf_config
-        from megatron_gtpo.models.qwen2 import load_hf_config
+        from megatron_gtpo.models.qwen import load_hf_config
 
         return load_hf_config(self.path)
 

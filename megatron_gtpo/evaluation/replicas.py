@@ -60,7 +60,7 @@ def build_builtin_replica(args: argparse.Namespace, tokenizer: Tokenizer) -> Rep
     import torch.distributed as dist
 
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen2 import Qwen2Shape, build_model
+    from megatron_gtpo.models.qwen import ModelShape, build_model
     from megatron_gtpo.checkpoint.sources import ModelSource
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
@@ -70,7 +70,7 @@ def build_builtin_replica(args: argparse.Namespace, tokenizer: Tokenizer) -> Rep
     chunks = build_model(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp, pp_rank=parallel.pp_rank,
                          params_dtype=getattr(torch, args.dtype))
     source.load_into(chunks, parallel)
-    shape = Qwen2Shape.from_hf(hf_config)
+    shape = ModelShape.from_hf(hf_config)
     share = ReplicaShare(parallel.dp_rank, parallel.dp_size, leader=parallel.tp_rank == 0 and parallel.pp_rank == 0)
     engine = BuiltinEngine(chunks, parallel, vocab_size=shape.vocab_size, max_batch_size=args.max_batch_rows,
                            max_batch_tokens=args.max_batch_tokens, progress=dist.get_rank() == 0)
@@ -84,7 +84,7 @@ def build_vllm_replica(args: argparse.Namespace, tokenizer: Tokenizer) -> Replic
     import torch
     import torch.distributed as dist
 
-    from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
+    from megatron_gtpo.models.qwen import ModelShape, load_hf_config
 
     try:
         from megatron_gtpo.rollout import vllm_engine
@@ -104,7 +104,7 @@ def build_vllm_replica(args: argparse.Namespace, tokenizer: Tokenizer) -> Replic
     else:
         raise ValueError(f"--engine vllm found no GPU (vLLM platform {platform!r}); run it on a CUDA machine or "
                          "use --engine builtin")
-    shape = Qwen2Shape.from_hf(load_hf_config(args.model))
+    shape = ModelShape.from_hf(load_hf_config(args.model))
     server = vllm_engine.VLLMServer(
         args.model, dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.vllm_kv_cache_bytes, tensor_parallel_size=args.vllm_tp,

@@ -13,7 +13,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from megatron_gtpo.data import PromptRecord, PromptTemplate, Tokenizer, tokenize_prompts
-from megatron_gtpo.rewards import RewardScorer, extract_final_answer
+from megatron_gtpo.rewards import RewardPool, extract_final_answer
 from megatron_gtpo.rollout.engine import SamplingParams, check_prompts
 
 from .passk import ProblemResult
@@ -81,7 +81,7 @@ def evaluate_dataset(
     tokenizer: Tokenizer,
     template: PromptTemplate,
     sampling: SamplingSettings,
-    scorer: RewardScorer,
+    reward_pool: RewardPool,
     prompts_per_call: int = 64,
     progress: bool = True,
 ) -> list[ProblemResult]:
@@ -98,7 +98,7 @@ def evaluate_dataset(
     texts = [[tokenizer.decode(ids, skip_special_tokens=True) for ids in per_prompt] for per_prompt in response_ids]
     flat_texts = [text for per_prompt in texts for text in per_prompt]
     flat_references = [sample.answer for sample in samples for _ in range(sampling.num_samples)]
-    rewards = scorer.score(flat_texts, flat_references, progress=progress)
+    rewards = reward_pool.rewards(flat_texts, flat_references, progress=progress)
     results = []
     for position, sample in enumerate(samples):
         first = position * sampling.num_samples

@@ -8,7 +8,7 @@ import os
 import torch
 
 from .hf_mapping import ShardCoordinates, canonical_name, hf_tensor_shape, hf_to_megatron_shard, tensor_mappings
-from .qwen2 import Qwen2Shape, load_hf_config
+from .qwen import ModelShape, load_hf_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,7 +26,7 @@ class HFCheckpoint:
 
         self.model_dir = model_dir
         self.config = load_hf_config(model_dir)
-        self.shape = Qwen2Shape.from_hf(self.config)
+        self.shape = ModelShape.from_hf(self.config)
         index_path = os.path.join(model_dir, INDEX_FILE)
         if os.path.isfile(index_path):
             with open(index_path, encoding="utf-8") as f:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .qwen2 import Qwen2Shape, padded_vocab_size
+from .qwen import ModelShape, padded_vocab_size
 
 REPLICATED, COLUMN, ROW, QKV, FC1, VOCAB = "replicated", "column", "row", "qkv", "fc1", "vocab"
 
@@ -65,16 +65,16 @@ class ShardCoordinates:
         """(rank, size) of the tensor-parallel split of `mapping`'s tensor: expert tensors split over ETP."""
         return (self.etp_rank, self.etp_size) if mapping.expert is not None else (self.tp_rank, self.tp_size)
 
-    def expert_offset(self, shape: Qwen2Shape) -> int:
+    def expert_offset(self, shape: ModelShape) -> int:
         """The global index of this rank's first expert."""
         return self.ep_rank * (shape.moe.num_experts // self.ep_size) if shape.moe else 0
 
-    def holds(self, mapping: TensorMapping, shape: Qwen2Shape) -> bool:
+    def holds(self, mapping: TensorMapping, shape: ModelShape) -> bool:
         """Whether this rank's EP rank holds `mapping`'s expert (every rank holds non-expert tensors)."""
         return mapping.expert is None or mapping.expert // (shape.moe.num_experts // self.ep_size) == self.ep_rank
 
 
-def tensor_mappings(shape: Qwen2Shape) -> list[TensorMapping]:
+def tensor_mappings(shape: ModelShape) -> list[TensorMapping]:
     """Every tensor of the full model, in HF file order. A tied model has no lm_head: its output layer maps to the
     embedding (the last pipeline stage keeps its own copy of it in megatron)."""
     maps = [TensorMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)]
@@ -102,7 +102,7 @@ def tensor_mappings(shape: Qwen2Shape) -> list[TensorMapping]:
     return maps
 
 
-def _mlp_mappings(mg: str, hf: str, shape: Qwen2Shape) -> list[TensorMapping]:
+def _mlp_mappings(mg: str, hf: str, shape: ModelShape) -> list[TensorMapping]:
     """One layer's dense MLP, or its router and experts (in HF's order of expert index)."""
     if shape.moe is None:
         return [TensorMapping(mg + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), FC1),
@@ -116,7 +116,7 @@ def _mlp_mappings(mg: str, hf: str, shape: Qwen2Shape) -> list[TensorMapping]:
     return maps
 
 
-def hf_tensor_names(shape: Qwen2Shape) -> list[str]:
+def hf_tensor_names(shape: ModelShape) -> list[str]:
     """The tensors a HF checkpoint of this shape holds (each once; tied models have no lm_head.weight)."""
     seen: dict[str, None] = {}
     for m in tensor_mappings(shape):
@@ -125,7 +125,7 @@ def hf_tensor_names(shape: Qwen2Shape) -> list[str]:
     return list(seen)
 
 
-def hf_tensor_shape(name: str, shape: Qwen2Shape) -> tuple[int, ...]:
+def hf_tensor_shape(name: str, shape: ModelShape) -> tuple[int, ...]:
     """The shape config.json implies for a HF tensor (to name mismatches before loading)."""
     h, d, heads, groups, f = (shape.hidden_size, shape.head_dim, shape.num_attention_heads, shape.num_query_groups,
                               shape.ffn_hidden_size)
@@ -178,7 +178,7 @@ def canonical_name(param_name: str, layer_offset: int, expert_offset: int = 0) -
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
 
 
-def _qkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwen2Shape) -> torch.Tensor:
+def _qkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
     groups, d = shape.num_query_groups, shape.head_dim
     per_group = shape.num_attention_heads // groups
     tail = q.shape[1:]
@@ -188,7 +188,7 @@ def _qkv_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Qwen2Sha
     return torch.cat([q, k, v], dim=1).reshape(groups * (per_group + 2) * d, *tail)
 
 
-def _qkv_split(full: torch.Tensor, shape: Qwen2Shape) -> list[torch.Tensor]:
+def _qkv_split(full: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
     groups, d = shape.num_query_groups, shape.head_dim
     per_group = shape.num_attention_heads // groups
     tail = full.shape[1:]
@@ -197,7 +197,7 @@ def _qkv_split(full: torch.Tensor, shape: Qwen2Shape) -> list[torch.Tensor]:
     return [q.reshape(groups * per_group * d, *tail), k.reshape(groups * d, *tail), v.reshape(groups * d, *tail)]
 
 
-def hf_to_megatron_shard(mapping: TensorMapping, hf_tensors: list[torch.Tensor], shape: Qwen2Shape,
+def hf_to_megatron_shard(mapping: TensorMapping, hf_tensors: list[torch.Tensor], shape: ModelShape,
                          tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's shard of a megatron tensor, from the HF tensors named by `mapping.hf_names` (same order)."""
     layout = mapping.layout
@@ -229,7 +229,7 @@ def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def megatron_shards_to_hf(mapping: TensorMapping, shards: list[torch.Tensor],
-                          shape: Qwen2Shape) -> list[torch.Tensor]:
+                          shape: ModelShape) -> list[torch.Tensor]:
     """The HF tensors (in `mapping.hf_names` order) from all TP ranks' shards of one megatron tensor (rank order).
     For a replicated tensor one shard is enough. With a single shard (TP=1) the results are views of it where the
     layout allows (all but q/k/v): callers must not write into them."""

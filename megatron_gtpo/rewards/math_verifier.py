@@ -16,7 +16,7 @@ thousands separators, sets and tuples, intervals, equations such as `x=5` vs `5`
 `verify_math_answer` runs in the calling process WITHOUT any time limit: math-verify's own timeouts use
 SIGALRM, which only works in the main thread and clashes with our worker's own timer, so they are switched
 off here. Pathological answers (`9^{9^{9^{9}}}`) make sympy run for minutes; the time limit lives in the
-worker processes of `RewardScorer`, and `math_reward` (the public entry) always goes through one.
+worker processes of `RewardPool`, and `math_reward` (the public entry) always goes through one.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ except ImportError as err:  # math-verify is a hard dependency: no format-only f
         "`pip install 'math-verify>=0.7'`"
     ) from err
 
-from megatron_gtpo.rewards.scorer import RewardScorer
+from megatron_gtpo.rewards.pool import RewardPool
 
 # Seconds one guarded verification may take (extraction + parsing + comparison) before it scores 0.0.
 DEFAULT_TIMEOUT_S = 5.0
@@ -131,7 +131,7 @@ def verify_math_answer(response: str, reference: str) -> float:
     """1.0 if the response's final answer equals the reference answer mathematically, else 0.0.
 
     Runs in the calling process with NO time limit (see the module docstring); use `math_reward` or a
-    `RewardScorer` around this function to guard against pathological expressions.
+    `RewardPool` around this function to guard against pathological expressions.
     """
     reference_answer = _clean_answer(reference)
     if not reference_answer:
@@ -146,20 +146,20 @@ def verify_math_answer(response: str, reference: str) -> float:
     return 1.0 if verify(list(gold), list(prediction), timeout_seconds=None) else 0.0
 
 
-_default_scorer: RewardScorer | None = None
-_default_scorer_lock = threading.Lock()
+_default_pool: RewardPool | None = None
+_default_pool_lock = threading.Lock()
 
 
 def math_reward(response: str, reference: str) -> float:
     """1.0 if the response's final answer equals the reference mathematically, else 0.0; safe from any thread.
 
     The verification runs in a worker process shared by all callers in this process (started on first use,
-    ~1 s), under a DEFAULT_TIMEOUT_S limit: a response whose verification takes longer scores 0.0. For
-    batches, build a `RewardScorer(verify_math_answer, num_workers=...)` and call its `score`.
+    ~1 s), under a DEFAULT_TIMEOUT_S limit: a response whose verification takes longer gets reward 0.0. For
+    batches, build a `RewardPool(verify_math_answer, num_workers=...)` and call its `rewards`.
     """
-    global _default_scorer
-    with _default_scorer_lock:
-        if _default_scorer is None:
-            _default_scorer = RewardScorer(verify_math_answer, num_workers=1, timeout_s=DEFAULT_TIMEOUT_S)
-        scorer = _default_scorer
-    return scorer.score([response], [reference])[0]
+    global _default_pool
+    with _default_pool_lock:
+        if _default_pool is None:
+            _default_pool = RewardPool(verify_math_answer, num_workers=1, timeout_s=DEFAULT_TIMEOUT_S)
+        reward_pool = _default_pool
+    return reward_pool.rewards([response], [reference])[0]

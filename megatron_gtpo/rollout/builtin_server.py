@@ -47,11 +47,11 @@ class BuiltinServer:
                  max_batch_tokens: int | None = None, seed: int = 0):
         from megatron_gtpo.checkpoint.sources import ModelSource
         from megatron_gtpo.distributed import initialize_parallel
-        from megatron_gtpo.models.qwen2 import Qwen2Shape, build_model
+        from megatron_gtpo.models.qwen import ModelShape, build_model
 
         source = ModelSource.detect(model_dir)
         hf_config = source.hf_config()
-        self.shape = Qwen2Shape.from_hf(hf_config)
+        self.shape = ModelShape.from_hf(hf_config)
         self.parallel = initialize_parallel(1, 1, seed=seed)
         self.dtype = getattr(torch, dtype)
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"

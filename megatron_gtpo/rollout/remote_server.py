@@ -75,11 +75,11 @@ ENGINES = ("vllm", "builtin")
 
 
 def start_server(engine: str, model_dir: str, **server_kwargs):
-    """The server object of `engine` on `model_dir`, and the model's shape (models.qwen2.Qwen2Shape)."""
+    """The server object of `engine` on `model_dir`, and the model's shape (models.qwen.ModelShape)."""
     from megatron_gtpo.checkpoint.sources import ModelSource
-    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.models.qwen import ModelShape
 
-    shape = Qwen2Shape.from_hf(ModelSource.detect(model_dir).hf_config())
+    shape = ModelShape.from_hf(ModelSource.detect(model_dir).hf_config())
     if engine == "vllm":
         from .vllm_engine import VLLMServer
 

@@ -28,7 +28,7 @@ from vllm import SamplingParams as VLLMSamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
-from megatron_gtpo.models.qwen2 import Qwen2Shape, load_hf_config
+from megatron_gtpo.models.qwen import ModelShape, load_hf_config
 
 from .cuda_ipc import import_buffer
 from .engine import SamplingParams, response_seed
@@ -242,7 +242,7 @@ class VLLMEngine(ServerEngine):
         server = start_colocated_servers(parallel, hosts, start_server)
         # On CUDA the weights reach the workers by IPC on their own GPUs (cuda_ipc.py); elsewhere through the RPC.
         members = engine_members(tp=parallel.tp_size, pp=parallel.pp_size, engine_tp=engine_tp) if cuda else None
-        return cls(server, parallel, Qwen2Shape.from_hf(load_hf_config(hf_model_dir)), hosts=hosts,
+        return cls(server, parallel, ModelShape.from_hf(load_hf_config(hf_model_dir)), hosts=hosts,
                    bucket_bytes=bucket_bytes, ipc_members=members)
 
 

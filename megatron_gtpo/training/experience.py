@@ -47,14 +47,14 @@ class Experience:
 
 
 def collect_experience(sample_round: Callable[[int], Callable[[], SampledGroups]],
-                       score_groups: Callable[[list, Responses], torch.Tensor],
+                       reward_groups: Callable[[list, Responses], torch.Tensor],
                        params: SamplingParams, parallel: ParallelGroups, *, target_prompt_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
                        length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                        stand_by: Callable[[], None] | None = None) -> Experience:
-    """Sample G responses per prompt and score them. `sample_round(round_index)` draws a round's prompts and gives
+    """Sample G responses per prompt and reward them. `sample_round(round_index)` draws a round's prompts and gives
     the function that returns its groups (called only when the round is needed: the engine is asked then, unless
-    the round was asked for ahead); `score_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the
+    the round was asked for ahead); `reward_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the
     host. With dynamic sampling, groups whose rewards are all equal (algorithms.informative_groups) are dropped and
     more prompts are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders
     stay aligned) until `target_prompt_groups` informative groups are kept; then train on what there is. A round's
@@ -75,7 +75,7 @@ def collect_experience(sample_round: Callable[[int], Callable[[], SampledGroups]
         wait = sample_round(rounds)
         if kept_groups() < target_prompt_groups:
             groups = wait()
-            correct_NG = score_groups(groups.prompts, groups.responses)
+            correct_NG = reward_groups(groups.prompts, groups.responses)
             lengths_NG = groups.responses.lengths_NG().cpu().float()
             rewards_NG = correct_NG + (length_penalty(lengths_NG, correct_NG) if length_penalty else 0.0)
             # Filter on correctness, before length penalties (DAPO's rule).

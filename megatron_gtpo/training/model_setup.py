@@ -58,7 +58,7 @@ def build_chunks(cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups, *,
     """This rank's model chunks as the config describes them (weights not loaded). `meta_device` and `accelerator`
     (models/accelerator.py) build on a CPU what a GPU run builds, for the configuration tests."""
     from megatron_gtpo.models.moe import RouterLosses
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
 
     return build_model(hf_config, tensor_parallel=parallel.tp_size, pipeline_parallel=parallel.pp_size,
                        pp_rank=parallel.pp_rank, virtual_pipeline_parallel=parallel.vpp_size,

@@ -2,7 +2,7 @@
 
 With partial rollouts every engine call generates at most `segment_tokens` (rollout.partial_segment_tokens) tokens
 per response. A group of G responses is complete when each of them is finished (it sampled a stop token, or
-max_new_tokens in all); only complete groups are scored and trained on. A group with an unfinished response waits,
+max_new_tokens in all); only complete groups are rewarded and trained on. A group with an unfinished response waits,
 and the next batch asked for continues each of its unfinished responses for one more segment under the weights of
 then: the engine's prompt is the response's prompt followed by its tokens so far. Tokens keep the policy version
 that sampled them and their behaviour log-probs, so the rollout correction weighs each token against the policy

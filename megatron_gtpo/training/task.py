@@ -1,6 +1,6 @@
 """The task: prompts, a tokenizer, a batched reward on decoded text and the model's HF config, built from the
 config's data and model sections (`build_task`): a synthetic task built in code (data/synthetic_tasks.py), or math
-problems from a JSONL file scored by math-verify in a pool of worker processes."""
+problems from a JSONL file rewarded by math-verify in a pool of worker processes."""
 from __future__ import annotations
 
 import os
@@ -17,25 +17,25 @@ class Task:
 
     samples: list
     tokenizer: object
-    score: Callable[[list[str], list[str]], list[float]]  # (response texts, reference answers) -> rewards
+    rewards: Callable[[list[str], list[str]], list[float]]  # (response texts, reference answers) -> rewards
     hf_config: dict
     demonstration: Callable[[object], list[int]] | None = None  # PromptSample -> reference response token ids
 
 
 def _math_reward_pool(cfg: TrainConfig) -> Callable[[list[str], list[str]], list[float]]:
-    """math-verify in a pool of worker processes with a per-item time limit (rewards.RewardScorer), started on first
-    use, so only the ranks that score (one per model replica) start workers."""
-    from megatron_gtpo.rewards import RewardScorer, verify_math_answer
+    """math-verify in a pool of worker processes with a per-item time limit (rewards.RewardPool), started on first
+    use, so only the ranks that compute rewards (one per model replica) start workers."""
+    from megatron_gtpo.rewards import RewardPool, verify_math_answer
 
     pool = []
 
-    def score(texts: list[str], references: list[str]) -> list[float]:
+    def rewards(texts: list[str], references: list[str]) -> list[float]:
         if not pool:
-            pool.append(RewardScorer(verify_math_answer, num_workers=cfg.data.reward_workers,
+            pool.append(RewardPool(verify_math_answer, num_workers=cfg.data.reward_workers,
                                      timeout_s=cfg.data.reward_timeout_s))
-        return pool[0].score(texts, references)
+        return pool[0].rewards(texts, references)
 
-    return score
+    return rewards
 
 
 def build_task(cfg: TrainConfig) -> Task:

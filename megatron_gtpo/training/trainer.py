@@ -44,11 +44,11 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         from megatron_gtpo.data.loader import PromptLoader
         from megatron_gtpo.distributed.vocab_parallel import chunk_tokens_for_budget
-        from megatron_gtpo.models.qwen2 import Qwen2Shape, padded_vocab_size
+        from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
 
         self.cfg = cfg
         self.task = build_task(cfg)  # prompts, tokenizer, reward, the model's HF config
-        shape = Qwen2Shape.from_hf(self.task.hf_config)
+        shape = ModelShape.from_hf(self.task.hf_config)
         validate_for_model(cfg, shape)
         validate_layout(cfg, world_size=read_launch_env().world_size, shape=shape)  # before any process group
         p = cfg.parallel
@@ -160,7 +160,7 @@ class Trainer:
 
         def reward(prompts, responses):
             with timer("reward"):
-                return self.score_responses(prompts, responses)
+                return self.reward_responses(prompts, responses)
 
         a = self.cfg.algorithm
         exp = collect_experience(sample_round, reward, self.sampling_params(step, 0), self.parallel,
@@ -171,9 +171,9 @@ class Trainer:
                                  stand_by=getattr(self.engine, "stand_by", None))
         stats = exp.stats
         counts = ("groups_kept", "groups_generated", "sampling_rounds")
-        scored = ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio", "response_length_max")
+        rewarded = ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio", "response_length_max")
         # Partial rollouts may complete no group this step: then there is nothing to average.
-        metrics.add({k: stats[k] for k in counts + (scored if stats["groups_generated"] else ())},
+        metrics.add({k: stats[k] for k in counts + (rewarded if stats["groups_generated"] else ())},
                     {"responses": stats["groups_generated"] * exp.group_size})
         totals, weights = _staleness_totals(exp, step)
         metrics.add_totals(totals, weights)
@@ -281,7 +281,7 @@ class Trainer:
                               max_new_tokens=r.max_new_tokens, stop_token_ids=(self.task.tokenizer.eos_token_id,),
                               seed=seed, per_request_seeds=r.seeded_sampling)
 
-    def score_responses(self, prompts: list, responses: Responses) -> torch.Tensor:
+    def reward_responses(self, prompts: list, responses: Responses) -> torch.Tensor:
         """[N, G] rewards on the host, computed once per model replica (its first rank decodes the record's token ids
         there) and broadcast to the replica's ranks."""
         mp_group, device = self.parallel.mp_group, self.parallel.device
@@ -290,7 +290,7 @@ class Trainer:
             counts = responses.responses_per_prompt_P.tolist()
             references = [p.answer for p, count in zip(prompts, counts) for _ in range(count)]
             texts = [self.task.tokenizer.decode(ids) for ids in responses.token_id_lists()]
-            rewards = torch.tensor(self.task.score(texts, references), dtype=torch.float32, device=device)
+            rewards = torch.tensor(self.task.rewards(texts, references), dtype=torch.float32, device=device)
         dist.broadcast(rewards, src=dist.get_global_rank(mp_group, 0), group=mp_group)
         return rewards.cpu().view(responses.num_prompts, self.cfg.rollout.num_responses_per_prompt)
 

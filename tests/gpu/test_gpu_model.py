@@ -27,7 +27,7 @@ def _megatron_bf16_logits(rank, world_size, model_dir, sequences, use_transforme
     """Full-vocabulary logits (fp32 copies of the bf16 outputs) of a bf16 Megatron model at TP=1 on one GPU."""
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.forward import make_micro_batches, run_pipeline
 
     groups = initialize_parallel(1, 1)

@@ -17,7 +17,7 @@ def _alone_and_packed(rank, world_size, model_dir, sequences):
     """Per sequence: (log-probs scored alone, log-probs read out of the packed row), fp32 on the host."""
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.qwen2 import build_model
+    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.forward import (forward_logprobs_and_entropy, make_micro_batches, pack_sequences,
                                                 uses_local_attention)
 

@@ -36,7 +36,7 @@ def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
     from megatron_gtpo.config import load_config
     from megatron_gtpo.data.synthetic import tiny_model_hf_config
     from megatron_gtpo.models.accelerator import Accelerator
-    from megatron_gtpo.models.qwen2 import Qwen2Shape
+    from megatron_gtpo.models.qwen import ModelShape
     from megatron_gtpo.layout import ParallelLayout
     from megatron_gtpo.planning import plan, settings_from_config, workload_from_config
 
@@ -49,7 +49,7 @@ def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
     # The trainer takes the Transformer Engine spec whenever TE imports (no config key chooses the local spec).
     settings = settings_from_config(cfg, kernels=Accelerator.probe().layer_spec,
                                     gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
-    expected = plan(Qwen2Shape.from_hf(tiny_model_hf_config()), ParallelLayout(), workload_from_config(cfg), settings,
+    expected = plan(ModelShape.from_hf(tiny_model_hf_config()), ParallelLayout(), workload_from_config(cfg), settings,
                     model_name="cpu_demo tiny")
     gib = 2**30
     record = {"test": "rl_step_peak_memory", "device": torch.cuda.get_device_name(0),

@@ -6,9 +6,9 @@ SIGALRM, which works only in the main thread of a process, and not at all inside
 
 How the limit is enforced, in two layers:
 1. soft: each worker arms a SIGALRM timer (setitimer, sub-second resolution) around every item; when it fires
-   the item scores 0.0 and the worker carries on;
+   the item gets reward 0.0 and the worker carries on;
 2. hard: the parent kills (SIGKILL) a worker whose current item has run `timeout_s + kill_grace_s`
-   (the soft timer was blocked, e.g. inside one long C call); that item scores 0.0, the rest of its chunk goes
+   (the soft timer was blocked, e.g. inside one long C call); that item gets reward 0.0, the rest of its chunk goes
    back to the queue and a fresh worker starts.
 So every item's reward is known within `timeout_s + kill_grace_s` of the moment its worker started it.
 
@@ -23,7 +23,7 @@ kernel's parent-death signal, process_lifetime.die_with_parent), where its own t
 follows the thread that started the worker, so a worker started from another thread has the pipe alone.
 
 Exceptions raised by the reward function are NOT turned into 0.0: they point at a bug (the math verifier
-catches parse failures itself), so `score` raises RuntimeError with the worker's traceback.
+catches parse failures itself), so `rewards` raises RuntimeError with the worker's traceback.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _PACKAGE_PARENT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # os._exit skips interpreter teardown (sympy's module graph makes it take most of a second).
 _WORKER_BOOTSTRAP = (
-    "import os, sys; from megatron_gtpo.rewards.scorer import _worker_main; "
+    "import os, sys; from megatron_gtpo.rewards.pool import _worker_main; "
     "_worker_main(*map(int, sys.argv[1:4])); sys.stdout.flush(); sys.stderr.flush(); os._exit(0)"
 )
 _STATUS_OK, _STATUS_TIMEOUT, _STATUS_ERROR = "ok", "timeout", "error"
@@ -64,10 +64,10 @@ class RewardFn(Protocol):
 
 
 @dataclasses.dataclass
-class ScoringStats:
-    """Cumulative counters of a RewardScorer (every timed-out or killed item scored 0.0)."""
+class RewardStats:
+    """Cumulative counters of a RewardPool (every timed-out or killed item got reward 0.0)."""
 
-    num_scored: int = 0
+    num_rewarded: int = 0
     num_soft_timeouts: int = 0  # the worker's own timer stopped the item
     num_killed: int = 0  # the parent killed the worker (hard deadline) or the worker died on the item
 
@@ -80,7 +80,7 @@ def _raise_soft_timeout(signum, frame):
     raise _SoftTimeout()
 
 
-def _score_one(reward_fn: RewardFn, response: str, reference: str, timeout_s: float) -> tuple[str, object]:
+def _reward_one(reward_fn: RewardFn, response: str, reference: str, timeout_s: float) -> tuple[str, object]:
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
@@ -95,7 +95,7 @@ def _score_one(reward_fn: RewardFn, response: str, reference: str, timeout_s: fl
 
 
 def _worker_main(inbox_fd: int, outbox_fd: int, parent_pid: int) -> None:
-    """Worker process: receive the set-up message, then score chunks, sending one result per item. `parent_pid`: the
+    """Worker process: receive the set-up message, then reward chunks, sending one result per item. `parent_pid`: the
     process whose death kills this one (0: none)."""
     if parent_pid:
         die_with_parent(parent_pid)
@@ -119,7 +119,7 @@ def _worker_main(inbox_fd: int, outbox_fd: int, parent_pid: int) -> None:
         if chunk is None:
             return
         for response, reference in chunk:
-            outbox.send(_score_one(reward_fn, response, reference, timeout_s))
+            outbox.send(_reward_one(reward_fn, response, reference, timeout_s))
 
 
 class _Worker:
@@ -184,13 +184,13 @@ def _stop_workers(workers: list[_Worker], grace_s: float = 5.0) -> None:
     workers.clear()
 
 
-class RewardScorer:
+class RewardPool:
     """Scores (response, reference) pairs with `reward_fn` in `num_workers` processes; one item at most
-    `timeout_s` (+ `kill_grace_s` if the worker must be killed), a timed-out item scores 0.0.
+    `timeout_s` (+ `kill_grace_s` if the worker must be killed), a timed-out item gets reward 0.0.
 
     Items are sent in chunks of `chunk_size` to cut pipe round trips; results come back one by one, so the
     time limit is per item. Workers start at construction (about a second each, importing the reward's
-    module) and live until `close()` (or garbage collection / interpreter exit). `score` is thread-safe
+    module) and live until `close()` (or garbage collection / interpreter exit). `rewards` is thread-safe
     (calls are serialised). Use as a context manager to close deterministically.
     """
 
@@ -222,7 +222,7 @@ class RewardScorer:
         self.kill_grace_s = float(kill_grace_s)
         self.chunk_size = chunk_size
         self.startup_timeout_s = float(startup_timeout_s)
-        self.stats = ScoringStats()
+        self.stats = RewardStats()
         self._setup_message = pickle.dumps((list(sys.path), pickled_reward_fn, self.timeout_s))
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
@@ -259,17 +259,17 @@ class RewardScorer:
         worker.ready = True
 
     def close(self) -> None:
-        """Stop the worker processes. The scorer cannot be used afterwards."""
+        """Stop the worker processes. The reward_pool cannot be used afterwards."""
         with self._lock:
             self._finalizer()
 
-    def __enter__(self) -> RewardScorer:
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def score(self, responses: Sequence[str], references: Sequence[str], *, progress: bool = False) -> list[float]:
+    def rewards(self, responses: Sequence[str], references: Sequence[str], *, progress: bool = False) -> list[float]:
         """Rewards of the pairs (responses[i], references[i]), in order. `progress` shows a tqdm bar."""
         if len(responses) != len(references):
             raise ValueError(
@@ -281,11 +281,11 @@ class RewardScorer:
                 raise ValueError(f"{name}[{bad}] must be a str, got {type(texts[bad]).__name__}")
         with self._lock:
             if not self._finalizer.alive:
-                raise RuntimeError("this RewardScorer is closed")
+                raise RuntimeError("this RewardPool is closed")
             with tqdm(total=len(responses), desc="rewards", disable=not progress) as bar:
-                return self._score_locked(responses, references, bar)
+                return self._rewards_locked(responses, references, bar)
 
-    def _score_locked(self, responses, references, bar) -> list[float]:
+    def _rewards_locked(self, responses, references, bar) -> list[float]:
         rewards: list[float | None] = [None] * len(responses)
         pending = collections.deque(
             list(range(start, min(start + self.chunk_size, len(responses))))
@@ -339,13 +339,13 @@ class RewardScorer:
         item = worker.chunk.popleft()
         worker.item_started_at = time.monotonic()
         bar.update(1)
-        self.stats.num_scored += 1
+        self.stats.num_rewarded += 1
         if kind == _STATUS_ERROR:
             rewards[item] = 0.0
             return f"item {item}: {value}"
         if kind == _STATUS_TIMEOUT:
             self.stats.num_soft_timeouts += 1
-            logger.debug("reward of item %d timed out after %.1f s; scored 0.0", item, self.timeout_s)
+            logger.debug("reward of item %d timed out after %.1f s; reward 0.0", item, self.timeout_s)
         rewards[item] = value
         return None
 
@@ -358,16 +358,16 @@ class RewardScorer:
                 raise RuntimeError(f"a reward worker did not start within {self.startup_timeout_s} s")
 
     def _replace_dead_worker(self, index, rewards, pending, bar, *, reason: str) -> None:
-        """Kill worker `index`, score its current item 0.0, requeue the rest of its chunk, start a new one."""
+        """Kill worker `index`, give its current item reward 0.0, requeue the rest of its chunk, start a new one."""
         worker = self._workers[index]
         worker.kill()
         if worker.chunk:
             item = worker.chunk.popleft()
             rewards[item] = 0.0
             bar.update(1)
-            self.stats.num_scored += 1
+            self.stats.num_rewarded += 1
             self.stats.num_killed += 1
-            logger.warning("reward worker %s while scoring item %d; scored 0.0", reason, item)
+            logger.warning("reward worker %s while rewarding item %d; reward 0.0", reason, item)
             if worker.chunk:
                 pending.appendleft(list(worker.chunk))
         self._workers[index] = _Worker(self._setup_message)

@@ -1,4 +1,4 @@
-"""RewardScorer: pluggable reward functions in worker processes, per-item time limits, errors, thread safety."""
+"""RewardPool: pluggable reward functions in worker processes, per-item time limits, errors, thread safety."""
 from __future__ import annotations
 
 import signal
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_gtpo.rewards import RewardScorer, math_reward, verify_math_answer
+from megatron_gtpo.rewards import RewardPool, math_reward, verify_math_answer
 
 TIMEOUT_S = 1.0
 KILL_GRACE_S = 0.5
@@ -37,60 +37,61 @@ def test_pluggable_reward_function_scores_in_order():
     responses = [f"r{i % 7}" for i in range(50)]
     references = [f"r{i % 5}" for i in range(50)]
     expected = [1.0 if i % 7 == i % 5 else 0.0 for i in range(50)]
-    with RewardScorer(exact_match_reward, num_workers=2, chunk_size=3) as scorer:
-        assert scorer.score(responses, references) == expected
-        assert scorer.score([], []) == []
-        assert scorer.stats.num_scored == 50
+    with RewardPool(exact_match_reward, num_workers=2, chunk_size=3) as reward_pool:
+        assert reward_pool.rewards(responses, references) == expected
+        assert reward_pool.rewards([], []) == []
+        assert reward_pool.stats.num_rewarded == 50
 
 
 def test_pathological_expression_times_out_to_zero_within_the_limit():
     responses = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{4}", "\\boxed{10^{10^{8}}}", "\\boxed{\\frac{1}{2}}"]
     references = ["5", "4", "1", "0.5"]
-    with RewardScorer(verify_math_answer, num_workers=2, timeout_s=TIMEOUT_S, kill_grace_s=KILL_GRACE_S) as scorer:
+    with RewardPool(verify_math_answer, num_workers=2, timeout_s=TIMEOUT_S, kill_grace_s=KILL_GRACE_S) as reward_pool:
         started = time.monotonic()
-        rewards = scorer.score(responses, references)
+        rewards = reward_pool.rewards(responses, references)
         elapsed_s = time.monotonic() - started
         assert rewards == [0.0, 1.0, 0.0, 1.0]
-        assert scorer.stats.num_soft_timeouts + scorer.stats.num_killed == 2
+        assert reward_pool.stats.num_soft_timeouts + reward_pool.stats.num_killed == 2
     # The two slow items run on different workers at the same time: one limit, not two, plus slack.
     assert elapsed_s < TIMEOUT_S + KILL_GRACE_S + SLACK_S, elapsed_s
 
 
 @pytest.mark.slow
 def test_worker_that_ignores_its_timer_is_killed_and_the_rest_of_its_chunk_still_scored():
-    with RewardScorer(reward_ignoring_alarms, num_workers=1, chunk_size=5, timeout_s=TIMEOUT_S,
-                      kill_grace_s=KILL_GRACE_S) as scorer:
+    with RewardPool(reward_ignoring_alarms, num_workers=1, chunk_size=5, timeout_s=TIMEOUT_S,
+                      kill_grace_s=KILL_GRACE_S) as reward_pool:
         started = time.monotonic()
-        assert scorer.score(["a", "b", "hang"], ["a", "x", "hang"]) == [1.0, 0.0, 0.0]
+        assert reward_pool.rewards(["a", "b", "hang"], ["a", "x", "hang"]) == [1.0, 0.0, 0.0]
         elapsed_s = time.monotonic() - started
-        assert scorer.stats.num_killed == 1 and scorer.stats.num_soft_timeouts == 0
+        assert reward_pool.stats.num_killed == 1 and reward_pool.stats.num_soft_timeouts == 0
         # items after the hung one go back to the queue and are scored by the replacement worker
-        assert scorer.score(["a", "hang", "b", "c", "d"], ["a", "hang", "x", "c", "d"]) == [1.0, 0.0, 0.0, 1.0, 1.0]
-        assert scorer.stats.num_killed == 2
+        rewards = reward_pool.rewards(["a", "hang", "b", "c", "d"], ["a", "hang", "x", "c", "d"])
+        assert rewards == [1.0, 0.0, 0.0, 1.0, 1.0]
+        assert reward_pool.stats.num_killed == 2
     assert elapsed_s < TIMEOUT_S + KILL_GRACE_S + SLACK_S, elapsed_s
 
 
 def test_reward_function_error_raises_with_traceback_and_scorer_stays_usable():
-    with RewardScorer(reward_raising_on_boom, num_workers=2, chunk_size=2) as scorer:
+    with RewardPool(reward_raising_on_boom, num_workers=2, chunk_size=2) as reward_pool:
         with pytest.raises(RuntimeError, match="KeyError: 'boom in the reward'"):
-            scorer.score(["a", "b", "boom", "c", "d", "e"], ["a"] * 6)
-        assert scorer.score(["a", "b", "c"], ["a", "b", "x"]) == [1.0, 1.0, 0.0]
+            reward_pool.rewards(["a", "b", "boom", "c", "d", "e"], ["a"] * 6)
+        assert reward_pool.rewards(["a", "b", "c"], ["a", "b", "x"]) == [1.0, 1.0, 0.0]
 
 
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="reward_fn must be picklable"):
-        RewardScorer(lambda response, reference: 0.0)
+        RewardPool(lambda response, reference: 0.0)
     with pytest.raises(ValueError, match="num_workers"):
-        RewardScorer(exact_match_reward, num_workers=0)
+        RewardPool(exact_match_reward, num_workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
-        RewardScorer(exact_match_reward, timeout_s=0)
-    with RewardScorer(exact_match_reward) as scorer:
+        RewardPool(exact_match_reward, timeout_s=0)
+    with RewardPool(exact_match_reward) as reward_pool:
         with pytest.raises(ValueError, match="same length"):
-            scorer.score(["a"], [])
+            reward_pool.rewards(["a"], [])
         with pytest.raises(ValueError, match=r"responses\[1\] must be a str"):
-            scorer.score(["a", 3], ["a", "b"])
+            reward_pool.rewards(["a", 3], ["a", "b"])
     with pytest.raises(RuntimeError, match="closed"):
-        scorer.score(["a"], ["a"])
+        reward_pool.rewards(["a"], ["a"])
 
 
 def test_math_reward_is_safe_from_threads():

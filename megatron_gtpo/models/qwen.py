@@ -2,7 +2,7 @@
 layer specs, model builder.
 
 All families are the same GPTModel (GQA, RMSNorm, SwiGLU, RoPE); what differs is in `QwenFamily`, chosen by the
-config's `model_type` (`Qwen2Shape.from_hf`): Qwen2 has a bias on q/k/v; Qwen3 has none, but an RMSNorm over
+config's `model_type` (`ModelShape.from_hf`): Qwen2 has a bias on q/k/v; Qwen3 has none, but an RMSNorm over
 head_dim on every query and key head before RoPE (megatron's qk_layernorm) and an explicit head_dim (megatron's
 kv_channels), which need not be hidden_size / heads. Qwen3-MoE is Qwen3 with a router and experts in place of every
 layer's MLP (models/moe.py). `transformer_config_from_hf` is the ONE function that turns a config.json into a
@@ -84,7 +84,7 @@ def family_of(hf_config: dict) -> QwenFamily:
 
 
 @dataclass(frozen=True)
-class Qwen2Shape:
+class ModelShape:
     """The architecture facts of a Qwen2, Qwen3 or Qwen3-MoE config.json that the model, the mapping and the planner
     use; `qkv_bias` and `qk_norm` come from its family (`QwenFamily`), `moe` (None for dense models) from the
     mixture-of-experts keys (models/moe.py)."""
@@ -106,7 +106,7 @@ class Qwen2Shape:
     moe: MoeShape | None = None
 
     @classmethod
-    def from_hf(cls, hf_config: dict) -> "Qwen2Shape":
+    def from_hf(cls, hf_config: dict) -> "ModelShape":
         family = family_of(hf_config)
         missing = [k for k in _REQUIRED_KEYS + family.required_keys if k not in hf_config]
         if missing:
@@ -164,7 +164,7 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     """
     from megatron.core.transformer import TransformerConfig
 
-    shape = Qwen2Shape.from_hf(hf_config)
+    shape = ModelShape.from_hf(hf_config)
     check_layout(ParallelLayout(tensor_parallel, pipeline_parallel, None, virtual_pipeline_parallel, sequence_parallel,
                                 expert=expert_parallel, expert_tensor=expert_tensor_parallel),
                  shape=shape, transformer_engine=transformer_engine)  # LayoutError (a ValueError) naming the rule
@@ -252,7 +252,7 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
 
     from megatron.core.models.gpt import GPTModel
 
-    shape = Qwen2Shape.from_hf(hf_config)
+    shape = ModelShape.from_hf(hf_config)
     accelerator = accelerator or Accelerator.probe()
     if use_transformer_engine is None:
         use_transformer_engine = accelerator.transformer_engine and not meta_device

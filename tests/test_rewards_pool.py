@@ -71,7 +71,7 @@ def test_worker_that_ignores_its_timer_is_killed_and_the_rest_of_its_chunk_still
     assert elapsed_s < TIMEOUT_S + KILL_GRACE_S + SLACK_S, elapsed_s
 
 
-def test_reward_function_error_raises_with_traceback_and_scorer_stays_usable():
+def test_reward_function_error_raises_with_traceback_and_pool_stays_usable():
     with RewardPool(reward_raising_on_boom, num_workers=2, chunk_size=2) as reward_pool:
         with pytest.raises(RuntimeError, match="KeyError: 'boom in the reward'"):
             reward_pool.rewards(["a", "b", "boom", "c", "d", "e"], ["a"] * 6)

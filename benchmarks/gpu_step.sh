@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks in one call each, on a machine whose python3 already holds torch with CUDA (tests/gpu/README.md):
+# The GPU checks, on a machine whose python3 already holds torch with CUDA (tests/gpu/README.md):
 #
+#     bash benchmarks/gpu_step.sh all OUT_DIR            # everything below in ONE command, in order of value, each
+#                                                        # part under its own time limit (about 8 minutes in all)
 #     bash benchmarks/gpu_step.sh tests OUT_DIR          # make test-gpu; JSON results and the log in OUT_DIR
-#     bash benchmarks/gpu_step.sh throughput 0.5b OUT_DIR  # benchmarks/throughput.py, a random Qwen2.5-0.5B shape
+#     bash benchmarks/gpu_step.sh throughput 0.5b OUT_DIR  # benchmarks/throughput.py, a random Qwen2.5-0.5B shape:
+#                                                        # MFU, the entropy + shaping share of a step, and the CUDA
+#                                                        # peak memory against the planner's
 #     bash benchmarks/gpu_step.sh throughput 1.5b OUT_DIR
+#
+# throughput's run length: STEPS (default 6), SKIP (2), MAX_NEW_TOKENS (1024), ALGORITHMS ("grpo gtpo grpo_s").
 #
 # Wheels in .whl/ (megatron-core and anything else the machine lacks) are installed first into /tmp/site, without
 # an index: machines that cannot reach PyPI get them carried along.
@@ -18,10 +24,31 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "native CPU kernels not built: torch ops are used"
 
 case "${1:-}" in
+all)
+    out=${2:?usage: gpu_step.sh all OUT_DIR}
+    mkdir -p "$out"
+    # A part that fails or runs out of its time is recorded in summary.txt and the next one still runs: a failure on
+    # a real GPU is a result too. The limits add up to under 8 minutes, the one command a short lease allows.
+    failed=0
+    part() {
+        local name=$1 limit=$2 start=$SECONDS rc=0
+        shift 2
+        echo "== $name (limit ${limit} s)" | tee -a "$out/summary.txt"
+        timeout --kill-after=15 "$limit" "$@" || rc=$?
+        echo "$name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+        [ "$rc" -eq 0 ] || failed=1
+    }
+    part tests "${TESTS_LIMIT_S:-270}" bash "$0" tests "$out"
+    STEPS=${STEPS:-4} SKIP=${SKIP:-1} MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512} ALGORITHMS=${ALGORITHMS:-grpo gtpo} \
+        part throughput "${THROUGHPUT_LIMIT_S:-190}" bash "$0" throughput 0.5b "$out"
+    exit "$failed"
+    ;;
 tests)
     out=${2:?usage: gpu_step.sh tests OUT_DIR}
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+    python3 -c "import torch; print('torch.cuda.get_device_name():', torch.cuda.get_device_name())" \
+        | tee -a "$out/device.txt"
     python3 -m pip list 2>/dev/null | grep -iE '^(torch|transformers|megatron-core|transformer.engine|vllm) ' \
         | tee -a "$out/device.txt"
     MEGATRON_GTPO_GPU_RESULTS="$out/gpu_results.jsonl" make test-gpu GPU_PY=python3 2>&1 | tee "$out/test_gpu.log"
@@ -30,13 +57,15 @@ throughput)
     size=${2:?usage: gpu_step.sh throughput 0.5b|1.5b OUT_DIR}
     out=${3:?usage: gpu_step.sh throughput 0.5b|1.5b OUT_DIR}
     mkdir -p "$out"
+    # shellcheck disable=SC2086  # ALGORITHMS is a list
     python3 benchmarks/throughput.py --config examples/cpu_demo.yaml --nproc 1 --random-model "qwen2.5-$size" \
         --work-dir /tmp/bench --set parallel.tensor=1 --set model.dtype=bfloat16 --set warm_start.steps=0 \
-        --set rollout.max_new_tokens=1024 --set data.micro_batch_size=8 --steps 6 --skip 2 \
-        --output "$out/throughput_h100_$size.md" 2>&1 | tee "$out/throughput_$size.log"
+        --set "rollout.max_new_tokens=${MAX_NEW_TOKENS:-1024}" --set data.micro_batch_size=8 \
+        --steps "${STEPS:-6}" --skip "${SKIP:-2}" --algorithms ${ALGORITHMS:-grpo gtpo grpo_s} \
+        --output "$out/throughput_gpu_$size.md" 2>&1 | tee "$out/throughput_$size.log"
     ;;
 *)
-    echo "usage: gpu_step.sh tests OUT_DIR | throughput 0.5b|1.5b OUT_DIR" >&2
+    echo "usage: gpu_step.sh all OUT_DIR | tests OUT_DIR | throughput 0.5b|1.5b OUT_DIR" >&2
     exit 2
     ;;
 esac

@@ -108,6 +108,8 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
 
     old_policy.vocab_parallel_logprobs_and_entropy = timed_op
     Trainer.old_policy_pass = observed_score
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     status = main(train_argv)
     run = state["run"]
     if run is not None:
@@ -115,9 +117,30 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
         record = {"world_rank": g.world_rank, "world_size": g.world_size, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
                   "dp_rank": g.dp_rank, "is_logging_rank": run.is_logging_rank, "tp_size": g.tp_size,
                   "hf_config": run.task.hf_config, "epochs_per_step": run.cfg.data.epochs_per_step, "steps": steps}
+        if torch.cuda.is_available():
+            record.update(max_memory_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                          max_memory_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                          plan_memory_gib=_planned_memory_gib(run.cfg, run.task.hf_config, g))
         with open(os.path.join(record_dir, f"rank_{g.world_rank:05d}.json"), "w", encoding="utf-8") as f:
             json.dump(record, f)
     return status
+
+
+def _planned_memory_gib(cfg, hf_config: dict, parallel) -> dict:
+    """The planner's memory parts (GiB) for this run's model, layout and workload on this GPU: what the measured peak
+    is held against."""
+    import torch
+
+    from megatron_gtpo.layout import ParallelLayout
+    from megatron_gtpo.models.accelerator import Accelerator
+    from megatron_gtpo.models.qwen import ModelShape
+    from megatron_gtpo.planning import plan, settings_from_config, workload_from_config
+
+    settings = settings_from_config(cfg, kernels=Accelerator.probe().layer_spec,
+                                    gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+    layout = ParallelLayout(tensor=parallel.tp_size, pipeline=parallel.pp_size, data=parallel.dp_size,
+                            virtual_pipeline=parallel.vpp_size, sequence_parallel=cfg.parallel.sequence_parallel)
+    return plan(ModelShape.from_hf(hf_config), layout, workload_from_config(cfg), settings).memory_gib
 
 
 # ---------------------------------------------------------------------------------------------- driver side
@@ -279,7 +302,32 @@ def model_description(record: dict) -> str:
             f"{shape.vocab_size} real ones)")
 
 
-def format_report(args, summaries: dict, peak: float | None, device: str, command: str, model: str) -> str:
+def memory_lines(records_by_algorithm: dict) -> list[str]:
+    """The measured CUDA peak (the worst rank) against the planner's peaks for the same shape, layout and workload
+    (GPU runs only)."""
+    rows = {name: records for name, records in records_by_algorithm.items()
+            if all("max_memory_allocated_gib" in r for r in records)}
+    if not rows:
+        return []
+    lines = ["", "## Peak GPU memory against the planner (GiB)", "",
+             "| algorithm | max_memory_allocated (worst rank) | max_memory_reserved | plan: training peak | "
+             "plan: generation peak | plan: training peak without framework overhead | measured / planned training "
+             "peak |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, records in rows.items():
+        worst = max(records, key=lambda r: r["max_memory_allocated_gib"])
+        planned = worst["plan_memory_gib"]
+        bare = planned["training_peak"] - planned["framework_overhead"]
+        lines.append(f"| {name} | {worst['max_memory_allocated_gib']:.2f} | {worst['max_memory_reserved_gib']:.2f} | "
+                     f"{planned['training_peak']:.2f} | {planned['generation_peak']:.2f} | {bare:.2f} | "
+                     f"{worst['max_memory_allocated_gib'] / planned['training_peak']:.3f} |")
+    lines += ["", "The measured peak spans the whole run (generation with the built-in engine included); "
+                  "max_memory_allocated does not see the CUDA context and NCCL buffers that the plan's framework "
+                  "overhead stands for."]
+    return lines
+
+
+def format_report(args, summaries: dict, peak: float | None, device: str, command: str, model: str,
+                  records_by_algorithm: dict) -> str:
     base_name = args.algorithms[0]
     base = summaries[base_name]
     fmt_ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
@@ -337,6 +385,7 @@ def format_report(args, summaries: dict, peak: float | None, device: str, comman
                   "is faster than the log-prob-only one) counts as 0 in the percentage. The step-time ratio mixes in "
                   "generation, whose response lengths differ between algorithms after the first update; it is not "
                   "the overhead."]
+    lines += memory_lines(records_by_algorithm)
     if args.note:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in args.note]
     return "\n".join(lines) + "\n"
@@ -363,14 +412,16 @@ def main(argv=None) -> int:
         if args.random_model:
             extra = [f"model.hf_dir={make_random_model(args.random_model, work_dir)}", "model.tiny_synthetic=false"]
         rows = {algorithm: [] for algorithm in args.algorithms}
+        records = {algorithm: [] for algorithm in args.algorithms}
         for repeat in range(args.repeats):
             k = repeat % len(args.algorithms)
             for algorithm in args.algorithms[k:] + args.algorithms[:k]:
                 print(f"run {repeat + 1}/{args.repeats}: {algorithm} ...", file=sys.stderr, flush=True)
                 run = run_algorithm(args, algorithm, work_dir, extra, repeat)
                 rows[algorithm] += step_rows(run, args.skip, peak)
+                records[algorithm] += run["records"]
         summaries = {algorithm: summarize(rows[algorithm]) for algorithm in args.algorithms}
-    report = format_report(args, summaries, peak, device, command, model_description(run["records"][0]))
+    report = format_report(args, summaries, peak, device, command, model_description(run["records"][0]), records)
     print(report)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

@@ -89,8 +89,9 @@ class RolloutConfig:
     max_staleness: int = 0
     # Partial rollouts (docs/algorithms.md, "Partial rollouts"): an engine call generates at most
     # partial_segment_tokens per response; a group with an unfinished response waits, and the next batch asked for
-    # continues it under the weights of then. A response spans at most max_new_tokens / partial_segment_tokens
-    # policy versions. Needs dynamic sampling (further rounds fill a step the unfinished groups leave short) and
+    # continues it under the weights of then. A response spans at most s = max_new_tokens / partial_segment_tokens
+    # policy versions, and is trained at most s x max_staleness versions after its first token (s - 1 at
+    # max_staleness 0). Needs dynamic sampling (further rounds fill a step the unfinished groups leave short) and
     # the rollout correction (algorithm.rollout_is: older versions sampled a continued response's first tokens).
     partial_rollouts: bool = False
     partial_segment_tokens: int | None = None

@@ -148,15 +148,16 @@ class Trainer:
 
     def collect_experience(self, step: int, timer: PhaseTimer, metrics: MetricReducer) -> Experience:
         """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says:
-        the first round is the batch asked for rollout.max_staleness steps ago (rollout_queue.py), further rounds
-        are generated now. Times the "generate" phase (the wait for rollouts) and the "reward" one, records the
+        the first round is the batch asked for rollout.max_staleness steps ago (rollout_queue.py), waited for before
+        the next batches are asked for; further rounds are generated now. Times the "generate" phase (the wait for rollouts) and the "reward" one, records the
         rollout's metrics."""
         with timer("generate"):
             first = self.rollouts.take(step)
 
         def sample_round(round_index):
-            asked = self.ask_round(step, round_index) if round_index else first
-            return timed(timer, "generate", partial(self.rollouts.groups, asked))
+            if not round_index:
+                return lambda: first
+            return timed(timer, "generate", partial(self.rollouts.groups, self.ask_round(step, round_index)))
 
         def reward(prompts, responses):
             with timer("reward"):

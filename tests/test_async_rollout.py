@@ -47,11 +47,11 @@ def _start_server(model_dir: str, log_path) -> tuple[subprocess.Popen, str]:
 
 
 def _overrides(address: str, steps: int, staleness: int, *extra) -> list[str]:
-    # No warm start, and at most 100 prompts drawn: one pass over the synthetic task's 100 problems, so a prompt
+    # The rollout correction (staleness needs it). No warm start, and at most 100 prompts drawn: one pass over the synthetic task's 100 problems, so a prompt
     # seen twice would be a prompt trained twice.
     return ["parallel.tensor=1", f"steps={steps}", "warm_start.steps=0", "rollout.engine=builtin_remote",
             f"rollout.remote_addresses=[{address}]", f"rollout.max_staleness={staleness}", "checkpoint.save_every=1",
-            "rollout.remote_connect_timeout_s=120", *extra]
+            "rollout.remote_connect_timeout_s=120", "algorithm.rollout_is=token", *extra]
 
 
 def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_checkpoint: int | None = None):
@@ -113,7 +113,7 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     # A warm start, so that some groups hold both outcomes and steps train (dynamic sampling keeps only those).
     extra = ("data.prompts_per_step=8", "warm_start.steps=30")
     if partial:
-        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "algorithm.rollout_is=token")
+        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2")
     _train(tmp_path, "whole", server_model, 6, 1, *extra)
     assert _train(tmp_path, "killed", server_model, 6, 1, *extra, kill_after_checkpoint=3) == -signal.SIGKILL
     state = json.loads((tmp_path / "killed" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())

@@ -92,6 +92,7 @@ class Trainer:
         self.stop = StopSignal.install()  # SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint, then exit
         if self.start_step == 0 and self.cfg.warm_start.steps:
             self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **self.warm_start()})
+            self.sync_weights()  # an external engine generates with the warm-started policy from the first batch on
             if self.cfg.steps == 0:  # a warm-start-only run: its checkpoint is where RL runs start (model.load)
                 checkpointing.save(self, 0)
         self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference

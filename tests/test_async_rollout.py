@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 # Deterministic metrics (the phase times and throughput are not).
 COMPARED = ("reward_mean", "accuracy", "response_length_mean", "groups_kept", "sampling_rounds", "entropy_mean",
             "rollout_logprob_mismatch", "pg_loss", "grad_norm", "staleness_mean", "staleness_max",
-            "stale_token_fraction", "continued_fraction", "groups_unfinished", "trained_prompt_ids")
+            "stale_token_fraction", "continued_fraction", "groups_unfinished", "trained_prompt_ids",
+            "rollout_is_capped_fraction", "log_ratio_mean/staleness_0", "log_ratio_mean/staleness_1",
+            "rollout_logprob_mismatch_current", "mismatch_kl_current")
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,8 @@ def _start_server(model_dir: str, log_path) -> tuple[subprocess.Popen, str]:
 
 
 def _overrides(address: str, steps: int, staleness: int, *extra) -> list[str]:
-    # The rollout correction (staleness needs it). No warm start, and at most 100 prompts drawn: one pass over the synthetic task's 100 problems, so a prompt
-    # seen twice would be a prompt trained twice.
+    # The rollout correction (staleness needs it). No warm start, and at most 100 prompts drawn: one pass over the
+    # synthetic task's 100 problems, so a prompt seen twice would be a prompt trained twice.
     return ["parallel.tensor=1", f"steps={steps}", "warm_start.steps=0", "rollout.engine=builtin_remote",
             f"rollout.remote_addresses=[{address}]", f"rollout.max_staleness={staleness}", "checkpoint.save_every=1",
             "rollout.remote_connect_timeout_s=120", "algorithm.rollout_is=token", *extra]
@@ -127,11 +129,25 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     # Steps trained on batches of the step before (staleness 1) and on rounds generated on the spot (0).
     assert max(whole[k].get("staleness_max", 0) for k in range(1, 6)) >= 1
     assert sum(whole[k]["groups_kept"] for k in range(6)) >= 6
+    # The server generates with the weights it is said to hold from the first batch on (the warm start's, synced
+    # before batch 0 was asked for): on the current version's tokens the rollout and old-policy log-probs agree to
+    # float noise, at every step, before and after the resume.
+    for rows in (whole, resumed):
+        current = [rows[k]["rollout_logprob_mismatch_current"] for k in range(6)
+                   if rows[k].get("rollout_logprob_mismatch_current") is not None]  # null: no current token
+        assert len(current) >= 3 and max(current) < 1e-4, current
+    assert whole[0]["groups_kept"] and whole[0]["rollout_logprob_mismatch"] < 1e-4  # batch 0 is all on policy
     if partial:
         # A response's second segment is in the batch asked for after its first was waited for, N steps later:
         # trained at most 2 segments x N = 2 versions after its first token was sampled.
         assert max(whole[k]["continued_fraction"] or 0 for k in range(6)) > 0  # null: no group kept
         assert max(whole[k]["staleness_max"] for k in range(6) if "staleness_max" in whole[k]) <= 2
+        # The checkpoint's in-flight work was scheduled at staleness 1: a resume at staleness 0 is refused, naming it.
+        steps_on = _overrides("127.0.0.1:1", 7, 0, *extra)
+        refused = subprocess.run(train_command(tmp_path / "killed", 1, steps_on), capture_output=True, text=True,
+                                 timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "under other rollout settings than this run's (rollout.max_staleness 1 -> 0)" in refused.stderr
 
 
 def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_stays_intact(tmp_path, server_model):

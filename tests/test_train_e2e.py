@@ -24,7 +24,7 @@ REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip
             "rollout_logprob_mismatch", "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s",
             "time_sync_s", "padding_fraction", "lr", "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max",
             "update_successful", "optimizer_steps", "empty_mini_batches", "mismatch_kl", "token_mult_prob_error",
-            "rollout_is_weight_mean", "rollout_rs_masked_fraction")
+            "rollout_is_weight_mean", "rollout_is_capped_fraction", "rollout_rs_masked_fraction")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 
@@ -73,6 +73,7 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         assert row["rollout_logprob_mismatch"] < 1e-4
         assert row["mismatch_kl"] < 1e-6 and row["token_mult_prob_error"] < 1 + 1e-4
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and row["rollout_rs_masked_fraction"] == 0
+        assert row["rollout_is_capped_fraction"] == 0
         assert 0.0 <= row["padding_fraction"] < 0.5
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
 

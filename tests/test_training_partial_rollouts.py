@@ -131,3 +131,43 @@ def test_a_step_waits_for_its_batch_before_asking_so_a_segment_continues_n_versi
     steady = [b for b in expected if b >= max_staleness]
     assert {step - versions[0] for b, (step, versions) in trained.items() if b in steady} == \
         {3 * max_staleness if max_staleness else 2}
+
+
+def test_a_prompt_and_a_whole_response_must_fit_the_model_at_start():
+    """Checked against max_new_tokens, not one segment: with partial rollouts a 60-token prompt passes its first
+    2-token segment in a 64-position model and would fail at a later one."""
+    from megatron_gtpo.config import ConfigError
+    from megatron_gtpo.training.task import check_prompt_lengths
+
+    samples = [SimpleNamespace(id="short", prompt_token_ids=(1,) * 4), SimpleNamespace(id="long",
+                                                                                       prompt_token_ids=(1,) * 60)]
+    check_prompt_lengths(samples, max_new_tokens=4, max_positions=64)
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens: prompt 'long' has 60 tokens; with max_new_tokens "
+                                          "= 8 that exceeds the model's 64 positions"):
+        check_prompt_lengths(samples, max_new_tokens=8, max_positions=64)
+
+
+@pytest.mark.parametrize("saved,now,message", [
+    (dict(max_staleness=1), dict(max_staleness=0), r"rollout.max_staleness 1 -> 0\)"),
+    (dict(max_staleness=1, partial_rollouts=True, partial_segment_tokens=2),
+     dict(max_staleness=2, partial_rollouts=True, partial_segment_tokens=1),
+     r"rollout.max_staleness 1 -> 2, rollout.partial_segment_tokens 2 -> 1\)"),
+    (dict(partial_rollouts=True, partial_segment_tokens=2), dict(),
+     r"rollout.partial_rollouts True -> False, rollout.partial_segment_tokens 2 -> None\)"),
+    (dict(max_staleness=1), dict(max_staleness=1), None),
+    (dict(), dict(max_staleness=2), None),  # nothing in flight: the new schedule starts afresh
+])
+def test_a_resume_under_other_rollout_settings_than_the_in_flight_work_is_refused(saved, now, message):
+    """A checkpoint of bounded staleness or partial rollouts holds batches asked for ahead and unfinished groups;
+    resuming it with another schedule would skip them (max_staleness 0) or train them beyond the new bound."""
+    from megatron_gtpo.config import RolloutConfig
+    from megatron_gtpo.training.checkpointing import check_rollout_schedule
+
+    saved_config = {"rollout": dict(engine="builtin_remote", **saved)}  # an older checkpoint may lack keys
+    cfg = SimpleNamespace(rollout=RolloutConfig(**now))
+    if message is None:
+        check_rollout_schedule(saved_config, cfg, "ckpt/step_00000003")
+        return
+    with pytest.raises(ValueError, match="checkpoint ckpt/step_00000003 holds rollouts generated and not yet "
+                                         "trained on under other rollout settings than this run's " + f"\\({message}"):
+        check_rollout_schedule(saved_config, cfg, "ckpt/step_00000003")

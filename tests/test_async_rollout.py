@@ -146,7 +146,7 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
         steps_on = _overrides("127.0.0.1:1", 7, 0, *extra)
         refused = subprocess.run(train_command(tmp_path / "killed", 1, steps_on), capture_output=True, text=True,
                                  timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert refused.returncode != 0, refused.stderr[-3000:]
         assert "under other rollout settings than this run's (rollout.max_staleness 1 -> 0)" in refused.stderr
 
 

@@ -92,15 +92,24 @@ def _rows(out) -> dict[int, dict]:
 
 
 def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, server_model):
-    """N = 2, dynamic sampling off (every group of a step comes from its batch): step k's responses were sampled by
-    the policy of step max(0, k - 2); each prompt is trained once."""
-    _train(tmp_path, "ahead", server_model, 5, 2, "algorithm.dynamic_sampling=false")
+    """N = 2, dynamic sampling off (every group of a step comes from its batch), after a one-step warm start: step
+    k's responses were sampled by the policy of step max(0, k - 2), version 0 being the warm-started one; each prompt
+    is trained once."""
+    _train(tmp_path, "ahead", server_model, 5, 2, "algorithm.dynamic_sampling=false", "warm_start.steps=1")
     rows = _rows(tmp_path / "ahead")
     assert [rows[k]["staleness_max"] for k in range(5)] == [0, 1, 2, 2, 2]
     assert [rows[k]["staleness_mean"] for k in range(5)] == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert [rows[k]["stale_token_fraction"] for k in range(5)] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    # Batches 0-2 were asked for before the first RL update: the server generated them with the warm-started
+    # weights it was synced to, so on step 0's tokens (all of the current version) the rollout and old-policy
+    # log-probs agree to float noise. The later steps hold no current token, and their log-ratios are by staleness.
+    assert rows[0]["rollout_logprob_mismatch_current"] < 1e-4 and rows[0]["rollout_logprob_mismatch"] < 1e-4
+    assert rows[0]["log_ratio_mean/staleness_1"] is None and rows[1]["log_ratio_mean/staleness_1"] is not None
+    assert all(rows[k]["rollout_logprob_mismatch_current"] is None for k in range(1, 5))
+    assert all(rows[k]["log_ratio_mean/staleness_2plus"] is not None for k in range(2, 5))
+    assert all(0 <= rows[k]["rollout_is_capped_fraction"] < 1 for k in range(5))
     trained = [i for k in range(5) for i in rows[k]["trained_prompt_ids"]]
-    assert len(trained) == len(set(trained)) == 5 * 16
+    assert len(trained) == len(set(trained)) == 5 * 16  # with the warm start's 16 prompts: 96 of the 100
     # The engine generated the next batches while the trainer trained: after the first step the wait for the
     # rollouts is a small part of the step.
     assert max(rows[k]["time_generate_s"] for k in range(2, 5)) < rows[0]["time_generate_s"]
@@ -129,14 +138,12 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     # Steps trained on batches of the step before (staleness 1) and on rounds generated on the spot (0).
     assert max(whole[k].get("staleness_max", 0) for k in range(1, 6)) >= 1
     assert sum(whole[k]["groups_kept"] for k in range(6)) >= 6
-    # The server generates with the weights it is said to hold from the first batch on (the warm start's, synced
-    # before batch 0 was asked for): on the current version's tokens the rollout and old-policy log-probs agree to
-    # float noise, at every step, before and after the resume.
+    # The server generates with the weights it is said to hold: on the current version's tokens the rollout and
+    # old-policy log-probs agree to float noise, at every step, before and after the resume.
     for rows in (whole, resumed):
         current = [rows[k]["rollout_logprob_mismatch_current"] for k in range(6)
                    if rows[k].get("rollout_logprob_mismatch_current") is not None]  # null: no current token
         assert len(current) >= 3 and max(current) < 1e-4, current
-    assert whole[0]["groups_kept"] and whole[0]["rollout_logprob_mismatch"] < 1e-4  # batch 0 is all on policy
     if partial:
         # A response's second segment is in the batch asked for after its first was waited for, N steps later:
         # trained at most 2 segments x N = 2 versions after its first token was sampled.

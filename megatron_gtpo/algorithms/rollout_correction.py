@@ -9,16 +9,17 @@ they are not. Per valid token, with log rho_t = old_logprobs_t - rollout_logprob
                 "sequence":  w_i = min(prod_t rho_t, cap), shared by every token of sequence i   [S]
                 "geometric": w_i = min(exp(mean_t log rho_t), cap), likewise      [S]
                 "none":      no weight
-
-"geometric" is the length-normalised sequence weight, GRPO-S's choice: its sequence ratio is a mean over the
-response's tokens too (arithmetic, or geometric like GSPO's), and with the geometric ratio r_i the weighted term
-w_i r_i is exp(mean_t log pi_theta / pi_rollout), the geometric-mean ratio to the policy that sampled. The product
-of "sequence" multiplies one factor per token, so over a long stale response (partial rollouts, staleness) it
-collapses towards 0 or sits at the cap.
     rollout_rs  "token":     reject token t when rho_t is outside [low, high]
                 "sequence":  reject every token of sequence i when prod_t rho_t is outside [low, high]
                 "geometric": reject every token of sequence i when exp(mean_t log rho_t) is outside [low, high]
                 "none":      keep every token
+
+The "geometric" weight is the length-normalised sequence weight, GRPO-S's choice: its sequence ratio is a mean over
+the response's tokens too (arithmetic, or geometric like GSPO's), and with the geometric ratio r_i the weighted
+term w_i r_i is, below the cap, exp(mean_t log pi_theta / pi_rollout): the geometric-mean ratio to the policy that
+sampled. The
+product of "sequence" takes one factor per token, so over a long stale response (partial rollouts, staleness) it
+collapses towards 0 or sits at the cap.
 
 The weights are detached and multiply the policy-gradient (surrogate) term only. Rejected tokens leave the loss mask:
 under "token-mean" they count in no normaliser; under the per-sequence modes (seq-mean-*, GRPO-S) a wholly rejected

@@ -1,7 +1,7 @@
 """Rollouts asked for ahead of training (rollout.max_staleness = N), and the groups partial rollouts left unfinished.
 
 Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked
-for when step max(0, k - N) begins, so it is generated with the policy of version max(0, k - N) (the weights after
+for at step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version max(0, k - N) (the weights after
 that many steps) while the trainer trains the steps in between, and no batch is trained on more than N versions
 after the weights that sampled it. The schedule is fixed, so a run is the same whatever the engines' speed.
 N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.

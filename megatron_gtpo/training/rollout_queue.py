@@ -1,10 +1,10 @@
 """Rollouts asked for ahead of training (rollout.max_staleness = N), and the groups partial rollouts left unfinished.
 
 Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked
-for at step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version max(0, k - N) (the weights after
-that many steps) while the trainer trains the steps in between, and no batch is trained on more than N versions
-after the weights that sampled it. The schedule is fixed, so a run is the same whatever the engines' speed.
-N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
+for at step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version
+max(0, k - N) (the weights after that many steps) while the trainer trains the steps in between, and no batch is
+trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
+whatever the engines' speed. N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
 batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the

@@ -287,6 +287,18 @@ def test_unreachable_remote_vllm_server_fails_fast_naming_the_address(tmp_path):
     assert time.monotonic() - start < 90
 
 
+def test_a_prompt_that_leaves_no_room_for_a_whole_response_fails_at_start(tmp_path):
+    """Partial rollouts of 2-token segments: every engine call would fit the tiny model's 64 positions, but a 5-token
+    prompt and the 62-token budget do not; the run fails before its first step, naming the setting."""
+    res = run_train(tmp_path, 1, ["parallel.tensor=1", "steps=1", "warm_start.steps=0", "rollout.max_new_tokens=62",
+                                  "rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2",
+                                  "algorithm.rollout_is=token"], timeout=120)
+    assert res.returncode != 0
+    assert "rollout.max_new_tokens: prompt" in res.stderr and "with max_new_tokens = 62 that exceeds the model's 64 " \
+        "positions" in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_compare_algorithms_tool_runs_each_algorithm_from_the_same_warm_start(tmp_path):
     """tools/compare_algorithms.py, shortened (two algorithms, one seed, two steps, tiny batches): GTPO and DAPO
     start from the one warm-start checkpoint with the same seed, so their step-0 rollouts are equal; each run's final

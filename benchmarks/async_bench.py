@@ -3,7 +3,8 @@
     python benchmarks/async_bench.py [--steps 16] [--learn-steps 250] [--out benchmarks/results/async.md]
 
 One run per rollout.max_staleness (0, then 1), with partial rollouts off and on (2-token segments of the demo's
-4-token budget, with the token-level rollout correction they need), of the CPU demo's task (examples/cpu_demo.yaml
+4-token budget), every run with the token-level rollout correction (staleness and partial rollouts need it), of the
+CPU demo's task (examples/cpu_demo.yaml
 at TP = 1, its warm start included), with `rollout.engine: builtin_remote`: the server (`python -m
 megatron_gtpo.rollout.remote_server --engine builtin`) pinned to core 1, the trainer (one torchrun rank) to core 0,
 one thread each. Reported per run, over the RL steps after the first two: the mean step wall time (from one
@@ -31,10 +32,12 @@ import yaml
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CONFIG = os.path.join(REPO, "examples", "cpu_demo.yaml")
 PHASES = ("generate", "reward", "old_logprob", "advantages", "update", "sync")
-# Partial rollouts need the rollout correction (the config refuses them without): token-level weights.
-PARTIAL = ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "algorithm.rollout_is=token")
+PARTIAL = ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2")
+# Staleness >= 1 and partial rollouts need the rollout correction (the config refuses them without): token-level
+# weights, in every run so that the runs differ in the schedule only.
+CORRECTION = "algorithm.rollout_is=token"
 RUNS = ((0, False), (1, False), (0, True), (1, True))  # (max_staleness, partial rollouts)
-# The learning runs at staleness 1, partial rollouts off (the demo's config, no rollout correction) and on.
+# The learning runs at staleness 1, partial rollouts off and on.
 LEARN_STEPS_PARTIAL = (False, True)
 with open(CONFIG, encoding="utf-8") as _f:
     GROUP_SIZE = yaml.safe_load(_f)["rollout"]["num_responses_per_prompt"]
@@ -68,7 +71,7 @@ def run(root: str, model_dir: str, staleness: int, partial: bool, steps: int, *e
     sets = [f"logging.output_dir={out}", "logging.progress_bar=false", "logging.tensorboard=false",
             "parallel.tensor=1", f"steps={steps}", "rollout.engine=builtin_remote",
             f"rollout.remote_addresses=[{address}]", f"rollout.max_staleness={staleness}", "checkpoint.save_every=0",
-            *(PARTIAL if partial else ()), *extra]
+            CORRECTION, *(PARTIAL if partial else ()), *extra]
     cmd = ["taskset", "-c", "0", sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone",
            "-m", "megatron_gtpo.train", "--config", CONFIG, *sum((["--set", s] for s in sets), [])]
     trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -142,7 +145,7 @@ def main() -> None:
                  + ", ".join(f"staleness {n} partial {'on' if p else 'off'} {r['step_s'] / base['step_s']:.2f}x"
                              for (n, p), r in results.items() if (n, p) != (0, False)) + ".")
     for partial, (first, last) in learned.items():
-        mode = "on (rollout_is token)" if partial else "off"
+        mode = "on" if partial else "off"
         lines.append(f"\nLearning at staleness 1, partial rollouts {mode}, over {args.learn_steps} steps: mean reward "
                      f"{first:.3f} over the first 10 RL steps, {last:.3f} over the last 10 (rise {last - first:+.3f}; "
                      f"the demo requires +0.30).")

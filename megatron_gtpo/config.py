@@ -89,8 +89,9 @@ class RolloutConfig:
     max_staleness: int = 0
     # Partial rollouts (docs/algorithms.md, "Partial rollouts"): an engine call generates at most
     # partial_segment_tokens per response; a group with an unfinished response waits, and the next batch asked for
-    # continues it under the weights of then. A response spans at most max_new_tokens / partial_segment_tokens
-    # policy versions. Needs dynamic sampling (further rounds fill a step the unfinished groups leave short) and
+    # continues it under the weights of then. A response spans at most s = max_new_tokens / partial_segment_tokens
+    # policy versions, and is trained at most s x max_staleness versions after its first token (s - 1 at
+    # max_staleness 0). Needs dynamic sampling (further rounds fill a step the unfinished groups leave short) and
     # the rollout correction (algorithm.rollout_is: older versions sampled a continued response's first tokens).
     partial_rollouts: bool = False
     partial_segment_tokens: int | None = None
@@ -118,9 +119,10 @@ class AlgorithmConfig:
     overlong_cache_len: int | None = None  # None: a fifth of the max length (DAPO: 4096 of 20480)
     group_relative_gamma: float = 0.75
     # Rollout/training mismatch correction (algorithms/rollout_correction.py): truncated importance weights
-    # exp(old - rollout) per token or their product per sequence, capped; rejection of tokens / sequences whose
-    # ratio (or geometric-mean ratio) falls outside the bounds.
-    rollout_is: str = "none"  # none | token | sequence
+    # exp(old - rollout) per token, their product per sequence, or their geometric mean per sequence (GRPO-S's
+    # choice), capped; rejection of tokens / sequences whose ratio (or geometric-mean ratio) falls outside the
+    # bounds. Required with rollout.max_staleness >= 1 or partial rollouts.
+    rollout_is: str = "none"  # none | token | sequence | geometric
     rollout_is_cap: float = 2.0
     rollout_rs: str = "none"  # none | token | sequence | geometric
     rollout_rs_bounds: tuple[float, float] = (0.5, 2.0)
@@ -214,7 +216,7 @@ _CHOICES = {
     "algorithm.name": ALGORITHM_NAMES,  # the registry's names (algorithms/registry.py): the only list of them
     "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),
-    "algorithm.rollout_is": ("none", "token", "sequence"),
+    "algorithm.rollout_is": ("none", "token", "sequence", "geometric"),
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "algorithm.routing_replay": ("none", "rollout"),
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
@@ -384,8 +386,11 @@ def validate(cfg: TrainConfig) -> None:
     # Measured: the CPU demo at staleness 1 with partial rollouts learned +0.14 without the correction, +0.43 with
     # token weights (benchmarks/results/async.md).
     need(not r.partial_rollouts or a.rollout_is != "none",
-         "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_is: token, or sequence for "
+         "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_is: token, or geometric for "
          "grpo_s): a continued response's tokens were sampled by older policies than the one that trains them")
+    need(r.max_staleness == 0 or a.rollout_is != "none",
+         f"rollout.max_staleness: {r.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
+         f"geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample")
     # GTPO / GRPO-S (the entropy-shaped ones) split each group by a binary reward: a length penalty has nowhere to go.
     need(not entry.uses_entropy or a.length_penalty in (None, "none"),
          f"algorithm.length_penalty: {a.length_penalty} is not available with {a.name}, whose shaped rewards need "
@@ -415,7 +420,8 @@ def validate(cfg: TrainConfig) -> None:
          f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got {list(a.rollout_rs_bounds)}")
     # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
     need(not entry.sequence_level_loss or a.rollout_is != "token",
-         "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use sequence")
+         "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use geometric "
+         "(or sequence)")
     need(m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0,
          f"model.moe_aux_loss_coef / model.moe_z_loss_coef: must be >= 0, got {m.moe_aux_loss_coef} / "
          f"{m.moe_z_loss_coef}")

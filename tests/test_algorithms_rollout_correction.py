@@ -21,31 +21,51 @@ def _batch(seed=0, S=6, T=9):
     return old, rollout, mask
 
 
-def _reference(old, rollout, mask, is_level, rs_level):
-    """float64 loops: per-token weights (as multiplied into each token's surrogate), kept tokens, metric means."""
+def _staleness(mask):
+    """Versions behind per token, 0 to 3 (partial rollouts: a response's later tokens are newer), -1 at padding (never
+    read)."""
+    staleness = (torch.arange(mask.shape[1]).flip(0) // 2 + torch.arange(mask.shape[0])[:, None]) % 4
+    return torch.where(mask, staleness, -1)
+
+
+def _reference(old, rollout, mask, is_level, rs_level, staleness=None):
+    """float64 loops: per-token weights (as multiplied into each token's surrogate), kept tokens, metric sums (by
+    staleness bucket: log_rho, and the mismatch terms of the current version's tokens)."""
     S, T = mask.shape
     weight = [[0.0] * T for _ in range(S)]
     keep = [[False] * T for _ in range(S)]
-    sums = dict(kl=0.0, mult=0.0, w=0.0, rejected=0.0, n=0)
+    sums = dict(abs=0.0, kl=0.0, mult=0.0, w=0.0, capped=0.0, rejected=0.0, n=0)
+    buckets = {b: dict(log_rho=0.0, n=0) for b in ("0", "1", "2plus")}
+    current = dict(abs=0.0, kl=0.0, mult=0.0)
     for s in range(S):
         valid = [t for t in range(T) if mask[s, t]]
         log_rho = {t: float(old[s, t]) - float(rollout[s, t]) for t in valid}
         seq_log = sum(log_rho.values())
         for t in valid:
-            w = {"none": 1.0, "token": min(math.exp(log_rho[t]), CAP), "sequence": min(math.exp(seq_log), CAP)}
-            stat = {"none": 1.0, "token": math.exp(log_rho[t]), "sequence": math.exp(seq_log),
-                    "geometric": math.exp(seq_log / len(valid))}[rs_level]
-            weight[s][t] = w[is_level]
-            keep[s][t] = BOUNDS[0] <= stat <= BOUNDS[1]
-            sums["kl"] += math.exp(log_rho[t]) - log_rho[t] - 1
-            sums["mult"] += math.exp(abs(log_rho[t]))
+            uncapped = {"none": 1.0, "token": math.exp(log_rho[t]), "sequence": math.exp(seq_log),
+                        "geometric": math.exp(seq_log / len(valid))}
+            weight[s][t] = min(uncapped[is_level], CAP) if is_level != "none" else 1.0
+            keep[s][t] = BOUNDS[0] <= uncapped[rs_level] <= BOUNDS[1]
+            terms = dict(abs=abs(log_rho[t]), kl=math.exp(log_rho[t]) - log_rho[t] - 1, mult=math.exp(abs(log_rho[t])))
+            for key, term in terms.items():
+                sums[key] += term
             sums["w"] += weight[s][t]
+            sums["capped"] += is_level != "none" and uncapped[is_level] >= CAP
             sums["rejected"] += not keep[s][t]
             sums["n"] += 1
-    return torch.tensor(weight, dtype=torch.float64), torch.tensor(keep), sums
+            if staleness is not None:
+                versions_behind = int(staleness[s, t])
+                bucket = buckets[str(versions_behind) if versions_behind < 2 else "2plus"]
+                bucket["log_rho"] += log_rho[t]
+                bucket["n"] += 1
+                if versions_behind == 0:
+                    for key, term in terms.items():
+                        current[key] += term
+    return torch.tensor(weight, dtype=torch.float64), torch.tensor(keep), dict(sums, buckets=buckets,
+                                                                               current=current)
 
 
-@pytest.mark.parametrize("is_level", ["none", "token", "sequence"])
+@pytest.mark.parametrize("is_level", ["none", "token", "sequence", "geometric"])
 @pytest.mark.parametrize("rs_level", ["none", "token", "sequence", "geometric"])
 def test_weights_rejection_and_metrics_match_float64_loops(is_level, rs_level):
     old, rollout, mask = _batch()
@@ -62,6 +82,10 @@ def test_weights_rejection_and_metrics_match_float64_loops(is_level, rs_level):
         assert 0 < sums["rejected"] < sums["n"]  # the bounds really cut
     got = {k: float(v) for k, v in out.metric_sums.items()}
     assert got["num_tokens"] == sums["n"]
+    if is_level != "none":
+        assert 0 < sums["capped"] < sums["n"]  # the cap binds on some tokens
+    assert got["rollout_is_capped_fraction"] == sums["capped"]
+    assert got["rollout_logprob_mismatch"] == pytest.approx(sums["abs"], rel=1e-5)
     assert got["mismatch_kl"] == pytest.approx(sums["kl"], rel=1e-5)
     assert got["token_mult_prob_error"] == pytest.approx(sums["mult"], rel=1e-5)
     assert got["rollout_is_weight_mean"] == pytest.approx(sums["w"], rel=1e-5)
@@ -126,3 +150,37 @@ def test_sequence_loss_pg_weights_scale_each_sequences_surrogate():
     ratio_B = torch.where(mask, (current - old).exp(), 0.0).sum(-1) / mask.sum(-1)
     surrogate_B = torch.maximum(-adv_B * ratio_B, -adv_B * ratio_B.clamp(0.8, 1.2))
     torch.testing.assert_close(weighted, (weights_B * surrogate_B).sum() / 5.0, rtol=1e-12, atol=0)
+
+
+def test_metrics_by_staleness_match_float64_loops():
+    """The mean log-ratio of tokens 0, 1 and 2+ versions old, and the mismatch on the current version's tokens."""
+    from megatron_gtpo.algorithms.rollout_correction import STALENESS_METRICS
+
+    old, rollout, mask = _batch()
+    staleness = _staleness(mask)
+    out = rollout_correction(old, rollout, mask, rollout_is="token", staleness_ST=staleness)
+    _, _, sums = _reference(old, rollout, mask, "token", "none", staleness)
+    got = {k: float(v) for k, v in out.metric_sums.items()}
+    assert set(STALENESS_METRICS) | set(STALENESS_METRICS.values()) <= set(got)
+    for bucket, expected in sums["buckets"].items():
+        assert expected["n"] > 0
+        assert got[f"tokens_staleness_{bucket}"] == expected["n"]
+        assert got[f"log_ratio_mean/staleness_{bucket}"] == pytest.approx(expected["log_rho"], rel=1e-5)
+    assert got["rollout_logprob_mismatch_current"] == pytest.approx(sums["current"]["abs"], rel=1e-5)
+    assert got["mismatch_kl_current"] == pytest.approx(sums["current"]["kl"], rel=1e-5)
+    assert got["token_mult_prob_error_current"] == pytest.approx(sums["current"]["mult"], rel=1e-5)
+    assert not set(STALENESS_METRICS) & set(rollout_correction(old, rollout, mask).metric_sums)  # none without
+
+
+def test_geometric_weight_is_length_normalised_where_the_product_collapses():
+    """A long response whose every token is 5% less likely under the old policy than under the sampler: the product
+    of its 400 token ratios is e^-20.5 (near 0), the geometric weight 0.95, and a sequence of the same per-token
+    ratio but 4 tokens long gets the same geometric weight."""
+    T = 400
+    mask = torch.arange(T) < torch.tensor([T, 4])[:, None]
+    rollout = torch.full((2, T), -2.0, dtype=torch.float64)
+    old = rollout + math.log(0.95)
+    product = rollout_correction(old, rollout, mask, rollout_is="sequence").weights
+    geometric = rollout_correction(old, rollout, mask, rollout_is="geometric").weights
+    assert float(product[0]) == pytest.approx(0.95 ** T, rel=1e-3) and float(product[0]) < 1e-8
+    torch.testing.assert_close(geometric.double(), torch.tensor([0.95, 0.95], dtype=torch.float64), rtol=1e-5, atol=0)

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 # Deterministic metrics (the phase times and throughput are not).
 COMPARED = ("reward_mean", "accuracy", "response_length_mean", "groups_kept", "sampling_rounds", "entropy_mean",
             "rollout_logprob_mismatch", "pg_loss", "grad_norm", "staleness_mean", "staleness_max",
-            "stale_token_fraction", "continued_fraction", "groups_unfinished", "trained_prompt_ids")
+            "stale_token_fraction", "continued_fraction", "groups_unfinished", "trained_prompt_ids",
+            "rollout_is_capped_fraction", "log_ratio_mean/staleness_0", "log_ratio_mean/staleness_1",
+            "rollout_logprob_mismatch_current", "mismatch_kl_current")
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +49,11 @@ def _start_server(model_dir: str, log_path) -> tuple[subprocess.Popen, str]:
 
 
 def _overrides(address: str, steps: int, staleness: int, *extra) -> list[str]:
-    # No warm start, and at most 100 prompts drawn: one pass over the synthetic task's 100 problems, so a prompt
-    # seen twice would be a prompt trained twice.
+    # The rollout correction (staleness needs it). No warm start, and at most 100 prompts drawn: one pass over the
+    # synthetic task's 100 problems, so a prompt seen twice would be a prompt trained twice.
     return ["parallel.tensor=1", f"steps={steps}", "warm_start.steps=0", "rollout.engine=builtin_remote",
             f"rollout.remote_addresses=[{address}]", f"rollout.max_staleness={staleness}", "checkpoint.save_every=1",
-            "rollout.remote_connect_timeout_s=120", *extra]
+            "rollout.remote_connect_timeout_s=120", "algorithm.rollout_is=token", *extra]
 
 
 def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_checkpoint: int | None = None):
@@ -90,15 +92,24 @@ def _rows(out) -> dict[int, dict]:
 
 
 def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, server_model):
-    """N = 2, dynamic sampling off (every group of a step comes from its batch): step k's responses were sampled by
-    the policy of step max(0, k - 2); each prompt is trained once."""
-    _train(tmp_path, "ahead", server_model, 5, 2, "algorithm.dynamic_sampling=false")
+    """N = 2, dynamic sampling off (every group of a step comes from its batch), after a one-step warm start: step
+    k's responses were sampled by the policy of step max(0, k - 2), version 0 being the warm-started one; each prompt
+    is trained once."""
+    _train(tmp_path, "ahead", server_model, 5, 2, "algorithm.dynamic_sampling=false", "warm_start.steps=1")
     rows = _rows(tmp_path / "ahead")
     assert [rows[k]["staleness_max"] for k in range(5)] == [0, 1, 2, 2, 2]
     assert [rows[k]["staleness_mean"] for k in range(5)] == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert [rows[k]["stale_token_fraction"] for k in range(5)] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    # Batches 0-2 were asked for before the first RL update: the server generated them with the warm-started
+    # weights it was synced to, so on step 0's tokens (all of the current version) the rollout and old-policy
+    # log-probs agree to float noise. The later steps hold no current token, and their log-ratios are by staleness.
+    assert rows[0]["rollout_logprob_mismatch_current"] < 1e-4 and rows[0]["rollout_logprob_mismatch"] < 1e-4
+    assert rows[0]["log_ratio_mean/staleness_1"] is None and rows[1]["log_ratio_mean/staleness_1"] is not None
+    assert all(rows[k]["rollout_logprob_mismatch_current"] is None for k in range(1, 5))
+    assert all(rows[k]["log_ratio_mean/staleness_2plus"] is not None for k in range(2, 5))
+    assert all(0 <= rows[k]["rollout_is_capped_fraction"] < 1 for k in range(5))
     trained = [i for k in range(5) for i in rows[k]["trained_prompt_ids"]]
-    assert len(trained) == len(set(trained)) == 5 * 16
+    assert len(trained) == len(set(trained)) == 5 * 16  # with the warm start's 16 prompts: 96 of the 100
     # The engine generated the next batches while the trainer trained: after the first step the wait for the
     # rollouts is a small part of the step.
     assert max(rows[k]["time_generate_s"] for k in range(2, 5)) < rows[0]["time_generate_s"]
@@ -113,7 +124,7 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     # A warm start, so that some groups hold both outcomes and steps train (dynamic sampling keeps only those).
     extra = ("data.prompts_per_step=8", "warm_start.steps=30")
     if partial:
-        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "algorithm.rollout_is=token")
+        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2")
     _train(tmp_path, "whole", server_model, 6, 1, *extra)
     assert _train(tmp_path, "killed", server_model, 6, 1, *extra, kill_after_checkpoint=3) == -signal.SIGKILL
     state = json.loads((tmp_path / "killed" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
@@ -127,11 +138,23 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     # Steps trained on batches of the step before (staleness 1) and on rounds generated on the spot (0).
     assert max(whole[k].get("staleness_max", 0) for k in range(1, 6)) >= 1
     assert sum(whole[k]["groups_kept"] for k in range(6)) >= 6
+    # The server generates with the weights it is said to hold: on the current version's tokens the rollout and
+    # old-policy log-probs agree to float noise, at every step, before and after the resume.
+    for rows in (whole, resumed):
+        current = [rows[k]["rollout_logprob_mismatch_current"] for k in range(6)
+                   if rows[k].get("rollout_logprob_mismatch_current") is not None]  # null: no current token
+        assert len(current) >= 3 and max(current) < 1e-4, current
     if partial:
-        # A response's second segment is in the batch asked for after its first was waited for, N + 1 steps
-        # later: trained at most (N + 1) x 2 segments - 1 = 3 versions after its first token was sampled.
+        # A response's second segment is in the batch asked for after its first was waited for, N steps later:
+        # trained at most 2 segments x N = 2 versions after its first token was sampled.
         assert max(whole[k]["continued_fraction"] or 0 for k in range(6)) > 0  # null: no group kept
-        assert max(whole[k]["staleness_max"] for k in range(6) if "staleness_max" in whole[k]) <= 3
+        assert max(whole[k]["staleness_max"] for k in range(6) if "staleness_max" in whole[k]) <= 2
+        # The checkpoint's in-flight work was scheduled at staleness 1: a resume at staleness 0 is refused, naming it.
+        steps_on = _overrides("127.0.0.1:1", 7, 0, *extra)
+        refused = subprocess.run(train_command(tmp_path / "killed", 1, steps_on), capture_output=True, text=True,
+                                 timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert refused.returncode != 0, refused.stderr[-3000:]
+        assert "under other rollout settings than this run's (rollout.max_staleness 1 -> 0)" in refused.stderr
 
 
 def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_stays_intact(tmp_path, server_model):

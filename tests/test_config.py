@@ -55,6 +55,8 @@ def test_overrides_are_typed_and_nested(tmp_path):
             "algorithm.name=grpo"], "rollout.partial_rollouts: needs dynamic sampling"),
     (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout.partial_segment_tokens=2"],
      "rollout.partial_rollouts: needs the rollout correction"),
+    (BASE, ["rollout.max_staleness=1", "rollout.engine=builtin_remote", "rollout.remote_addresses=[h:1]"],
+     "rollout.max_staleness: 1 needs the rollout correction .algorithm.rollout_is: token, or geometric for grpo_s"),
     (BASE, ["rollout.vllm_kv_cache_memory_bytes=0"], "rollout.vllm_kv_cache_memory_bytes: must be > 0"),
     (BASE, ["rollout.vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization: must be in (0, 1]"),
     (BASE, ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: must be in [0, optim.lr = 0.1]"),

@@ -24,7 +24,7 @@ REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip
             "rollout_logprob_mismatch", "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s",
             "time_sync_s", "padding_fraction", "lr", "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max",
             "update_successful", "optimizer_steps", "empty_mini_batches", "mismatch_kl", "token_mult_prob_error",
-            "rollout_is_weight_mean", "rollout_rs_masked_fraction")
+            "rollout_is_weight_mean", "rollout_is_capped_fraction", "rollout_rs_masked_fraction")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 
@@ -35,7 +35,7 @@ PACKED = ["data.pack_sequences=true", "data.max_tokens_per_micro_batch=64"]
 
 @pytest.mark.parametrize("layout,algorithm,options", [
     ("parallel.tensor=2", "gtpo", PACKED),
-    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=sequence"]),
+    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=geometric"]),
     ("parallel.tensor=2", "grpo", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
     ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01",
                                      "data.max_tokens_per_micro_batch=40"]),
@@ -73,6 +73,7 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         assert row["rollout_logprob_mismatch"] < 1e-4
         assert row["mismatch_kl"] < 1e-6 and row["token_mult_prob_error"] < 1 + 1e-4
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and row["rollout_rs_masked_fraction"] == 0
+        assert row["rollout_is_capped_fraction"] == 0
         assert 0.0 <= row["padding_fraction"] < 0.5
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
 
@@ -284,6 +285,18 @@ def test_unreachable_remote_vllm_server_fails_fast_naming_the_address(tmp_path):
                                   "rollout.remote_connect_timeout_s=2"], timeout=120)
     assert res.returncode != 0 and address in res.stderr, res.stderr[-3000:]
     assert time.monotonic() - start < 90
+
+
+def test_a_prompt_that_leaves_no_room_for_a_whole_response_fails_at_start(tmp_path):
+    """Partial rollouts of 2-token segments: every engine call would fit the tiny model's 64 positions, but a 5-token
+    prompt and the 62-token budget do not; the run fails before its first step, naming the setting."""
+    res = run_train(tmp_path, 1, ["parallel.tensor=1", "steps=1", "warm_start.steps=0", "rollout.max_new_tokens=62",
+                                  "rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2",
+                                  "algorithm.rollout_is=token"], timeout=120)
+    assert res.returncode != 0
+    assert "rollout.max_new_tokens: prompt" in res.stderr and "with max_new_tokens = 62 that exceeds the model's 64 " \
+        "positions" in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_compare_algorithms_tool_runs_each_algorithm_from_the_same_warm_start(tmp_path):

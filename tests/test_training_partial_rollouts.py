@@ -88,3 +88,86 @@ def test_segments_must_divide_the_budget():
         PartialRollouts(group_size=2, max_new_tokens=5, segment_tokens=2)
     with pytest.raises(ValueError, match="segment_tokens"):
         PartialRollouts(group_size=2, max_new_tokens=4, segment_tokens=4)
+
+
+def _schedule(max_staleness: int, steps: int) -> dict[int, tuple[int, list[int]]]:
+    """RolloutQueue (rollout_queue.py) over `steps` steps with partial rollouts of 1-token segments of a 3-token
+    budget, one new group of G responses per batch, an engine that never samples a stop token (every response takes
+    its 3 segments). Per prompt id: the step that took its complete group, and its first response's token versions."""
+    from megatron_gtpo.training.rollout_queue import AskedBatch, RolloutQueue
+
+    partial = PartialRollouts(group_size=G, max_new_tokens=3, segment_tokens=1)
+
+    def ask(step, version, continued):
+        prompts = [_prompt(1000 + step)]
+        rows, _ = partial.request(continued, prompts, SamplingParams(n=G))
+        record = Responses.from_lists([[Response([7], [-0.5], "length")] for _ in rows])
+        return AskedBatch(step, version, prompts, lambda: record, continued)
+
+    queue = RolloutQueue(max_staleness, ask, steps=steps, partial=partial)
+    trained = {}
+    for step in range(steps):
+        groups = queue.take(step)
+        for i, prompt in enumerate(groups.prompts):
+            first = groups.select(torch.tensor([i]))
+            trained[prompt.id - 1000] = (step, first.versions_T[:3].tolist())
+    return trained
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_a_step_waits_for_its_batch_before_asking_so_a_segment_continues_n_versions_later(max_staleness):
+    """Batch k is sampled by version max(0, k - N); its unfinished responses continue in the next batch asked for,
+    which is batch k + N (asked at step k, after batch k was waited for; N = 0: batch k + 1 at step k + 1), so the
+    segments of a response are N versions apart (1 at N = 0) and it is trained (s - 1) x max(N, 1) + N = 3N (2 at
+    N = 0) versions after its first token."""
+    trained = _schedule(max_staleness, 12)
+    if max_staleness == 0:  # batch b: versions b, b + 1, b + 2; complete in batch b + 2, trained at step b + 2
+        expected = {b: (b + 2, [b, b + 1, b + 2]) for b in range(10)}
+    elif max_staleness == 1:  # batch b (b >= 1) at version b - 1; its segments in batches b, b + 1, b + 2
+        expected = {0: (2, [0, 0, 1]), **{b: (b + 2, [b - 1, b, b + 1]) for b in range(1, 10)}}
+    else:  # batch b at version max(0, b - 2); its segments in batches b, b + 2, b + 4
+        expected = {0: (3, [0, 0, 1]), 1: (5, [0, 1, 3]), **{b: (b + 4, [b - 2, b, b + 2]) for b in range(2, 8)}}
+    assert trained == expected
+    steady = [b for b in expected if b >= max_staleness]
+    assert {step - versions[0] for b, (step, versions) in trained.items() if b in steady} == \
+        {3 * max_staleness if max_staleness else 2}
+
+
+def test_a_prompt_and_a_whole_response_must_fit_the_model_at_start():
+    """Checked against max_new_tokens, not one segment: with partial rollouts a 60-token prompt passes its first
+    2-token segment in a 64-position model and would fail at a later one."""
+    from megatron_gtpo.config import ConfigError
+    from megatron_gtpo.training.task import check_prompt_lengths
+
+    samples = [SimpleNamespace(id="short", prompt_token_ids=(1,) * 4), SimpleNamespace(id="long",
+                                                                                       prompt_token_ids=(1,) * 60)]
+    check_prompt_lengths(samples, max_new_tokens=4, max_positions=64)
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens: prompt 'long' has 60 tokens; with max_new_tokens "
+                                          "= 8 that exceeds the model's 64 positions"):
+        check_prompt_lengths(samples, max_new_tokens=8, max_positions=64)
+
+
+@pytest.mark.parametrize("saved,now,message", [
+    (dict(max_staleness=1), dict(max_staleness=0), r"rollout.max_staleness 1 -> 0\)"),
+    (dict(max_staleness=1, partial_rollouts=True, partial_segment_tokens=2),
+     dict(max_staleness=2, partial_rollouts=True, partial_segment_tokens=1),
+     r"rollout.max_staleness 1 -> 2, rollout.partial_segment_tokens 2 -> 1\)"),
+    (dict(partial_rollouts=True, partial_segment_tokens=2), dict(),
+     r"rollout.partial_rollouts True -> False, rollout.partial_segment_tokens 2 -> None\)"),
+    (dict(max_staleness=1), dict(max_staleness=1), None),
+    (dict(), dict(max_staleness=2), None),  # nothing in flight: the new schedule starts afresh
+])
+def test_a_resume_under_other_rollout_settings_than_the_in_flight_work_is_refused(saved, now, message):
+    """A checkpoint of bounded staleness or partial rollouts holds batches asked for ahead and unfinished groups;
+    resuming it with another schedule would skip them (max_staleness 0) or train them beyond the new bound."""
+    from megatron_gtpo.config import RolloutConfig
+    from megatron_gtpo.training.checkpointing import check_rollout_schedule
+
+    saved_config = {"rollout": dict(engine="builtin_remote", **saved)}  # an older checkpoint may lack keys
+    cfg = SimpleNamespace(rollout=RolloutConfig(**now))
+    if message is None:
+        check_rollout_schedule(saved_config, cfg, "ckpt/step_00000003")
+        return
+    with pytest.raises(ValueError, match="checkpoint ckpt/step_00000003 holds rollouts generated and not yet "
+                                         "trained on under other rollout settings than this run's " + f"\\({message}"):
+        check_rollout_schedule(saved_config, cfg, "ckpt/step_00000003")

@@ -136,10 +136,13 @@ def test_token_rows_and_rollout_logprobs_come_from_the_flat_record():
         [1, 2, 3, 5, 6], [1, 2, 3, 0, 0], [4, 8, 9, 10, 0], [4, 11, 0, 0, 0]]
     correct = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=1)
-    batch = build_step_batch(Experience(prompts, responses, correct, correct.clone()), groups,
-                             mini_batches=[[0, 1]], max_sequences=4, max_tokens=None)
+    # The tokens' policy versions (partial rollouts: sequence 2's last token by a newer one than its first two).
+    versions_T = torch.tensor([3, 3, 2, 2, 4, 5])
+    batch = build_step_batch(Experience(prompts, responses, correct, correct.clone(), versions_T=versions_T), groups,
+                             mini_batches=[[0, 1]], max_sequences=4, max_tokens=None, trained_version=5)
     assert batch.rollout_logprobs_ST.tolist() == [[-0.5, -0.25, 0.0], [0.0, 0.0, 0.0], [-1.0, -2.0, -4.0],
                                                   [-0.125, 0.0, 0.0]]
+    assert batch.staleness_ST.tolist() == [[2, 2, 0], [0, 0, 0], [3, 3, 1], [0, 0, 0]]
     assert batch.mask_ST.sum(1).tolist() == [2, 0, 3, 1]
     # One micro-batch, longest first: sequences 0 (5 tokens), 2 (4), 1 (3), 3 (2).
     (only,) = batch.plan[0]

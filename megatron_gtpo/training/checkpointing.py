@@ -13,6 +13,7 @@ corrupted shard) is named and passed over for the newest intact one before it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
 from megatron_gtpo.checkpoint.megatron_checkpoint import (HF_FILES_DIR, LATEST, load_model_state, save_checkpoint,
                                                           series_members)
-from megatron_gtpo.config import config_text, save_config, to_dict
+from megatron_gtpo.config import RolloutConfig, config_text, save_config, to_dict
 
 STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.json"
@@ -177,17 +178,37 @@ def save(trainer, step: int) -> str:
 def _rollouts_in_flight(trainer) -> dict:
     """The batches asked for and not yet trained on and the unfinished groups (rollout_queue.py), waited for: with
     bounded staleness or partial rollouts only."""
-    if not _holds_rollouts(trainer.cfg):
+    if not _holds_rollouts(trainer.cfg.rollout):
         return {}
     return {_rollouts_file(trainer.parallel): trainer.rollouts.state_dict()}
 
 
-def _holds_rollouts(cfg) -> bool:
-    return bool(cfg.rollout.max_staleness or cfg.rollout.partial_rollouts)
+def _holds_rollouts(rollout: RolloutConfig) -> bool:
+    return bool(rollout.max_staleness or rollout.partial_rollouts)
 
 
 def _rollouts_file(parallel) -> str:
     return os.path.join("rollouts", f"rank_{parallel.world_rank:05d}.pt")
+
+
+ROLLOUT_SCHEDULE_KEYS = ("max_staleness", "partial_rollouts", "partial_segment_tokens")
+
+
+def check_rollout_schedule(saved_config: dict, cfg, directory: str) -> None:
+    """ValueError naming the settings when the checkpoint `directory` (its config `saved_config`) holds rollouts in
+    flight (bounded staleness, partial rollouts) and this run schedules them otherwise: its batches asked for ahead
+    and its unfinished groups were made for the saved settings, and would be dropped or trained beyond the new
+    staleness bound."""
+    defaults = dataclasses.asdict(RolloutConfig())  # for a checkpoint older than a setting
+    saved = RolloutConfig(**{key: saved_config["rollout"].get(key, defaults[key]) for key in ROLLOUT_SCHEDULE_KEYS})
+    if not _holds_rollouts(saved):
+        return
+    changed = [f"rollout.{key} {getattr(saved, key)} -> {getattr(cfg.rollout, key)}" for key in ROLLOUT_SCHEDULE_KEYS
+               if getattr(saved, key) != getattr(cfg.rollout, key)]
+    if changed:
+        raise ValueError(f"checkpoint {directory} holds rollouts generated and not yet trained on under other rollout "
+                         f"settings than this run's ({', '.join(changed)}): resume it with the checkpoint's, or start "
+                         f"a new run from it (model.load, in a new output directory)")
 
 
 def resume_candidates(root: str) -> list[str]:
@@ -247,13 +268,14 @@ def restore(trainer) -> int:
     if (state["vocab_size"] != trainer.vocab_size
             or state["hf_config"]["hidden_size"] != trainer.task.hf_config["hidden_size"]):
         raise ValueError(f"checkpoint {directory} is of a different model than the configured one")
+    check_rollout_schedule(state["config"], cfg, directory)
     loaded = dist_checkpointing.load(_sharded_state(trainer, loading_from=directory), directory)
     load_model_state(directory, trainer.policy.chunks, loaded)
     _load_optimizer_state(trainer.policy.optimizer, loaded["optimizer"])
     trainer.policy.scheduler.load_state_dict(state["scheduler"])
     trainer.loader.load_state_dict(state["loader"])
     in_flight = os.path.join(directory, _rollouts_file(parallel))
-    if os.path.isfile(in_flight) and _holds_rollouts(cfg):
+    if os.path.isfile(in_flight) and _holds_rollouts(cfg.rollout):
         if state["layout"] != _layout(parallel):
             raise ValueError(f"checkpoint {directory} holds rollouts generated and not yet trained on at the layout "
                              f"{state['layout']}; resume it at that layout (this run's is {_layout(parallel)})")

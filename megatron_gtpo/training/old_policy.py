@@ -56,9 +56,11 @@ def _response_logprobs_and_entropy(model_chunks, *, batch: StepBatch, micro_batc
 
 def correct_rollout(batch: StepBatch, **settings) -> None:
     """Adds loss_mask_ST, pg_weights and mismatch_sums (algorithms/rollout_correction.py; `settings` are its
-    rollout_is / rollout_is_cap / rollout_rs / rollout_rs_bounds). Last pipeline stage only."""
+    rollout_is / rollout_is_cap / rollout_rs / rollout_rs_bounds; with the batch's staleness_ST, the sums by
+    staleness too). Last pipeline stage only."""
     if batch.old_logprobs_ST is None:
         return
-    correction = rollout_correction(batch.old_logprobs_ST, batch.rollout_logprobs_ST, batch.mask_ST, **settings)
+    correction = rollout_correction(batch.old_logprobs_ST, batch.rollout_logprobs_ST, batch.mask_ST,
+                                    staleness_ST=batch.staleness_ST, **settings)
     batch.loss_mask_ST, batch.pg_weights, batch.mismatch_sums = correction.keep_ST, correction.weights, \
         correction.metric_sums

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.algorithms.rollout_correction import STALENESS_METRICS
+
 
 class Reduce(str, enum.Enum):
     SUM = "sum"
@@ -71,7 +73,11 @@ METRICS: dict[str, Metric] = {
     "mismatch_kl": _mean("tokens"),
     "token_mult_prob_error": _mean("tokens"),
     "rollout_is_weight_mean": _mean("tokens"),
+    "rollout_is_capped_fraction": _mean("tokens"),
     "rollout_rs_masked_fraction": _mean("tokens"),
+    # With rollouts that may be stale (rollout.max_staleness, partial rollouts), by the staleness of the token: the
+    # mean log-ratio old - rollout of tokens 0, 1, 2+ versions old, and the mismatch on the current version's tokens.
+    **{name: _mean(weight, optional=True) for name, weight in STALENESS_METRICS.items()},
     # The update. Fractions and the mean ratio count the loss's terms: tokens for a token-level loss, sequences for
     # the sequence-level one; the KL estimates count tokens.
     "pg_loss": SUM,  # each micro-batch's share of its optimizer step's loss / the optimizer steps: the mean per step

@@ -1,14 +1,16 @@
 """Rollouts asked for ahead of training (rollout.max_staleness = N), and the groups partial rollouts left unfinished.
 
 Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked
-for when step max(0, k - N) begins, so it is generated with the policy of version max(0, k - N) (the weights after
-that many steps) while the trainer trains the steps in between, and no batch is trained on more than N versions
-after the weights that sampled it. The schedule is fixed, so a run is the same whatever the engines' speed.
-N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
+for at step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version
+max(0, k - N) (the weights after that many steps) while the trainer trains the steps in between, and no batch is
+trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
+whatever the engines' speed. N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
-batches and rounds waited for until then; a response's first tokens may then be older than N versions, by at most
-(N + 1) x (its segments) - 1 in all.
+batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the
+unfinished responses of batch k continue in batch k + N, sampled N versions later (N = 0: in batch k + 1, one
+version later): a response of s segments is trained at most (s - 1) x max(N, 1) + N versions after its first token
+was sampled (s x N at N >= 1).
 
 A checkpoint holds the batches asked for and not yet trained on (`state_dict` waits for them: the prompts, the
 version that generated them, their rollout records and the groups they continue) and the unfinished groups, so a
@@ -51,14 +53,24 @@ class RolloutQueue:
         self.asked: dict[int, AskedBatch] = {}
         self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
 
-    def take(self, step: int) -> AskedBatch:
-        """Batch `step`, after asking for every batch up to step + N (and before the run's end) not asked for yet,
-        with the weights of now (version `step`): the engine generates those while this one trains."""
-        for later in range(step, max(step + 1, min(step + self.max_staleness + 1, self.steps))):
+    def take(self, step: int) -> SampledGroups:
+        """The groups of batch `step`, waited for (asked for now if it was not: N = 0, or the first step); then every
+        batch up to step + N (and before the run's end) not asked for yet is asked for, with the weights of now
+        (version `step`): the engine generates those while this one trains. Waiting first lets the asked batches
+        continue the responses this one left unfinished (partial rollouts) N versions after it, not N + 1; at
+        N >= 1 it costs no time, since the batch was generated before the weight update that ended the last step
+        (the update drains the engine)."""
+        if step not in self.asked:
+            self._ask(step, step)
+        groups = self.groups(self.asked.pop(step))
+        for later in range(step + 1, min(step + self.max_staleness + 1, self.steps)):
             if later not in self.asked:
-                continued, self.unfinished = self.unfinished, None
-                self.asked[later] = self.ask(later, step, continued)
-        return self.asked.pop(step)
+                self._ask(later, step)
+        return groups
+
+    def _ask(self, step: int, version: int) -> None:
+        continued, self.unfinished = self.unfinished, None
+        self.asked[step] = self.ask(step, version, continued)
 
     def groups(self, asked: AskedBatch) -> SampledGroups:
         """The groups of a round, waited for: with partial rollouts only the complete ones; the others wait for the

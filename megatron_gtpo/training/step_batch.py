@@ -30,7 +30,8 @@ each sequence's last token) get filler experts.
 
 Fields, by the phase that adds them (all on parallel.device; build_step_batch's on every pipeline stage, the later
 phases' on the last stage only, elsewhere None and mismatch_sums empty):
-    build_step_batch      mask_ST, rollout_logprobs_ST, correct_NG, rewards_NG, group_index_S, response_index_S
+    build_step_batch      mask_ST, rollout_logprobs_ST, correct_NG, rewards_NG, group_index_S, response_index_S,
+                          staleness_ST (with a trained version)
     score (old policy)    old_logprobs_ST, entropy_ST, ref_logprobs_ST (with a reference policy)
     correct_rollout       loss_mask_ST (mask_ST less rejected tokens), pg_weights ([S, T] or [S]), mismatch sums
     advantages            advantages ([S, T] per token or [S] per sequence)
@@ -154,6 +155,8 @@ class StepBatch:
     rewards_NG: torch.Tensor
     plan: list[list[PlannedMicroBatch]]  # per mini-batch
     lockstep: bool = False  # expert parallelism: the plan's padding micro-batches run too (module doc)
+    # int64: how many versions before the trained one each token's sampler was (0 at padding); None: not asked for
+    staleness_ST: torch.Tensor | None = None
     old_logprobs_ST: torch.Tensor | None = None
     entropy_ST: torch.Tensor | None = None
     ref_logprobs_ST: torch.Tensor | None = None
@@ -191,10 +194,12 @@ class ReplayPlan:
 
 
 def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches: list[list[int]], max_sequences: int,
-                     max_tokens: int | None, pack: bool = False, replay: ReplayPlan | None = None) -> StepBatch:
+                     max_tokens: int | None, pack: bool = False, replay: ReplayPlan | None = None,
+                     trained_version: int | None = None) -> StepBatch:
     """The step batch of `exp`'s kept groups; `mini_batches` lists the group ids of each mini-batch; `pack`: packed
     micro-batches (one row of several sequences each, forward.py) instead of padded ones; `replay`: the micro-batches
-    carry the experts each response's recorded routing (`exp.routed_experts`, rank-local) holds (module doc). Built
+    carry the experts each response's recorded routing (`exp.routed_experts`, rank-local) holds (module doc);
+    `trained_version`: the policy version the step trains, against which each token's staleness is counted. Built
     from the rollout record's flat tensors by tensor ops on the device (`sequence_tokens_SL`); only the lengths come
     to the host (the plan is built from them). With expert parallelism, collective over the expert-parallel group
     (the micro-batch counts are agreed on)."""
@@ -207,6 +212,10 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
     mask_ST = torch.arange(max(response_lengths, default=0), device=device) < lengths_S[:, None]
     # Row-major order of the mask's True entries is the record's token order: response s's tokens fill row s.
     rollout_ST = torch.zeros(mask_ST.shape, device=device).masked_scatter_(mask_ST, responses.logprobs_T)
+    staleness_ST = None
+    if trained_version is not None:
+        staleness_ST = torch.zeros(mask_ST.shape, dtype=torch.int64, device=device).masked_scatter_(
+            mask_ST, trained_version - exp.versions_T.to(device))
     tokens_SL = sequence_tokens_SL(exp.prompt_token_ids, G, responses, sequence_lengths)
     sequence_ids = [[g * G + j for g in groups_of_mini for j in range(G)] for groups_of_mini in mini_batches]
     plan = plan_micro_batches(sequence_lengths, sequence_ids, max_sequences=max_sequences,
@@ -228,7 +237,8 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
     return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G, sequence_lengths=sequence_lengths,
                      response_lengths=response_lengths, group_index_S=index_S // G, response_index_S=index_S % G,
                      mask_ST=mask_ST, rollout_logprobs_ST=rollout_ST, correct_NG=exp.correct_NG.to(device),
-                     rewards_NG=exp.rewards_NG.to(device), plan=planned, lockstep=lockstep is not None)
+                     rewards_NG=exp.rewards_NG.to(device), plan=planned, lockstep=lockstep is not None,
+                     staleness_ST=staleness_ST)
 
 
 def _pad_to_peers(plan: list[list[list[int]]], group, device) -> list[list[list[int]]]:

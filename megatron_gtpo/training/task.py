@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_gtpo.config import TrainConfig
+from megatron_gtpo.config import ConfigError, TrainConfig
 
 
 @dataclass
@@ -20,6 +20,18 @@ class Task:
     rewards: Callable[[list[str], list[str]], list[float]]  # (response texts, reference answers) -> rewards
     hf_config: dict
     demonstration: Callable[[object], list[int]] | None = None  # PromptSample -> reference response token ids
+
+
+def check_prompt_lengths(samples: list, *, max_new_tokens: int, max_positions: int) -> None:
+    """ConfigError naming the longest prompt when it and a whole response of `max_new_tokens` (rollout.max_new_tokens)
+    exceed the model's `max_positions`: checked at start, so that a long prompt fails the run before its first step,
+    not at the step that draws it (with partial rollouts: at a later segment, after the first passed)."""
+    longest = max(samples, key=lambda sample: len(sample.prompt_token_ids))
+    length = len(longest.prompt_token_ids)
+    if length + max_new_tokens > max_positions:
+        raise ConfigError(f"rollout.max_new_tokens: prompt {longest.id!r} has {length} tokens; with max_new_tokens = "
+                          f"{max_new_tokens} that exceeds the model's {max_positions} positions (lower "
+                          f"rollout.max_new_tokens, or data.max_prompt_tokens to drop the longer prompts)")
 
 
 def _math_reward_pool(cfg: TrainConfig) -> Callable[[list[str], list[str]], list[float]]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.algorithms import configure_algorithm
-from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS
+from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS, STALENESS_METRICS
 from megatron_gtpo.config import TrainConfig, to_dict, validate_for_model, validate_layout
 from megatron_gtpo.distributed import initialize_parallel, read_launch_env
 from megatron_gtpo.models.moe_routing import RouterStatistics, routed_layers
@@ -35,7 +35,7 @@ from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer,
 from .reference import ReferencePolicy
 from .rollout_queue import AskedBatch, RolloutQueue
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
-from .task import build_task
+from .task import build_task, check_prompt_lengths
 from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
 from .update import record_optimizer_step, update_policy
 
@@ -50,6 +50,8 @@ class Trainer:
         self.task = build_task(cfg)  # prompts, tokenizer, reward, the model's HF config
         shape = ModelShape.from_hf(self.task.hf_config)
         validate_for_model(cfg, shape)
+        check_prompt_lengths(self.task.samples, max_new_tokens=cfg.rollout.max_new_tokens,
+                             max_positions=shape.max_position_embeddings)
         validate_layout(cfg, world_size=read_launch_env().world_size, shape=shape)  # before any process group
         p = cfg.parallel
         self.parallel = initialize_parallel(p.tensor, p.pipeline, virtual_pipeline_parallel=p.virtual_pipeline,
@@ -92,6 +94,7 @@ class Trainer:
         self.stop = StopSignal.install()  # SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint, then exit
         if self.start_step == 0 and self.cfg.warm_start.steps:
             self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **self.warm_start()})
+            self.sync_weights()  # an external engine generates with the warm-started policy from the first batch on
             if self.cfg.steps == 0:  # a warm-start-only run: its checkpoint is where RL runs start (model.load)
                 checkpointing.save(self, 0)
         self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference
@@ -101,7 +104,7 @@ class Trainer:
                                     {**METRICS, **self.moe_metrics})
             experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
             with timer("old_logprob"):
-                batch = self.build_step_batch(experience)  # tokens, masks, group index, the micro-batch plan
+                batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
                 self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
             with timer("advantages"):
                 self.compute_advantages(batch)  # the configured algorithm's, over the global batch
@@ -148,15 +151,16 @@ class Trainer:
 
     def collect_experience(self, step: int, timer: PhaseTimer, metrics: MetricReducer) -> Experience:
         """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says:
-        the first round is the batch asked for rollout.max_staleness steps ago (rollout_queue.py), further rounds
-        are generated now. Times the "generate" phase (the wait for rollouts) and the "reward" one, records the
-        rollout's metrics."""
+        the first round is the batch asked for rollout.max_staleness steps ago (rollout_queue.py), waited for before
+        the next batches are asked for; further rounds are generated now. Times the "generate" phase (the wait for
+        rollouts) and the "reward" one, records the rollout's metrics."""
         with timer("generate"):
             first = self.rollouts.take(step)
 
         def sample_round(round_index):
-            asked = self.ask_round(step, round_index) if round_index else first
-            return timed(timer, "generate", partial(self.rollouts.groups, asked))
+            if not round_index:
+                return lambda: first
+            return timed(timer, "generate", partial(self.rollouts.groups, self.ask_round(step, round_index)))
 
         def reward(prompts, responses):
             with timer("reward"):
@@ -211,12 +215,15 @@ class Trainer:
             return self.partial.request(continued, prompts, params)
         return [list(p.prompt_token_ids) for p in prompts], params
 
-    def build_step_batch(self, exp: Experience) -> StepBatch:
-        d = self.cfg.data
+    def build_step_batch(self, exp: Experience, step: int) -> StepBatch:
+        """The step batch; when rollouts may be stale (rollout.max_staleness, partial rollouts), with each token's
+        staleness against version `step` (for the mismatch metrics by staleness)."""
+        d, r = self.cfg.data, self.cfg.rollout
         return build_step_batch(exp, self.parallel,
                                 mini_batches=split_evenly(list(range(exp.num_prompt_groups)), d.mini_batches_per_step),
                                 max_sequences=d.micro_batch_size, max_tokens=d.max_tokens_per_micro_batch,
-                                pack=d.pack_sequences, replay=self.replay)
+                                pack=d.pack_sequences, replay=self.replay,
+                                trained_version=step if r.max_staleness or r.partial_rollouts else None)
 
     def old_policy_pass(self, batch: StepBatch, metrics: MetricReducer) -> None:
         """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
@@ -321,17 +328,17 @@ def split_evenly(items: list, parts: int) -> list[list]:
 def _token_totals(batch: StepBatch) -> tuple[dict, dict]:
     """The old-policy pass's token metrics as totals over the kept response tokens, and their weights (device
     tensors: no host read)."""
-    mask = batch.mask_ST
+    mask, sums = batch.mask_ST, batch.mismatch_sums
     correct_S1 = (batch.per_sequence(batch.correct_NG) == 1)[:, None]
     correct, failed = mask & correct_S1, mask & ~correct_S1
-    mismatch_ST = (batch.rollout_logprobs_ST - batch.old_logprobs_ST).abs()
 
     def total(values_ST, where_ST):
         return torch.where(where_ST, values_ST, 0.0).sum()
 
+    by_staleness = [name for name in STALENESS_METRICS if name in sums]  # when the batch has staleness_ST
     totals = {"entropy_mean": total(batch.entropy_ST, mask), "entropy_correct_mean": total(batch.entropy_ST, correct),
               "entropy_failed_mean": total(batch.entropy_ST, failed),
-              "rollout_logprob_mismatch": total(mismatch_ST, mask),
-              **{key: batch.mismatch_sums[key] for key in MISMATCH_METRICS}}
-    weights = {"tokens": mask.sum(), "correct_tokens": correct.sum(), "failed_tokens": failed.sum()}
+              **{key: sums[key] for key in (*MISMATCH_METRICS, *by_staleness)}}
+    weights = {"tokens": mask.sum(), "correct_tokens": correct.sum(), "failed_tokens": failed.sum(),
+               **{STALENESS_METRICS[name]: sums[STALENESS_METRICS[name]] for name in by_staleness}}
     return totals, weights

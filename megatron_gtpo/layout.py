@@ -2,8 +2,8 @@
 
 `check_layout` is what the config validation (config.py), the process-group setup (distributed/parallel.py), the
 model builder (models/qwen.py), the checkpoint tools and the planner (planning.py) call: each passes what it knows
-(the model's shape, the batch, the rollout engines) and gets the same rules with the same
-messages, named by the config keys a user sets. Rules whose inputs a caller does not pass are not checked.
+(the model's shape, the batch, the rollout engines) and gets the same rules with the same messages, named by the
+config keys a user sets. Rules whose inputs a caller does not pass are not checked.
 """
 from __future__ import annotations
 

@@ -437,27 +437,22 @@ def validate(cfg: TrainConfig) -> None:
     validate_layout(cfg)
 
 
-def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=None, accelerator=None) -> None:
+def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=None) -> None:
     """The parallel layout's rules (layout.check_layout) for this config, as a ConfigError. Without `world_size` the
-    rules that need the data-parallel size or the machine are not checked (`validate` runs this part when the config
-    is loaded); with it, also what the machine runs (`accelerator`, models/accelerator.py; default this process's:
-    the Transformer Engine spec or the local one). `shape` (models.qwen.ModelShape) adds the model's splits. The
-    trainer runs all of it before any process group exists."""
+    rules that need the data-parallel size are not checked (`validate` runs this part when the config is loaded).
+    `shape` (models.qwen.ModelShape) adds the model's splits. The trainer runs all of it before any process group
+    exists."""
     par, r, d = cfg.parallel, cfg.rollout, cfg.data
-    transformer_engine = None
     try:
         if world_size is None:
             layout = ParallelLayout(par.tensor, par.pipeline, None, par.virtual_pipeline, par.sequence_parallel,
                                     expert=par.expert, expert_tensor=par.expert_tensor)
         else:
-            from megatron_gtpo.models.accelerator import Accelerator
-
             layout = ParallelLayout.from_world_size(world_size, tensor=par.tensor, pipeline=par.pipeline,
                                                     virtual_pipeline=par.virtual_pipeline,
                                                     sequence_parallel=par.sequence_parallel, expert=par.expert,
                                                     expert_tensor=par.expert_tensor)
-            transformer_engine = (accelerator or Accelerator.probe()).transformer_engine
-        check_layout(layout, shape=shape, transformer_engine=transformer_engine, prompts_per_step=d.prompts_per_step,
+        check_layout(layout, shape=shape, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
                      rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)),
                      training=True)

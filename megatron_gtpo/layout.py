@@ -2,8 +2,8 @@
 
 `check_layout` is what the config validation (config.py), the process-group setup (distributed/parallel.py), the
 model builder (models/qwen.py), the checkpoint tools and the planner (planning.py) call: each passes what it knows
-(the model's shape, the machine's layer spec, the batch, the rollout engines) and gets the same rules with the same
-messages, named by the config keys a user sets. Rules whose inputs a caller does not pass are not checked.
+(the model's shape, the batch, the rollout engines) and gets the same rules with the same messages, named by the
+config keys a user sets. Rules whose inputs a caller does not pass are not checked.
 """
 from __future__ import annotations
 
@@ -12,11 +12,6 @@ from dataclasses import dataclass
 
 class LayoutError(ValueError):
     """A parallel layout the model, megatron-core or the rollout engines cannot run; the message names the keys."""
-
-
-SEQUENCE_PARALLEL_NEEDS_TE = (
-    "sequence parallelism needs the Transformer Engine layer spec (CUDA and a working transformer_engine.pytorch): "
-    "megatron-core's local spec builds RMSNorm as WrappedTorchNorm, which does not support it")
 
 
 @dataclass(frozen=True)
@@ -64,9 +59,8 @@ class RolloutLayout:
     remote_servers: int = 0
 
 
-def check_layout(layout: ParallelLayout, *, shape=None, transformer_engine: bool | None = None,
-                 prompts_per_step: int | None = None, mini_batches_per_step: int = 1,
-                 rollout: RolloutLayout | None = None, training: bool = False) -> None:
+def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | None = None,
+                 mini_batches_per_step: int = 1, rollout: RolloutLayout | None = None, training: bool = False) -> None:
     """LayoutError naming the problem when `layout` cannot run.
 
     Always: sizes >= 1; virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1; ETP divides TP. With
@@ -75,7 +69,6 @@ def check_layout(layout: ParallelLayout, *, shape=None, transformer_engine: bool
     or an ETP of its own) need a mixture-of-experts model, whose experts divide by EP and expert width by ETP. With a
     known data size: ETP x EP divides TP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
     model at TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without). With
-    `transformer_engine` (the layer spec the model will be built with): sequence parallelism needs it. With
     `prompts_per_step` and a known data size: the prompts split evenly over DP x mini-batches. With `rollout`:
     colocated vLLM engines tile the replica's GPUs (rollout/placement.py) and, with `shape`, split the attention
     heads; vllm_remote has one server per data-parallel replica; a mixture-of-experts model needs the built-in
@@ -86,8 +79,6 @@ def check_layout(layout: ParallelLayout, *, shape=None, transformer_engine: bool
     _need(vpp is None or (vpp >= 1 and pp >= 2),
           f"parallel.virtual_pipeline: needs parallel.pipeline >= 2 and a value >= 1, got {vpp} with pipeline {pp}")
     _need(not layout.sequence_parallel or tp > 1, "parallel.sequence_parallel: needs parallel.tensor > 1")
-    _need(not layout.sequence_parallel or transformer_engine is not False,
-          f"parallel.sequence_parallel: {SEQUENCE_PARALLEL_NEEDS_TE}")
     _check_experts(layout, shape, training)
     if shape is not None:
         _check_model_split(shape, tp, pp * (vpp or 1), vpp)
@@ -132,8 +123,7 @@ def _check_experts(layout: ParallelLayout, shape, training: bool) -> None:
           f"parallel.expert_tensor: moe_intermediate_size {moe.ffn_hidden_size} is not divisible by ETP={etp}")
     _need(not training or tp == 1 or layout.sequence_parallel,
           f"parallel.sequence_parallel: a mixture-of-experts model trains at TP > 1 only with "
-          f"parallel.sequence_parallel (megatron-core's MoE layer refuses otherwise), which needs the Transformer "
-          f"Engine layer spec; got TP={tp}. On the CPU, train it at parallel.tensor 1 (EP may split its experts)")
+          f"parallel.sequence_parallel: true (megatron-core's MoE layer refuses otherwise); got TP={tp}")
 
 
 def _check_model_split(shape, tp: int, layer_chunks: int, vpp: int | None) -> None:

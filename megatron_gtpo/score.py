@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     rows = []
     if mine:  # a DP replica with nothing to score skips the schedule (all its ranks agree on that)
         micro_batches = make_micro_batches(mine, args.micro_batch_size, device=parallel.device,
-                                           pad_to_multiple=args.tp if args.sequence_parallel else 1)
+                                           pad_to_multiple=parallel.sequence_multiple)
         outputs = forward_logprobs_and_entropy(chunks, micro_batches, parallel, vocab_size=shape.vocab_size,
                                                   temperature=args.temperature, chunk_size=args.chunk_size)
         for mb, (logprobs_BL, entropy_BL) in zip(micro_batches, outputs):

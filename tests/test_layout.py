@@ -21,8 +21,6 @@ def test_the_world_size_sets_data_parallel_or_is_refused():
 @pytest.mark.parametrize("layout, kwargs, message", [
     (ParallelLayout(tensor=2, virtual_pipeline=2), {}, "parallel.virtual_pipeline: needs parallel.pipeline >= 2"),
     (ParallelLayout(sequence_parallel=True), {}, "parallel.sequence_parallel: needs parallel.tensor > 1"),
-    (ParallelLayout(tensor=2, sequence_parallel=True), {"transformer_engine": False},
-     "needs the Transformer Engine layer spec"),
     (ParallelLayout(tensor=8), {"shape": SHAPE_7B}, "28 attention heads are not divisible by TP=8"),
     (ParallelLayout(tensor=7), {"shape": SHAPE_05B},
      r"2 query groups \(num_key_value_heads\) are not divisible by TP=7"),
@@ -49,7 +47,6 @@ def test_each_rule_names_its_keys(layout, kwargs, message):
 
 
 def test_rules_whose_inputs_are_unknown_are_not_checked():
-    check_layout(ParallelLayout(tensor=2, sequence_parallel=True))  # the layer spec is not known yet
     check_layout(ParallelLayout(tensor=8, pipeline=3))  # no model shape
     check_layout(ParallelLayout(data=None), prompts_per_step=7)  # the world size is not known yet
     check_layout(ParallelLayout(pipeline=2, virtual_pipeline=2), shape=SHAPE_7B)  # 28 = 2 x 2 x 7

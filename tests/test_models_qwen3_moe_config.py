@@ -80,11 +80,11 @@ def test_router_settings(norm_topk_prob):
      r"expert_tensor x expert = 2 x 4 must divide tensor x data-parallel size = 2 x 2"),
     (ParallelLayout(data=2, expert=2), {"shape": SHAPE_30B, "rollout": RolloutLayout("vllm")},
      "rollout.engine: vllm is not supported for a mixture-of-experts model"),
-    # megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism (which needs TE's spec).
+    # megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism.
     (ParallelLayout(tensor=2, data=2, expert=2), {"shape": SHAPE_30B, "training": True},
      "a mixture-of-experts model trains at TP > 1 only with parallel.sequence_parallel"),
     (ParallelLayout(tensor=2, data=2, expert=2, sequence_parallel=True),
-     {"shape": SHAPE_30B, "training": True, "transformer_engine": True}, None),
+     {"shape": SHAPE_30B, "training": True}, None),
     # Fits: EP over the DP replicas (ETP = TP), EP inside TP (ETP 1), or both.
     (ParallelLayout(tensor=2, data=4, expert=4), {"shape": SHAPE_30B}, None),
     (ParallelLayout(tensor=4, data=2, expert=8, expert_tensor=1), {"shape": SHAPE_30B}, None),

@@ -1,8 +1,8 @@
-"""One policy-update step on a fixed batch gives the same loss and the same updated weights at TP=1 vs 2,
-PP=1 vs 2, DP=1 vs 2, micro-batch size 4 vs 1, micro-batches cut by a token budget and sequences packed into rows
-(the loss contract, end to end through the step batch, update_policy, megatron's schedule, DDP and the
-DistributedOptimizer), for the token-level loss (GTPO / DAPO / GRPO) and the sequence-level one (GRPO-S, one
-advantage per sequence, mean over sequences)."""
+"""One policy-update step on a fixed batch gives the same loss and the same updated weights at TP=1 vs 2 (with and
+without sequence parallelism), PP=1 vs 2, DP=1 vs 2, micro-batch size 4 vs 1, micro-batches cut by a token budget
+and sequences packed into rows (the loss contract, end to end through the step batch, update_policy, megatron's
+schedule, DDP and the DistributedOptimizer), for the token-level loss (GTPO / DAPO / GRPO) and the sequence-level
+one (GRPO-S, one advantage per sequence, mean over sequences)."""
 import pytest
 import torch
 
@@ -78,10 +78,11 @@ def _replayed_routes(exp, shape, first_sequence: int):
     return ReplayPlan(layers, shape.moe.topk)
 
 
-def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, replay=False):
+def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=False, sp=False):
     """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch, pack), through the
-    trainer's own step batch and update_policy; a mixture-of-experts model's experts at EP `ep`, with `replay`
-    routing every token to arbitrary recorded experts (`_replayed_routes`)."""
+    trainer's own step batch and update_policy, with sequence parallelism if `sp`; a mixture-of-experts model's
+    experts at EP `ep` and ETP `etp`, with `replay` routing every token to arbitrary recorded experts
+    (`_replayed_routes`)."""
 
     from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config
@@ -97,7 +98,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, replay=False):
     from megatron_gtpo.training.update import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
 
-    groups = initialize_parallel(tp, pp, expert_parallel=ep)
+    groups = initialize_parallel(tp, pp, sequence_parallel=sp, expert_parallel=ep, expert_tensor_parallel=etp)
     # adam_eps well above float32 noise: the key bias has an analytically zero gradient (softmax ignores a shift
     # shared by all keys), and Adam with a tiny eps would blow its ~1e-9 rounding noise up to +-lr.
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", "steps=1",
@@ -113,7 +114,7 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, replay=False):
         sequence_level = level == "sequence"
         with HFCheckpoint(model_dir) as ckpt:
             chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
-                                 expert_parallel=ep)
+                                 sequence_parallel=sp, expert_parallel=ep, expert_tensor_parallel=etp)
             load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks)
@@ -214,16 +215,20 @@ def test_token_budgets_and_packing_match_sequence_counts(reference, level, plan)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
-def test_layouts_match_single_process(reference, tp, pp):
+@pytest.mark.parametrize("tp,pp,sp", [(2, 1, False), (2, 1, True), (1, 2, False), (1, 1, False)],
+                         ids=["tp2", "tp2-sequence-parallel", "pp2", "dp2"])
+def test_layouts_match_single_process(reference, tp, pp, sp):
+    """Sequence parallelism: each TP rank runs the norms on its half of every (odd-length: padded) sequence, and the
+    norms' gradients are summed over TP."""
     path, base = reference
     world = 2  # (1, 1) on two processes is DP=2
     plans = [(2, None, False), BUDGETS[1], PACKED[1]]
-    results = run_distributed(_one_step, world, args=(str(path), tp, pp, plans), timeout_s=300)
+    results = run_distributed(_one_step, world, args=(str(path), tp, pp, plans), kwargs={"sp": sp}, timeout_s=300)
+    where = f"TP={tp} PP={pp} DP={world // (tp * pp)} SP={sp}"
     for plan in plans:  # the old-policy pass
         assert torch.allclose(_scored(results, ("token", plan)), _scored(base, ("token", BY_COUNT)), rtol=0,
-                              atol=2e-5), f"TP={tp} PP={pp} plan {plan}"
+                              atol=2e-5), f"{where}, plan {plan}"
     for level in LOSS_LEVELS:
         for plan in plans:
             _assert_same(_merge(base, (level, BY_COUNT)), _merge(results, (level, plan)),
-                         f"{level} loss, TP={tp} PP={pp} DP={world // (tp * pp)}, plan {plan}")
+                         f"{level} loss, {where}, plan {plan}")

@@ -1,11 +1,13 @@
 """The loss contract with experts: one policy-update step of a tiny Qwen3-MoE on a fixed batch gives the same loss,
 gradient norm and updated weights (every expert's included) on one process (EP 1) as at EP 2 over two data-parallel
 replicas, whose tokens cross replicas to their experts and whose micro-batch counts differ (the lockstep padding),
-with and without routing replay, for the token- and the sequence-level loss (test_parallel_invariance.py's step)."""
+with and without routing replay, for the token- and the sequence-level loss (test_parallel_invariance.py's step);
+and at TP=2 with sequence parallelism and EP=2 (ETP=1), where each TP rank routes and replays its half of every
+padded or packed row."""
 import pytest
 
 from distributed_harness import run_distributed
-from test_parallel_invariance import BUDGETS, BY_COUNT, LOSS_LEVELS, _assert_same, _merge, _one_step
+from test_parallel_invariance import BUDGETS, BY_COUNT, LOSS_LEVELS, PACKED, _assert_same, _merge, _one_step
 from tiny_models import make_tiny_model
 
 UNEVEN = BUDGETS[0]  # a token budget: the two replicas cut their sequences into different numbers of micro-batches
@@ -35,3 +37,16 @@ def test_expert_parallel_update_matches_one_process(moe_reference, plan, replay)
         reference, ours = _merge(base, (level, BY_COUNT)), _merge(results, (level, plan))
         assert any("experts" in name for name in ours[2])
         _assert_same(reference, ours, f"{level} loss, EP=2 over DP=2 vs one process, plan {plan}")
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_update_matches_one_process(moe_reference):
+    path, references = moe_reference
+    plans = [BUDGETS[1], PACKED[1]]
+    results = run_distributed(_one_step, 2, args=(str(path), 2, 1, plans),
+                              kwargs={"ep": 2, "etp": 1, "replay": True, "sp": True}, timeout_s=300)
+    for level in LOSS_LEVELS:
+        for plan in plans:
+            assert any("experts" in name for name in _merge(results, (level, plan))[2])
+            _assert_same(_merge(references[True], (level, BY_COUNT)), _merge(results, (level, plan)),
+                         f"{level} loss, TP=2 SP EP=2 vs one process, plan {plan}")

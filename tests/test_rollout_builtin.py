@@ -129,9 +129,8 @@ def _assert_logprobs_match(responses, scored, what):
         assert err < 1e-5, f"{what}: sampling log-probs differ from the scoring path by {err:.2e}"
 
 
-# (TP, PP, VPP, sequence parallel) on 2 ranks; PP=2 with 2 virtual stages each. Sequence parallelism cannot be
-# built on CPU (megatron's torch-norm fallback refuses it without apex / Transformer Engine).
-LAYOUTS = [(1, 1, None, False), (2, 1, None, False), (1, 2, 2, False)]
+# (TP, PP, VPP, sequence parallel) on 2 ranks; PP=2 with 2 virtual stages each.
+LAYOUTS = [(1, 1, None, False), (2, 1, None, False), (2, 1, None, True), (1, 2, 2, False)]
 
 
 def test_builtin_generation(tiny_model):

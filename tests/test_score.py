@@ -40,12 +40,12 @@ def _reference(hf, seq, temperature):
     return lp, ent
 
 
-# The model from its HF directory, or from the converter's Megatron checkpoint written at another TP than the one
-# it is scored at; tied and untied embeddings.
+# The model from its HF directory (with sequence parallelism: odd lengths padded), or from the converter's Megatron
+# checkpoint written at another TP than the one it is scored at; tied and untied embeddings.
 @pytest.mark.slow
-@pytest.mark.parametrize("tie,convert_tp,flags", [(True, None, ["--tp", "2"]), (False, 1, ["--tp", "2"]),
-                                                  (True, 2, ["--pp", "2"])],
-                         ids=["hf-tied-tp2", "untied-converted-tp1-scored-tp2", "tied-converted-tp2-scored-pp2"])
+@pytest.mark.parametrize("tie,convert_tp,flags", [(True, None, ["--tp", "2", "--sequence-parallel"]),
+                                                  (False, 1, ["--tp", "2"]), (True, 2, ["--pp", "2"])],
+                         ids=["hf-tied-tp2-sp", "untied-converted-tp1-scored-tp2", "tied-converted-tp2-scored-pp2"])
 def test_score_matches_float64_reference(tmp_path, tie, convert_tp, flags):
     hf = make_tiny_qwen2(tmp_path / "hf", tie=tie, vocab_size=1000, num_layers=4, seed=7 + tie)
     source = ["--hf", str(tmp_path / "hf")]

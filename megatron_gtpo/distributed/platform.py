@@ -18,9 +18,10 @@ onto the CPU:
 - `torch.cuda.{current_device, synchronize, manual_seed, get_rng_state, set_rng_state, ...}` get CPU stand-ins,
   so megatron's RNG tracker forks and restores the CPU generator exactly as it would the CUDA one;
 - megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` helpers get the same CPU stand-ins;
-- megatron's MoE all-to-all allocates its output on `torch.cuda.current_device()`, also when autograd calls it in
-  the backward pass, where no torch-function mode is active (the mode stack is thread-local, and autograd's engine
-  does not carry it): its forward runs under the platform's mode when called without one;
+- megatron's autograd functions allocate on `torch.cuda.current_device()` in their backward passes too (the
+  sequence-parallel gather / reduce-scatter and linear layers, the MoE all-to-all), where no torch-function mode is
+  active (the mode stack is thread-local, and autograd's engine does not carry it): every custom autograd function's
+  backward runs under the platform's mode;
 - megatron's CUDA_DEVICE_MAX_CONNECTIONS advice (a CUDA stream setting) is marked as already given.
 
 `activate_cpu_platform()` is the one place this happens. It is a no-op when CUDA is available, idempotent, and must
@@ -226,9 +227,8 @@ def activate_cpu_platform(dev: str = "/dev") -> bool:
     # meaning on the CPU: mark it as given. On a GPU it stays, and applies.
     megatron_layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
 
-    from megatron.core.tensor_parallel import mappings as megatron_mappings
-
-    megatron_mappings._AllToAll.forward = staticmethod(_under_platform_mode(megatron_mappings._AllToAll.forward))
+    torch.autograd.function.BackwardCFunction.apply = _under_platform_mode(
+        torch.autograd.function.BackwardCFunction.apply)
 
     torch.Generator = _CpuGenerator
     audit = DeviceAudit()

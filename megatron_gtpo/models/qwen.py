@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from megatron_gtpo.layout import ParallelLayout, check_layout
 
 from .accelerator import Accelerator, fusion_settings
+from .local_norm import LocalRMSNorm
 from .moe import MoeShape, RouterLosses, mark_expert_parameters, moe_config_kwargs
 
 
@@ -167,7 +168,7 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     shape = ModelShape.from_hf(hf_config)
     check_layout(ParallelLayout(tensor_parallel, pipeline_parallel, None, virtual_pipeline_parallel, sequence_parallel,
                                 expert=expert_parallel, expert_tensor=expert_tensor_parallel),
-                 shape=shape, transformer_engine=transformer_engine)  # LayoutError (a ValueError) naming the rule
+                 shape=shape)  # LayoutError (a ValueError) naming the rule
     accelerator = accelerator or Accelerator.probe()
     if transformer_engine and not accelerator.transformer_engine:
         raise ValueError("the Transformer Engine layer spec needs CUDA and a working transformer_engine.pytorch")
@@ -216,7 +217,8 @@ def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None 
 
     The local spec stores a dense layer's pre-MLP norm under TE's name (mlp.linear_fc1.layer_norm_weight), since TE
     fuses it into fc1; TE's MoE layer keeps it a module of its own (pre_mlp_layernorm), and so does the local MoE
-    layer here, so that MoE checkpoints load with either spec."""
+    layer here, so that MoE checkpoints load with either spec. The local spec's norms are LocalRMSNorm (megatron's
+    WrappedTorchNorm refuses sequence parallelism); `decoder_block_spec` adds the final one."""
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
@@ -224,9 +226,25 @@ def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(num_experts),
                                                           qk_layernorm=qk_norm)
     spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_norm)
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = LocalRMSNorm
+    if qk_norm:
+        attention.q_layernorm = attention.k_layernorm = LocalRMSNorm
     if num_experts:
-        spec.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.")
+        layer.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.")
     return spec
+
+
+def decoder_block_spec(layer, config, *, transformer_engine: bool, vp_stage: int | None, pp_rank: int):
+    """What GPTModel builds one model chunk's decoder block from: TE's `layer` spec as it is (megatron adds TE's final
+    norm); the local spec's `layer` for each of the chunk's layers, with a LocalRMSNorm as the final norm (given a
+    layer spec, megatron would add WrappedTorchNorm)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if transformer_engine:
+        return layer
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage, pp_rank),
+                                      layer_norm=LocalRMSNorm)
 
 
 def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int, pp_rank: int,
@@ -273,7 +291,9 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
         last = pp_rank == pipeline_parallel - 1 and vp_stage == num_chunks - 1
         with torch.device("meta") if meta_device else contextlib.nullcontext():
             model = GPTModel(
-                config=config, transformer_layer_spec=spec,
+                config=config, transformer_layer_spec=decoder_block_spec(
+                    spec, config, transformer_engine=use_transformer_engine,
+                    vp_stage=vp_stage if virtual_pipeline_parallel else None, pp_rank=pp_rank),
                 vocab_size=padded_vocab_size(shape.vocab_size, tensor_parallel),
                 max_sequence_length=shape.max_position_embeddings,
                 pre_process=first, post_process=last, parallel_output=parallel_output,

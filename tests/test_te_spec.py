@@ -14,6 +14,8 @@ it does not prove), against megatron-core's local spec, which the rest of the su
   from either spec's model, give the original tensors.
 Each launch checks several configurations (every rank builds each model afresh under the TE stand-in)."""
 
+import os
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ def _start():
     te_standin.activate()
 
 
-def _build(hf_dir, groups, *, te: bool):
+def _build(hf_dir, groups, *, te: bool, load: bool = True):
     from megatron_gtpo.models.accelerator import Accelerator
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.hf_mapping import ShardCoordinates
@@ -60,7 +62,8 @@ def _build(hf_dir, groups, *, te: bool):
                              pp_rank=groups.pp_rank, sequence_parallel=groups.sequence_parallel,
                              expert_parallel=groups.ep_size, use_transformer_engine=te,
                              accelerator=Accelerator(cuda=False, transformer_engine=te))
-        load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
+        if load:
+            load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
         return chunks, ckpt.shape, ckpt.config
 
 
@@ -160,3 +163,111 @@ def test_te_spec_matches_the_local_spec_at_every_layout(hf_dirs):
             for name, moved in local[3].items():
                 assert torch.allclose(te[3][name], moved, rtol=1e-4, atol=max(1e-4 * moved.abs().max(), 1e-9)), \
                     f"{what}: {name}"
+
+
+def _save_trainer_checkpoint(directory, policy, hf_config):
+    """The model and optimizer state as the trainer writes them (training/checkpointing.save)."""
+    from types import SimpleNamespace
+
+    from megatron_gtpo.checkpoint import save_checkpoint
+    from megatron_gtpo.training.checkpointing import _sharded_state
+
+    state = _sharded_state(SimpleNamespace(policy=policy))
+    save_checkpoint(directory, policy.chunks, hf_config=hf_config,
+                    model_state={k: v for k, v in state.items() if k != "optimizer"},
+                    extra_sharded_state={"optimizer": state["optimizer"]}, force=True)
+
+
+def _resume(directory, policy):
+    """The model and optimizer state as the trainer restores them (training/checkpointing.restore)."""
+    from types import SimpleNamespace
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_state
+    from megatron_gtpo.training.checkpointing import _load_optimizer_state, _sharded_state
+
+    loaded = dist_checkpointing.load(_sharded_state(SimpleNamespace(policy=policy), loading_from=directory),
+                                     directory)
+    load_model_state(directory, policy.chunks, loaded)
+    _load_optimizer_state(policy.optimizer, loaded["optimizer"])
+
+
+def _synced(chunks, groups, shape) -> dict:
+    from megatron_gtpo.rollout.weight_sync import hf_weight_buckets
+
+    return {name: tensor.clone() for bucket in hf_weight_buckets(chunks, groups, shape) for name, tensor in bucket}
+
+
+def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
+    _start()
+    from megatron_gtpo.checkpoint import load_model_only, save_checkpoint
+    from megatron_gtpo.checkpoint.megatron_checkpoint import model_sharded_state_dict
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.training.model_setup import wrap_for_training
+    from test_parallel_invariance import _gather_hf
+
+    out = {"loaded": {}, "synced": {}}
+    groups = initialize_parallel(1, 1)  # EP 1 over DP 2: every rank holds all four experts
+    for family, source in converted.items():  # converter output into the TE spec, out to a TE checkpoint
+        chunks, shape, hf_config = _build(hf_dirs[family], groups, te=True, load=False)
+        load_model_only(source, chunks)
+        out["loaded"][family] = _gather_hf(chunks, groups, shape)
+        out["synced"][family, True] = _synced(chunks, groups, shape)
+        out["synced"][family, False] = _synced(_build(hf_dirs[family], groups, te=False)[0], groups, shape)
+        save_checkpoint(os.path.join(work, f"te-{family}"), chunks, hf_config=hf_config, force=True)
+    out["grouped_extra_state"] = sorted(k.rsplit(".", 1)[1] for k in model_sharded_state_dict(chunks)["model"]
+                                        if k.startswith("decoder.layers.0.mlp.experts.linear_fc1._extra_state"))
+
+    moe = hf_dirs["qwen3_moe"]
+    out["dense_experts"] = {}
+    for te in (False, True):  # at EP 1 too, every expert parameter is an expert parameter, whatever the spec
+        chunks, shape, hf_config = _build(moe, groups, te=te)
+        out["dense_experts"][te] = [n for n, p in chunks[0].named_parameters()
+                                    if ".experts." in n and getattr(p, "allreduce", True)]
+
+    def trained(te, ep, *, resume_from=None, save_to=None):
+        """One step (seed 0) and a checkpoint, or a resume; then one more step (seed 1): the weights."""
+        groups = initialize_parallel(1, 1, expert_parallel=ep)
+        chunks, shape, hf_config = _build(moe, groups, te=te)
+        policy = wrap_for_training(_config(), chunks)
+        if resume_from:
+            _resume(resume_from, policy)
+        else:
+            _step(policy, groups, shape, PADDED, seed=0)
+            _save_trainer_checkpoint(save_to, policy, hf_config)
+        _step(policy, groups, shape, PADDED, seed=1)
+        return _gather_hf(policy.chunks, groups, shape)
+
+    local_ep2, te_ep1 = os.path.join(work, "local-ep2"), os.path.join(work, "te-ep1")
+    out["resumed"] = {"local EP 2 -> TE EP 1": (trained(False, 2, save_to=local_ep2),
+                                                trained(True, 1, resume_from=local_ep2)),
+                      "TE EP 1 -> local EP 2": (trained(True, 1, save_to=te_ep1),
+                                                trained(False, 2, resume_from=te_ep1))}
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_checkpoints_weight_sync_and_export_across_the_local_and_te_specs(hf_dirs, tmp_path):
+    from megatron_gtpo.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
+    from test_converters import assert_bit_exact, read_safetensors_dir
+
+    converted = {family: str(tmp_path / f"converted-{family}") for family in ("qwen3", "qwen3_moe")}
+    for family, directory in converted.items():
+        convert_hf_to_megatron(hf_dirs[family], directory, progress=False)
+    out = run_distributed(_checkpoint_ranks, 2, args=(hf_dirs, converted, str(tmp_path)), timeout_s=600)[0]
+    # Finding 1: TE's grouped experts ask for _extra_state1.. of local experts 1..3; converter output has none.
+    assert out["grouped_extra_state"] == ["_extra_state", "_extra_state1", "_extra_state2", "_extra_state3"]
+    for family in converted:
+        original = read_safetensors_dir(hf_dirs[family])
+        assert_bit_exact(original, out["loaded"][family])
+        assert_bit_exact(original, out["synced"][family, True])
+        assert_bit_exact(original, out["synced"][family, False])
+        convert_megatron_to_hf(str(tmp_path / f"te-{family}"), str(tmp_path / f"hf-te-{family}"), progress=False)
+        assert_bit_exact(original, read_safetensors_dir(tmp_path / f"hf-te-{family}"))
+    # Finding 4: no expert parameter is reduced as a dense one at EP 1, on either spec.
+    assert out["dense_experts"] == {False: [], True: []}
+    for what, (continued, resumed) in out["resumed"].items():
+        assert continued.keys() == resumed.keys() and any(".experts." in name for name in resumed), what
+        for name in continued:
+            assert torch.allclose(resumed[name], continued[name], rtol=1e-5, atol=1e-6), f"{what}: {name}"

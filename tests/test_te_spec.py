@@ -199,6 +199,29 @@ def _synced(chunks, groups, shape) -> dict:
     return {name: tensor.clone() for bucket in hf_weight_buckets(chunks, groups, shape) for name, tensor in bucket}
 
 
+def _te_modules(chunks):
+    from transformer_engine.pytorch.base import BaseModule  # the stand-in's
+
+    return [(name, m) for name, m in chunks[0].named_modules() if isinstance(m, BaseModule)]
+
+
+def _give_fp8_metadata(chunks) -> None:
+    """FP8 metadata in every TE module, as a run trained in FP8 leaves it (its recipe, and here the module's name):
+    its extra state is then that pickled state, not the empty tensor of a run without FP8."""
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    for name, module in _te_modules(chunks):
+        module.fp8_meta.update(fp8_checkpoint=True, recipe=Float8CurrentScaling(), module=name)
+
+
+def _fp8_metadata(chunks) -> dict:
+    """Each TE module's name -> the module name its FP8 metadata says (None: none loaded)."""
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    return {name: module.fp8_meta.get("module") if isinstance(module.fp8_meta["recipe"], Float8CurrentScaling)
+            else None for name, module in _te_modules(chunks)}
+
+
 def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
     _start()
     from megatron_gtpo.checkpoint import load_model_only, save_checkpoint
@@ -215,11 +238,19 @@ def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
         out["loaded"][family] = _gather_hf(chunks, groups, shape)
         out["synced"][family, True] = _synced(chunks, groups, shape)
         out["synced"][family, False] = _synced(_build(hf_dirs[family], groups, te=False)[0], groups, shape)
+        _give_fp8_metadata(chunks)
         save_checkpoint(os.path.join(work, f"te-{family}"), chunks, hf_config=hf_config, force=True)
     out["grouped_extra_state"] = sorted(k.rsplit(".", 1)[1] for k in model_sharded_state_dict(chunks)["model"]
                                         if k.startswith("decoder.layers.0.mlp.experts.linear_fc1._extra_state"))
 
     moe = hf_dirs["qwen3_moe"]
+    groups = initialize_parallel(1, 1, expert_parallel=2)  # TE's extra state, per expert, at another EP
+    chunks, shape, _ = _build(moe, groups, te=True, load=False)
+    load_model_only(os.path.join(work, "te-qwen3_moe"), chunks)
+    out["reloaded"] = _gather_hf(chunks, groups, shape)
+    out["fp8_metadata"] = _fp8_metadata(chunks)
+
+    groups = initialize_parallel(1, 1)
     out["dense_experts"] = {}
     for te in (False, True):  # at EP 1 too, every expert parameter is an expert parameter, whatever the spec
         chunks, shape, hf_config = _build(moe, groups, te=te)
@@ -265,6 +296,12 @@ def test_checkpoints_weight_sync_and_export_across_the_local_and_te_specs(hf_dir
         assert_bit_exact(original, out["synced"][family, False])
         convert_megatron_to_hf(str(tmp_path / f"te-{family}"), str(tmp_path / f"hf-te-{family}"), progress=False)
         assert_bit_exact(original, read_safetensors_dir(tmp_path / f"hf-te-{family}"))
+    # A TE checkpoint with FP8 metadata (the grouped experts' split into one extra state per expert) reloads at EP 2.
+    assert_bit_exact(read_safetensors_dir(hf_dirs["qwen3_moe"]), out["reloaded"])
+    assert any(".experts.linear_fc1" in name for name in out["fp8_metadata"])
+    # (megatron-core does not checkpoint TEDotProductAttention's extra state)
+    assert out["fp8_metadata"] == {name: None if name.endswith("core_attention") else name
+                                   for name in out["fp8_metadata"]}
     # Finding 4: no expert parameter is reduced as a dense one at EP 1, on either spec.
     assert out["dense_experts"] == {False: [], True: []}
     for what, (continued, resumed) in out["resumed"].items():

@@ -30,8 +30,11 @@ class _Parallel(BaseModule):
     """Shape and TP placement of a linear layer: `parallel_mode` "column" splits the output features over the
     tp_group, "row" the input features, None neither (megatron-core then communicates itself)."""
 
-    def _setup(self, in_features, out_features, *, parallel_mode, tp_group, tp_size, sequence_parallel,
-               get_rng_state_tracker, rng_tracker_name, init_method, bias, return_bias, params_dtype, device):
+    def __init__(self, in_features, out_features, *, sequence_parallel=False, tp_group=None, tp_size=1,
+                 get_rng_state_tracker=None, rng_tracker_name=None, init_method=None, bias=True, return_bias=False,
+                 params_dtype=None, parallel_mode=None, device="cuda", **kwargs):
+        super().__init__()
+        _refuse_unsupported(kwargs)
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"parallel_mode {parallel_mode!r}")
         self.tp_group = tp_group
@@ -82,18 +85,11 @@ class _Parallel(BaseModule):
 
 
 class Linear(_Parallel):
-    def __init__(self, in_features, out_features, sequence_parallel=False, tp_group=None, tp_size=1,
-                 get_rng_state_tracker=None, rng_tracker_name=None, init_method=None, bias=True, return_bias=False,
-                 params_dtype=None, parallel_mode=None, device="cuda", **kwargs):
-        super().__init__()
-        _refuse_unsupported(kwargs)
-        self._setup(in_features, out_features, parallel_mode=parallel_mode, tp_group=tp_group, tp_size=tp_size,
-                    sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
-                    rng_tracker_name=rng_tracker_name, init_method=init_method, bias=bias, return_bias=return_bias,
-                    params_dtype=params_dtype, device=device)
+    def __init__(self, in_features, out_features, **kwargs):
+        super().__init__(in_features, out_features, **kwargs)
         self._new_weight("weight")
         self._new_bias("bias")
-        if not bias:
+        if not self.use_bias:
             self.bias = None
 
     def forward(self, inp, is_first_microbatch=None):
@@ -116,16 +112,10 @@ class LayerNormLinear(_Parallel):
     """A norm over the input features, then a (column-parallel) linear layer: the norm runs on this rank's sequence
     shard under sequence parallelism, before the gather, as in TE."""
 
-    def __init__(self, in_features, out_features, eps=1e-5, sequence_parallel=False, tp_group=None, tp_size=1,
-                 get_rng_state_tracker=None, rng_tracker_name=None, init_method=None, bias=True, return_bias=False,
-                 params_dtype=None, parallel_mode=None, zero_centered_gamma=False, device="cuda",
+    def __init__(self, in_features, out_features, eps=1e-5, *, zero_centered_gamma=False,
                  normalization="LayerNorm", **kwargs):
-        super().__init__()
-        _refuse_unsupported(kwargs)
-        self._setup(in_features, out_features, parallel_mode=parallel_mode, tp_group=tp_group, tp_size=tp_size,
-                    sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
-                    rng_tracker_name=rng_tracker_name, init_method=init_method, bias=bias, return_bias=return_bias,
-                    params_dtype=params_dtype, device=device)
+        super().__init__(in_features, out_features, **kwargs)
+        sequence_parallel = self.sequence_parallel
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         fill = torch.zeros if zero_centered_gamma else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(fill(in_features, **self._factory))
@@ -137,7 +127,7 @@ class LayerNormLinear(_Parallel):
             self.layer_norm_bias = None
         self._new_weight("weight")
         self._new_bias("bias")
-        if not bias:
+        if not self.use_bias:
             self.bias = None
 
     def forward(self, inp, is_first_microbatch=None):
@@ -149,17 +139,13 @@ class LayerNormLinear(_Parallel):
 
 class GroupedLinear(_Parallel):
     """`num_gemms` linear layers (`weight0` .. `weight{num_gemms - 1}`): the rows of the input are split by `m_splits`
-    and row block i goes through layer i."""
+    and row block i goes through layer i. With megatron-core's experts (TEGroupedLinear) it never communicates: at
+    (expert) TP > 1 or EP > 1 megatron-core hands it parallel_mode None and does the communication itself."""
 
-    def __init__(self, num_gemms, in_features, out_features, sequence_parallel=False, tp_group=None, tp_size=1,
-                 get_rng_state_tracker=None, rng_tracker_name=None, init_method=None, bias=True, return_bias=False,
-                 params_dtype=None, parallel_mode=None, device="cuda", **kwargs):
-        super().__init__()
-        _refuse_unsupported(kwargs)
-        self._setup(in_features, out_features, parallel_mode=parallel_mode, tp_group=tp_group, tp_size=tp_size,
-                    sequence_parallel=sequence_parallel, get_rng_state_tracker=get_rng_state_tracker,
-                    rng_tracker_name=rng_tracker_name, init_method=init_method, bias=bias, return_bias=return_bias,
-                    params_dtype=params_dtype, device=device)
+    def __init__(self, num_gemms, in_features, out_features, **kwargs):
+        super().__init__(in_features, out_features, **kwargs)
+        if self.parallel_mode is not None and self.tp_size > 1:  # megatron-core communicates for its experts itself
+            raise NotImplementedError("GroupedLinear's own TP communication is not part of the stand-in")
         self.num_gemms = num_gemms
         for i in range(num_gemms):
             self._new_weight(f"weight{i}")

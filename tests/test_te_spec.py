@@ -6,12 +6,14 @@ it does not prove), against megatron-core's local spec, which the rest of the su
   TE as THD with cu_seqlens and to the local spec as a block-diagonal mask), loss, gradient norm and update on either
   spec, through the trainer's own step (step batch, old-policy pass, update_policy with DDP and the distributed
   optimizer) at TP 1/2, PP 1/2, EP 1/2. Adam's first step with eps = 1 moves each weight by lr * g / (|g| + 1), so
-  equal updates mean equal gradients, element by element.
+  equal updates mean equal gradients, element by element. Sequence parallelism through TE's modules: Qwen3-MoE at
+  TP 2 with SP (the old-policy pass) against the local spec at TP 1.
 - Checkpoints: converter output loads into a TE-spec Qwen3-MoE model, whose grouped experts store the extra state of
   local experts 1..N-1 as `_extra_state1` .. (issue 32, finding 1); a trainer checkpoint (model and optimizer)
   resumes from the local spec at EP 2 on the TE spec at EP 1 and back, which needs the experts' parameters marked as
-  expert parameters on both specs (finding 4); HF export of checkpoints written from either spec, and the weight sync
-  from either spec's model, give the original tensors.
+  expert parameters on both specs (finding 4); a TE checkpoint holding FP8 metadata (one extra state per expert)
+  reloads at another EP, each module's to its module; HF export of TE-spec checkpoints, and the weight sync from
+  either spec's model, give the original tensors.
 Each launch checks several configurations (every rank builds each model afresh under the TE stand-in)."""
 
 import os

@@ -16,8 +16,8 @@ DotProductAttention, computed with torch ops, with
   parallel_mode "column" (input copied, or all-gathered along the sequence under sequence parallelism; the input
   gradient all-reduced, or reduce-scattered) and "row" (the output all-reduced, or reduce-scattered), LayerNormLinear
   normalising the local sequence shard before the gather;
-- DotProductAttention in sbhd (causal / no mask, or an arbitrary mask) and in thd with cu_seqlens (each packed
-  sequence attends causally to itself), with grouped-query heads;
+- DotProductAttention in sbhd (causal, or no mask) and in thd with cu_seqlens (each packed sequence attends causally
+  to itself), with grouped-query heads, in fp32;
 - the helpers megatron-core touches at import or build time: the version (2.17.1, the pinned GPU version, so
   megatron takes the code paths of the real wheel), fp8_autocast / FP8GlobalStateManager (FP8 off), the recipes,
   get_cpu_offload_context (offloading off), _SplitAlongDim, QuantizedTensor, CudaRNGStatesTracker.

@@ -17,21 +17,21 @@ class _SplitAlongDim:
         return torch.split(tensor, list(split_sizes), dim=dim)
 
 
-def _attend(q, k, v, *, causal: bool, mask, scale: float):
+def _attend(q, k, v, *, causal: bool, scale: float):
     """q [b, s, hq, d], k / v [b, s, g, d] -> [b, s, hq, d]; query head j uses key/value head j // (hq / g)."""
     repeat = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask, is_causal=causal,
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     return out.transpose(1, 2)
 
 
 class DotProductAttention(BaseModule):
     """Core attention over q [s, b, h, d] / k, v [s, b, g, d] (sbhd) or [t, h, d] / [t, g, d] with cu_seqlens (thd),
-    h query heads and g key/value heads on this rank; returns [s, b, h * d] or [t, h * d]. Masks: "causal",
-    "no_mask", "arbitrary" (attention_mask True = masked out, as TE and megatron-core mean it) and, in thd,
-    "padding_causal" / "padding" per packed sequence; rows beyond the last sequence give zeros."""
+    h query heads and g key/value heads on this rank; returns [s, b, h * d] or [t, h * d]. Masks: "causal" and
+    "no_mask" without an attention_mask (the trainer's passes) and, in thd, "padding_causal" / "padding" per packed
+    sequence; rows beyond the last sequence give zeros. Explicit masks are refused: what TE's backends do with
+    them is not modelled."""
 
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
                  qkv_format="sbhd", attn_mask_type="causal", window_size=None, sequence_parallel=False, tp_size=1,
@@ -63,13 +63,11 @@ class DotProductAttention(BaseModule):
                              cu_seqlens_kv_padded, mask_type)
         if qkv_format != "sbhd":
             raise NotImplementedError(f"qkv_format {qkv_format!r}")
-        if mask_type in ("causal", "no_mask") and attention_mask is not None:
-            raise NotImplementedError(f"an attention_mask with attn_mask_type {mask_type!r}: the stand-in does not "
-                                      f"model what TE's backends do with it")
-        if mask_type not in ("causal", "no_mask", "arbitrary"):
-            raise NotImplementedError(f"attn_mask_type {mask_type!r} in sbhd")
+        if mask_type not in ("causal", "no_mask") or attention_mask is not None:
+            raise NotImplementedError(f"attn_mask_type {mask_type!r} with attention_mask "
+                                      f"{'None' if attention_mask is None else 'given'} in sbhd")
         q, k, v = (t.transpose(0, 1) for t in (query_layer, key_layer, value_layer))
-        out = _attend(q, k, v, causal=mask_type == "causal", mask=attention_mask, scale=self.softmax_scale)
+        out = _attend(q, k, v, causal=mask_type == "causal", scale=self.softmax_scale)
         s, b = query_layer.shape[:2]
         return out.transpose(0, 1).reshape(s, b, -1).to(query_layer.dtype)
 
@@ -84,6 +82,5 @@ class DotProductAttention(BaseModule):
         for start, end in zip(bounds[:-1], bounds[1:]):
             if end > start:
                 out[start:end] = _attend(q[None, start:end], k[None, start:end], v[None, start:end],
-                                         causal=mask_type == "padding_causal", mask=None,
-                                         scale=self.softmax_scale)[0]
+                                         causal=mask_type == "padding_causal", scale=self.softmax_scale)[0]
         return out.reshape(q.shape[0], -1).to(q.dtype)

@@ -13,7 +13,8 @@ it does not prove), against megatron-core's local spec, which the rest of the su
   resumes from the local spec at EP 2 on the TE spec at EP 1 and back, which needs the experts' parameters marked as
   expert parameters on both specs (finding 4); a TE checkpoint holding FP8 metadata (one extra state per expert)
   reloads at another EP, each module's to its module; HF export of TE-spec checkpoints, and the weight sync from
-  either spec's model, give the original tensors.
+  either spec's model, give the original tensors; the built-in rollout engine generates the same greedy responses
+  (KV-cached decoding through TE's attention) on either spec.
 Each launch checks several configurations (every rank builds each model afresh under the TE stand-in)."""
 
 import os
@@ -232,6 +233,17 @@ def _fp8_metadata(chunks) -> dict:
             else None for name, module in _te_modules(chunks)}
 
 
+def _greedy(chunks, groups, vocab_size) -> tuple[list, list]:
+    """The built-in engine's greedy responses to prompts of different lengths: token ids and log-probs."""
+    from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
+
+    prompts = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
+    record = BuiltinEngine(chunks, groups, vocab_size).generate(prompts, SamplingParams(temperature=0.0,
+                                                                                        max_new_tokens=6))
+    responses = [r for group in record.to_lists() for r in group]
+    return [r.token_ids for r in responses], [r.logprobs for r in responses]
+
+
 def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
     _start()
     from megatron_gtpo.checkpoint import load_model_only, save_checkpoint
@@ -240,14 +252,17 @@ def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
     from megatron_gtpo.training.model_setup import wrap_for_training
     from test_parallel_invariance import _gather_hf
 
-    out = {"loaded": {}, "synced": {}}
+    out = {"loaded": {}, "synced": {}, "greedy": {}}
     groups = initialize_parallel(1, 1)  # EP 1 over DP 2: every rank holds all four experts
     for family, source in converted.items():  # converter output into the TE spec, out to a TE checkpoint
         chunks, shape, hf_config = _build(hf_dirs[family], groups, te=True, load=False)
         load_model_only(source, chunks)
         out["loaded"][family] = _gather_hf(chunks, groups, shape)
         out["synced"][family, True] = _synced(chunks, groups, shape)
-        out["synced"][family, False] = _synced(_build(hf_dirs[family], groups, te=False)[0], groups, shape)
+        local_chunks = _build(hf_dirs[family], groups, te=False)[0]
+        out["synced"][family, False] = _synced(local_chunks, groups, shape)
+        out["greedy"][family] = {te: _greedy(c, groups, shape.vocab_size) for te, c in ((True, chunks),
+                                                                                        (False, local_chunks))}
         _give_fp8_metadata(chunks)
         save_checkpoint(os.path.join(work, f"te-{family}"), chunks, hf_config=hf_config, force=True)
     out["grouped_extra_state"] = sorted(k.rsplit(".", 1)[1] for k in model_sharded_state_dict(chunks)["model"]
@@ -304,6 +319,9 @@ def test_checkpoints_weight_sync_and_export_across_the_local_and_te_specs(hf_dir
         assert_bit_exact(original, out["loaded"][family])
         assert_bit_exact(original, out["synced"][family, True])
         assert_bit_exact(original, out["synced"][family, False])
+        (te_tokens, te_logprobs), (tokens, logprobs) = out["greedy"][family][True], out["greedy"][family][False]
+        assert te_tokens == tokens, family  # the built-in engine on the TE spec (prompts teacher-forced, no masks)
+        assert torch.allclose(torch.tensor(sum(te_logprobs, [])), torch.tensor(sum(logprobs, [])), atol=2e-5), family
         convert_megatron_to_hf(str(tmp_path / f"te-{family}"), str(tmp_path / f"hf-te-{family}"), progress=False)
         assert_bit_exact(original, read_safetensors_dir(tmp_path / f"hf-te-{family}"))
     # A TE checkpoint with FP8 metadata (the grouped experts' split into one extra state per expert) reloads at EP 2.

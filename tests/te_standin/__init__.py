@@ -20,12 +20,16 @@ DotProductAttention, computed with torch ops, with
   to itself), with grouped-query heads, in fp32;
 - the helpers megatron-core touches at import or build time: the version (2.17.1, the pinned GPU version, so
   megatron takes the code paths of the real wheel), fp8_autocast / FP8GlobalStateManager (FP8 off), the recipes,
-  get_cpu_offload_context (offloading off), _SplitAlongDim, QuantizedTensor, CudaRNGStatesTracker.
+  get_cpu_offload_context (offloading off), activation_recompute_forward, _SplitAlongDim, QuantizedTensor,
+  CudaRNGStatesTracker. Names megatron-core imports only for features the project leaves off (the op fuser, fused
+  router kernels, TE's RNG tracker) raise when used.
 
 What it does NOT prove: anything about TE's own kernels (cuBLAS GEMMs, fused norms, flash / cuDNN attention and
 their numerics, bf16 rounding), FP8 / MXFP8 / NVFP4 training and TE's real FP8 metadata, userbuffers
 (tp_comm_overlap), TE's fused RoPE / permutation / router / cross-entropy kernels, CPU offloading, context
-parallelism, or that a given TE wheel imports on a given machine. Those need a GPU (tests/gpu). What it does prove is
+parallelism, or that a given TE wheel imports on a given machine. The parameter attributes and the extra-state format
+are modelled on TE 2.x as documented and read, not checked against a wheel. Those need a GPU (tests/gpu). What it
+does prove is
 the project's side and megatron-core's TE glue: names, shapes, sharding, extra state, the THD packing path, and
 gradients and checkpoints of models built from the real TE layer spec.
 """

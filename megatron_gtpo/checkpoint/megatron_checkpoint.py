@@ -328,9 +328,9 @@ def load_checkpoint(directory: str, model_chunks: list, *, extra_sharded_state: 
 
 def model_state_to_load(directory: str, model_chunks: list) -> dict:
     """The chunks' sharded state dict (`model_sharded_state_dict`) as the checkpoint in `directory` can fill it.
-    Module `_extra_state` entries (Transformer Engine's FP8 scaling state; None in the local spec) are asked for
-    only when the checkpoint has them: one written with the local spec, or by a converter (weights only), loads into
-    a TE model. ValueError naming the model tensors the checkpoint lacks."""
+    Module extra state (Transformer Engine's FP8 scaling state; None in the local spec) is asked for only when the
+    checkpoint has it: one written with the local spec, or by a converter (weights only), loads into a TE model.
+    ValueError naming the model tensors the checkpoint lacks."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     available = stored_keys(directory)
@@ -340,7 +340,7 @@ def model_state_to_load(directory: str, model_chunks: list) -> dict:
         for name, value in list(chunk_state.items()):
             if isinstance(value, ShardedObject):
                 if value.unique_key not in available:
-                    if not name.endswith("_extra_state"):
+                    if not _is_extra_state(value):
                         missing.append(value.unique_key)
                     del chunk_state[name]
             elif value.key not in available:
@@ -349,6 +349,13 @@ def model_state_to_load(directory: str, model_chunks: list) -> dict:
         raise ValueError(f"checkpoint {directory!r} lacks model tensors {sorted(set(missing))[:8]} (it was written "
                          f"for a different model, or is incomplete)")
     return state
+
+
+def _is_extra_state(value) -> bool:
+    """Whether a ShardedObject of a model's sharded state dict is a module's extra state. Told by its checkpoint key,
+    which ends in `_extra_state`, not by its name in the state dict: TEGroupedLinear names the extra state of its
+    local experts 1 .. N-1 `_extra_state1` .. `_extra_state{N-1}`."""
+    return value.key.rsplit(".", 1)[-1] == "_extra_state"
 
 
 def load_model_state(directory: str, model_chunks: list, loaded: dict) -> None:

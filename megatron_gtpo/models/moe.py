@@ -105,8 +105,13 @@ def mark_expert_parameters(model) -> None:
     of their own, reduced over the expert-data-parallel group, and the optimizer a chained optimizer of their own),
     also at EP = 1, where megatron would treat them as dense. The gradients are the same either way (at EP = 1 the
     expert-data-parallel group is the data-parallel group); what changes is that the optimizer, and so a trainer
-    checkpoint's optimizer state, has the same structure at every EP, so that it resumes at another one."""
+    checkpoint's optimizer state, has the same structure at every EP, so that it resumes at another one.
+
+    Marked by structure, every parameter under a MoE layer's `experts`, whatever the layer spec: megatron's local
+    linear layers store an `is_expert` flag, Transformer Engine's grouped ones (TEGroupedLinear) do not."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     for module in model.modules():
-        if getattr(module, "is_expert", False):
-            for param in module.parameters(recurse=False):
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():
                 param.allreduce = False

@@ -1,7 +1,7 @@
 """The parallel layout and every rule it must follow, in one function.
 
 `check_layout` is what the config validation (config.py), the process-group setup (distributed/parallel.py), the
-model builder (models/qwen.py), the checkpoint tools and the planner (planning.py) call: each passes what it knows
+model builder (models/qwen.py), the checkpoint tools and the planner (planning/) call: each passes what it knows
 (the model's shape, the batch, the rollout engines) and gets the same rules with the same messages, named by the
 config keys a user sets. Rules whose inputs a caller does not pass are not checked.
 """

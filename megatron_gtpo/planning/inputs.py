@@ -63,6 +63,9 @@ class Settings:
     # Without a colocated vLLM the built-in engine generates on the training model: its static KV cache holds at
     # most this many token slots per batch (rollout.builtin_max_batch_tokens; None: every row of a replica at once).
     builtin_max_batch_tokens: int | None = None
+    # algorithm.routing_replay: rollout. The built-in engine's record of the experts each fed token went to at a rank's
+    # MoE layers stays on that rank's GPU from generation to the end of the update (memory.routing_record_bytes).
+    routing_replay: bool = False
     # The phase-time model (plan_disaggregated): one GPU's peak rates (H100 SXM datasheet: bf16 dense, HBM3) and the
     # fractions of them each phase reaches. The fractions are assumptions, not measurements.
     peak_flops_per_s: float = 989e12
@@ -127,11 +130,13 @@ def _check_settings(settings: Settings, vllm_tp: int | None) -> None:
 
 
 def settings_from_config(cfg, **overrides) -> Settings:
-    """The planner's settings of a megatron_gtpo TrainConfig (dtype, recompute, colocated vLLM), plus overrides."""
+    """The planner's settings of a megatron_gtpo TrainConfig (dtype, recompute, colocated vLLM, routing replay), plus
+    overrides."""
     vllm = cfg.rollout.engine == "vllm"
     return Settings(**{"params_dtype": cfg.model.dtype, "recompute_activations": cfg.model.recompute_activations,
                        "logprob_workspace_mib": cfg.model.logprob_workspace_mib,
                        "builtin_max_batch_tokens": cfg.rollout.builtin_max_batch_tokens,
+                       "routing_replay": cfg.algorithm.routing_replay == "rollout",
                        "vllm_memory_fraction": cfg.rollout.vllm_gpu_memory_utilization if vllm else None,
                        "vllm_tensor_parallel": cfg.rollout.vllm_tensor_parallel if vllm else None, **overrides})
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from megatron_gtpo.distributed.vocab_parallel import WORKSPACE_BYTES_PER_ELEMENT, chunk_tokens_for_budget
 from megatron_gtpo.layout import ParallelLayout
+from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE
 from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
 from megatron_gtpo.rollout.placement import engine_hosts
 
@@ -57,6 +58,8 @@ class StageMemory:
     # A mixture-of-experts layer's all-to-all: the k copies of the micro-batch's tokens sent and received, while one
     # layer's forward or backward runs (0 for a dense model)
     dispatcher: float = 0.0
+    # Routing replay's record of the step's routing on this rank (routing_record_bytes; 0 without replay)
+    routing_record: float = 0.0
 
     @property
     def persistent(self) -> float:
@@ -79,7 +82,21 @@ def stage_memory(shape: ModelShape, layout: ParallelLayout, workload: Workload, 
     logits, workspaces = _logits_and_workspaces(shape, layout, workload, settings, pp_rank)
     return StageMemory(pp_rank, params, params * e, params * 4.0, optimizer,
                        _activation_bytes(shape, layout, workload, settings, pp_rank, recompute=recompute), logits,
-                       workspaces, dispatcher)
+                       workspaces, dispatcher,
+                       routing_record_bytes(shape, layout, workload, pp_rank) if settings.routing_replay else 0.0)
+
+
+def routing_record_bytes(shape: ModelShape, layout: ParallelLayout, workload: Workload, pp_rank: int) -> int:
+    """Routing replay's record on one rank of stage `pp_rank`, at the maximum lengths: every sequence of its replica
+    (the built-in engine generates the replica's share of the step on every rank of it) with, per fed token (its
+    prompt and all its tokens but the last), the top-k experts of each MoE layer of the stage, in the dtype the
+    record is kept in (rollout/builtin.py's generate_routed, models/moe_routing.EXPERT_INDEX_DTYPE). 0 for a dense
+    model."""
+    if shape.moe is None:
+        return 0
+    sequences = workload.sequences_per_step // layout.data
+    return sequences * (workload.max_sequence_tokens - 1) * stage_layer_counts(shape, layout)[pp_rank] \
+        * shape.moe.topk * EXPERT_INDEX_DTYPE.itemsize
 
 
 def optimizer_bytes(shape: ModelShape, layout: ParallelLayout, settings: Settings, pp_rank: int, *,

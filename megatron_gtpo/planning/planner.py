@@ -77,18 +77,20 @@ def _stages(shape: ModelShape, layout: ParallelLayout, workload: Workload, setti
 
 def _training_peak(stage: StageMemory, settings: Settings, rollout: RolloutMemory) -> float:
     transient = stage.transient * (1 + settings.allocator_slack_fraction)
-    return stage.persistent + transient + settings.framework_overhead_gib * GIB + rollout.asleep
+    return stage.persistent + stage.routing_record + transient + settings.framework_overhead_gib * GIB \
+        + rollout.asleep
 
 
 def _generation_peak(stages: list[StageMemory], settings: Settings, rollout: RolloutMemory) -> float:
-    return max(st.persistent for st in stages) + settings.framework_overhead_gib * GIB + rollout.budget \
-        + rollout.builtin_kv
+    return max(st.persistent + st.routing_record for st in stages) + settings.framework_overhead_gib * GIB \
+        + rollout.budget + rollout.builtin_kv
 
 
 def _memory_gib(worst: StageMemory, generation_peak: float, settings: Settings, rollout: RolloutMemory) -> dict:
     """The worst stage's memory by term, in GiB (the CLI prints them in this order)."""
     return {
         "parameters": worst.parameters / GIB, "gradients": worst.gradients / GIB, "optimizer": worst.optimizer / GIB,
+        "routing_record": worst.routing_record / GIB,
         "activations": worst.activations / GIB, "logits": worst.logits / GIB,
         "logprob_workspaces": worst.logprob_workspaces / GIB, "dispatcher_buffers": worst.dispatcher / GIB,
         "allocator_slack": worst.transient * settings.allocator_slack_fraction / GIB,

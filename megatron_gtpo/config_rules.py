@@ -1,8 +1,8 @@
 """The rules between features of a run configuration, in one table (`CROSS_FEATURE_RULES`): the rollout engine,
 mixture-of-experts routing replay, bounded staleness, partial rollouts, activation recompute, the data source and the
-warm start. Each row names the key its message starts with, when the configuration is refused, why, and the one
-message it gets. config.validate applies them after each section's own checks (the `check` methods beside the
-sections in config.py) and before the layout's rules.
+warm start. Each row has a name, when the configuration is refused, why, and the one message it gets (which starts
+with the key it is about). config.validate applies them after each section's own checks (the `check` methods beside
+the sections in config.py) and before the layout's rules.
 
 The parallel layout's rules (sequence and expert parallelism, where the engines run, and "a mixture-of-experts model
 needs the built-in engine", routing replay included) are layout.check_layout's, which the planner and the model
@@ -43,10 +43,11 @@ class Features:
 
 @dataclass(frozen=True)
 class Rule:
-    """A configuration is refused when `refused(features)` holds, with `message` (a str.format template over the
-    sections by name, e.g. {rollout.engine}, and {remote_engines}); `reason` says why the combination cannot run."""
+    """Row `name`: a configuration is refused when `refused(features)` holds, with `message` (a str.format template
+    over the sections by name, e.g. {rollout.engine}, and {remote_engines}; it starts with the key it is about);
+    `reason` says why the combination cannot run."""
 
-    key: str
+    name: str
     refused: Callable[[Features], bool]
     reason: str
     message: str
@@ -57,43 +58,43 @@ class Rule:
 
 
 CROSS_FEATURE_RULES: tuple[Rule, ...] = (
-    Rule("rollout.vllm_hf_dir",
+    Rule("vllm needs a Hugging Face directory",
          lambda f: f.rollout.engine == "vllm" and not (f.rollout.vllm_hf_dir or f.model.hf_dir),
          "a colocated vLLM engine loads a Hugging Face directory; model.load is a megatron_gtpo checkpoint",
          "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)"),
-    Rule("rollout.max_staleness",
+    Rule("staleness needs engines of their own",
          lambda f: f.rollout.max_staleness >= 1 and f.rollout.engine not in REMOTE_ENGINES,
          "generating ahead needs engines that run while the trainer trains; colocated ones share its GPUs",
          "rollout.max_staleness: {rollout.max_staleness} needs engines on processes of their own that generate while "
          "the trainer trains ({remote_engines}); the {rollout.engine} engine shares the trainer's"),
-    Rule("rollout.partial_rollouts",
+    Rule("partial rollouts without routing replay",
          lambda f: f.rollout.partial_rollouts and f.algorithm.routing_replay == "rollout",
          "a continued response's routing would be recorded by several engine calls, under several policies",
          "rollout.partial_rollouts: not with algorithm.routing_replay: rollout (a continued response's routing would "
          "span engine calls)"),
-    Rule("rollout.partial_rollouts",
+    Rule("partial rollouts need dynamic sampling",
          lambda f: f.rollout.partial_rollouts and not f.dynamic_sampling,
          "a step the unfinished groups leave short is filled by dynamic sampling's further rounds",
          "rollout.partial_rollouts: needs dynamic sampling (algorithm.dynamic_sampling: true), whose further rounds "
          "fill the step that unfinished groups leave short; {algorithm.name} has it off"),
     # Measured: the CPU demo at staleness 1 with partial rollouts learned +0.14 without the correction, +0.43 with
     # token weights (benchmarks/results/async.md).
-    Rule("rollout.partial_rollouts",
+    Rule("partial rollouts need the rollout correction",
          lambda f: f.rollout.partial_rollouts and f.algorithm.rollout_is == "none",
          "older policies sampled a continued response's first tokens: the update needs importance weights",
          "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_is: token, or geometric for "
          "grpo_s): a continued response's tokens were sampled by older policies than the one that trains them"),
-    Rule("algorithm.routing_replay",
+    Rule("routing replay without recompute",
          lambda f: f.algorithm.routing_replay == "rollout" and f.model.recompute_activations,
          "the recomputed forward of the backward pass would route again instead of replaying",
          "algorithm.routing_replay: rollout is not supported with model.recompute_activations (the recomputed "
          "forward would route again)"),
-    Rule("model.tiny_synthetic",
+    Rule("the tiny model needs the synthetic task",
          lambda f: f.model.tiny_synthetic and f.data.source != "synthetic",
          "the tiny model's vocabulary is the synthetic task's characters",
          "model.tiny_synthetic: the tiny model is built for the synthetic task's character vocabulary; with "
          "data.source {data.source} set model.hf_dir or model.load"),
-    Rule("warm_start.steps",
+    Rule("the warm start needs the synthetic task",
          lambda f: f.warm_start.steps != 0 and f.data.source != "synthetic",
          "the supervised warm start needs reference responses, which only the synthetic tasks have",
          "warm_start.steps: the supervised warm start trains on the synthetic task's answers; with data.source "

@@ -463,9 +463,10 @@ def validate(cfg: TrainConfig) -> None:
     """Each section's checks, the rules between features (config_rules.CROSS_FEATURE_RULES), and the layout's that
     need neither the world size nor the model (validate_layout)."""
     cfg.check()
-    refused = refused_by(features(cfg))
+    view = features(cfg)
+    refused = refused_by(view)
     if refused:
-        raise ConfigError(refused[0].render(features(cfg)))
+        raise ConfigError(refused[0].render(view))
     validate_layout(cfg)
 
 

@@ -101,17 +101,8 @@ def plan_disaggregated(shape: ModelShape, layout: ParallelLayout, workload: Work
         raise ValueError(f"a rollout server's TP must divide the model's {shape.num_attention_heads} attention heads, "
                          f"divide or be divided by its {shape.num_query_groups} KV heads, and fit a node of "
                          f"{gpus_per_node} GPUs ({', '.join(map(str, allowed))}); got {server_tp}")
-    splits, reasons = [], []
-    for tp in [server_tp] if server_tp is not None else allowed:
-        for dp in range(1, nodes * gpus_per_node // replica_gpus + 1):
-            rollout_nodes = math.ceil(dp * tp / gpus_per_node)
-            if math.ceil(dp * replica_gpus / gpus_per_node) + rollout_nodes > nodes or dp % rollout_nodes:
-                continue  # more nodes than the job's, or servers that do not spread evenly over their nodes
-            try:
-                splits.append(_split(shape, layout, workload, settings, data_parallel=dp, server_tp=tp,
-                                     max_staleness=max_staleness))
-            except ValueError as e:
-                reasons.append(str(e))
+    splits, reasons = _splits(shape, layout, workload, settings, nodes=nodes, max_staleness=max_staleness,
+                              server_tps=[server_tp] if server_tp is not None else allowed)
     if not splits:
         why = "; ".join(dict.fromkeys(reasons)) or (
             f"one training replica (TP x PP = {replica_gpus} GPUs) and one rollout server, on nodes of their own, "
@@ -125,3 +116,21 @@ def plan_disaggregated(shape: ModelShape, layout: ParallelLayout, workload: Work
             **splits[0], "colocated": colocated, "alternatives": splits[1:],
             "assumptions": phase_assumptions(workload, settings)}
 
+
+def _splits(shape: ModelShape, layout: ParallelLayout, workload: Workload, settings: Settings, *, nodes: int,
+            max_staleness: int, server_tps: list[int]) -> tuple[list[dict], list[str]]:
+    """Every split (`_split`) of `nodes` nodes with servers of each of `server_tps` GPUs that fits the nodes and
+    spreads its servers evenly, and the reasons the others that fit the nodes cannot run."""
+    gpus_per_node, replica_gpus = settings.gpus_per_node, layout.tensor * layout.pipeline
+    splits, reasons = [], []
+    for tp in server_tps:
+        for dp in range(1, nodes * gpus_per_node // replica_gpus + 1):
+            rollout_nodes = math.ceil(dp * tp / gpus_per_node)
+            if math.ceil(dp * replica_gpus / gpus_per_node) + rollout_nodes > nodes or dp % rollout_nodes:
+                continue  # more nodes than the job's, or servers that do not spread evenly over their nodes
+            try:
+                splits.append(_split(shape, layout, workload, settings, data_parallel=dp, server_tp=tp,
+                                     max_staleness=max_staleness))
+            except ValueError as e:
+                reasons.append(str(e))
+    return splits, reasons

@@ -84,6 +84,12 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "older policies sampled a continued response's first tokens: the update needs importance weights",
          "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_is: token, or geometric for "
          "grpo_s): a continued response's tokens were sampled by older policies than the one that trains them"),
+    Rule("staleness needs the rollout correction",
+         lambda f: f.rollout.max_staleness >= 1 and f.algorithm.rollout_is == "none",
+         "an older policy sampled the batch: the clipped surrogate needs importance weights from it to the one that "
+         "trains",
+         "rollout.max_staleness: {rollout.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
+         "geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample"),
     Rule("routing replay without recompute",
          lambda f: f.algorithm.routing_replay == "rollout" and f.model.recompute_activations,
          "the recomputed forward of the backward pass would route again instead of replaying",

@@ -14,8 +14,11 @@ PARTIAL = ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout
 EXAMPLES = {
     "vllm needs a Hugging Face directory": (["model.load=/ckpt", "data.source=synthetic", "rollout.engine=vllm"],
                                             ["rollout.vllm_hf_dir=/hf"]),
-    "staleness needs engines of their own": (TINY + ["rollout.max_staleness=1"],
+    "staleness needs engines of their own": (TINY + ["rollout.max_staleness=1", "algorithm.rollout_is=token"],
                                              ["rollout.engine=builtin_remote", "rollout.remote_addresses=[h:1]"]),
+    "staleness needs the rollout correction": (TINY + ["rollout.max_staleness=1", "rollout.engine=builtin_remote",
+                                                       "rollout.remote_addresses=[h:1]"],
+                                               ["algorithm.rollout_is=token"]),
     "partial rollouts without routing replay": (TINY + PARTIAL + ["algorithm.rollout_is=token",
                                                                   "algorithm.routing_replay=rollout"],
                                                 ["algorithm.routing_replay=none"]),
@@ -49,7 +52,7 @@ def test_each_rule_refuses_with_its_message_and_only_where_it_applies(rule):
 
 def test_a_rule_message_fills_in_the_configuration():
     with pytest.raises(ConfigError) as error:
-        load_config(None, TINY + ["rollout.max_staleness=2"])
+        load_config(None, TINY + ["rollout.max_staleness=2", "algorithm.rollout_is=token"])
     assert str(error.value) == ("rollout.max_staleness: 2 needs engines on processes of their own that generate while "
                                 "the trainer trains (vllm_remote or builtin_remote); the builtin engine shares the "
                                 "trainer's")

@@ -15,7 +15,7 @@ import yaml
 
 from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, ALGORITHMS, resolve_algorithm
 from megatron_gtpo.atomic_files import write_atomically
-from megatron_gtpo.config_rules import REMOTE_ENGINES, Features, refused_by
+from megatron_gtpo.config_rules import ENGINE_OPTIONS, REMOTE_ENGINES, Features, refused_by
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 from megatron_gtpo.data.templates import DATA_TEMPLATES
 from megatron_gtpo.layout import LayoutError, ParallelLayout, RolloutLayout, check_layout
@@ -134,45 +134,10 @@ class RolloutConfig:
               f"{longest}) that divides it, got {segment}")
         _need(self.partial_rollouts or segment is None,
               "rollout.partial_segment_tokens: set only with rollout.partial_rollouts: true")
-        for option in ENGINE_OPTIONS:
-            option.check(self)
-
-
-@dataclass(frozen=True)
-class EngineOption:
-    """A rollout option that acts with some engines only (`engines`); with the others a value other than its
-    default is refused rather than ignored. A rollout server (`server_engine`) is started with its own command line,
-    which owns the setting there (`server_flag` of rollout/remote_server.py)."""
-
-    name: str
-    engines: tuple[str, ...]
-    server_engine: str | None = None
-    server_flag: str | None = None
-
-    def check(self, rollout: RolloutConfig) -> None:
-        field_ = next(f for f in dataclasses.fields(rollout) if f.name == self.name)
-        default = field_.default if field_.default is not dataclasses.MISSING else field_.default_factory()
-        value = getattr(rollout, self.name)
-        if rollout.engine in self.engines or value == default:
-            return
-        where = (f"; a {self.server_engine} server takes it from its own command line (python -m "
-                 f"megatron_gtpo.rollout.remote_server {self.server_flag})"
-                 if rollout.engine == self.server_engine else "")
-        raise ConfigError(f"rollout.{self.name}: acts with rollout.engine {' or '.join(self.engines)} only, and the "
-                          f"{rollout.engine} engine would ignore it{where}; leave it at its default {default!r}")
-
-
-# Every rollout option that some engine ignores; the others act with every engine.
-ENGINE_OPTIONS = (
-    EngineOption("builtin_max_batch_tokens", ("builtin",), "builtin_remote", "--max-batch-tokens"),
-    EngineOption("vllm_gpu_memory_utilization", ("vllm",), "vllm_remote", "--gpu-memory-utilization"),
-    EngineOption("vllm_kv_cache_memory_bytes", ("vllm",), "vllm_remote", "--kv-cache-memory-bytes"),
-    EngineOption("vllm_hf_dir", ("vllm",), "vllm_remote", "--hf-dir"),
-    EngineOption("vllm_tensor_parallel", ("vllm",), "vllm_remote", "--tensor-parallel-size"),
-    EngineOption("remote_addresses", REMOTE_ENGINES),
-    EngineOption("remote_connect_timeout_s", REMOTE_ENGINES),
-    EngineOption("remote_request_timeout_s", REMOTE_ENGINES),
-)
+        for option in ENGINE_OPTIONS:  # the options the chosen engine would ignore (config_rules.py)
+            refusal = option.refusal(self)
+            if refusal is not None:
+                raise ConfigError(refusal)
 
 
 @dataclass

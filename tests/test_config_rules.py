@@ -1,10 +1,10 @@
 """The rules between features (config_rules.CROSS_FEATURE_RULES), row by row, and the rollout options an engine
-ignores (config.ENGINE_OPTIONS), option by option: a configuration that breaks exactly one rule gets exactly its
+ignores (config_rules.ENGINE_OPTIONS), option by option: a configuration that breaks exactly one rule gets exactly its
 message, and the nearest configuration that does not break it loads."""
 import pytest
 
-from megatron_gtpo.config import ENGINE_OPTIONS, ConfigError, features, load_config, parse_config
-from megatron_gtpo.config_rules import CROSS_FEATURE_RULES, REMOTE_ENGINES, refused_by
+from megatron_gtpo.config import ConfigError, features, load_config, parse_config
+from megatron_gtpo.config_rules import CROSS_FEATURE_RULES, ENGINE_OPTIONS, REMOTE_ENGINES, refused_by
 
 TINY = ["model.tiny_synthetic=true", "data.source=synthetic"]
 JSONL = ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl"]

@@ -14,15 +14,20 @@ from dataclasses import dataclass, field
 import yaml
 
 from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, ALGORITHMS, resolve_algorithm
-from megatron_gtpo.layout import LayoutError, ParallelLayout, RolloutLayout, check_layout
 from megatron_gtpo.atomic_files import write_atomically
+from megatron_gtpo.config_rules import ENGINE_OPTIONS, REMOTE_ENGINES, Features, refused_by
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 from megatron_gtpo.data.templates import DATA_TEMPLATES
-
+from megatron_gtpo.layout import LayoutError, ParallelLayout, RolloutLayout, check_layout
 
 
 class ConfigError(ValueError):
     pass
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
 
 
 @dataclass
@@ -43,6 +48,17 @@ class ModelConfig:
     moe_aux_loss_coef: float = 0.0
     moe_z_loss_coef: float = 0.0
 
+    def check(self) -> None:
+        _need(sum(x is not None and x is not False for x in (self.hf_dir, self.load, self.tiny_synthetic or None))
+              == 1, "model: set exactly one of model.hf_dir, model.load, model.tiny_synthetic")
+        _need(self.logprob_workspace_mib > 0,
+              f"model.logprob_workspace_mib: must be > 0, got {self.logprob_workspace_mib}")
+        _need(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0,
+              f"model.moe_aux_loss_coef / model.moe_z_loss_coef: must be >= 0, got {self.moe_aux_loss_coef} / "
+              f"{self.moe_z_loss_coef}")
+        _need(self.reference is None or os.path.isdir(self.reference),
+              f"model.reference: {self.reference!r} is not a directory (a HF model directory or a checkpoint)")
+
 
 @dataclass
 class ParallelConfig:
@@ -54,9 +70,6 @@ class ParallelConfig:
     # (ETP; null: parallel.tensor). The rules: layout.check_layout; README, "Expert parallelism".
     expert: int = 1
     expert_tensor: int | None = None
-
-
-REMOTE_ENGINES = ("vllm_remote", "builtin_remote")  # rollout servers on nodes (or processes) of their own
 
 
 @dataclass
@@ -96,6 +109,36 @@ class RolloutConfig:
     partial_rollouts: bool = False
     partial_segment_tokens: int | None = None
 
+    def check(self) -> None:
+        _need(self.num_responses_per_prompt >= 2,
+              f"rollout.num_responses_per_prompt: group size must be >= 2, got {self.num_responses_per_prompt}")
+        _need(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
+        _need(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        _need(self.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        _need(self.builtin_max_batch_tokens is None or self.builtin_max_batch_tokens > self.max_new_tokens,
+              f"rollout.builtin_max_batch_tokens: must exceed rollout.max_new_tokens = {self.max_new_tokens} (one "
+              f"row's prompt and response), got {self.builtin_max_batch_tokens}")
+        _need(self.vllm_tensor_parallel >= 1,
+              f"rollout.vllm_tensor_parallel: must be >= 1, got {self.vllm_tensor_parallel}")
+        _need(0 < self.vllm_gpu_memory_utilization <= 1,
+              f"rollout.vllm_gpu_memory_utilization: must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
+        _need(self.vllm_kv_cache_memory_bytes is None or self.vllm_kv_cache_memory_bytes > 0,
+              f"rollout.vllm_kv_cache_memory_bytes: must be > 0 (or unset), got {self.vllm_kv_cache_memory_bytes}")
+        _need(self.engine not in REMOTE_ENGINES or self.remote_addresses,
+              f"rollout.remote_addresses: the {self.engine} engine needs one server address (HOST:PORT) per "
+              f"data-parallel replica")
+        _need(self.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
+        segment, longest = self.partial_segment_tokens, self.max_new_tokens
+        _need(not self.partial_rollouts or (segment is not None and 1 <= segment < longest and longest % segment == 0),
+              f"rollout.partial_segment_tokens: partial rollouts need a segment in [1, rollout.max_new_tokens = "
+              f"{longest}) that divides it, got {segment}")
+        _need(self.partial_rollouts or segment is None,
+              "rollout.partial_segment_tokens: set only with rollout.partial_rollouts: true")
+        for option in ENGINE_OPTIONS:  # the options the chosen engine would ignore (config_rules.py)
+            refusal = option.refusal(self)
+            if refusal is not None:
+                raise ConfigError(refusal)
+
 
 @dataclass
 class AlgorithmConfig:
@@ -130,6 +173,25 @@ class AlgorithmConfig:
     # the rollout engine chose for it (the built-in engine records them); "none" lets the router choose again.
     routing_replay: str = "none"  # none | rollout
 
+    def check(self) -> None:
+        entry = ALGORITHMS[resolve_algorithm(self.name)]
+        # GTPO / GRPO-S (the entropy-shaped ones) split each group by a binary reward: a length penalty has nowhere
+        # to go.
+        _need(not entry.uses_entropy or self.length_penalty in (None, "none"),
+              f"algorithm.length_penalty: {self.length_penalty} is not available with {self.name}, whose shaped "
+              f"rewards need binary correctness; use none (or grpo / dapo)")
+        _need(self.entropy_clip is None or self.entropy_clip[0] <= self.entropy_clip[1],
+              f"algorithm.entropy_clip: low must be <= high, got {self.entropy_clip}")
+        _need(self.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {self.kl_coef}")
+        _need(self.rollout_is_cap > 0, f"algorithm.rollout_is_cap: must be > 0, got {self.rollout_is_cap}")
+        _need(0 <= self.rollout_rs_bounds[0] <= self.rollout_rs_bounds[1],
+              f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got "
+              f"{list(self.rollout_rs_bounds)}")
+        # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
+        _need(not entry.sequence_level_loss or self.rollout_is != "token",
+              "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use "
+              "geometric (or sequence)")
+
 
 @dataclass
 class OptimConfig:
@@ -142,6 +204,12 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     lr_decay_style: str = "constant"  # constant | linear | cosine, from the end of warm-up to `steps`
+
+    def check(self) -> None:
+        _need(self.lr > 0, f"optim.lr: must be > 0, got {self.lr}")
+        _need(0 <= self.min_lr <= self.lr, f"optim.min_lr: must be in [0, optim.lr = {self.lr}], got {self.min_lr}")
+        _need(self.warmup_steps >= 0, f"optim.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        _need(self.grad_clip >= 0, f"optim.grad_clip: must be >= 0 (0: no clipping), got {self.grad_clip}")
 
 
 @dataclass
@@ -167,6 +235,18 @@ class DataConfig:
     reward_workers: int = 4  # math-verify worker processes per model replica (jsonl tasks)
     reward_timeout_s: float = 5.0  # per response; a verification that runs longer gets reward 0
 
+    def check(self) -> None:
+        _need(self.source != "jsonl" or self.path, "data.path: required when data.source is jsonl")
+        _need(self.prompts_per_step >= 1 and self.micro_batch_size >= 1 and self.mini_batches_per_step >= 1
+              and self.epochs_per_step >= 1, "data: prompts_per_step, micro_batch_size, mini_batches_per_step and "
+                                              "epochs_per_step must be >= 1")
+        _need(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+              f"data.max_tokens_per_micro_batch: must be >= 1 (or unset), got {self.max_tokens_per_micro_batch}")
+        _need(not self.pack_sequences or self.max_tokens_per_micro_batch is not None,
+              "data.pack_sequences: needs data.max_tokens_per_micro_batch (the length of a packed row)")
+        _need(self.reward_workers >= 1, f"data.reward_workers: must be >= 1, got {self.reward_workers}")
+        _need(self.reward_timeout_s > 0, f"data.reward_timeout_s: must be > 0, got {self.reward_timeout_s}")
+
 
 @dataclass
 class WarmStartConfig:
@@ -182,6 +262,9 @@ class CheckpointConfig:
     save_every: int = 0  # 0: only at the end and on SIGTERM/SIGUSR1
     keep_last: int = 2
     resume: bool = True
+
+    def check(self) -> None:
+        _need(self.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
 
 
 @dataclass
@@ -209,6 +292,12 @@ class TrainConfig:
     @property
     def checkpoint_dir(self) -> str:
         return self.checkpoint.dir or os.path.join(self.logging.output_dir, "checkpoints")
+
+    def check(self) -> None:
+        """Each section's own checks (the `check` methods beside them)."""
+        _need(self.steps >= 0, f"steps: must be >= 0, got {self.steps}")
+        for section in (self.model, self.rollout, self.algorithm, self.optim, self.data, self.checkpoint):
+            section.check()
 
 
 _CHOICES = {
@@ -308,6 +397,14 @@ def _parse_override(item: str) -> tuple[list[str], object]:
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The configuration of the YAML file `path` (None: the defaults) with `overrides` applied, validated."""
+    cfg = parse_config(path, overrides)
+    validate(cfg)
+    return cfg
+
+
+def parse_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """`load_config` without the validation: typed and with known keys only."""
     data: dict = {}
     if path is not None:
         if not os.path.isfile(path):
@@ -324,124 +421,32 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConf
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {k} is not a section")
         node[keys[-1]] = value
-    cfg = _build(TrainConfig, data, "")
-    validate(cfg)
-    return cfg
+    return _build(TrainConfig, data, "")
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks, and the layout's that need neither the world size nor the model (validate_layout)."""
-    def need(cond, msg):
-        if not cond:
-            raise ConfigError(msg)
-
-    m, r, d, a = cfg.model, cfg.rollout, cfg.data, cfg.algorithm
-    need(sum(x is not None and x is not False for x in (m.hf_dir, m.load, m.tiny_synthetic or None)) == 1,
-         "model: set exactly one of model.hf_dir, model.load, model.tiny_synthetic")
-    need(cfg.steps >= 0, f"steps: must be >= 0, got {cfg.steps}")
-    need(m.logprob_workspace_mib > 0, f"model.logprob_workspace_mib: must be > 0, got {m.logprob_workspace_mib}")
-    need(r.num_responses_per_prompt >= 2,
-         f"rollout.num_responses_per_prompt: group size must be >= 2, got {r.num_responses_per_prompt}")
-    need(r.temperature > 0, f"rollout.temperature: must be > 0, got {r.temperature}")
-    need(0 < r.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {r.top_p}")
-    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {r.max_new_tokens}")
-    need(d.source != "jsonl" or d.path, "data.path: required when data.source is jsonl")
-    need(r.engine != "vllm" or r.vllm_hf_dir or m.hf_dir,
-         "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)")
-    need(r.builtin_max_batch_tokens is None or r.builtin_max_batch_tokens > r.max_new_tokens,
-         f"rollout.builtin_max_batch_tokens: must exceed rollout.max_new_tokens = {r.max_new_tokens} (one row's "
-         f"prompt and response), got {r.builtin_max_batch_tokens}")
-    need(r.vllm_tensor_parallel >= 1, f"rollout.vllm_tensor_parallel: must be >= 1, got {r.vllm_tensor_parallel}")
-    need(0 < r.vllm_gpu_memory_utilization <= 1,
-         f"rollout.vllm_gpu_memory_utilization: must be in (0, 1], got {r.vllm_gpu_memory_utilization}")
-    need(r.vllm_kv_cache_memory_bytes is None or r.vllm_kv_cache_memory_bytes > 0,
-         f"rollout.vllm_kv_cache_memory_bytes: must be > 0 (or unset), got {r.vllm_kv_cache_memory_bytes}")
-    need(r.engine not in REMOTE_ENGINES or r.remote_addresses,
-         f"rollout.remote_addresses: the {r.engine} engine needs one server address (HOST:PORT) per data-parallel "
-         f"replica")
-    need(r.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {r.max_staleness}")
-    need(r.max_staleness == 0 or r.engine in REMOTE_ENGINES,
-         f"rollout.max_staleness: {r.max_staleness} needs engines on processes of their own that generate while "
-         f"the trainer trains ({' or '.join(REMOTE_ENGINES)}); the {r.engine} engine shares the trainer's")
-    need(not r.partial_rollouts or (r.partial_segment_tokens is not None and 1 <= r.partial_segment_tokens
-                                    < r.max_new_tokens and r.max_new_tokens % r.partial_segment_tokens == 0),
-         f"rollout.partial_segment_tokens: partial rollouts need a segment in [1, rollout.max_new_tokens = "
-         f"{r.max_new_tokens}) that divides it, got {r.partial_segment_tokens}")
-    need(r.partial_rollouts or r.partial_segment_tokens is None,
-         "rollout.partial_segment_tokens: set only with rollout.partial_rollouts: true")
-    need(not r.partial_rollouts or a.routing_replay != "rollout",
-         "rollout.partial_rollouts: not with algorithm.routing_replay: rollout (a continued response's routing would "
-         "span engine calls)")
-    need(d.source != "synthetic" or m.tiny_synthetic or m.hf_dir or m.load, "data.source: synthetic needs a model")
-    need(d.source == "synthetic" or not m.tiny_synthetic,
-         f"model.tiny_synthetic: the tiny model is built for the synthetic task's character vocabulary; with "
-         f"data.source {d.source} set model.hf_dir or model.load")
-    need(d.source == "synthetic" or cfg.warm_start.steps == 0,
-         f"warm_start.steps: the supervised warm start trains on the synthetic task's answers; with data.source "
-         f"{d.source} it must be 0, got {cfg.warm_start.steps}")
-    entry = ALGORITHMS[resolve_algorithm(a.name)]
-    need(not r.partial_rollouts or (entry.dynamic_sampling if a.dynamic_sampling is None else a.dynamic_sampling),
-         f"rollout.partial_rollouts: needs dynamic sampling (algorithm.dynamic_sampling: true), whose further rounds "
-         f"fill the step that unfinished groups leave short; {a.name} has it off")
-    # Measured: the CPU demo at staleness 1 with partial rollouts learned +0.14 without the correction, +0.43 with
-    # token weights (benchmarks/results/async.md).
-    need(not r.partial_rollouts or a.rollout_is != "none",
-         "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_is: token, or geometric for "
-         "grpo_s): a continued response's tokens were sampled by older policies than the one that trains them")
-    need(r.max_staleness == 0 or a.rollout_is != "none",
-         f"rollout.max_staleness: {r.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
-         f"geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample")
-    # GTPO / GRPO-S (the entropy-shaped ones) split each group by a binary reward: a length penalty has nowhere to go.
-    need(not entry.uses_entropy or a.length_penalty in (None, "none"),
-         f"algorithm.length_penalty: {a.length_penalty} is not available with {a.name}, whose shaped rewards need "
-         f"binary correctness; use none (or grpo / dapo)")
-    need(d.prompts_per_step >= 1 and d.micro_batch_size >= 1 and d.mini_batches_per_step >= 1
-         and d.epochs_per_step >= 1, "data: prompts_per_step, micro_batch_size, mini_batches_per_step and "
-                                     "epochs_per_step must be >= 1")
-    need(d.max_tokens_per_micro_batch is None or d.max_tokens_per_micro_batch >= 1,
-         f"data.max_tokens_per_micro_batch: must be >= 1 (or unset), got {d.max_tokens_per_micro_batch}")
-    need(not d.pack_sequences or d.max_tokens_per_micro_batch is not None,
-         "data.pack_sequences: needs data.max_tokens_per_micro_batch (the length of a packed row)")
-    need(d.prompts_per_step % d.mini_batches_per_step == 0,
-         f"data.prompts_per_step ({d.prompts_per_step}) must be divisible by data.mini_batches_per_step "
-         f"({d.mini_batches_per_step})")
-    need(a.entropy_clip is None or a.entropy_clip[0] <= a.entropy_clip[1],
-         f"algorithm.entropy_clip: low must be <= high, got {a.entropy_clip}")
-    o = cfg.optim
-    need(o.lr > 0, f"optim.lr: must be > 0, got {o.lr}")
-    need(0 <= o.min_lr <= o.lr, f"optim.min_lr: must be in [0, optim.lr = {o.lr}], got {o.min_lr}")
-    need(o.warmup_steps >= 0, f"optim.warmup_steps: must be >= 0, got {o.warmup_steps}")
-    need(o.grad_clip >= 0, f"optim.grad_clip: must be >= 0 (0: no clipping), got {o.grad_clip}")
-    need(d.reward_workers >= 1, f"data.reward_workers: must be >= 1, got {d.reward_workers}")
-    need(d.reward_timeout_s > 0, f"data.reward_timeout_s: must be > 0, got {d.reward_timeout_s}")
-    need(a.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
-    need(a.rollout_is_cap > 0, f"algorithm.rollout_is_cap: must be > 0, got {a.rollout_is_cap}")
-    need(0 <= a.rollout_rs_bounds[0] <= a.rollout_rs_bounds[1],
-         f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got {list(a.rollout_rs_bounds)}")
-    # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
-    need(not entry.sequence_level_loss or a.rollout_is != "token",
-         "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use geometric "
-         "(or sequence)")
-    need(m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0,
-         f"model.moe_aux_loss_coef / model.moe_z_loss_coef: must be >= 0, got {m.moe_aux_loss_coef} / "
-         f"{m.moe_z_loss_coef}")
-    need(a.routing_replay == "none" or r.engine == "builtin",
-         f"algorithm.routing_replay: rollout needs the experts each token was routed to at generation, which only "
-         f"the built-in engine records; rollout.engine {r.engine} cannot (vLLM does not return them)")
-    need(a.routing_replay == "none" or not m.recompute_activations,
-         "algorithm.routing_replay: rollout is not supported with model.recompute_activations (the recomputed "
-         "forward would route again)")
-    need(m.reference is None or os.path.isdir(m.reference),
-         f"model.reference: {m.reference!r} is not a directory (a HF model directory or a checkpoint)")
-    need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {cfg.checkpoint.keep_last}")
+    """Each section's checks, the rules between features (config_rules.CROSS_FEATURE_RULES), and the layout's that
+    need neither the world size nor the model (validate_layout)."""
+    cfg.check()
+    view = features(cfg)
+    refused = refused_by(view)
+    if refused:
+        raise ConfigError(refused[0].render(view))
     validate_layout(cfg)
+
+
+def features(cfg: TrainConfig) -> Features:
+    """What the cross-feature rules read of `cfg`."""
+    return Features(model=cfg.model, parallel=cfg.parallel, rollout=cfg.rollout, algorithm=cfg.algorithm,
+                    data=cfg.data, warm_start=cfg.warm_start, entry=ALGORITHMS[resolve_algorithm(cfg.algorithm.name)])
 
 
 def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=None) -> None:
     """The parallel layout's rules (layout.check_layout) for this config, as a ConfigError. Without `world_size` the
     rules that need the data-parallel size are not checked (`validate` runs this part when the config is loaded).
-    `shape` (models.qwen.ModelShape) adds the model's splits. The trainer runs all of it before any process group
-    exists."""
+    `shape` (models.qwen.ModelShape) adds the model's splits; without it, routing replay stands for a
+    mixture-of-experts model (validate_for_model refuses it on a dense one). The trainer runs all of it before any
+    process group exists."""
     par, r, d = cfg.parallel, cfg.rollout, cfg.data
     try:
         if world_size is None:
@@ -455,7 +460,7 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
         check_layout(layout, shape=shape, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
                      rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)),
-                     training=True)
+                     training=True, moe=True if cfg.algorithm.routing_replay == "rollout" else None)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
 

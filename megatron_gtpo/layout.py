@@ -1,9 +1,10 @@
 """The parallel layout and every rule it must follow, in one function.
 
 `check_layout` is what the config validation (config.py), the process-group setup (distributed/parallel.py), the
-model builder (models/qwen.py), the checkpoint tools and the planner (planning.py) call: each passes what it knows
+model builder (models/qwen.py), the checkpoint tools and the planner (planning/) call: each passes what it knows
 (the model's shape, the batch, the rollout engines) and gets the same rules with the same messages, named by the
-config keys a user sets. Rules whose inputs a caller does not pass are not checked.
+config keys a user sets. Rules whose inputs a caller does not pass are not checked. rollout/placement.py, which places
+the colocated engines, holds them to the same rules (`check_engine_tensor_parallel`, `check_engine_span`).
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class RolloutLayout:
 
 
 def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | None = None,
-                 mini_batches_per_step: int = 1, rollout: RolloutLayout | None = None, training: bool = False) -> None:
+                 mini_batches_per_step: int = 1, rollout: RolloutLayout | None = None, training: bool = False,
+                 moe: bool | None = None) -> None:
     """LayoutError naming the problem when `layout` cannot run.
 
     Always: sizes >= 1; virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1; ETP divides TP. With
@@ -69,10 +71,11 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
     or an ETP of its own) need a mixture-of-experts model, whose experts divide by EP and expert width by ETP. With a
     known data size: ETP x EP divides TP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
     model at TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without). With
-    `prompts_per_step` and a known data size: the prompts split evenly over DP x mini-batches. With `rollout`:
-    colocated vLLM engines tile the replica's GPUs (rollout/placement.py) and, with `shape`, split the attention
-    heads; vllm_remote has one server per data-parallel replica; a mixture-of-experts model needs the built-in
-    engine."""
+    `prompts_per_step`: the prompts split evenly over the mini-batches, and with a known data size over DP x
+    mini-batches. With `rollout`: a mixture-of-experts model (`shape`'s, or `moe` where no shape says: a config with
+    routing replay has one) needs the built-in engine; with a known data size, colocated vLLM engines tile the
+    replica's GPUs (`check_engine_tensor_parallel`, `check_engine_span`) and, with `shape`, split the attention
+    heads; remote engines have one server per data-parallel replica."""
     tp, pp, dp, vpp = layout.tensor, layout.pipeline, layout.data, layout.virtual_pipeline
     _check_sizes(tp, pp)
     _need(dp is None or dp >= 1, f"parallel: the data-parallel size must be >= 1, got {dp}")
@@ -82,12 +85,31 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
     _check_experts(layout, shape, training)
     if shape is not None:
         _check_model_split(shape, tp, pp * (vpp or 1), vpp)
-    if prompts_per_step is not None and dp is not None:
-        _need(prompts_per_step % (dp * mini_batches_per_step) == 0,
-              f"data.prompts_per_step ({prompts_per_step}) must be divisible by data-parallel size x "
-              f"mini_batches_per_step = {dp} x {mini_batches_per_step}")
-    if rollout is not None and dp is not None:
-        _check_rollout(rollout, tp, pp, dp, shape)
+    if prompts_per_step is not None:
+        _check_prompt_split(prompts_per_step, mini_batches_per_step, dp)
+    if rollout is not None:
+        _check_rollout(rollout, tp, pp, dp, shape, moe)
+
+
+def check_engine_tensor_parallel(*, tp: int, pp: int, engine_tp: int) -> None:
+    """LayoutError unless colocated engines of `engine_tp` GPUs each tile a replica of TP x PP ranks
+    (rollout/placement.py places them): `engine_tp` divides TP (TP / engine_tp engines per pipeline stage) or is a
+    multiple of TP dividing TP x PP (one engine over whole stages)."""
+    _need(engine_tp >= 1, f"rollout.vllm_tensor_parallel: the engine's tensor parallel size must be >= 1, got "
+                          f"{engine_tp}")
+    _need(tp % engine_tp == 0 or (engine_tp % tp == 0 and pp % (engine_tp // tp) == 0),
+          f"rollout.vllm_tensor_parallel: a rollout engine at tensor parallel size {engine_tp} must divide the "
+          f"training tensor parallel size {tp} (engines per pipeline stage) or be a multiple of it dividing tensor x "
+          f"pipeline = {tp * pp} (one engine over several whole stages)")
+
+
+def check_engine_span(*, tp: int, engine_tp: int, dp: int) -> None:
+    """LayoutError for an engine over several pipeline stages (`engine_tp` > TP) at DP > 1: megatron's rank order
+    (tp-cp-ep-dp-pp) puts the DP replicas between two stages, so its GPUs would not be consecutive."""
+    _need(engine_tp <= tp or dp == 1,
+          f"rollout.vllm_tensor_parallel: an engine at tensor parallel size {engine_tp} spans pipeline stages, whose "
+          f"GPUs are consecutive only with one data-parallel replica (got {dp}); use a divisor of parallel.tensor = "
+          f"{tp}")
 
 
 def _need(condition: bool, message: str) -> None:
@@ -140,29 +162,36 @@ def _check_model_split(shape, tp: int, layer_chunks: int, vpp: int | None) -> No
           + (f"PP x VPP = {layer_chunks // vpp} x {vpp}" if vpp else f"PP={layer_chunks}"))
 
 
-def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int, shape) -> None:
-    from megatron_gtpo.rollout.placement import engine_hosts
+def _check_prompt_split(prompts_per_step: int, mini_batches_per_step: int, dp: int | None) -> None:
+    if dp is None:
+        _need(prompts_per_step % mini_batches_per_step == 0,
+              f"data.prompts_per_step ({prompts_per_step}) must be divisible by data.mini_batches_per_step "
+              f"({mini_batches_per_step})")
+        return
+    _need(prompts_per_step % (dp * mini_batches_per_step) == 0,
+          f"data.prompts_per_step ({prompts_per_step}) must be divisible by data-parallel size x "
+          f"mini_batches_per_step = {dp} x {mini_batches_per_step}")
 
+
+def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, shape, moe: bool | None) -> None:
+    if shape is not None:
+        moe = getattr(shape, "moe", None) is not None
+    # The one place this is decided (routing replay, which needs the routing at generation, included).
+    _need(not moe or rollout.engine == "builtin",
+          f"rollout.engine: {rollout.engine} is not supported for a mixture-of-experts model (its experts' weight "
+          f"sync to vLLM, the routing vLLM chose, and a rollout server's routing, which must stay on the rank that "
+          f"computed it, are not implemented); use rollout.engine builtin")
+    if dp is None:
+        return
     if rollout.engine in ("vllm_remote", "builtin_remote"):
         _need(rollout.remote_servers == dp,
               f"rollout.remote_addresses: {rollout.remote_servers} given, but there are {dp} data-parallel "
               f"replicas (one rollout server each)")
-    _need(getattr(shape, "moe", None) is None or rollout.engine == "builtin",
-          f"rollout.engine: {rollout.engine} is not supported for a mixture-of-experts model (its experts' weight "
-          f"sync to vLLM, the routing vLLM chose, and a rollout server's routing, which must stay on the rank that "
-          f"computed it, are not implemented); use rollout.engine builtin")
     if rollout.engine != "vllm":
         return
     vtp = rollout.engine_tensor_parallel
     _need(shape is None or (vtp >= 1 and shape.num_attention_heads % vtp == 0),
           f"rollout.vllm_tensor_parallel: {vtp} must divide the model's {getattr(shape, 'num_attention_heads', 0)} "
           f"attention heads")
-    try:
-        engine_hosts(tp=tp, pp=pp, engine_tp=vtp)
-    except ValueError as e:
-        raise LayoutError(f"rollout.vllm_tensor_parallel: {e}") from None
-    # Megatron's rank order (tp-cp-ep-dp-pp) puts the DP replicas between two stages: an engine spanning stages
-    # would not have consecutive GPUs.
-    _need(vtp <= tp or dp == 1,
-          f"rollout.vllm_tensor_parallel: an engine at tensor parallel size {vtp} spans pipeline stages, whose GPUs "
-          f"are consecutive only with one data-parallel replica (got {dp}); use a divisor of parallel.tensor = {tp}")
+    check_engine_tensor_parallel(tp=tp, pp=pp, engine_tp=vtp)
+    check_engine_span(tp=tp, engine_tp=vtp, dp=dp)

@@ -37,6 +37,13 @@ def test_the_world_size_sets_data_parallel_or_is_refused():
     (ParallelLayout(data=2), {"rollout": RolloutLayout("vllm_remote", remote_servers=1)},
      r"rollout.remote_addresses: 1 given, but there are 2 data-parallel replicas"),
     (ParallelLayout(tensor=4), {"shape": SHAPE_7B, "rollout": RolloutLayout("vllm", engine_tensor_parallel=4)}, None),
+    # Before the world size is known: the prompts over the mini-batches; before the model is read, a config that
+    # says it has experts (routing replay) needs the built-in engine.
+    (ParallelLayout(data=None), {"prompts_per_step": 6, "mini_batches_per_step": 4},
+     r"data.prompts_per_step \(6\) must be divisible by data.mini_batches_per_step \(4\)"),
+    (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin_remote"), "moe": True},
+     "rollout.engine: builtin_remote is not supported for a mixture-of-experts model"),
+    (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin"), "moe": True}, None),
 ])
 def test_each_rule_names_its_keys(layout, kwargs, message):
     if message is None:
@@ -50,3 +57,17 @@ def test_rules_whose_inputs_are_unknown_are_not_checked():
     check_layout(ParallelLayout(tensor=8, pipeline=3))  # no model shape
     check_layout(ParallelLayout(data=None), prompts_per_step=7)  # the world size is not known yet
     check_layout(ParallelLayout(pipeline=2, virtual_pipeline=2), shape=SHAPE_7B)  # 28 = 2 x 2 x 7
+
+
+def test_layout_imports_nothing_of_the_package():
+    """layout.py is the bottom of the house: everything that places ranks or engines imports it, never the reverse
+    (rollout/placement.py holds its engines to layout's rules)."""
+    import ast
+
+    import megatron_gtpo.layout as layout
+
+    with open(layout.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    imported = ["." * n.level + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
+        [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m.startswith(("megatron_gtpo", "."))], imported

@@ -132,9 +132,9 @@ def test_planner_counts_equal_meta_device_models_at_expert_layouts():
 
 
 @pytest.mark.parametrize("overrides, message", [
+    # Routing replay stands for a mixture-of-experts model before the model is read: layout.check_layout's one rule.
     (["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=."],
-     "algorithm.routing_replay: rollout needs the experts each token was routed to at generation, which only the "
-     "built-in engine records"),
+     "rollout.engine: vllm is not supported for a mixture-of-experts model"),
     (["model.recompute_activations=true"], "algorithm.routing_replay: rollout is not supported with "
                                            "model.recompute_activations"),
 ])
@@ -207,8 +207,9 @@ def test_the_moe_recipe_fits_16_and_8_h100s_and_the_planner_suggests_layouts():
     assert plan(SHAPE_30B, recipe, workload, settings).fits
     one_node = ParallelLayout(tensor=4, data=2, expert=2, expert_tensor=4, sequence_parallel=True)  # the recipe's note
     assert plan(SHAPE_30B, one_node, workload, replace(settings, recompute_activations=True)).fits
-    for gpus in (8, 16):
+    for gpus, most_gib in ((8, 80), (16, 72)):
         best = suggest_layouts(SHAPE_30B, gpus, workload, settings)[0]
         assert best.fits and best.layout.world_size == gpus
-        assert max(best.memory_gib["training_peak"], best.memory_gib["generation_peak"]) <= 72  # a tenth left
+        # 16 GPUs leave a tenth; on 8 (DP = 2) routing replay's record takes 4.5 GiB per GPU and none leaves a tenth.
+        assert max(best.memory_gib["training_peak"], best.memory_gib["generation_peak"]) <= most_gib
     assert suggest_layouts(SHAPE_30B, 16, workload, settings)[0].layout == recipe

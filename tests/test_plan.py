@@ -343,6 +343,34 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
         assert result.fits, (path, gpus, result.reasons)
 
 
+def test_routing_replay_record_is_counted_on_every_rank_of_its_stage():
+    """algorithm.routing_replay: rollout keeps the built-in engine's record on the GPU from generation to the end of the
+    update: per rank, its replica's sequences x fed tokens (prompt + response - 1) x the stage's MoE layers x top-k
+    expert indices, stored as int16 (models/moe_routing.EXPERT_INDEX_DTYPE)."""
+    from megatron_gtpo.config import load_config
+
+    cfg = load_config(os.path.join(REPO, "examples", "qwen3-30b-a3b-gtpo.yaml"))
+    shape = ModelShape.from_hf(hf_config("qwen3-30b-a3b"))
+    workload, settings = workload_from_config(cfg), settings_from_config(cfg)
+    assert settings.routing_replay
+    # The recipe on 16 GPUs (DP = 8): 128 prompts x 16 responses / 8 = 256 sequences per replica, each 2048 + 4096 - 1
+    # fed tokens, 48 MoE layers, 8 experts per token, 2 bytes each: 1,207,762,944 bytes (1.12 GiB) on every rank.
+    expected = 256 * 6143 * 48 * 8 * 2
+    layout = ParallelLayout(tensor=2, data=8, expert=8, expert_tensor=2, sequence_parallel=True)
+    replayed = plan(shape, layout, workload, settings)
+    unreplayed = plan(shape, layout, workload, replace(settings, routing_replay=False))
+    assert replayed.stages[0].routing_record == expected
+    assert replayed.memory_gib["routing_record"] == expected / 2**30
+    for peak in ("training_peak", "generation_peak"):
+        assert replayed.memory_gib[peak] - unreplayed.memory_gib[peak] == pytest.approx(expected / 2**30, rel=1e-9)
+    # Two pipeline stages hold 24 MoE layers each; a dense model records nothing.
+    staged = plan(shape, ParallelLayout(tensor=2, pipeline=2, data=4, expert=8, expert_tensor=1,
+                                        sequence_parallel=True), workload, settings)
+    assert [st.routing_record for st in staged.stages] == [256 * 2 * 6143 * 24 * 8 * 2] * 2
+    dense = plan(ModelShape.from_hf(hf_config("qwen2.5-7b")), ParallelLayout(tensor=4, data=4), workload, settings)
+    assert dense.memory_gib["routing_record"] == 0
+
+
 def test_logprob_workspaces_equal_what_the_vocab_parallel_op_allocates():
     """The planner's logprob_workspaces term against the op itself: the fp32 [chunk, V/TP] tensors its forward and
     its backward allocate (seen through torch's dispatcher), at the chunk the trainer derives from the budget."""

@@ -67,7 +67,7 @@ def test_each_engine_gets_its_own_gpus():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(device_index=0, device_count=8, engine_tp=8, tp=4, dp=2), "span pipeline stages"),
+    (dict(device_index=0, device_count=8, engine_tp=8, tp=4, dp=2), "spans pipeline stages"),
     (dict(device_index=6, device_count=8, engine_tp=4, tp=4, dp=1), "from GPU 6 needs more than the 8 GPUs"),
 ])
 def test_engines_that_do_not_fit_their_gpus_are_refused(kwargs, message):

@@ -190,7 +190,7 @@ def format_table(result: dict) -> str:
         "",
         f"memory per GPU, GiB (worst pipeline stage: {result['worst_stage']})",
     ]
-    for key in ("parameters", "gradients", "optimizer", "activations", "logits", "logprob_workspaces",
+    for key in ("parameters", "gradients", "optimizer", "routing_record", "activations", "logits", "logprob_workspaces",
                 "dispatcher_buffers", "allocator_slack", "framework_overhead", "vllm_asleep", "training_peak",
                 "vllm_budget", "vllm_weights", "vllm_kv_cache", "builtin_kv_cache", "generation_peak"):
         lines.append(f"  {key:<20} {mem[key]:9.2f}")

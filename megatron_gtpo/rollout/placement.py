@@ -19,19 +19,17 @@ responses, concatenated in engine order, are in prompt order.
 """
 from __future__ import annotations
 
+from megatron_gtpo.layout import check_engine_span, check_engine_tensor_parallel
+
 
 def engine_hosts(*, tp: int, pp: int, engine_tp: int) -> list[tuple[int, int]]:
-    """(pp_rank, tp_rank) of each engine's host within a replica, in engine order (module doc). ValueError when
-    `engine_tp` neither divides TP nor is a multiple of TP dividing TP x PP."""
-    if engine_tp < 1:
-        raise ValueError(f"the engine's tensor parallel size must be >= 1, got {engine_tp}")
+    """(pp_rank, tp_rank) of each engine's host within a replica, in engine order (module doc). LayoutError (a
+    ValueError) when `engine_tp` neither divides TP nor is a multiple of TP dividing TP x PP (the layout's rule,
+    layout.check_engine_tensor_parallel)."""
+    check_engine_tensor_parallel(tp=tp, pp=pp, engine_tp=engine_tp)
     if tp % engine_tp == 0:
         return [(stage, rank) for stage in range(pp) for rank in range(0, tp, engine_tp)]
-    if engine_tp % tp == 0 and pp % (engine_tp // tp) == 0:
-        return [(stage, 0) for stage in range(0, pp, engine_tp // tp)]
-    raise ValueError(f"a rollout engine at tensor parallel size {engine_tp} must divide the training tensor "
-                     f"parallel size {tp} (engines per pipeline stage) or be a multiple of it dividing tensor x "
-                     f"pipeline = {tp * pp} (one engine over several whole stages)")
+    return [(stage, 0) for stage in range(0, pp, engine_tp // tp)]
 
 
 def engine_members(*, tp: int, pp: int, engine_tp: int) -> list[list[tuple[int, int]]]:
@@ -67,11 +65,9 @@ def colocated_cuda_devices(*, device_index: int, device_count: int, engine_tp: i
     """CUDA_VISIBLE_DEVICES for a colocated engine hosted by the process on local device `device_index` (of this
     process's `device_count` visible devices; `visible` the current CUDA_VISIBLE_DEVICES, if set): the engine's
     `engine_tp` consecutive devices from the host's. vLLM numbers its workers' devices from 0 of what it is given,
-    so without this every engine on a node would share devices 0..engine_tp-1."""
-    if engine_tp > tp and dp > 1:
-        raise ValueError(f"a colocated vLLM engine at tensor parallel size {engine_tp} would span pipeline stages, "
-                         f"whose GPUs are not consecutive with {dp} data-parallel replicas; use "
-                         f"rollout.vllm_tensor_parallel dividing parallel.tensor = {tp}")
+    so without this every engine on a node would share devices 0..engine_tp-1. LayoutError (a ValueError) for an
+    engine spanning pipeline stages at DP > 1 (layout.check_engine_span)."""
+    check_engine_span(tp=tp, engine_tp=engine_tp, dp=dp)
     if device_index + engine_tp > device_count:
         raise ValueError(f"a colocated vLLM engine at tensor parallel size {engine_tp} from GPU {device_index} needs "
                          f"more than the {device_count} GPUs of this node")

@@ -1,0 +1,152 @@
+"""The rules between features of a run configuration, in one table (`CROSS_FEATURE_RULES`): the rollout engine,
+mixture-of-experts routing replay, bounded staleness, partial rollouts, activation recompute, the data source and the
+warm start. Each row has a name, when the configuration is refused, why, and the one message it gets (which starts
+with the key it is about). config.validate applies them after each section's own checks (the `check` methods beside
+the sections in config.py) and before the layout's rules.
+
+The parallel layout's rules (sequence and expert parallelism, where the engines run, and "a mixture-of-experts model
+needs the built-in engine", routing replay included) are layout.check_layout's, which the planner and the model
+builder share: config.validate_layout applies them. The rollout options that act with some engines only are the second
+table here (`ENGINE_OPTIONS`), which the rollout section's own check applies.
+
+To add a rule: a row here, and its two configurations in tests/test_config_rules.py (one that triggers it, the
+nearest one that does not); an engine option: a row of ENGINE_OPTIONS and a value other than its default there.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+# rollout.engine values whose engines run on processes (nodes) of their own: rollout servers
+REMOTE_ENGINES = ("vllm_remote", "builtin_remote")
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the rules read: the configuration's sections and the configured algorithm's registry entry
+    (algorithms/registry.py)."""
+
+    model: object
+    parallel: object
+    rollout: object
+    algorithm: object
+    data: object
+    warm_start: object
+    entry: object
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """algorithm.dynamic_sampling, or the algorithm's default where unset."""
+        chosen = self.algorithm.dynamic_sampling
+        return self.entry.dynamic_sampling if chosen is None else chosen
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Row `name`: a configuration is refused when `refused(features)` holds, with `message` (a str.format template
+    over the sections by name, e.g. {rollout.engine}, and {remote_engines}; it starts with the key it is about);
+    `reason` says why the combination cannot run."""
+
+    name: str
+    refused: Callable[[Features], bool]
+    reason: str
+    message: str
+
+    def render(self, features: Features) -> str:
+        values = {name: getattr(features, name) for name in Features.__dataclass_fields__}
+        return self.message.format(**values, remote_engines=" or ".join(REMOTE_ENGINES))
+
+
+CROSS_FEATURE_RULES: tuple[Rule, ...] = (
+    Rule("vllm needs a Hugging Face directory",
+         lambda f: f.rollout.engine == "vllm" and not (f.rollout.vllm_hf_dir or f.model.hf_dir),
+         "a colocated vLLM engine loads a Hugging Face directory; model.load is a megatron_gtpo checkpoint",
+         "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)"),
+    Rule("staleness needs engines of their own",
+         lambda f: f.rollout.max_staleness >= 1 and f.rollout.engine not in REMOTE_ENGINES,
+         "generating ahead needs engines that run while the trainer trains; colocated ones share its GPUs",
+         "rollout.max_staleness: {rollout.max_staleness} needs engines on processes of their own that generate while "
+         "the trainer trains ({remote_engines}); the {rollout.engine} engine shares the trainer's"),
+    Rule("partial rollouts without routing replay",
+         lambda f: f.rollout.partial_rollouts and f.algorithm.routing_replay == "rollout",
+         "a continued response's routing would be recorded by several engine calls, under several policies",
+         "rollout.partial_rollouts: not with algorithm.routing_replay: rollout (a continued response's routing would "
+         "span engine calls)"),
+    Rule("partial rollouts need dynamic sampling",
+         lambda f: f.rollout.partial_rollouts and not f.dynamic_sampling,
+         "a step the unfinished groups leave short is filled by dynamic sampling's further rounds",
+         "rollout.partial_rollouts: needs dynamic sampling (algorithm.dynamic_sampling: true), whose further rounds "
+         "fill the step that unfinished groups leave short; {algorithm.name} has it off"),
+    # Measured: the CPU demo at staleness 1 with partial rollouts learned +0.14 without the correction, +0.43 with
+    # token weights (benchmarks/results/async.md).
+    Rule("partial rollouts need the rollout correction",
+         lambda f: f.rollout.partial_rollouts and f.algorithm.rollout_is == "none",
+         "older policies sampled a continued response's first tokens: the update needs importance weights",
+         "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_is: token, or geometric for "
+         "grpo_s): a continued response's tokens were sampled by older policies than the one that trains them"),
+    Rule("staleness needs the rollout correction",
+         lambda f: f.rollout.max_staleness >= 1 and f.algorithm.rollout_is == "none",
+         "an older policy sampled the batch: the clipped surrogate needs importance weights from it to the one that "
+         "trains",
+         "rollout.max_staleness: {rollout.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
+         "geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample"),
+    Rule("routing replay without recompute",
+         lambda f: f.algorithm.routing_replay == "rollout" and f.model.recompute_activations,
+         "the recomputed forward of the backward pass would route again instead of replaying",
+         "algorithm.routing_replay: rollout is not supported with model.recompute_activations (the recomputed "
+         "forward would route again)"),
+    Rule("the tiny model needs the synthetic task",
+         lambda f: f.model.tiny_synthetic and f.data.source != "synthetic",
+         "the tiny model's vocabulary is the synthetic task's characters",
+         "model.tiny_synthetic: the tiny model is built for the synthetic task's character vocabulary; with "
+         "data.source {data.source} set model.hf_dir or model.load"),
+    Rule("the warm start needs the synthetic task",
+         lambda f: f.warm_start.steps != 0 and f.data.source != "synthetic",
+         "the supervised warm start needs reference responses, which only the synthetic tasks have",
+         "warm_start.steps: the supervised warm start trains on the synthetic task's answers; with data.source "
+         "{data.source} it must be 0, got {warm_start.steps}"),
+)
+
+
+def refused_by(features: Features) -> list[Rule]:
+    """The rows of CROSS_FEATURE_RULES that refuse `features`, in table order."""
+    return [rule for rule in CROSS_FEATURE_RULES if rule.refused(features)]
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """A rollout option that acts with some engines only (`engines`); with the others a value other than its
+    default is refused rather than ignored (RolloutConfig.check). A rollout server (`server_engine`) is started with
+    its own command line, which owns the setting there (`server_flag` of rollout/remote_server.py)."""
+
+    name: str
+    engines: tuple[str, ...]
+    server_engine: str | None = None
+    server_flag: str | None = None
+
+    def refusal(self, rollout) -> str | None:
+        """The message refusing this option of `rollout` (config.RolloutConfig), None where it acts or is left at
+        its default."""
+        field = next(f for f in dataclasses.fields(rollout) if f.name == self.name)
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        if rollout.engine in self.engines or getattr(rollout, self.name) == default:
+            return None
+        where = (f"; a {self.server_engine} server takes it from its own command line (python -m "
+                 f"megatron_gtpo.rollout.remote_server {self.server_flag})"
+                 if rollout.engine == self.server_engine else "")
+        return (f"rollout.{self.name}: acts with rollout.engine {' or '.join(self.engines)} only, and the "
+                f"{rollout.engine} engine would ignore it{where}; leave it at its default {default!r}")
+
+
+# Every rollout option that some engine ignores; the others act with every engine.
+ENGINE_OPTIONS = (
+    EngineOption("builtin_max_batch_tokens", ("builtin",), "builtin_remote", "--max-batch-tokens"),
+    EngineOption("vllm_gpu_memory_utilization", ("vllm",), "vllm_remote", "--gpu-memory-utilization"),
+    EngineOption("vllm_kv_cache_memory_bytes", ("vllm",), "vllm_remote", "--kv-cache-memory-bytes"),
+    EngineOption("vllm_hf_dir", ("vllm",), "vllm_remote", "--hf-dir"),
+    EngineOption("vllm_tensor_parallel", ("vllm",), "vllm_remote", "--tensor-parallel-size"),
+    EngineOption("remote_addresses", REMOTE_ENGINES),
+    EngineOption("remote_connect_timeout_s", REMOTE_ENGINES),
+    EngineOption("remote_request_timeout_s", REMOTE_ENGINES),
+)

@@ -1,0 +1,82 @@
+"""Activation bytes autograd keeps per decoder layer (the "te" and "local" kernel profiles) and the micro-batches whose
+activations a pipeline stage holds at its peak."""
+from __future__ import annotations
+
+from megatron_gtpo.layout import ParallelLayout
+from megatron_gtpo.models.qwen import ModelShape
+
+# Elements kept by autograd per token and per decoder layer, as (coefficient, dimension name, split):
+# split "tp": divided by TP; "sp": divided by TP under sequence parallelism only; "position": replicated and kept
+# once per sequence position, shared by the sequences of a micro-batch.
+# Dimension names: h hidden, f ffn hidden, q = heads x head_dim, kv = query groups x head_dim, d head_dim,
+# s = sequence length (softmax probabilities of unfused attention), 1 = a scalar per token.
+_LAYER_ACTIVATION_TERMS = {
+    # Transformer Engine: LayerNormLinear keeps its input and normalised output (2 norms); flash attention keeps
+    # q, k, v (native GQA) and its output (the output projection's input); fused SwiGLU keeps fc1's output (2f)
+    # and fc2 its input (f).
+    "te": ((4, "h", "sp"), (2, "q", "tp"), (2, "kv", "tp"), (3, "f", "tp")),
+    # megatron's local spec (measured on CPU, fp32): six hidden-sized tensors (norm inputs and outputs, residual
+    # path), an rstd per norm, RoPE's cos/sin for q and k ([s, 1, 1, d] each), q plus k and v expanded to every
+    # head plus the attention output, the [heads, s, s] softmax probabilities, fc1's output (2f), silu's output,
+    # the SwiGLU product.
+    "local": ((6, "h", "sp"), (2, "1", "sp"), (4, "d", "position"), (4, "q", "tp"), (1, "heads_s", "tp"),
+              (5, "f", "tp")),
+}
+# What the per-head q/k norms (Qwen3) add. Both specs: the norms keep their inputs (k is a view of linear_qkv's
+# output, which therefore stays alive whole: q, k and v; q is a copy where megatron's reshape of a rank's query heads
+# cannot be a view, "q_copy": more than one query group per rank and more than one head per group) and an rstd per
+# head ("heads_groups"). The local spec's torch norm keeps its normalised output too (for the weight's gradient).
+_QK_NORM = ((1, "q", "tp"), (2, "kv", "tp"), (1, "q_copy", "tp"), (1, "heads_groups", "tp"))
+_QK_NORM_ACTIVATION_TERMS = {"te": _QK_NORM, "local": _QK_NORM + ((1, "q", "tp"), (1, "kv", "tp"))}
+
+
+# What a mixture-of-experts layer keeps besides its experts' MLP activations (those are the dense MLP's terms, for k
+# experts per token of width moe_intermediate_size / ETP): each token's k copies as the experts' input and the
+# experts' outputs before the probability-weighted sum ("topk_h"), and the router's fp32 logits and probabilities
+# over E experts ("experts_fp32", in 4-byte units of the model dtype's size). An estimate, not measured (SequentialMLP
+# on the CPU keeps per-expert pieces of the same tensors).
+_MOE_ACTIVATION_TERMS = ((2, "topk_h", "sp"), (2, "experts_fp32", "sp"))
+
+
+def layer_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch_size: int, tensor_parallel: int,
+                           sequence_parallel: bool, kernels: str, bytes_per_element: int,
+                           recompute: bool = False, expert_tensor_parallel: int | None = None) -> int:
+    """Bytes autograd keeps for one decoder layer and one micro-batch of `micro_batch_size` sequences of
+    `seq_len` tokens. With full recompute only the layer's input (the checkpoint) is kept. A mixture-of-experts
+    layer: its MLP terms for the k experts each token goes to (their width split over `expert_tensor_parallel`,
+    default TP), plus _MOE_ACTIVATION_TERMS."""
+    if kernels not in _LAYER_ACTIVATION_TERMS:
+        raise ValueError(f"kernels {kernels!r} is not one of {', '.join(_LAYER_ACTIVATION_TERMS)}")
+    t = tensor_parallel
+    tokens = seq_len * micro_batch_size
+    if recompute:
+        return tokens * shape.hidden_size * bytes_per_element // (t if sequence_parallel else 1)
+    q = shape.num_attention_heads * shape.head_dim
+    copies_q = shape.num_query_groups // t > 1 and shape.num_attention_heads > shape.num_query_groups
+    dims = {"h": shape.hidden_size, "f": shape.ffn_hidden_size, "q": q, "kv": shape.num_query_groups * shape.head_dim,
+            "d": shape.head_dim, "1": 1, "heads_s": shape.num_attention_heads * seq_len, "q_copy": q if copies_q else 0,
+            "heads_groups": shape.num_attention_heads + shape.num_query_groups}
+    moe_terms = ()
+    if shape.moe is not None:  # "f" terms divide by TP: k experts of width F_moe / ETP per token
+        etp = expert_tensor_parallel or t
+        dims.update(f=shape.moe.topk * shape.moe.ffn_hidden_size * t / etp, topk_h=shape.moe.topk * shape.hidden_size,
+                    experts_fp32=shape.moe.num_experts * 4 / bytes_per_element)
+        moe_terms = _MOE_ACTIVATION_TERMS
+    divisor = {"tp": t, "sp": t if sequence_parallel else 1, "position": micro_batch_size}
+    terms = _LAYER_ACTIVATION_TERMS[kernels] + (_QK_NORM_ACTIVATION_TERMS[kernels] if shape.qk_norm else ()) \
+        + moe_terms
+    per_token = sum(coef * dims[name] / divisor[split] for coef, name, split in terms)
+    return round(per_token * tokens * bytes_per_element)
+
+
+def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_micro_batches: int) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in units of the stage's full layer count."""
+    p = layout.pipeline
+    if p == 1:
+        return 1.0
+    v = layout.virtual_pipeline
+    if v is None or v == 1:
+        return float(min(p - pp_rank, num_micro_batches))
+    chunks = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, num_micro_batches * v)  # megatron's warm-up + 1
+    return chunks / v
+

@@ -138,17 +138,30 @@ def prepare_routers(model, routed: RoutedExperts | None, token_mask_LB: torch.Te
 
 
 def _replay_forward_or_recomputed(router, inputs) -> None:
-    """A replaying router's forward pre-hook: inside megatron's activation recompute in the backward pass (its
-    checkpoint re-running the layer with gradients on; the first run has them off), replay the oldest queued
-    choices (REPLAY_BACKWARD), else the micro-batch's own (REPLAY_FORWARD)."""
+    """A forward pre-hook of every router that has replayed: inside megatron's activation recompute in the backward
+    pass (its checkpoint re-running the layer with gradients on; the first run has them off), replay the oldest
+    queued choices (REPLAY_BACKWARD), else the micro-batch's own (REPLAY_FORWARD). RuntimeError when the choices are
+    not for the tokens the router sees (a pass that queued other micro-batches than it recomputes)."""
     from megatron.core.tensor_parallel.random import is_checkpointing
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replay = router.router_replay
-    if _replaying(replay):
-        recomputing = is_checkpointing() and torch.is_grad_enabled()
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD if recomputing
-                                        else RouterReplayAction.REPLAY_FORWARD)
+    recomputing = is_checkpointing() and torch.is_grad_enabled()
+    if recomputing and replay.replay_backward_list:
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        choices = replay.replay_backward_list[0]
+    elif _replaying(replay):
+        if recomputing:
+            raise RuntimeError(f"routing replay: layer {router.layer_number} is recomputed in the backward pass, but "
+                               f"its forward queued no choices for it")
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        choices = replay.target_topk_idx
+    else:
+        return
+    tokens = inputs[0].numel() // inputs[0].shape[-1]
+    if choices.shape[0] != tokens:
+        raise RuntimeError(f"routing replay: layer {router.layer_number} sees {tokens} tokens but replays the "
+                           f"choices of {choices.shape[0]}")
 
 
 def _replaying(replay) -> bool:

@@ -10,8 +10,8 @@ The launches are read from the files themselves, so a newly documented one is co
   per node) is what is checked, so the script's own settings (launch.sh's variables, disaggregated.sbatch's rollout
   servers) count too.
 Checked per launch: `load_config` (the config validation) accepts it; with the printed world size, the layout rules
-for the model at that size on the machine it runs on (`validate_layout`: a GPU with Transformer Engine, the CPU for
-the tiny synthetic model); and megatron-core's TransformerConfig for that model and layout (its own validation).
+for the model at that size (`validate_layout`); and megatron-core's TransformerConfig for that model and layout on
+the machine it runs on (its own validation; a GPU with Transformer Engine, the CPU for the tiny synthetic model).
 The model: the preset the yaml's header plans with (`tools/plan.py --model NAME --config THIS_FILE`), or the tiny
 synthetic model.
 """
@@ -208,7 +208,7 @@ def test_every_documented_launch_passes_the_config_checks_and_builds_its_gpu_con
             cfg = load_config(os.path.join(REPO, launch.config), list(launch.overrides))
             hf, machine = model_of(launch.config, cfg)
             if launch.world_size is not None:
-                validate_layout(cfg, world_size=launch.world_size, shape=ModelShape.from_hf(hf), accelerator=machine)
+                validate_layout(cfg, world_size=launch.world_size, shape=ModelShape.from_hf(hf))
             p, m = cfg.parallel, cfg.model
             transformer_config_from_hf(
                 hf, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,

@@ -1,8 +1,8 @@
 """The rules between features of a run configuration, in one table (`CROSS_FEATURE_RULES`): the rollout engine,
-mixture-of-experts routing replay, bounded staleness, partial rollouts, activation recompute, the data source and the
-warm start. Each row has a name, when the configuration is refused, why, and the one message it gets (which starts
-with the key it is about). config.validate applies them after each section's own checks (the `check` methods beside
-the sections in config.py) and before the layout's rules.
+mixture-of-experts routing replay, bounded staleness, partial rollouts, the data source and the warm start. Each row
+has a name, when the configuration is refused, why, and the one message it gets (which starts with the key it is
+about). config.validate applies them after each section's own checks (the `check` methods beside the sections in
+config.py) and before the layout's rules.
 
 The parallel layout's rules (sequence and expert parallelism, where the engines run, and "a mixture-of-experts model
 needs the built-in engine", routing replay included) are layout.check_layout's, which the planner and the model
@@ -91,11 +91,6 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "trains",
          "rollout.max_staleness: {rollout.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
          "geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample"),
-    Rule("routing replay without recompute",
-         lambda f: f.algorithm.routing_replay == "rollout" and f.model.recompute_activations,
-         "the recomputed forward of the backward pass would route again instead of replaying",
-         "algorithm.routing_replay: rollout is not supported with model.recompute_activations (the recomputed "
-         "forward would route again)"),
     Rule("the tiny model needs the synthetic task",
          lambda f: f.model.tiny_synthetic and f.data.source != "synthetic",
          "the tiny model's vocabulary is the synthetic task's characters",

@@ -3,9 +3,11 @@
 The settings that switch on only with CUDA (the fusion switches, the layer spec) are decided from an `Accelerator`
 (models/accelerator.py). Here each kind of GPU machine is forced in turn, and the model the trainer would build there
 is built through the trainer's own path (config validation, then training/model_setup.build_chunks) on the meta
-device at TP=2, for every Qwen2.5 and Qwen3 preset's structure (shrunk), bf16 and fp32, sequence parallelism,
-packing and recompute on and off. Checked:
-- the config validation accepts every one of them (sequence parallelism included: the local spec runs it too);
+device at TP=2, for every Qwen2.5, Qwen3 and Qwen3-MoE preset's structure (shrunk), bf16 and fp32, sequence
+parallelism, packing and recompute on and off. Checked:
+- the config validation accepts every one of them (sequence parallelism included: the local spec runs it too),
+  except Qwen3-MoE without sequence parallelism (megatron-core's MoE layer trains at TP > 1 only with it), which it
+  refuses with that rule's message;
 - megatron-core's constructors accept what is built (they assert on settings they cannot run);
 - every fusion switch that is on has the kernel it needs on that machine (REQUIRES below, read from megatron-core
   0.16.1's sources, not from the project's decision code).
@@ -43,15 +45,18 @@ MACHINES = {
     "cpu": Accelerator(cuda=False),
 }
 TP = 2
-PRESET_NAMES = FAMILY_PRESETS["qwen2"] + FAMILY_PRESETS["qwen3"]
+PRESET_NAMES = FAMILY_PRESETS["qwen2"] + FAMILY_PRESETS["qwen3"] + FAMILY_PRESETS["qwen3_moe"]
+MOE_PRESETS = set(FAMILY_PRESETS["qwen3_moe"])
 
 
 def shrunk_preset(name: str) -> dict:
-    """A preset's structure (family, heads, KV heads, tied embeddings, norm eps) at a small width: head_dim 8."""
+    """A preset's structure (family, heads, KV heads, tied embeddings, norm eps; Qwen3-MoE: experts per token) at a
+    small width: head_dim 8; 16 experts, 16 wide."""
     hf = hf_config(name)
     heads = hf["num_attention_heads"]
+    moe = {"num_experts": 16, "moe_intermediate_size": 16} if name in MOE_PRESETS else {}
     return dict(hf, hidden_size=8 * heads, head_dim=8, intermediate_size=16 * heads, num_hidden_layers=2,
-                vocab_size=1000)
+                vocab_size=1000, **moe)
 
 
 def config_for(*, dtype: str, sequence_parallel: bool, pack: bool, recompute: bool) -> TrainConfig:
@@ -115,8 +120,11 @@ def outcomes():
 def test_every_gpu_configuration_builds_with_only_available_fusions(outcomes):
     assert len(outcomes) == len(MACHINES) * len(PRESET_NAMES) * len(CHOICES)
     refused = {key: detail for key, (status, detail) in outcomes.items() if status == "refused"}
-    assert not refused, refused
-    violations = {key: bad for key, (status, bad) in outcomes.items() if bad}
+    moe_without_sp = {key for key in outcomes if key[1] in MOE_PRESETS and not key[3]}
+    assert refused.keys() == moe_without_sp, refused
+    assert all(detail.startswith("parallel.sequence_parallel: a mixture-of-experts model trains at TP > 1 only")
+               for detail in refused.values()), refused
+    violations = {key: bad for key, (status, bad) in outcomes.items() if status != "refused" and bad}
     assert not violations, violations
     built = [key for key, (status, _) in outcomes.items() if status == "built"]
     assert {key[0] for key in built} == {"gpu", "gpu+apex-softmax", "cpu"}

@@ -135,8 +135,6 @@ def test_planner_counts_equal_meta_device_models_at_expert_layouts():
     # Routing replay stands for a mixture-of-experts model before the model is read: layout.check_layout's one rule.
     (["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=."],
      "rollout.engine: vllm is not supported for a mixture-of-experts model"),
-    (["model.recompute_activations=true"], "algorithm.routing_replay: rollout is not supported with "
-                                           "model.recompute_activations"),
 ])
 def test_routing_replay_is_refused_where_it_cannot_run(overrides, message):
     from megatron_gtpo.config import ConfigError, load_config

@@ -4,7 +4,8 @@ micro-batch of two sequences):
 - replay: forcing other experts (each token's k least likely) gives the logits transformers gives when its routers
   are forced to the same experts (probabilities renormalised over them), not the unforced ones;
 - statistics: the per-layer expert load imbalance and router entropy equal those computed in float64 from
-  transformers' router logits, padding excluded."""
+  transformers' router logits, padding excluded;
+- with megatron's fused router (moe_router_fusion), which bypasses RouterReplay, replay and recording refuse to run."""
 import math
 
 import pytest
@@ -19,10 +20,12 @@ TOPK, EXPERTS = 2, 4
 
 
 def _megatron_routing(rank, world_size, model_dir, forced):
-    """(recorded experts [L*B, M, k], per-layer statistics, logits [B, L, V] with `forced` replayed) on one rank."""
+    """(recorded experts [L*B, M, k], per-layer statistics, logits [B, L, V] with `forced` replayed, what replay and
+    recording say with moe_router_fusion on) on one rank."""
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.moe_routing import RoutedExperts, RouterStatistics, recording, routed_layers
+    from megatron_gtpo.models.moe_routing import (Recorder, RoutedExperts, RouterStatistics, recording,
+                                                  routed_layers)
     from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.forward import make_micro_batches, model_forward
 
@@ -38,7 +41,16 @@ def _megatron_routing(rank, world_size, model_dir, forced):
     with torch.no_grad():
         mb.routed_experts = RoutedExperts(routed_layers(chunks), forced.to(groups.device))
         replayed_logits = model_forward(model, mb, local_attention=True)
-    return recorded.cpu(), stats.per_layer(groups.dp_group), replayed_logits[..., :TINY["vocab_size"]].cpu()
+    model.config.moe_router_fusion = True  # the fused router bypasses RouterReplay: replay and recording refuse it
+    refusals = []
+    for attempt in (lambda: model_forward(model, mb, local_attention=True), lambda: Recorder(chunks)):
+        try:
+            attempt()
+            refusals.append(None)
+        except ValueError as e:
+            refusals.append(str(e))
+    return (recorded.cpu(), stats.per_layer(groups.dp_group), replayed_logits[..., :TINY["vocab_size"]].cpu(),
+            refusals)
 
 
 def _force_routing(hf, forced_LMK):
@@ -73,8 +85,10 @@ def test_recorded_replayed_and_measured_routing_is_transformers(moe):
     for b, per_layer in enumerate(router_logits):
         for m, logits in enumerate(per_layer):
             forced_BLMK[b, :logits.shape[0], m] = torch.topk(-logits, TOPK, dim=-1).indices.to(torch.int16)
-    recorded, stats, replayed = run_distributed(_megatron_routing, 1, args=(str(path), forced_BLMK),
-                                                timeout_s=300)[0]
+    recorded, stats, replayed, refusals = run_distributed(_megatron_routing, 1, args=(str(path), forced_BLMK),
+                                                          timeout_s=300)[0]
+    for refusal in refusals:  # replay, recording: megatron's fused router would skip both
+        assert refusal is not None and "need moe_router_fusion off" in refusal
 
     recorded_LBMK = recorded.view(L, B, layers, TOPK)
     counts_ME = torch.zeros(layers, EXPERTS, dtype=torch.float64)

@@ -78,11 +78,11 @@ def _replayed_routes(exp, shape, first_sequence: int):
     return ReplayPlan(layers, shape.moe.topk)
 
 
-def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=False, sp=False):
+def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=False, sp=False, recompute=False):
     """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch, pack), through the
-    trainer's own step batch and update_policy, with sequence parallelism if `sp`; a mixture-of-experts model's
-    experts at EP `ep` and ETP `etp`, with `replay` routing every token to arbitrary recorded experts
-    (`_replayed_routes`)."""
+    trainer's own step batch and update_policy, with sequence parallelism if `sp` and full activation recompute
+    (model.recompute_activations) if `recompute`; a mixture-of-experts model's experts at EP `ep` and ETP `etp`, with
+    `replay` routing every token to arbitrary recorded experts (`_replayed_routes`)."""
 
     from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config
@@ -114,7 +114,8 @@ def _one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay
         sequence_level = level == "sequence"
         with HFCheckpoint(model_dir) as ckpt:
             chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
-                                 sequence_parallel=sp, expert_parallel=ep, expert_tensor_parallel=etp)
+                                 sequence_parallel=sp, expert_parallel=ep, expert_tensor_parallel=etp,
+                                 recompute_activations=recompute)
             load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks)

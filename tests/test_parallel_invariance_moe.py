@@ -3,11 +3,12 @@ gradient norm and updated weights (every expert's included) on one process (EP 1
 replicas, whose tokens cross replicas to their experts and whose micro-batch counts differ (the lockstep padding),
 with and without routing replay, for the token- and the sequence-level loss (test_parallel_invariance.py's step);
 and at TP=2 with sequence parallelism and EP=2 (ETP=1), where each TP rank routes and replays its half of every
-padded or packed row."""
+padded or packed row; and replay under activation recompute at PP 2 as one process without recompute."""
 import pytest
 
 from distributed_harness import run_distributed
-from test_parallel_invariance import BUDGETS, BY_COUNT, LOSS_LEVELS, PACKED, _assert_same, _merge, _one_step
+from test_parallel_invariance import (BUDGETS, BY_COUNT, LOSS_LEVELS, ONE_BY_ONE, PACKED, _assert_same, _merge,
+                                      _one_step)
 from tiny_models import make_tiny_model
 
 UNEVEN = BUDGETS[0]  # a token budget: the two replicas cut their sequences into different numbers of micro-batches
@@ -50,3 +51,17 @@ def test_tensor_and_sequence_parallel_update_matches_one_process(moe_reference):
             assert any("experts" in name for name in _merge(results, (level, plan))[2])
             _assert_same(_merge(references[True], (level, BY_COUNT)), _merge(results, (level, plan)),
                          f"{level} loss, TP=2 SP EP=2 vs one process, plan {plan}")
+
+
+@pytest.mark.slow
+def test_replay_under_activation_recompute_at_pp2(moe_reference):
+    """Replay with full activation recompute (model.recompute_activations) at PP 2, one sequence per micro-batch:
+    1F1B runs a later micro-batch's forward before an earlier one's backward, whose recompute must replay the
+    earlier one's choices (models/moe_routing.py). The same update as one process without recompute."""
+    path, references = moe_reference
+    results = run_distributed(_one_step, 2, args=(str(path), 1, 2, [ONE_BY_ONE]),
+                              kwargs={"replay": True, "recompute": True}, timeout_s=300)
+    assert {r[LOSS_LEVELS[0], ONE_BY_ONE]["micro_batches"] for r in results} == {8}
+    for level in LOSS_LEVELS:
+        _assert_same(_merge(references[True], (level, BY_COUNT)), _merge(results, (level, ONE_BY_ONE)),
+                     f"{level} loss, replay with recompute at PP=2 vs one process without")

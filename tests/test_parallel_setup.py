@@ -1,7 +1,10 @@
-"""Launch-environment parsing, layout validation and Qwen2 config checks (no processes needed)."""
+"""Launch-environment parsing, the NCCL environment of the trainer and of rollout servers, layout validation and
+Qwen2 config checks."""
+import os
+
 import pytest
 
-from megatron_gtpo.distributed.parallel import (_pick_backend, first_host_in_nodelist,
+from megatron_gtpo.distributed.parallel import (NCCL_ENVIRONMENT, _pick_backend, first_host_in_nodelist,
                                                 read_launch_env)
 from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
 from megatron_gtpo.models.presets import hf_config
@@ -63,11 +66,13 @@ def test_vocab_padding_is_tp_independent_up_to_8():
 
 
 def _meta_param_counts(rank, world_size, names):
+    """Parameter counts of the named presets built on the meta device, and NCCL_ENVIRONMENT's variables as the
+    start-up left them."""
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.qwen import build_model
 
     initialize_parallel(1, 1)
-    counts = {}
+    counts = {key: os.environ.get(key) for key in NCCL_ENVIRONMENT}
     for name in names:
         model = build_model(hf_config(name), tensor_parallel=1, pipeline_parallel=1, pp_rank=0,
                             meta_device=True)[0]
@@ -77,14 +82,33 @@ def _meta_param_counts(rank, world_size, names):
 
 
 @pytest.mark.slow
-def test_real_sizes_build_on_meta_device_with_published_parameter_counts():
+def test_real_sizes_build_on_meta_device_with_published_parameter_counts(monkeypatch):
     from distributed_harness import run_distributed
 
     # Parameter counts of the published checkpoints (safetensors totals), e.g. Qwen2.5-7B: 7,615,616,512.
     published = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen2.5-32b": 32_763_876_352}
+    for key in NCCL_ENVIRONMENT:  # the rank inherits this process's environment: no NCCL setting of its own
+        monkeypatch.delenv(key, raising=False)
     counts = run_distributed(_meta_param_counts, 1, args=(list(published),), timeout_s=180)[0]
+    assert {key: counts.pop(key) for key in NCCL_ENVIRONMENT} == NCCL_ENVIRONMENT  # the trainer's start-up sets it
     for name, expected in published.items():
         cfg = hf_config(name)
         padding_rows = padded_vocab_size(cfg["vocab_size"], 1) - cfg["vocab_size"]
         tables = 1 if cfg["tie_word_embeddings"] else 2
         assert counts[name] == expected + padding_rows * cfg["hidden_size"] * tables, name
+
+
+@pytest.mark.parametrize("engine", ["vllm", "builtin"])
+def test_rollout_servers_start_with_the_trainers_nccl_environment(monkeypatch, engine):
+    """A weight-sync group joins the trainer with a rollout server's workers, so NCCL_CUMEM_ENABLE must be the same
+    on both sides: a server sets the trainer's (NCCL_ENVIRONMENT, which initialize_parallel sets: the test above)
+    before its engine starts."""
+    from megatron_gtpo.rollout import remote_server
+
+    for key in [*NCCL_ENVIRONMENT, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"]:  # what main sets, restored afterwards
+        monkeypatch.delenv(key, raising=False)
+    seen = {}
+    monkeypatch.setattr(remote_server, "serve", lambda *args, **kwargs: seen.update(os.environ))
+    remote_server.main(["--hf-dir", "unused", "--listen", "127.0.0.1:1", "--engine", engine])
+    assert {key: seen.get(key) for key in NCCL_ENVIRONMENT} == NCCL_ENVIRONMENT == {"NCCL_CUMEM_ENABLE": "0"}

@@ -1,7 +1,7 @@
 """The trainer on a tiny Qwen3-MoE under torchrun on CPU: GTPO at EP=2 (each of the 2 data-parallel replicas holds 2
-of the 4 experts of every layer), and with routing replay at TP=2 with sequence parallelism and EP=2 (each of the 2
-tensor-parallel ranks holds 2 whole experts and routes its half of the tokens), logging the routing metrics; its
-checkpoint resumes exactly, and at EP=1 (docs/checkpoints.md)."""
+of the 4 experts of every layer), and with routing replay under activation recompute at TP=2 with sequence
+parallelism and EP=2 (each of the 2 tensor-parallel ranks holds 2 whole experts and routes its half of the tokens),
+logging the routing metrics; its checkpoint resumes exactly, and at EP=1 (docs/checkpoints.md)."""
 import math
 import shutil
 
@@ -28,9 +28,12 @@ def moe_dir(tmp_path_factory):
 
 
 TP2_SP = ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=1"]
+# The recomputed layers replay as their forward did (models/moe_routing.py).
+RECOMPUTED = ["model.recompute_activations=true"]
 
 
-@pytest.mark.parametrize("replay,layout", [("none", []), ("rollout", TP2_SP)], ids=["ep2", "replayed-tp2-sp-ep2"])
+@pytest.mark.parametrize("replay,layout", [("none", []), ("rollout", TP2_SP + RECOMPUTED)],
+                         ids=["ep2", "replayed-recomputed-tp2-sp-ep2"])
 def test_gtpo_trains_a_moe_model_at_ep2_and_logs_its_routing(tmp_path, moe_dir, replay, layout):
     res = run_train(tmp_path, 2, [*MOE, f"model.hf_dir={moe_dir}", "parallel.expert=2", "algorithm.name=gtpo",
                                   f"algorithm.routing_replay={replay}", *layout])

@@ -20,6 +20,20 @@ from .platform import activate_cpu_platform
 
 BACKENDS = ("nccl", "gloo")
 
+# NCCL's settings that every process of one communicator must share. NCCL_CUMEM_ENABLE (NCCL's cuMem-allocated
+# buffers): ranks of one node with different settings fail to connect. A weight-sync group joins the trainer with the
+# workers of a vLLM server, and vLLM turns cuMem off in its processes where it is unset (with CUDA graphs it costs
+# 1-2 GiB, NVIDIA/nccl#1234), while NCCL's own default is on. So every process of the project (trainer, evaluation,
+# rollout servers, and vLLM's workers, which inherit it) starts with it off before any communicator exists; a value
+# set in the environment is inherited by all of them alike and wins.
+NCCL_ENVIRONMENT = {"NCCL_CUMEM_ENABLE": "0"}
+
+
+def set_nccl_environment() -> None:
+    """NCCL_ENVIRONMENT's defaults in os.environ (for this process and those it starts)."""
+    for key, value in NCCL_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -137,6 +151,7 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
     processes end with the rank, and the rank with its torchrun agent, even after a SIGKILL (process_lifetime.py).
     """
     activate_cpu_platform()
+    set_nccl_environment()
     end_with_the_run()
     backend = _pick_backend(backend)
     launch = read_launch_env()

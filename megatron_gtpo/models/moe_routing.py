@@ -9,6 +9,15 @@ parallelism each TP rank's router sees its own 1/TP of the positions).
 Experts are named by their global index; a rank's routers are its MoE layers, named by megatron's global layer
 number (1-based), in increasing order: the M axis of `RoutedExperts`. Every rank of one pipeline stage has the same
 routers, so choices recorded on a rank are replayed on the same rank (or one of the same stage).
+
+Activation recompute (model.recompute_activations: megatron's full recompute) runs every layer's forward again in the
+backward pass, by which time the pipeline schedule (1F1B) may have run later micro-batches' forwards. A replayed
+micro-batch's choices are therefore also queued per router in forward order (megatron's `replay_backward_list`), and
+a router running inside a recompute takes the oldest (megatron's REPLAY_BACKWARD): each micro-batch's backward
+comes in its forward order, for every model chunk.
+
+megatron's fused router (`moe_router_fusion`, Transformer Engine's kernel) neither records nor replays: recording and
+replay refuse it.
 """
 from __future__ import annotations
 
@@ -61,6 +70,7 @@ class Recorder:
         self.routers = routers(model_chunks)
         self.layers = tuple(router.layer_number for router in self.routers)
         for router in self.routers:
+            _check_unfused(router)
             router.router_replay.clear_indices()
             router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
 
@@ -99,8 +109,9 @@ def prepare_routers(model, routed: RoutedExperts | None, token_mask_LB: torch.Te
     """Before a forward of `model` (one model chunk) on a micro-batch of L x B tokens: with `routed` (experts
     [B, L, M, k] of this rank's MoE layers), every router takes the recorded choices for its layer (megatron's
     REPLAY_FORWARD; the probabilities are the router's own, renormalised over the replayed experts as over its own
-    top-k); without, the routers choose. `token_mask_LB` (bool [L, B]: real tokens) is what `RouterStatistics`
-    counts, less the tokens replayed with filler choices."""
+    top-k), and queues them for the layer's recompute in the backward pass when it will have one (module doc);
+    without, the routers choose. `token_mask_LB` (bool [L, B]: real tokens) is what `RouterStatistics` counts, less
+    the tokens replayed with filler choices."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     chunk_routers = routers([model])
@@ -109,15 +120,61 @@ def prepare_routers(model, routed: RoutedExperts | None, token_mask_LB: torch.Te
     for router in chunk_routers:
         router.token_mask_T = None if token_mask_LB is None else _local_tokens(token_mask_LB.reshape(-1), router)
         replay = router.router_replay
-        replay.target_topk_idx, replay.replay_backward_list = None, []  # a recording (`Recorder`) goes on
+        replay.target_topk_idx = None  # a recording (`Recorder`) goes on
         if routed is None:
-            if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            if _replaying(replay):
                 replay.clear_router_replay_action()
             continue
+        _check_unfused(router)
+        if "replays_in_recompute" not in router.__dict__:
+            router.register_forward_pre_hook(_replay_forward_or_recomputed)
+            router.replays_in_recompute = True
         m = routed.layers.index(router.layer_number)
         target_TK = routed.experts[:, :, m].transpose(0, 1).reshape(-1, routed.experts.shape[-1])
-        replay.set_target_indices(_local_tokens(target_TK, router).long())
+        replay.target_topk_idx = _local_tokens(target_TK, router).long()
+        if router.training and router.config.recompute_granularity == "full" and torch.is_grad_enabled():
+            replay.replay_backward_list.append(replay.target_topk_idx)  # popped by the recompute
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def _replay_forward_or_recomputed(router, inputs) -> None:
+    """A forward pre-hook of every router that has replayed: inside megatron's activation recompute in the backward
+    pass (its checkpoint re-running the layer with gradients on; the first run has them off), replay the oldest
+    queued choices (REPLAY_BACKWARD), else the micro-batch's own (REPLAY_FORWARD). RuntimeError when the choices are
+    not for the tokens the router sees (a pass that queued other micro-batches than it recomputes)."""
+    from megatron.core.tensor_parallel.random import is_checkpointing
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replay = router.router_replay
+    recomputing = is_checkpointing() and torch.is_grad_enabled()
+    if recomputing and replay.replay_backward_list:
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        choices = replay.replay_backward_list[0]
+    elif _replaying(replay):
+        if recomputing:
+            raise RuntimeError(f"routing replay: layer {router.layer_number} is recomputed in the backward pass, but "
+                               f"its forward queued no choices for it")
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        choices = replay.target_topk_idx
+    else:
+        return
+    tokens = inputs[0].numel() // inputs[0].shape[-1]
+    if choices.shape[0] != tokens:
+        raise RuntimeError(f"routing replay: layer {router.layer_number} sees {tokens} tokens but replays the "
+                           f"choices of {choices.shape[0]}")
+
+
+def _replaying(replay) -> bool:
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    return replay.router_replay_action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD)
+
+
+def _check_unfused(router) -> None:
+    if router.config.moe_router_fusion:
+        raise ValueError("routing replay and recording need moe_router_fusion off: megatron's fused router "
+                         "(Transformer Engine's top-k kernel) bypasses RouterReplay, so it would neither record nor "
+                         "replay")
 
 
 def _local_tokens(values_T: torch.Tensor, router) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from .builtin import BuiltinEngine
 from .engine import SamplingParams
-from .remote_channel import broadcast_from_trainer, join_weight_group
+from .remote_channel import broadcast_from_trainer, close_weight_group, join_weight_group
 from .weight_sync import tensor_checksum
 
 _CHECKSUM_RTOL = 1e-6
@@ -78,6 +78,7 @@ class BuiltinServer:
         return [int(probe.item())]
 
     def leave_weight_group(self) -> None:
+        close_weight_group(self.group)
         self.group = None
 
     def begin_weight_update(self) -> None:
@@ -108,7 +109,7 @@ class BuiltinServer:
         return self.policy_version
 
     def close(self) -> None:
-        self.group = None
+        self.leave_weight_group()
 
     @property
     def _device(self) -> torch.device:

@@ -74,6 +74,14 @@ def join_weight_group(host: str, port: int, prefix: str, rank: int, world_size: 
     return weight_group(store, prefix, rank, world_size, device, timeout_s)
 
 
+def close_weight_group(group) -> None:
+    """Shut a weight group (or None) down now: NCCL's communicator and its GPU buffers freed, gloo's connections
+    closed, rather than whenever garbage collection gets to it. Such a group belongs to no torch.distributed world,
+    so destroy_process_group does not know it: it is the backend's own shutdown."""
+    if group is not None:
+        group.shutdown()
+
+
 def broadcast_from_trainer(group, tensor: torch.Tensor) -> None:
     """Broadcast `tensor` from rank 0 (the trainer) into the same-shaped tensors of the other ranks."""
     options = dist.BroadcastOptions()

@@ -22,6 +22,7 @@ from .remote_channel import (
     PROTOCOL,
     ROOT,
     broadcast_from_trainer,
+    close_weight_group,
     parse_address,
     post_message,
     session_key,
@@ -117,6 +118,7 @@ class RemoteClient:
         if self._broken is None:
             self._call("shutdown" if shutdown_server else "close", None, self.connect_timeout_s)
             self._broken = "the session was closed"
+        close_weight_group(self.group)
         self.group = None
 
     def _call(self, op: str, payload, timeout_s: float):

@@ -22,6 +22,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megatron_gtpo.distributed import set_nccl_environment
+
 from .remote_channel import PROTOCOL, ROOT, parse_address, post_message, session_key, take_message, weights_prefix
 from .server_engine import attempt
 
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     builtin.add_argument("--max-batch-tokens", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    set_nccl_environment()  # the trainer's, before the engine starts its workers (they join its weight group)
     if args.engine == "vllm":
         kwargs = dict(tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype or "auto",
                       gpu_memory_utilization=args.gpu_memory_utilization,
@@ -171,11 +174,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _own_world() -> None:
-    """The built-in engine's torch.distributed world: this process alone, on a port of its own (not a trainer's)."""
-    if "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    """The built-in engine's torch.distributed world: this process alone, on a port of its own (not a trainer's).
+    Said in torchrun's variables, which the start-up prefers (distributed.read_launch_env) to srun's: a server that
+    srun starts on each of several rollout nodes inherits SLURM_PROCID / SLURM_NTASKS, and would otherwise wait for
+    the other nodes' servers as ranks of one world."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
 
 
 if __name__ == "__main__":

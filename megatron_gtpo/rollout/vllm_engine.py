@@ -33,7 +33,7 @@ from megatron_gtpo.models.qwen import ModelShape, load_hf_config
 from .cuda_ipc import import_buffer
 from .engine import SamplingParams, response_seed
 from .placement import colocated_cuda_devices, engine_hosts, engine_members
-from .remote_channel import broadcast_from_trainer, join_weight_group
+from .remote_channel import broadcast_from_trainer, close_weight_group, join_weight_group
 from .responses import Response, Responses
 from .server_engine import ServerEngine, start_colocated_servers
 from .weight_sync import DEFAULT_BUCKET_BYTES, pack_bucket, tensor_checksum, unpack_bucket, unpack_flat
@@ -82,6 +82,7 @@ class GTPOWorkerExtension:
         return int(probe.item())
 
     def gtpo_leave_weight_group(self) -> None:
+        close_weight_group(getattr(self, "gtpo_weight_group", None))  # None: this worker never joined one
         self.gtpo_weight_group = None
 
     def gtpo_receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:

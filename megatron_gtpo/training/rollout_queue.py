@@ -94,11 +94,11 @@ class RolloutQueue:
                              "continued": _moved(batch.continued, cpu)}
         return {"batches": batches, "unfinished": _moved(self.unfinished, cpu)}
 
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
-        self.asked = {step: AskedBatch(step, b["version"], b["prompts"], lambda r=b["responses"].to(device): r,
-                                       _moved(b["continued"], device))
+    def load_state_dict(self, state: dict) -> None:
+        """From `state_dict()`'s state, its tensors moved to the training device (the checkpoint loads it there)."""
+        self.asked = {step: AskedBatch(step, b["version"], b["prompts"], lambda r=b["responses"]: r, b["continued"])
                       for step, b in state["batches"].items()}
-        self.unfinished = _moved(state["unfinished"], device)
+        self.unfinished = state["unfinished"]
 
 
 def _moved(groups: SampledGroups | None, device: torch.device) -> SampledGroups | None:

@@ -8,10 +8,10 @@ this module gathers them for the collective checkpoint writer (checkpoint/megatr
 tensors, readable at any TP/PP), trainer_state.json (the step, the components the same on every rank under their
 names, the layout, the model's config), config.yaml, <name>/rank_*.pt (each rank's own components: rng, rollouts),
 the checkpoint metadata (so that `score --load`, `model.load` and the converters read it like any converted one) and
-manifest.json (every file's size and checksum); `latest` names the newest complete one. The writer renames a checkpoint into place only when
-complete, so a crash mid-save never leaves a directory that looks complete; only the last `keep_last` are kept.
-A resume checks the checkpoint's files against its manifest first: one damaged on disk since (a truncated or
-corrupted shard) is named and passed over for the newest intact one before it.
+manifest.json (every file's size and checksum); `latest` names the newest complete one. The writer renames a
+checkpoint into place only when complete, so a crash mid-save never leaves a directory that looks complete; only the
+last `keep_last` are kept. A resume checks the checkpoint's files against its manifest first: one damaged on disk
+since (a truncated or corrupted shard) is named and passed over for the newest intact one before it.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ class TrainerState:
     - `policy`: the model and the optimizer, sharded over the ranks (PolicyModel.sharded_state_dict), resumable at
       any TP/PP/EP;
     - `shared`: the same on every rank (its state is JSON), in trainer_state.json under its name;
-    - `per_rank`: this rank's own, in <name>/rank_<world rank>.pt, tensors on the training device; meaningful only
-      at the layout it was saved at, so a resume at another layout is refused. A component absent here is not
+    - `per_rank`: this rank's own, in <name>/rank_<world rank>.pt (its tensors on the host); meaningful only at the
+      layout it was saved at, so a resume at another layout is refused. A component absent here is not
       restored even if the checkpoint holds its files, and one the checkpoint lacks keeps its fresh state.
     The RNG states (`RngStates`) are per rank too, and the checkpoint's own: at another layout they are re-seeded."""
 
@@ -254,10 +254,10 @@ def restore(state: TrainerState) -> int:
         if not same_layout:
             raise ValueError(f"checkpoint {directory} holds {name} state of each rank at the layout "
                              f"{saved['layout']}; resume it at that layout (this run's is {_layout(parallel)})")
-        component.load_state_dict(torch.load(path, map_location=parallel.device, weights_only=False))
+        component.load_state_dict(torch.load(path, weights_only=False))
     rng_file = os.path.join(directory, _rank_file(RNG, parallel))
     if same_layout and os.path.isfile(rng_file):
-        RngStates().load_state_dict(torch.load(rng_file, weights_only=False))  # host tensors, as torch takes them
+        RngStates().load_state_dict(torch.load(rng_file, weights_only=False))
     elif parallel.world_rank == 0:
         print(f"resuming {directory} at a different layout ({saved['layout']} -> {_layout(parallel)}): RNG states "
               f"are re-seeded, so sampling differs from an uninterrupted run", file=sys.stderr)

@@ -76,7 +76,8 @@ class Trainer:
         # Responses generated over several steps, a segment each (partial_rollouts.py); None: whole responses.
         self.partial = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, r.partial_segment_tokens) \
             if r.partial_rollouts else None
-        self.rollouts = RolloutQueue(r.max_staleness, self.ask_rollout, steps=cfg.steps, partial=self.partial)
+        self.rollouts = RolloutQueue(r.max_staleness, self.ask_rollout, steps=cfg.steps, partial=self.partial,
+                                     device=self.parallel.device)
         self.start_step = checkpointing.restore(self.checkpoint_state())  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
         self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)

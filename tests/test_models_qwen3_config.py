@@ -8,7 +8,7 @@ from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size, transformer
 from megatron_gtpo.models.presets import FAMILY_PRESETS, hf_config
 from megatron_gtpo.layout import ParallelLayout
 from megatron_gtpo.planning import layer_activation_bytes, parameter_count
-from test_plan import LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, _saved_activation_bytes
+from plan_measurements import LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, saved_activation_bytes
 
 # The model cards' "Number of Parameters" and "(Non-Embedding)", as printed (billions; the embedding and, untied,
 # the output layer are the embedding parameters).
@@ -67,7 +67,7 @@ def _measure(rank, world_size):
     out["totals"] = {name: count(name, 1, 1, 0) for name in FAMILY_PRESETS["qwen3"]}
     for tp in (1, 2):
         initialize_parallel(tp, 1)
-        saved = [_saved_activation_bytes(build_model(dict(QWEN3_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
+        saved = [saved_activation_bytes(build_model(dict(QWEN3_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
                                                      pipeline_parallel=1, pp_rank=0)[0],
                                          seq_len=PROBE_SEQ, batch=PROBE_BATCH) for layers in (1, 2)]
         out[tp] = saved[1] - saved[0]

@@ -232,7 +232,7 @@ def test_trainer_checkpoint_exports_to_hf_and_loads_in_transformers(tmp_path):
 def test_math_jsonl_task_on_a_hf_model_with_pooled_rewards(tmp_path):
     """The non-demo path: a HF model directory with its tokenizer, a jsonl math dataset, math-verify rewards in a
     worker pool (one per model replica), GTPO at TP=2."""
-    from test_tokenizers import build_hf_tokenizer_dir
+    from tokenizer_dirs import build_hf_tokenizer_dir
     from tiny_models import make_tiny_qwen2
 
     model_dir = tmp_path / "model"

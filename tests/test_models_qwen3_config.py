@@ -16,7 +16,8 @@ PUBLISHED = {"qwen3-0.6b": ("0.6", "0.44"), "qwen3-1.7b": ("1.7", "1.4"), "qwen3
              "qwen3-8b": ("8.2", "6.95"), "qwen3-14b": ("14.8", "13.2"), "qwen3-32b": ("32.8", "31.2")}
 # (model, TP, PP): tied with PP > 1 (the last stage's copy of the embedding) and untied, split both ways.
 LAYOUTS = [("qwen3-1.7b", 2, 1), ("qwen3-1.7b", 1, 2), ("qwen3-8b", 2, 1), ("qwen3-8b", 1, 2)]
-# test_plan's probe layer as Qwen3: 4 heads in 2 query groups (at TP=1 megatron copies q for the norm, at TP=2 not).
+# The planner tests' probe layer (plan_measurements.py) as Qwen3: 4 heads in 2 query groups (at TP=1 megatron copies
+# q for the norm, at TP=2 not).
 QWEN3_PROBE = dict(LAYER_PROBE, architectures=["Qwen3ForCausalLM"], model_type="qwen3")
 
 

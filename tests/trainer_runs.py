@@ -48,14 +48,19 @@ def comparable(row: dict) -> dict:
             if not k.startswith("time_") and k != "tokens_per_s"}
 
 
-def assert_resumed_run_equals(full, part, checkpoint: str) -> tuple[list[dict], list[str]]:
+def assert_resumed_run_equals(full, part, checkpoint: str, *, resumed_at: int | None = None) \
+        -> tuple[list[dict], list[str]]:
     """The run in `part` (interrupted and resumed) logged the same metrics as the one in `full` (rel 1e-6) and wrote
-    the same tensors to `checkpoint` (rel 1e-5); returns the full run's rows and the checkpoint's tensor names."""
+    the same tensors to `checkpoint` (rel 1e-5); returns the full run's rows and the checkpoint's tensor names.
+    `resumed_at`: `part` only resumed, at that step, from a checkpoint of `full` copied to it (its rows are the
+    steps from there on)."""
     import pytest
     import torch
 
     full_rows, part_rows = read_metrics(full), read_metrics(part)
-    assert [r["step"] for r in part_rows] == [r["step"] for r in full_rows]
+    if resumed_at is not None:
+        full_rows = [r for r in full_rows if r["step"] >= resumed_at]
+    assert part_rows and [r["step"] for r in part_rows] == [r["step"] for r in full_rows]
     for a, b in zip(full_rows, part_rows):
         a, b = comparable(a), comparable(b)
         assert a.keys() == b.keys()

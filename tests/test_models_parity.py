@@ -34,7 +34,15 @@ CASES = [(family, tp, pp, 1, None, 1) for family in ("qwen2", "qwen3") for tp, p
 ]
 
 
-def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batch_size, ep=1, etp=None):
+def _logits_of_cases(rank, world_size, cases):
+    """`_megatron_logits` of each (model directories, TP, PP, EP, ETP) of `cases`, one layout after the other in the
+    one set of ranks of their world size."""
+    return [_megatron_logits(dirs, tp, pp, SEQUENCES, 2, ep, etp) for dirs, tp, pp, ep, etp in cases]
+
+
+def _megatron_logits(model_dirs, tp, pp, sequences, micro_batch_size, ep, etp):
+    """Each model's logits of `sequences` at the layout, on TP rank 0 of the last stage of each replica (None
+    elsewhere)."""
     import torch.distributed as dist
 
     from megatron_gtpo.distributed import initialize_parallel
@@ -64,6 +72,24 @@ def _megatron_logits(rank, world_size, model_dirs, tp, pp, sequences, micro_batc
 
 
 @pytest.fixture(scope="module")
+def logits(family_models):
+    """case of CASES -> each rank's `_megatron_logits`; the cases of one world size run in one set of ranks (started
+    when a case of that size is first asked for: a process start and megatron's import per rank, not per case)."""
+    by_world = {}
+
+    def of(case):
+        family, tp, pp, ep, etp, dp = case
+        world = tp * pp * dp
+        if world not in by_world:
+            cases = [c for c in CASES if c[1] * c[2] * c[5] == world]
+            args = [([str(path) for path, _ in family_models(c[0])], *c[1:5]) for c in cases]
+            per_rank = run_distributed(_logits_of_cases, world, args=(args,), timeout_s=600)
+            by_world[world] = {c: [rank[i] for rank in per_rank] for i, c in enumerate(cases)}
+        return by_world[world][case]
+    return of
+
+
+@pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     """family -> [(path, transformers model)] of MODELS, each family built when first asked for."""
     built = {}
@@ -80,14 +106,11 @@ def family_models(tmp_path_factory):
 
 @pytest.mark.parametrize("family,tp,pp,ep,etp,dp", CASES,
                          ids=[f"{f}-tp{tp}-pp{pp}-ep{ep}-etp{etp or tp}-dp{dp}" for f, tp, pp, ep, etp, dp in CASES])
-def test_logits_match_transformers(family_models, family, tp, pp, ep, etp, dp):
+def test_logits_match_transformers(family_models, logits, family, tp, pp, ep, etp, dp):
     """Megatron's logits of SEQUENCES on TP x PP x DP ranks against each transformers model of the family; every
     data-parallel replica scores the same sequences, and each one's logits are checked."""
     models = family_models(family)
-    dirs = [str(path) for path, _ in models]
-    results = run_distributed(_megatron_logits, tp * pp * dp, args=(dirs, tp, pp, SEQUENCES, 2, ep, etp),
-                              timeout_s=300)
-    replicas = [r for r in results if r is not None]
+    replicas = [r for r in logits((family, tp, pp, ep, etp, dp)) if r is not None]
     assert len(replicas) == dp
     for per_model in replicas:
         for (path, hf), micro_batch_logits in zip(models, per_model):

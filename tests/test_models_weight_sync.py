@@ -34,6 +34,24 @@ def model_dirs(tmp_path_factory):
     return model_dir
 
 
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    """case of CASES -> each rank's `_sync_and_serve`; the cases of one world size run in one set of ranks (started
+    when a case of that size is first asked for: a process start and megatron's import per rank, not per case)."""
+    by_world = {}
+
+    def of(case):
+        family, tied, tp, pp, ep, etp, dp = case
+        world = tp * pp * dp
+        if world not in by_world:
+            cases = [c for c in CASES if c[2] * c[3] * c[6] == world]
+            args = [(str(model_dirs(c[0], c[1])), *c[2:6]) for c in cases]
+            per_rank = run_distributed(_sync_and_serve_cases, world, args=(args,), timeout_s=600)
+            by_world[world] = {c: [rank[i] for rank in per_rank] for i, c in enumerate(cases)}
+        return by_world[world][case]
+    return of
+
+
 def _perturb(chunks, groups, shape) -> None:
     """Noise on every parameter, seeded by its canonical name (global layer and expert) and, for a split one, its
     (expert-)TP rank: replicas of a tensor stay equal (the q/k norms too, and the last stage's copy of tied embeddings
@@ -53,7 +71,13 @@ def _perturb(chunks, groups, shape) -> None:
                 p.add_(0.02 * torch.randn(p.shape, generator=g).to(p.device))
 
 
-def _sync_and_serve(rank, world_size, model_dir, tp, pp, ep, etp):
+def _sync_and_serve_cases(rank, world_size, cases):
+    """`_sync_and_serve` of each (model directory, TP, PP, EP, ETP) of `cases`, one layout after the other in the
+    one set of ranks of their world size."""
+    return [_sync_and_serve(*case) for case in cases]
+
+
+def _sync_and_serve(model_dir, tp, pp, ep, etp):
     """The built-in engine's greedy responses after the perturbation, and the HF tensors the sync delivers to its
     destination (TP rank 0 of the first stage of each replica); None elsewhere."""
     from megatron_gtpo.distributed import initialize_parallel
@@ -81,13 +105,13 @@ def _sync_and_serve(rank, world_size, model_dir, tp, pp, ep, etp):
 @pytest.mark.parametrize("family,tied,tp,pp,ep,etp,dp", CASES,
                          ids=[f"{f}-{'tied' if t else 'untied'}-tp{tp}-pp{pp}-ep{ep}-etp{etp or tp}-dp{dp}"
                               for f, t, tp, pp, ep, etp, dp in CASES])
-def test_weight_sync_serves_the_built_in_engines_logprobs(model_dirs, tmp_path, family, tied, tp, pp, ep, etp, dp):
+def test_weight_sync_serves_the_built_in_engines_logprobs(model_dirs, served, tmp_path, family, tied, tp, pp, ep, etp,
+                                                          dp):
     import transformers
     from safetensors.torch import load_file, save_file
 
     path = model_dirs(family, tied)
-    results = run_distributed(_sync_and_serve, tp * pp * dp, args=(str(path), tp, pp, ep, etp), timeout_s=400)
-    destinations = [r for r in results if r is not None]
+    destinations = [r for r in served((family, tied, tp, pp, ep, etp, dp)) if r is not None]
     assert len(destinations) == dp
     checkpoint = load_file(str(path / "model.safetensors"))
     for received, prompts, responses in destinations:
@@ -99,8 +123,8 @@ def test_weight_sync_serves_the_built_in_engines_logprobs(model_dirs, tmp_path, 
         served_dir.mkdir(exist_ok=True)
         save_file({k: v.contiguous() for k, v in received.items()}, str(served_dir / "model.safetensors"))
         (served_dir / "config.json").write_text((path / "config.json").read_text())
-        served = getattr(transformers, FAMILY_CLASSES[family][1]).from_pretrained(str(served_dir)).eval()
-        _assert_serves_the_responses(served, prompts, responses, f"TP={tp} PP={pp} EP={ep}")
+        model = getattr(transformers, FAMILY_CLASSES[family][1]).from_pretrained(str(served_dir)).eval()
+        _assert_serves_the_responses(model, prompts, responses, f"TP={tp} PP={pp} EP={ep}")
 
 
 def _assert_serves_the_responses(served, prompts, responses, where: str) -> None:

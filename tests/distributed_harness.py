@@ -64,6 +64,17 @@ def run_distributed(fn, world_size: int, args=(), kwargs=None, *, timeout_s: flo
             attempt += 1
 
 
+def run_cases(fn, world_size: int, cases: list, *, timeout_s: float = 300.0) -> dict:
+    """`fn(rank, world_size, *case)` for each of `cases`, one after the other in one set of `world_size` ranks (a
+    process start and the imports once per rank, not per case): {case: [each rank's result]}."""
+    per_rank = run_distributed(_each_case, world_size, args=(fn, list(cases)), timeout_s=timeout_s)
+    return {case: [results[i] for results in per_rank] for i, case in enumerate(cases)}
+
+
+def _each_case(rank, world_size, fn, cases):
+    return [fn(rank, world_size, *case) for case in cases]
+
+
 def _run_once(fn, world_size: int, args, kwargs, timeout_s: float, init_process_group: bool, port: int) -> list:
     ctx = mp.get_context("spawn")
     result_queue = ctx.Queue()

@@ -11,7 +11,7 @@ choice), the other does not (and ties its embeddings)."""
 import pytest
 import torch
 
-from distributed_harness import run_distributed
+from distributed_harness import run_cases
 from tiny_models import TINY_QWEN3, make_tiny_model
 
 SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
@@ -34,15 +34,9 @@ CASES = [(family, tp, pp, 1, None, 1) for family in ("qwen2", "qwen3") for tp, p
 ]
 
 
-def _logits_of_cases(rank, world_size, cases):
-    """`_megatron_logits` of each (model directories, TP, PP, EP, ETP) of `cases`, one layout after the other in the
-    one set of ranks of their world size."""
-    return [_megatron_logits(dirs, tp, pp, SEQUENCES, 2, ep, etp) for dirs, tp, pp, ep, etp in cases]
-
-
-def _megatron_logits(model_dirs, tp, pp, sequences, micro_batch_size, ep, etp):
-    """Each model's logits of `sequences` at the layout, on TP rank 0 of the last stage of each replica (None
-    elsewhere)."""
+def _megatron_logits(rank, world_size, model_dirs, tp, pp, ep, etp):
+    """Each model's logits of SEQUENCES (2 per micro-batch) at the layout, on TP rank 0 of the last stage of each
+    replica (None elsewhere)."""
     import torch.distributed as dist
 
     from megatron_gtpo.distributed import initialize_parallel
@@ -66,26 +60,25 @@ def _megatron_logits(model_dirs, tp, pp, sequences, micro_batch_size, ep, etp):
             load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
         for c in chunks:
             c.eval()
-        micro_batches = make_micro_batches(sequences, micro_batch_size, device=groups.device)
+        micro_batches = make_micro_batches(SEQUENCES, 2, device=groups.device)
         per_model.append(run_pipeline(chunks, micro_batches, gather_vocab, forward_only=True))
     return per_model if groups.is_last_stage and groups.tp_rank == 0 else None
 
 
 @pytest.fixture(scope="module")
 def logits(family_models):
-    """case of CASES -> each rank's `_megatron_logits`; the cases of one world size run in one set of ranks (started
-    when a case of that size is first asked for: a process start and megatron's import per rank, not per case)."""
-    by_world = {}
+    """case of CASES -> each rank's `_megatron_logits`; the cases of one world size run in one set of ranks
+    (run_cases), started when a case of that size is first asked for."""
+    by_case = {}
 
     def of(case):
-        family, tp, pp, ep, etp, dp = case
-        world = tp * pp * dp
-        if world not in by_world:
-            cases = [c for c in CASES if c[1] * c[2] * c[5] == world]
-            args = [([str(path) for path, _ in family_models(c[0])], *c[1:5]) for c in cases]
-            per_rank = run_distributed(_logits_of_cases, world, args=(args,), timeout_s=600)
-            by_world[world] = {c: [rank[i] for rank in per_rank] for i, c in enumerate(cases)}
-        return by_world[world][case]
+        if case not in by_case:
+            world = case[1] * case[2] * case[5]
+            layouts = {c: (tuple(str(path) for path, _ in family_models(c[0])), *c[1:5]) for c in CASES
+                       if c[1] * c[2] * c[5] == world}
+            results = run_cases(_megatron_logits, world, list(layouts.values()), timeout_s=600)
+            by_case.update({c: results[layout] for c, layout in layouts.items()})
+        return by_case[case]
     return of
 
 

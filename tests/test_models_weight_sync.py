@@ -8,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from distributed_harness import run_distributed
+from distributed_harness import run_cases
 from tiny_models import FAMILY_CLASSES, TINY_QWEN3, make_tiny_model
 
 PROMPTS = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500]]
@@ -36,19 +36,17 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dirs):
-    """case of CASES -> each rank's `_sync_and_serve`; the cases of one world size run in one set of ranks (started
-    when a case of that size is first asked for: a process start and megatron's import per rank, not per case)."""
-    by_world = {}
+    """case of CASES -> each rank's `_sync_and_serve`; the cases of one world size run in one set of ranks
+    (run_cases), started when a case of that size is first asked for."""
+    by_case = {}
 
     def of(case):
-        family, tied, tp, pp, ep, etp, dp = case
-        world = tp * pp * dp
-        if world not in by_world:
-            cases = [c for c in CASES if c[2] * c[3] * c[6] == world]
-            args = [(str(model_dirs(c[0], c[1])), *c[2:6]) for c in cases]
-            per_rank = run_distributed(_sync_and_serve_cases, world, args=(args,), timeout_s=600)
-            by_world[world] = {c: [rank[i] for rank in per_rank] for i, c in enumerate(cases)}
-        return by_world[world][case]
+        if case not in by_case:
+            world = case[2] * case[3] * case[6]
+            layouts = {c: (str(model_dirs(c[0], c[1])), *c[2:6]) for c in CASES if c[2] * c[3] * c[6] == world}
+            results = run_cases(_sync_and_serve, world, list(layouts.values()), timeout_s=600)
+            by_case.update({c: results[layout] for c, layout in layouts.items()})
+        return by_case[case]
     return of
 
 
@@ -71,13 +69,7 @@ def _perturb(chunks, groups, shape) -> None:
                 p.add_(0.02 * torch.randn(p.shape, generator=g).to(p.device))
 
 
-def _sync_and_serve_cases(rank, world_size, cases):
-    """`_sync_and_serve` of each (model directory, TP, PP, EP, ETP) of `cases`, one layout after the other in the
-    one set of ranks of their world size."""
-    return [_sync_and_serve(*case) for case in cases]
-
-
-def _sync_and_serve(model_dir, tp, pp, ep, etp):
+def _sync_and_serve(rank, world_size, model_dir, tp, pp, ep, etp):
     """The built-in engine's greedy responses after the perturbation, and the HF tensors the sync delivers to its
     destination (TP rank 0 of the first stage of each replica); None elsewhere."""
     from megatron_gtpo.distributed import initialize_parallel

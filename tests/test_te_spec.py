@@ -172,12 +172,9 @@ def test_te_spec_matches_the_local_spec_at_every_layout(hf_dirs):
 
 def _save_trainer_checkpoint(directory, policy, hf_config):
     """The model and optimizer state as the trainer writes them (training/checkpointing.save)."""
-    from types import SimpleNamespace
-
     from megatron_gtpo.checkpoint import save_checkpoint
-    from megatron_gtpo.training.checkpointing import _sharded_state
 
-    state = _sharded_state(SimpleNamespace(policy=policy))
+    state = policy.sharded_state_dict()
     save_checkpoint(directory, policy.chunks, hf_config=hf_config,
                     model_state={k: v for k, v in state.items() if k != "optimizer"},
                     extra_sharded_state={"optimizer": state["optimizer"]}, force=True)
@@ -185,17 +182,10 @@ def _save_trainer_checkpoint(directory, policy, hf_config):
 
 def _resume(directory, policy):
     """The model and optimizer state as the trainer restores them (training/checkpointing.restore)."""
-    from types import SimpleNamespace
-
     from megatron.core import dist_checkpointing
 
-    from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_state
-    from megatron_gtpo.training.checkpointing import _load_optimizer_state, _sharded_state
-
-    loaded = dist_checkpointing.load(_sharded_state(SimpleNamespace(policy=policy), loading_from=directory),
-                                     directory)
-    load_model_state(directory, policy.chunks, loaded)
-    _load_optimizer_state(policy.optimizer, loaded["optimizer"])
+    loaded = dist_checkpointing.load(policy.sharded_state_dict(loading_from=directory), directory)
+    policy.load_sharded_state_dict(loaded, directory)
 
 
 def _synced(chunks, groups, shape) -> dict:
@@ -300,7 +290,7 @@ def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
 @pytest.mark.slow
 def test_checkpoints_weight_sync_and_export_across_the_local_and_te_specs(hf_dirs, tmp_path):
     from megatron_gtpo.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
-    from test_converters import assert_bit_exact, read_safetensors_dir
+    from checkpoint_checks import assert_bit_exact, read_safetensors_dir
 
     converted = {family: str(tmp_path / f"converted-{family}") for family in ("qwen3", "qwen3_moe")}
     for family, directory in converted.items():

@@ -71,6 +71,21 @@ def run_cases(fn, world_size: int, cases: list, *, timeout_s: float = 300.0) -> 
     return {case: [results[i] for results in per_rank] for i, case in enumerate(cases)}
 
 
+def results_by_world_size(fn, cases: list, *, world_size, args, timeout_s: float = 300.0):
+    """case -> [each rank's `fn(rank, world_size, *args(case))`] for `cases`: every case of one world size
+    (`world_size(case)`) runs in one set of ranks (run_cases) when the first of them is asked for."""
+    results = {}
+
+    def of(case):
+        if case not in results:
+            world = world_size(case)
+            same_world = [c for c in cases if world_size(c) == world]
+            per_case = run_cases(fn, world, [args(c) for c in same_world], timeout_s=timeout_s)
+            results.update({c: per_case[args(c)] for c in same_world})
+        return results[case]
+    return of
+
+
 def _each_case(rank, world_size, fn, cases):
     return [fn(rank, world_size, *case) for case in cases]
 

@@ -11,7 +11,7 @@ choice), the other does not (and ties its embeddings)."""
 import pytest
 import torch
 
-from distributed_harness import run_cases
+from distributed_harness import results_by_world_size
 from tiny_models import TINY_QWEN3, make_tiny_model
 
 SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
@@ -67,19 +67,10 @@ def _megatron_logits(rank, world_size, model_dirs, tp, pp, ep, etp):
 
 @pytest.fixture(scope="module")
 def logits(family_models):
-    """case of CASES -> each rank's `_megatron_logits`; the cases of one world size run in one set of ranks
-    (run_cases), started when a case of that size is first asked for."""
-    by_case = {}
-
-    def of(case):
-        if case not in by_case:
-            world = case[1] * case[2] * case[5]
-            layouts = {c: (tuple(str(path) for path, _ in family_models(c[0])), *c[1:5]) for c in CASES
-                       if c[1] * c[2] * c[5] == world}
-            results = run_cases(_megatron_logits, world, list(layouts.values()), timeout_s=600)
-            by_case.update({c: results[layout] for c, layout in layouts.items()})
-        return by_case[case]
-    return of
+    """case of CASES -> each rank's `_megatron_logits`; the cases of one world size in one set of ranks."""
+    return results_by_world_size(_megatron_logits, CASES, world_size=lambda c: c[1] * c[2] * c[5],
+                                 args=lambda c: (tuple(str(path) for path, _ in family_models(c[0])), *c[1:5]),
+                                 timeout_s=600)
 
 
 @pytest.fixture(scope="module")

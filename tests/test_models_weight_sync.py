@@ -8,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from distributed_harness import run_cases
+from distributed_harness import results_by_world_size
 from tiny_models import FAMILY_CLASSES, TINY_QWEN3, make_tiny_model
 
 PROMPTS = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500]]
@@ -36,18 +36,9 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dirs):
-    """case of CASES -> each rank's `_sync_and_serve`; the cases of one world size run in one set of ranks
-    (run_cases), started when a case of that size is first asked for."""
-    by_case = {}
-
-    def of(case):
-        if case not in by_case:
-            world = case[2] * case[3] * case[6]
-            layouts = {c: (str(model_dirs(c[0], c[1])), *c[2:6]) for c in CASES if c[2] * c[3] * c[6] == world}
-            results = run_cases(_sync_and_serve, world, list(layouts.values()), timeout_s=600)
-            by_case.update({c: results[layout] for c, layout in layouts.items()})
-        return by_case[case]
-    return of
+    """case of CASES -> each rank's `_sync_and_serve`; the cases of one world size in one set of ranks."""
+    return results_by_world_size(_sync_and_serve, CASES, world_size=lambda c: c[2] * c[3] * c[6],
+                                 args=lambda c: (str(model_dirs(c[0], c[1])), *c[2:6]), timeout_s=600)
 
 
 def _perturb(chunks, groups, shape) -> None:

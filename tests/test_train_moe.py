@@ -3,11 +3,10 @@ of the 4 experts of every layer), and with routing replay under activation recom
 parallelism and EP=2 (each of the 2 tensor-parallel ranks holds 2 whole experts and routes its half of the tokens),
 logging the routing metrics; its checkpoint resumes exactly, and at EP=1 (docs/checkpoints.md)."""
 import math
-import shutil
 
 import pytest
 
-from trainer_runs import assert_resumed_run_equals, comparable, read_metrics, run_train
+from trainer_runs import assert_resumed_run_equals, comparable, copy_checkpoint, read_metrics, run_train
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow  # whole training runs under torchrun
@@ -60,8 +59,7 @@ RESUME = [*MOE, "algorithm.routing_replay=rollout", "checkpoint.save_every=2", "
 
 def _resume_from_step_2(full, out, overrides) -> str:
     """A run in `out` resumed from the step-2 checkpoint of the run in `full` (copied); returns its stderr."""
-    shutil.copytree(full / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
-    (out / "checkpoints" / "latest").write_text("step_00000002\n")
+    copy_checkpoint(full, out, "step_00000002")
     res = run_train(out, 2, overrides)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr

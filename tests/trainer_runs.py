@@ -27,6 +27,17 @@ def read_metrics(output_dir) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def copy_checkpoint(run, to, checkpoint: str, *beside: str) -> None:
+    """Copy `checkpoint` of the run in `run` (and the directories `beside` it, e.g. the KL reference) into the
+    checkpoint directory of `to`, as `latest`: a run started in `to` resumes from it."""
+    import shutil
+
+    for name in (checkpoint, *beside):
+        shutil.copytree(os.path.join(run, "checkpoints", name), os.path.join(to, "checkpoints", name))
+    with open(os.path.join(to, "checkpoints", "latest"), "w", encoding="utf-8") as f:
+        f.write(checkpoint + "\n")
+
+
 def checkpoint_tensors(checkpoint_dir) -> dict:
     """All tensors of a distributed checkpoint, read in this process (no process group needed)."""
     import tempfile

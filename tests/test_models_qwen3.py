@@ -1,11 +1,11 @@
 """A Qwen3 dense policy update at TP=2 equals one on a single process: the q/k norms' gradients, partial on each TP
-rank, are summed (test_parallel_invariance.py's step and comparison; the logits and the weight sync of every family
+rank, are summed (invariance_runs.py's step and comparison; the logits and the weight sync of every family
 are in test_models_parity.py and test_models_weight_sync.py)."""
 import pytest
 import torch
 
 from distributed_harness import run_distributed
-from test_parallel_invariance import BY_COUNT, LOSS_LEVELS, _assert_same, _merge, _one_step
+from invariance_runs import BY_COUNT, LOSS_LEVELS, assert_same, merge, one_step
 from tiny_models import TINY_QWEN3, make_tiny_model
 
 
@@ -18,10 +18,10 @@ def qwen3_model(tmp_path_factory):
 
 def test_policy_update_at_tp2_matches_one_process(qwen3_model):
     path, hf = qwen3_model
-    single = run_distributed(_one_step, 1, args=(str(path), 1, 1, [BY_COUNT]), timeout_s=300)
-    tp2 = run_distributed(_one_step, 2, args=(str(path), 2, 1, [BY_COUNT]), timeout_s=300)
+    single = run_distributed(one_step, 1, args=(str(path), 1, 1, [BY_COUNT]), timeout_s=300)
+    tp2 = run_distributed(one_step, 2, args=(str(path), 2, 1, [BY_COUNT]), timeout_s=300)
     for level in LOSS_LEVELS:
-        reference, ours = _merge(single, (level, BY_COUNT)), _merge(tp2, (level, BY_COUNT))
+        reference, ours = merge(single, (level, BY_COUNT)), merge(tp2, (level, BY_COUNT))
         assert not torch.equal(reference[2]["model.layers.0.self_attn.q_norm.weight"],
                                hf.model.layers[0].self_attn.q_norm.weight.detach())  # the update reached it
-        _assert_same(reference, ours, f"{level} loss, TP=2 vs one process")
+        assert_same(reference, ours, f"{level} loss, TP=2 vs one process")

@@ -1,5 +1,53 @@
+"""The suite's rules for every test module.
+
+`slow` by rule: a test that starts processes (the multi-process harness, torchrun, a subprocess) is marked slow at
+collection, whether it does so itself, through a helper of the tests or through a fixture; tests that take seconds
+in one process carry the mark by hand. `make test-fast` (-m "not slow") is what is left.
+"""
 import os
 import sys
+import types
+
+import pytest
 
 # The distributed harness lives next to the tests and is imported by module name in spawned ranks.
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TESTS_DIR)
+
+# Names whose use starts a process: the multi-process harness (distributed_harness.run_distributed), the trainer
+# under torchrun (trainer_runs), the modules that start processes themselves, and the reward pool's workers.
+PROCESS_STARTERS = frozenset({"run_distributed", "run_train", "train_command", "subprocess", "multiprocessing",
+                              "RewardPool"})
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code uses, its nested functions' included."""
+    names, stack = set(), [code]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return names
+
+
+def starts_processes(fn, seen: set | None = None) -> bool:
+    """Whether `fn`, or a function of the tests it calls, names a process starter (PROCESS_STARTERS)."""
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    seen = set() if seen is None else seen
+    if code is None or code in seen or not code.co_filename.startswith(TESTS_DIR):
+        return False
+    seen.add(code)
+    names = _names(code)
+    if names & PROCESS_STARTERS:
+        return True
+    return any(starts_processes(fn.__globals__[name], seen) for name in names if name in fn.__globals__)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is not None or not isinstance(item, pytest.Function):
+            continue
+        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        if any(starts_processes(fn) for fn in (item.function, *fixtures)):
+            item.add_marker(pytest.mark.slow)

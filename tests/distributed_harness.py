@@ -64,6 +64,32 @@ def run_distributed(fn, world_size: int, args=(), kwargs=None, *, timeout_s: flo
             attempt += 1
 
 
+def run_cases(fn, world_size: int, cases: list, *, timeout_s: float = 300.0) -> dict:
+    """`fn(rank, world_size, *case)` for each of `cases`, one after the other in one set of `world_size` ranks (a
+    process start and the imports once per rank, not per case): {case: [each rank's result]}."""
+    per_rank = run_distributed(_each_case, world_size, args=(fn, list(cases)), timeout_s=timeout_s)
+    return {case: [results[i] for results in per_rank] for i, case in enumerate(cases)}
+
+
+def results_by_world_size(fn, cases: list, *, world_size, args, timeout_s: float = 300.0):
+    """case -> [each rank's `fn(rank, world_size, *args(case))`] for `cases`: every case of one world size
+    (`world_size(case)`) runs in one set of ranks (run_cases) when the first of them is asked for."""
+    results = {}
+
+    def of(case):
+        if case not in results:
+            world = world_size(case)
+            same_world = [c for c in cases if world_size(c) == world]
+            per_case = run_cases(fn, world, [args(c) for c in same_world], timeout_s=timeout_s)
+            results.update({c: per_case[args(c)] for c in same_world})
+        return results[case]
+    return of
+
+
+def _each_case(rank, world_size, fn, cases):
+    return [fn(rank, world_size, *case) for case in cases]
+
+
 def _run_once(fn, world_size: int, args, kwargs, timeout_s: float, init_process_group: bool, port: int) -> list:
     ctx = mp.get_context("spawn")
     result_queue = ctx.Queue()

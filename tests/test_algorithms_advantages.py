@@ -17,7 +17,7 @@ from megatron_gtpo.algorithms import (
     grpo_s_shaped_rewards,
     gtpo_advantages,
 )
-from megatron_gtpo.algorithms.advantages import _TYPE_SIGN_12, _affine_in_bonus, _check_shaping_inputs, _gtpo_shaping
+from algorithm_references import dense_from_dict, gtpo_token_rewards, random_batch, reference_grpo_s, reference_gtpo
 
 NAN = float("nan")
 
@@ -79,33 +79,6 @@ def _dense(nested, mask):
         for g, seq in enumerate(group):
             out[n, g, :len(seq)] = torch.tensor(seq, dtype=torch.float64)
     return out
-
-
-def gtpo_token_rewards(
-    rewards_NG: torch.Tensor,
-    entropy_NGT: torch.Tensor,
-    mask_NGT: torch.Tensor,
-    *,
-    alpha1: float = 1.0,
-    alpha2: float = 0.1,
-    entropy_clip: tuple[float, float] | None = None,
-    eps: float = 1e-8,
-) -> torch.Tensor:
-    """GTPO's shaped token rewards, rpos on successful responses and rneg on failed ones, 0 at padding: what
-    gtpo_advantages z-scores, formed by its own shaping pass (the trainer needs only the advantages).
-
-    With d_t (h_t) the number of successful (failed) responses that have a token at position t:
-        successful i: rpos_{i,t} = alpha1 * r_i + alpha2 * H_{i,t} / (sum_{k in O+} H_{k,t} + eps) * d_t
-        failed j:     rneg_{j,t} = -alpha1
-                                   - alpha2 * (1/(H_{j,t} + eps)) / (sum_{k in O-} 1/(H_{k,t} + eps) + eps) * h_t
-    The sums run over the responses that have a token at t (shorter ones contribute 0). rpos and rneg live on
-    disjoint tokens, so one [N, G, T] tensor holds both. rewards_NG must be exactly 0 or 1.
-    """
-    _check_shaping_inputs(rewards_NG, entropy_NGT, mask_NGT, entropy_clip, eps)
-    shaping = _gtpo_shaping(rewards_NG, entropy_NGT, mask_NGT, alpha2=alpha2, entropy_clip=entropy_clip, eps=eps)
-    sign_N2 = torch.tensor(_TYPE_SIGN_12, dtype=torch.float64, device=rewards_NG.device).expand(len(rewards_NG), 2)
-    return _affine_in_bonus(shaping, entropy_NGT, mask_NGT, sign_N2, alpha1 * sign_N2, entropy_clip=entropy_clip,
-                            eps=eps)
 
 
 # --------------------------------------------------------------------------------------- hand-computed
@@ -183,99 +156,28 @@ def test_entropy_clip_clamps_before_shaping():
 # ------------------------------------------------------------------------------ float64 loop reference
 
 
-def reference_gtpo(rewards, entropy, lengths, *, alpha1, alpha2, norm_scope, entropy_clip, eps):
-    """Straight from the spec with Python floats and loops (independent of the vectorised code)."""
-    N, G = len(rewards), len(rewards[0])
-
-    def H(n, g, t):
-        h = entropy[n][g][t]
-        return min(max(h, entropy_clip[0]), entropy_clip[1]) if entropy_clip else h
-
-    shaped = {}
-    for n in range(N):
-        for t in range(max(lengths[n])):
-            pos = [g for g in range(G) if rewards[n][g] == 1 and lengths[n][g] > t]
-            neg = [g for g in range(G) if rewards[n][g] == 0 and lengths[n][g] > t]
-            pos_sum = sum(H(n, g, t) for g in pos)
-            neg_sum = sum(1 / (H(n, g, t) + eps) for g in neg)
-            for g in pos:
-                shaped[n, g, t] = alpha1 * rewards[n][g] + alpha2 * H(n, g, t) / (pos_sum + eps) * len(pos)
-            for g in neg:
-                shaped[n, g, t] = -alpha1 - alpha2 * (1 / (H(n, g, t) + eps)) / (neg_sum + eps) * len(neg)
-    scopes = [list(range(N))] if norm_scope == "batch" else [[n] for n in range(N)]
-    advantages = {}
-    for members in scopes:
-        tokens = [(n, g, t) for n in members for g in range(G) for t in range(lengths[n][g])]
-        for sign in (1, 0):
-            values = [shaped[k] if rewards[k[0]][k[1]] == sign else 0.0 for k in tokens]
-            if not values:
-                continue
-            mean = sum(values) / len(values)
-            std = math.sqrt(sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1))
-            for k, v in zip(tokens, values):
-                if rewards[k[0]][k[1]] == sign:
-                    advantages[k] = (v - mean) / (std + eps)
-    return advantages
-
-
-def reference_grpo_s(rewards, entropy, lengths, *, beta1, beta2, entropy_clip, eps):
-    out = []
-    for r_row, h_row, l_row in zip(rewards, entropy, lengths):
-        hbar = []
-        for h, length in zip(h_row, l_row):
-            hs = [min(max(x, entropy_clip[0]), entropy_clip[1]) if entropy_clip else x for x in h[:length]]
-            hbar.append(sum(hs) / length if length else 0.0)
-        pos = [g for g, r in enumerate(r_row) if r == 1]
-        neg = [g for g, r in enumerate(r_row) if r == 0]
-        pos_sum = sum(hbar[g] for g in pos)
-        neg_sum = sum(1 / (hbar[g] + eps) for g in neg)
-        shaped = [beta1 * r_row[g] + beta2 * hbar[g] / (pos_sum + eps) * len(pos) if r_row[g] == 1
-                  else -beta1 - beta2 * (1 / (hbar[g] + eps)) / (neg_sum + eps) * len(neg) for g in range(len(r_row))]
-        mean = sum(shaped) / len(shaped)
-        std = math.sqrt(sum((s - mean) ** 2 for s in shaped) / max(len(shaped) - 1, 1))
-        out.append([(s - mean) / (std + eps) for s in shaped])
-    return out
-
-
-def _random_batch(seed, N=3, G=5, T=7, *, dtype=torch.float64, min_entropy=0.0, p_correct=0.5, min_len=0):
-    gen = torch.Generator().manual_seed(seed)
-    rewards = (torch.rand(N, G, generator=gen) < p_correct).to(dtype)
-    entropy = (min_entropy + 3 * torch.rand(N, G, T, generator=gen)).to(dtype)
-    lengths = torch.randint(min_len, T + 1, (N, G), generator=gen)
-    mask = torch.arange(T) < lengths.unsqueeze(-1)
-    entropy = torch.where(mask, entropy, torch.full_like(entropy, NAN))  # padding must never be read
-    return rewards, entropy, mask, lengths
-
-
-def _dense_from_dict(values, shape):
-    out = torch.zeros(shape, dtype=torch.float64)
-    for (n, g, t), v in values.items():
-        out[n, g, t] = v
-    return out
-
-
 @pytest.mark.parametrize("norm_scope", ["batch", "group"])
 @pytest.mark.parametrize("entropy_clip", [None, (0.3, 2.0)])
 def test_gtpo_matches_loop_reference_float64(norm_scope, entropy_clip):
     for seed in range(12):
-        rewards, entropy, mask, lengths = _random_batch(seed, N=3, G=5, T=7)
+        rewards, entropy, mask, lengths = random_batch(seed, N=3, G=5, T=7)
         alpha1, alpha2 = (1.0, 0.1) if seed % 2 else (0.7, 0.45)
         got = gtpo_advantages(rewards, entropy, mask, alpha1=alpha1, alpha2=alpha2, norm_scope=norm_scope,
                               entropy_clip=entropy_clip)
         ref = reference_gtpo(rewards.tolist(), entropy.tolist(), lengths.tolist(), alpha1=alpha1, alpha2=alpha2,
                              norm_scope=norm_scope, entropy_clip=entropy_clip, eps=1e-8)
-        torch.testing.assert_close(got, _dense_from_dict(ref, mask.shape), atol=1e-9, rtol=0)
+        torch.testing.assert_close(got, dense_from_dict(ref, mask.shape), atol=1e-9, rtol=0)
 
 
 def test_gtpo_float32_matches_float64_reference():
     for seed in range(4):
-        rewards, entropy, mask, lengths = _random_batch(100 + seed, N=4, G=8, T=33, dtype=torch.float32)
+        rewards, entropy, mask, lengths = random_batch(100 + seed, N=4, G=8, T=33, dtype=torch.float32)
         for norm_scope in ("batch", "group"):
             got = gtpo_advantages(rewards, entropy, mask, norm_scope=norm_scope)
             assert got.dtype == torch.float32
             ref = reference_gtpo(rewards.double().tolist(), entropy.double().tolist(), lengths.tolist(), alpha1=1.0,
                                  alpha2=0.1, norm_scope=norm_scope, entropy_clip=None, eps=1e-8)
-            torch.testing.assert_close(got.double(), _dense_from_dict(ref, mask.shape), atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(got.double(), dense_from_dict(ref, mask.shape), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("spread", [1e-3, 1e-2])
@@ -312,7 +214,7 @@ def test_gtpo_float32_single_outcome_scope_is_a_z_score(spread, outcome, norm_sc
 
 
 def test_gtpo_bfloat16_entropy_is_upcast():
-    rewards, entropy, mask, _ = _random_batch(7, N=2, G=4, T=9, dtype=torch.float32)
+    rewards, entropy, mask, _ = random_batch(7, N=2, G=4, T=9, dtype=torch.float32)
     entropy_bf16 = entropy.to(torch.bfloat16)
     got = gtpo_advantages(rewards, entropy_bf16, mask)
     assert got.dtype == torch.float32
@@ -322,7 +224,7 @@ def test_gtpo_bfloat16_entropy_is_upcast():
 @pytest.mark.parametrize("entropy_clip", [None, (0.5, 1.5)])
 def test_grpo_s_matches_loop_reference(entropy_clip):
     for seed in range(12):
-        rewards, entropy, mask, lengths = _random_batch(200 + seed, N=4, G=6, T=9)
+        rewards, entropy, mask, lengths = random_batch(200 + seed, N=4, G=6, T=9)
         beta1, beta2 = (1.0, 0.1) if seed % 2 else (0.5, 0.8)
         got = grpo_s_advantages(rewards, entropy, mask, beta1=beta1, beta2=beta2, entropy_clip=entropy_clip)
         ref = reference_grpo_s(rewards.tolist(), entropy.tolist(), lengths.tolist(), beta1=beta1, beta2=beta2,
@@ -346,14 +248,14 @@ def _binary_token_zscore(rewards, mask, scope_dims):
 @pytest.mark.parametrize("norm_scope, scope_dims", [("batch", (0, 1, 2)), ("group", (1, 2))])
 def test_alpha2_zero_reduces_to_token_level_binary_reward(norm_scope, scope_dims):
     for seed in range(10):
-        rewards, entropy, mask, _ = _random_batch(300 + seed, N=4, G=6, T=11, min_len=1)
+        rewards, entropy, mask, _ = random_batch(300 + seed, N=4, G=6, T=11, min_len=1)
         got = gtpo_advantages(rewards, entropy, mask, alpha2=0.0, norm_scope=norm_scope)
         torch.testing.assert_close(got, _binary_token_zscore(rewards, mask, scope_dims), atol=1e-7, rtol=1e-7)
 
 
 def test_beta2_zero_reduces_grpo_s_to_grpo():
     for seed in range(10):
-        rewards, entropy, mask, _ = _random_batch(400 + seed, N=5, G=8, T=6)
+        rewards, entropy, mask, _ = random_batch(400 + seed, N=5, G=8, T=6)
         torch.testing.assert_close(grpo_s_advantages(rewards, entropy, mask, beta2=0.0, eps=1e-8),
                                    grpo_advantages(rewards, eps=1e-8), atol=1e-7, rtol=1e-7)
 
@@ -361,7 +263,7 @@ def test_beta2_zero_reduces_grpo_s_to_grpo():
 def test_entropy_bonus_sums_to_alpha2_times_active_count():
     alpha1, alpha2 = 1.0, 0.3
     for seed in range(10):
-        rewards, entropy, mask, _ = _random_batch(500 + seed, N=3, G=7, T=10, min_entropy=0.05)
+        rewards, entropy, mask, _ = random_batch(500 + seed, N=3, G=7, T=10, min_entropy=0.05)
         shaped = gtpo_token_rewards(rewards, entropy, mask, alpha1=alpha1, alpha2=alpha2)
         correct = (rewards == 1).unsqueeze(-1) & mask
         failed = (rewards == 0).unsqueeze(-1) & mask
@@ -373,7 +275,7 @@ def test_entropy_bonus_sums_to_alpha2_times_active_count():
 
 def test_advantages_are_zero_exactly_on_padding():
     for seed in range(5):
-        rewards, entropy, mask, _ = _random_batch(600 + seed)
+        rewards, entropy, mask, _ = random_batch(600 + seed)
         for norm_scope in ("batch", "group"):
             got = gtpo_advantages(rewards, entropy, mask, norm_scope=norm_scope)
             assert torch.isfinite(got).all()
@@ -383,7 +285,7 @@ def test_advantages_are_zero_exactly_on_padding():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_padding_contents_are_never_read_and_valid_nan_is_not_hidden(dtype):
-    rewards, entropy, mask, _ = _random_batch(650, N=4, G=6, T=9, dtype=dtype)
+    rewards, entropy, mask, _ = random_batch(650, N=4, G=6, T=9, dtype=dtype)
     zero_padded = torch.where(mask, entropy, torch.zeros_like(entropy))
     garbage = torch.tensor([float("inf"), -float("inf"), NAN, 1e30, -5.0, 0.0], dtype=dtype)
     garbage_padded = torch.where(mask, entropy, garbage[torch.arange(mask.numel()) % 6].view(mask.shape))
@@ -417,7 +319,7 @@ def test_sign_of_advantages_under_the_token_balance_condition(norm_scope, scope_
     checked_pos = checked_neg = 0
     for seed in range(40):
         # Unfiltered batches: some all-correct / all-failed groups, varied balance of outcomes.
-        rewards, entropy, mask, _ = _random_batch(700 + seed, N=4, G=6, T=12, p_correct=0.15 + 0.7 * (seed % 5) / 4)
+        rewards, entropy, mask, _ = random_batch(700 + seed, N=4, G=6, T=12, p_correct=0.15 + 0.7 * (seed % 5) / 4)
         adv = gtpo_advantages(rewards, entropy, mask, alpha1=alpha1, alpha2=alpha2, norm_scope=norm_scope)
         pos_ok, neg_ok = _sign_condition_holds(rewards, mask, scope_dims, alpha1, alpha2)
         correct = (rewards == 1).unsqueeze(-1) & mask
@@ -458,7 +360,7 @@ def _permute(rewards, entropy, mask, group_perm, response_perm):
 def test_invariance_to_permuting_responses_and_groups():
     gen = torch.Generator().manual_seed(11)
     for seed in range(6):
-        rewards, entropy, mask, _ = _random_batch(800 + seed, N=4, G=6, T=8)
+        rewards, entropy, mask, _ = random_batch(800 + seed, N=4, G=6, T=8)
         group_perm = torch.randperm(4, generator=gen)
         response_perm = torch.randperm(6, generator=gen)
         permuted = _permute(rewards, entropy, mask, group_perm, response_perm)
@@ -475,7 +377,7 @@ def test_invariance_to_permuting_responses_and_groups():
 @pytest.mark.parametrize("case", ["zero_entropy", "all_correct_and_all_failed", "length_one", "empty_rows",
                                   "all_empty"])
 def test_degenerate_inputs_stay_finite(case):
-    rewards, entropy, mask, lengths = _random_batch(900, N=4, G=5, T=6, min_len=1)
+    rewards, entropy, mask, lengths = random_batch(900, N=4, G=5, T=6, min_len=1)
     if case == "zero_entropy":
         entropy = torch.where(mask, 0.0, entropy)
     elif case == "all_correct_and_all_failed":
@@ -507,7 +409,7 @@ def test_degenerate_inputs_stay_finite(case):
 
 
 def test_invalid_inputs_raise_value_errors():
-    rewards, entropy, mask, _ = _random_batch(1)
+    rewards, entropy, mask, _ = random_batch(1)
     with pytest.raises(ValueError, match="rewards_NG must hold only 0.0"):
         gtpo_advantages(rewards * 0.5, entropy, mask)
     with pytest.raises(ValueError, match="rewards_NG must hold only 0.0"):

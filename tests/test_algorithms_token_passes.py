@@ -1,5 +1,5 @@
 """The [N, G, T] passes of GTPO / GRPO-S (algorithms/token_passes.py) against float64 references, and whole
-advantages against the float64 loop reference of test_algorithms_advantages.py.
+advantages against the float64 loop reference (algorithm_references.py).
 
 Shapes are chosen so that T is not a multiple of any vector width, with single-row
 groups, empty rows, all-correct / all-failed groups, NaN / inf / huge values at padding, and non-contiguous inputs.
@@ -12,8 +12,7 @@ import torch
 
 import megatron_gtpo.algorithms.token_passes as token_passes
 from megatron_gtpo.algorithms import grpo_s_advantages, gtpo_advantages
-from test_algorithms_advantages import gtpo_token_rewards
-from test_algorithms_advantages import _dense_from_dict, _random_batch, reference_grpo_s, reference_gtpo
+from algorithm_references import dense_from_dict, gtpo_token_rewards, random_batch, reference_grpo_s, reference_gtpo
 
 SHAPES = [(3, 5, 37), (2, 1, 9), (4, 8, 64), (1, 3, 1)]
 CLIPS = [None, (0.3, 2.0)]
@@ -22,7 +21,7 @@ EPS, ALPHA2 = 1e-8, 0.1
 
 def _inputs(seed, shape, *, garbage_padding=True):
     N, G, T = shape
-    rewards, entropy, mask, _ = _random_batch(seed, N=N, G=G, T=T, dtype=torch.float32)
+    rewards, entropy, mask, _ = random_batch(seed, N=N, G=G, T=T, dtype=torch.float32)
     if G > 1:
         rewards[0] = 1.0  # an all-correct group
     if garbage_padding:
@@ -97,11 +96,11 @@ def test_row_sums_against_float64(shape, clip):
 @pytest.mark.parametrize("clip", CLIPS)
 def test_advantages_through_each_path_match_the_loop_reference(norm_scope, clip):
     for seed in range(4):
-        rewards, entropy, mask, lengths = _random_batch(300 + seed, N=4, G=6, T=29, dtype=torch.float32)
+        rewards, entropy, mask, lengths = random_batch(300 + seed, N=4, G=6, T=29, dtype=torch.float32)
         got = gtpo_advantages(rewards, entropy, mask, norm_scope=norm_scope, entropy_clip=clip)
         ref = reference_gtpo(rewards.double().tolist(), entropy.double().tolist(), lengths.tolist(), alpha1=1.0,
                              alpha2=ALPHA2, norm_scope=norm_scope, entropy_clip=clip, eps=EPS)
-        _assert_close_scaled(got, _dense_from_dict(ref, mask.shape))
+        _assert_close_scaled(got, dense_from_dict(ref, mask.shape))
         ref_s = reference_grpo_s(rewards.double().tolist(), entropy.double().tolist(), lengths.tolist(), beta1=1.0,
                                  beta2=0.1, entropy_clip=clip, eps=EPS)
         _assert_close_scaled(grpo_s_advantages(rewards, entropy, mask, entropy_clip=clip),
@@ -192,7 +191,7 @@ def test_single_outcome_scope_with_nearly_equal_entropies_matches_float64(spread
         assert got.dtype == torch.float32 and (got[~mask] == 0).all()
         ref = reference_gtpo(rewards.double().tolist(), entropy.double().tolist(), lengths.tolist(), alpha1=1.0,
                              alpha2=ALPHA2, norm_scope=norm_scope, entropy_clip=None, eps=EPS)
-        expected = _dense_from_dict(ref, mask.shape)
+        expected = dense_from_dict(ref, mask.shape)
         torch.testing.assert_close(got.double(), expected, atol=_single_outcome_tolerance(spread), rtol=0)
         # A z-score over n values never exceeds (n - 1) / sqrt(n) < sqrt(n) in magnitude.
         tokens = mask.sum() if norm_scope == "batch" else mask.sum(dim=(1, 2), keepdim=True)

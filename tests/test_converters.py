@@ -14,28 +14,10 @@ from safetensors import safe_open
 from megatron_gtpo.checkpoint import (convert_hf_to_megatron, convert_megatron_to_hf, read_checkpoint_metadata)
 from megatron_gtpo.checkpoint.hf_export import TorchDistReader, parse_size
 from megatron_gtpo.checkpoint.manifest import write_manifest
+from checkpoint_checks import SIDE_FILES, assert_bit_exact, read_safetensors_dir
 from tiny_models import make_tiny_qwen2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIDE_FILES = {"tokenizer.json": '{"model": "tiny"}', "tokenizer_config.json": '{"model_max_length": 256}',
-              "vocab.json": '{"a": 0}', "merges.txt": "#version: 0.2\na b\n", "special_tokens_map.json": "{}"}
-
-
-def read_safetensors_dir(path) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF directory, read with safetensors itself (independent of our writer)."""
-    tensors = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), framework="pt") as f:
-                tensors.update({k: f.get_tensor(k) for k in f.keys()})
-    return tensors
-
-
-def assert_bit_exact(expected: dict, actual: dict):
-    assert sorted(actual) == sorted(expected)
-    for name, tensor in expected.items():
-        assert actual[name].dtype == tensor.dtype, name
-        assert torch.equal(actual[name], tensor), name
 
 
 @pytest.fixture(scope="module")

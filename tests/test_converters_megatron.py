@@ -9,10 +9,11 @@ import zlib
 import pytest
 import torch
 
+from checkpoint_checks import (SIDE_FILES, assert_bit_exact, declared_global_shapes, model_at_layout, model_from_hf,
+                               read_safetensors_dir, unequal_parameters)
 from distributed_harness import run_distributed
 from megatron_gtpo.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf, read_checkpoint_metadata
 from megatron_gtpo.checkpoint.hf_export import TorchDistReader
-from test_converters import SIDE_FILES, assert_bit_exact, read_safetensors_dir
 from tiny_models import make_tiny_qwen2
 
 LAYOUTS = [(2, 1), (1, 2)]  # (TP, PP) on 2 ranks
@@ -40,50 +41,6 @@ def _fake_optimizer_state(chunks, fill):
     return state
 
 
-def _declared_global_shapes(chunks) -> dict:
-    """{sharded key: global shape} of the tensors GPTModel.sharded_state_dict() declares (factories built)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    from megatron_gtpo.checkpoint.megatron_checkpoint import model_sharded_state_dict
-
-    shapes = {}
-    for chunk_state in model_sharded_state_dict(chunks).values():
-        for value in chunk_state.values():
-            built = value.build() if isinstance(value, ShardedTensorFactory) else [value]
-            for tensor in built if isinstance(built, list) else [built]:
-                if isinstance(tensor, ShardedTensor):
-                    shapes[tensor.key] = tuple(tensor.global_shape)
-    return shapes
-
-
-def _build(hf_config, groups):
-    from megatron_gtpo.models.qwen import build_model
-
-    chunks = build_model(hf_config, tensor_parallel=groups.tp_size, pipeline_parallel=groups.pp_size,
-                         pp_rank=groups.pp_rank, expert_parallel=groups.ep_size,
-                         expert_tensor_parallel=groups.etp_size)
-    for chunk in chunks:
-        chunk.eval()
-    return chunks
-
-
-def _from_hf(hf_dir, groups):
-    from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
-    from megatron_gtpo.models.hf_mapping import ShardCoordinates
-
-    with HFCheckpoint(hf_dir) as ckpt:
-        chunks = _build(ckpt.config, groups)
-        load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
-    return chunks
-
-
-def _unequal_parameters(expected_chunks, actual_chunks) -> list[str]:
-    expected = dict(expected_chunks[0].named_parameters())
-    actual = dict(actual_chunks[0].named_parameters())
-    assert expected.keys() == actual.keys()
-    return [name for name in expected if not torch.equal(expected[name], actual[name])]
-
-
 def _ranks(rank, world_size, cases, tied_hf_dir, saved_dir):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -94,16 +51,16 @@ def _ranks(rank, world_size, cases, tied_hf_dir, saved_dir):
     for tp, pp in LAYOUTS:
         groups = initialize_parallel(tp, pp)
         for hf_dir, mg_dir in cases:
-            reference = _from_hf(hf_dir, groups)
-            loaded = _build(read_checkpoint_metadata(mg_dir).hf_config, groups)
-            untouched = _unequal_parameters(reference, loaded)
+            reference = model_from_hf(hf_dir, groups)
+            loaded = model_at_layout(read_checkpoint_metadata(mg_dir).hf_config, groups)
+            untouched = unequal_parameters(reference, loaded)
             load_model_only(mg_dir, loaded)
-            report["converted"][(hf_dir, tp, pp)] = (len(untouched), _unequal_parameters(reference, loaded))
-            report["declared"][(hf_dir, tp, pp)] = _declared_global_shapes(loaded)
+            report["converted"][(hf_dir, tp, pp)] = (len(untouched), unequal_parameters(reference, loaded))
+            report["declared"][(hf_dir, tp, pp)] = declared_global_shapes(loaded)
 
     # Trainer-style checkpoint: written at TP=2 with optimizer-like state, an RNG object and a plain step count.
     groups = initialize_parallel(2, 1)
-    model = _from_hf(tied_hf_dir, groups)
+    model = model_from_hf(tied_hf_dir, groups)
     optimizer_state = _fake_optimizer_state(model, _random_for_shard)
     saved_optimizer = {k: v.data.clone() for k, v in optimizer_state.items()}
     rng = torch.get_rng_state()
@@ -111,20 +68,21 @@ def _ranks(rank, world_size, cases, tied_hf_dir, saved_dir):
              "step": 7}
     save_checkpoint(saved_dir, model, hf_config=read_checkpoint_metadata(cases[1][1]).hf_config,
                     extra_sharded_state=extra, extra_metadata={"step": 7}, hf_files_from=tied_hf_dir)
-    fresh = _build(read_checkpoint_metadata(saved_dir).hf_config, groups)
+    fresh = model_at_layout(read_checkpoint_metadata(saved_dir).hf_config, groups)
     spec = {"optimizer": _fake_optimizer_state(fresh, lambda sharded: torch.zeros_like(sharded.data)),
             "rng": ShardedObject("rng_state", None, (2,), (rank,), replica_id=0)}
     restored = load_checkpoint(saved_dir, fresh, extra_sharded_state=spec)
     report["resume"] = {
-        "weights": _unequal_parameters(model, fresh),
+        "weights": unequal_parameters(model, fresh),
         "optimizer": [k for k, v in saved_optimizer.items()
                       if not torch.equal(restored["optimizer"][k].reshape(v.shape).cpu(), v)],
         "rng": torch.equal(restored["rng"], rng),
     }
     groups = initialize_parallel(1, 2)  # model only, another layout
-    reference, loaded = _from_hf(tied_hf_dir, groups), _build(read_checkpoint_metadata(saved_dir).hf_config, groups)
+    reference = model_from_hf(tied_hf_dir, groups)
+    loaded = model_at_layout(read_checkpoint_metadata(saved_dir).hf_config, groups)
     load_model_only(saved_dir, loaded)
-    report["resharded_model_only"] = _unequal_parameters(reference, loaded)
+    report["resharded_model_only"] = unequal_parameters(reference, loaded)
     return report
 
 
@@ -206,10 +164,10 @@ def _resume_te_model_from_local_checkpoint(rank, world_size, hf_dir, saved_dir):
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint
 
     groups = initialize_parallel(1, 1)
-    saved = _from_hf(hf_dir, groups)
+    saved = model_from_hf(hf_dir, groups)
     with HFCheckpoint(hf_dir) as ckpt:
         save_checkpoint(saved_dir, saved, hf_config=ckpt.config, force=True)
-        te_like = _build(ckpt.config, groups)
+        te_like = model_at_layout(ckpt.config, groups)
     te_like[0].decoder.layers[0].self_attention.fp8_state = _Fp8StateHolder()
     asked = model_sharded_state_dict(te_like)["model"]
     assert "decoder.layers.0.self_attention.fp8_state._extra_state" in asked
@@ -220,7 +178,7 @@ def _resume_te_model_from_local_checkpoint(rank, world_size, hf_dir, saved_dir):
         strict_load = type(e).__name__
     loaded = dist_checkpointing.load(model_state_to_load(saved_dir, te_like), saved_dir)
     load_model_state(saved_dir, te_like, loaded)
-    return strict_load, _unequal_parameters(saved, te_like), te_like[0].decoder.layers[0].self_attention.fp8_state.state
+    return strict_load, unequal_parameters(saved, te_like), te_like[0].decoder.layers[0].self_attention.fp8_state.state
 
 
 def test_a_te_model_resumes_from_a_checkpoint_without_its_extra_state(tmp_path):

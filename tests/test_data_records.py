@@ -22,7 +22,7 @@ from megatron_gtpo.data import (
     repair_control_characters,
     tokenize_prompts,
 )
-from test_tokenizers import QWEN_DEFAULT_SYSTEM, build_hf_tokenizer_dir
+from tokenizer_dirs import QWEN_DEFAULT_SYSTEM, build_hf_tokenizer_dir
 
 # The full training set, where the README's "From a Hugging Face model" puts it; its test is skipped without it.
 DAPO_PATH = os.path.join(os.path.dirname(__file__), "..", "data", "dapo_math_17k.jsonl")

@@ -163,16 +163,16 @@ def test_host_tensors_in_collectives_on_nccl_groups_are_caught():
 
 
 def _groups_of_a_training_step(rank, world_size):
-    from test_training_update_policy import _experience, _policy_run, _step
+    from policy_runs import policy_run, run_step, sample_experience
 
     from megatron_gtpo.distributed import warm_up_communicators
     from megatron_gtpo.distributed.platform import device_audit
 
-    run = _policy_run("gtpo", tp=2, pp=2, tied=True)
+    run = policy_run("gtpo", tp=2, pp=2, tied=True)
     warmed = warm_up_communicators()
     audit = device_audit()
     audit.collective_groups.clear()
-    _step(run, _experience(4))
+    run_step(run, sample_experience(4))
     used = [g for g in audit.collective_groups if not any(g is h for h in audit.gloo_groups)]
     return len(used), [str(g) for g in used if not any(g is w or (g is None and w is None) for w in warmed)]
 

@@ -15,7 +15,7 @@ from megatron_gtpo.evaluation import replicas
 from megatron_gtpo.evaluation.passk import ProblemResult, mean_at_k, pass_at_k
 from megatron_gtpo.evaluation.report import RESPONSES_JSONL, RESULTS_CSV, RESULTS_JSON, format_summary, write_report
 from megatron_gtpo.rollout.responses import Response, Responses
-from test_tokenizers import QWEN_DEFAULT_SYSTEM, build_hf_tokenizer_dir
+from tokenizer_dirs import QWEN_DEFAULT_SYSTEM, build_hf_tokenizer_dir
 
 
 def _closed_form_pass_at_k(n: int, c: int, k: int) -> Fraction:

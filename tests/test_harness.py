@@ -37,3 +37,34 @@ def test_error_on_one_rank_is_reported_with_traceback():
 def test_hang_is_a_timeout_naming_ranks():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
         run_distributed(_hang, 2, timeout_s=5, init_process_group=False)
+
+
+
+def _runs_on_two_ranks():
+    return run_distributed(_allreduce_rank, 2)
+
+
+def _through_a_helper():
+    return _runs_on_two_ranks()
+
+
+def _runs_a_subprocess():
+    import subprocess
+    return subprocess.run(["true"])
+
+
+# Reached through a dict, not by name: the rule follows the functions a test names, and this test starts nothing.
+RULE_CASES = {"harness": (_runs_on_two_ranks, True), "through a helper": (_through_a_helper, True),
+              "subprocess": (_runs_a_subprocess, True), "a rank's work": (_allreduce_rank, False),
+              "sleep": (_hang, False)}
+
+
+def test_tests_that_start_processes_are_marked_slow_by_rule(request):
+    """tests/conftest.py's rule: a test starts processes when its code, a function of the tests it calls (however
+    deep) or one of its fixtures names a process starter; such a test is marked slow without a hand-written mark."""
+    from conftest import starts_processes
+
+    for case, (fn, starts) in RULE_CASES.items():
+        assert starts_processes(fn) == starts, case
+    assert starts_processes(getattr(request.module, "test_error_on_one_rank_is_reported_with_traceback"))
+    assert request.node.get_closest_marker("slow") is None

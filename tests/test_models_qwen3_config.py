@@ -8,7 +8,7 @@ from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size, transformer
 from megatron_gtpo.models.presets import FAMILY_PRESETS, hf_config
 from megatron_gtpo.layout import ParallelLayout
 from megatron_gtpo.planning import layer_activation_bytes, parameter_count
-from test_plan import LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, _saved_activation_bytes
+from plan_measurements import LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, saved_activation_bytes
 
 # The model cards' "Number of Parameters" and "(Non-Embedding)", as printed (billions; the embedding and, untied,
 # the output layer are the embedding parameters).
@@ -16,7 +16,8 @@ PUBLISHED = {"qwen3-0.6b": ("0.6", "0.44"), "qwen3-1.7b": ("1.7", "1.4"), "qwen3
              "qwen3-8b": ("8.2", "6.95"), "qwen3-14b": ("14.8", "13.2"), "qwen3-32b": ("32.8", "31.2")}
 # (model, TP, PP): tied with PP > 1 (the last stage's copy of the embedding) and untied, split both ways.
 LAYOUTS = [("qwen3-1.7b", 2, 1), ("qwen3-1.7b", 1, 2), ("qwen3-8b", 2, 1), ("qwen3-8b", 1, 2)]
-# test_plan's probe layer as Qwen3: 4 heads in 2 query groups (at TP=1 megatron copies q for the norm, at TP=2 not).
+# The planner tests' probe layer (plan_measurements.py) as Qwen3: 4 heads in 2 query groups (at TP=1 megatron copies
+# q for the norm, at TP=2 not).
 QWEN3_PROBE = dict(LAYER_PROBE, architectures=["Qwen3ForCausalLM"], model_type="qwen3")
 
 
@@ -67,7 +68,7 @@ def _measure(rank, world_size):
     out["totals"] = {name: count(name, 1, 1, 0) for name in FAMILY_PRESETS["qwen3"]}
     for tp in (1, 2):
         initialize_parallel(tp, 1)
-        saved = [_saved_activation_bytes(build_model(dict(QWEN3_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
+        saved = [saved_activation_bytes(build_model(dict(QWEN3_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
                                                      pipeline_parallel=1, pp_rank=0)[0],
                                          seq_len=PROBE_SEQ, batch=PROBE_BATCH) for layers in (1, 2)]
         out[tp] = saved[1] - saved[0]

@@ -168,7 +168,7 @@ def _measured_training_state(rank, world_size):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.model_setup import wrap_for_training
-    from test_plan import state_bytes_after_one_step
+    from plan_measurements import state_bytes_after_one_step
 
     initialize_parallel(1, 1, expert_parallel=2)
     chunks = build_model(SMALL_MOE, tensor_parallel=1, pipeline_parallel=1, pp_rank=0, expert_parallel=2,

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from distributed_harness import run_distributed
-from test_models_qwen3_moe import TINY
-from tiny_models import make_tiny_model
+from tiny_models import TINY_QWEN3, make_tiny_model
 
 SEQUENCES = [[5, 17, 250, 999, 3, 42, 7, 8, 9], [1, 2, 3, 4]]  # one micro-batch, the second row padded
 TOPK, EXPERTS = 2, 4
@@ -49,7 +48,7 @@ def _megatron_routing(rank, world_size, model_dir, forced):
             refusals.append(None)
         except ValueError as e:
             refusals.append(str(e))
-    return (recorded.cpu(), stats.per_layer(groups.dp_group), replayed_logits[..., :TINY["vocab_size"]].cpu(),
+    return (recorded.cpu(), stats.per_layer(groups.dp_group), replayed_logits[..., :TINY_QWEN3["vocab_size"]].cpu(),
             refusals)
 
 
@@ -71,13 +70,13 @@ def _force_routing(hf, forced_LMK):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_moe_routing")
-    return path, make_tiny_model(path, "qwen3_moe", seed=41, **TINY)
+    return path, make_tiny_model(path, "qwen3_moe", seed=41, **TINY_QWEN3)
 
 
 def test_recorded_replayed_and_measured_routing_is_transformers(moe):
     path, hf = moe
     L, B = max(map(len, SEQUENCES)), len(SEQUENCES)
-    layers = TINY["num_layers"]
+    layers = TINY_QWEN3["num_layers"]
     with torch.no_grad():
         router_logits = [hf(torch.tensor([s]), output_router_logits=True).router_logits for s in SEQUENCES]
     # Each token's k least likely experts at every layer: [B, L, M, k] (padding positions: anything valid).

@@ -28,6 +28,8 @@ from megatron_gtpo.models.presets import hf_config
 from megatron_gtpo.planning import (Settings, Workload, forward_flops, generation_phase_s, layer_activation_bytes,
                                     parameter_count, plan, plan_disaggregated, settings_from_config, step_s,
                                     total_parameter_count, training_phase_s, workload_from_config)
+from plan_measurements import (LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, saved_activation_bytes,
+                               state_bytes_after_one_step)
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 WORLD = 4  # ranks of the one spawn that measures everything (TP=4 and TP=2 x PP=2 need four)
@@ -56,7 +58,7 @@ def _measure_all(rank, world_size):
             for layers in (1, 2):
                 model = build_model(dict(LAYER_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
                                     pipeline_parallel=1, pp_rank=0, recompute_activations=recompute)[0]
-                saved.append(_saved_activation_bytes(model, seq_len=PROBE_SEQ, batch=PROBE_BATCH))
+                saved.append(saved_activation_bytes(model, seq_len=PROBE_SEQ, batch=PROBE_BATCH))
             out[(tp, recompute)] = saved[1] - saved[0]
         if tp == 1:
             model = build_model(dict(LAYER_PROBE, num_hidden_layers=2), tensor_parallel=1, pipeline_parallel=1,
@@ -108,14 +110,6 @@ SMALL = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_s
          "tie_word_embeddings": False, "max_position_embeddings": 512}
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once, padding included)."""
-    storages = {}
-    for t in tensors:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 def _measured_training_state(dtype_name, distributed_optimizer):
     """Build SMALL at TP=1 (DP = WORLD), run one Adam step through megatron-core's DDP, and measure the bytes
     of the parameter, gradient and optimizer-state tensors that exist afterwards."""
@@ -143,30 +137,6 @@ def _measured_training_state(dtype_name, distributed_optimizer):
     return state_bytes_after_one_step(chunks, ddp, optimizer, SMALL["vocab_size"])
 
 
-def state_bytes_after_one_step(chunks, ddp, optimizer, vocab_size: int) -> dict:
-    """One Adam step on a random batch through megatron-core's DDP and optimizer (a chained one too: each of its
-    optimizers), then the bytes of the parameter, gradient and optimizer-state tensors (moments and fp32 master
-    weights) that exist afterwards."""
-    tokens = torch.randint(0, vocab_size, (2, 32), device="cuda")
-    positions = torch.arange(32, device="cuda").expand(2, 32)
-    mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool, device="cuda"), 1)
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    ddp(tokens, positions, mask).float().pow(2).mean().backward()
-    ddp.finish_grad_sync()
-    assert optimizer.step()[0]
-    params = list(chunks[0].parameters())
-    param_storages = {p.untyped_storage().data_ptr() for p in params}
-    adams = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
-    state = [v for adam in adams for s in adam.state.values() for v in s.values()
-             if torch.is_tensor(v) and v.numel() > 1]
-    masters = [p for adam in adams for g in adam.param_groups for p in g["params"]
-               if p.untyped_storage().data_ptr() not in param_storages]
-    return {"optimizers": len(adams), "parameters": _storage_bytes(params),
-            "gradients": _storage_bytes(p.main_grad for p in params),
-            "optimizer": _storage_bytes(state) + _storage_bytes(masters)}
-
-
 TRAINING_STATE_CASES = [("float32", True), ("bfloat16", True), ("bfloat16", False)]
 
 
@@ -187,29 +157,6 @@ def test_training_state_bytes_equal_measured_tensors(measurements, dtype, distri
             assert rank[key] == pytest.approx(getattr(stage, key), rel=rel, abs=0), key
 
 
-LAYER_PROBE = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
-               "intermediate_size": 320, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48,
-               "vocab_size": 1000, "tie_word_embeddings": False, "max_position_embeddings": 512}
-PROBE_SEQ, PROBE_BATCH = 40, 3
-
-
-def _saved_activation_bytes(model, *, seq_len, batch) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves during one forward."""
-    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (batch, seq_len), device="cuda")
-    positions = torch.arange(seq_len, device="cuda").expand(batch, seq_len)
-    mask = torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device="cuda"), 1)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, positions, mask)
-    return sum(saved.values())
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -473,7 +473,7 @@ def test_evaluate_on_vllm_matches_the_builtin_engine(tmp_path):
     import sys
 
     pytest.importorskip("math_verify", reason="evaluate grades with math-verify (Makefile's vLLM venv installs it)")
-    from test_tokenizers import build_hf_tokenizer_dir
+    from tokenizer_dirs import build_hf_tokenizer_dir
 
     tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
     make_tiny_qwen2(tmp_path / "model", **{**SHAPE, "vocab_size": 400})  # the test tokenizer's vocabulary

@@ -86,7 +86,7 @@ def _config():
 
 
 def _step(policy, groups, shape, plan, seed):
-    """One trainer step on `_fixed_batch(seed)` (this DP rank's groups): the old-policy log-probs [S, T] (last stage;
+    """One trainer step on `fixed_batch(seed)` (this DP rank's groups): the old-policy log-probs [S, T] (last stage;
     None elsewhere), the loss and the gradient norm."""
     from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.training.experience import Experience
@@ -94,9 +94,9 @@ def _step(policy, groups, shape, plan, seed):
     from megatron_gtpo.training.reduction import MetricReducer
     from megatron_gtpo.training.step_batch import build_step_batch
     from megatron_gtpo.training.update import update_policy
-    from test_parallel_invariance import NUM_GROUPS, G, _fixed_batch
+    from invariance_runs import G, NUM_GROUPS, fixed_batch
 
-    exp, old_ST, token_adv_ST, _ = _fixed_batch(seed)
+    exp, old_ST, token_adv_ST, _ = fixed_batch(seed)
     per_rank = NUM_GROUPS // groups.dp_size
     mine = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
     rows = slice(mine.start * G, mine.stop * G)
@@ -123,7 +123,7 @@ def _parity_ranks(rank, world_size, hf_dirs, cases):
     _start()
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.training.model_setup import wrap_for_training
-    from test_parallel_invariance import _gather_hf
+    from invariance_runs import gather_hf
 
     out = {}
     for case in cases:
@@ -133,10 +133,10 @@ def _parity_ranks(rank, world_size, hf_dirs, cases):
             for plan in plans:
                 chunks, shape, _ = _build(hf_dirs[family], groups, te=te)
                 assert _uses_te(chunks) == te
-                before = _gather_hf(chunks, groups, shape)
+                before = gather_hf(chunks, groups, shape)
                 policy = wrap_for_training(_config(), chunks)
                 scored, loss, grad_norm = _step(policy, groups, shape, plan, seed=0)
-                after = _gather_hf(policy.chunks, groups, shape)
+                after = gather_hf(policy.chunks, groups, shape)
                 out[case, plan, te] = dict(
                     scored=scored, loss=loss, grad_norm=grad_norm, dp_rank=groups.dp_rank,
                     update={name: after[name] - before[name] for name in after} if groups.tp_rank == 0 else {})
@@ -172,12 +172,9 @@ def test_te_spec_matches_the_local_spec_at_every_layout(hf_dirs):
 
 def _save_trainer_checkpoint(directory, policy, hf_config):
     """The model and optimizer state as the trainer writes them (training/checkpointing.save)."""
-    from types import SimpleNamespace
-
     from megatron_gtpo.checkpoint import save_checkpoint
-    from megatron_gtpo.training.checkpointing import _sharded_state
 
-    state = _sharded_state(SimpleNamespace(policy=policy))
+    state = policy.sharded_state_dict()
     save_checkpoint(directory, policy.chunks, hf_config=hf_config,
                     model_state={k: v for k, v in state.items() if k != "optimizer"},
                     extra_sharded_state={"optimizer": state["optimizer"]}, force=True)
@@ -185,17 +182,10 @@ def _save_trainer_checkpoint(directory, policy, hf_config):
 
 def _resume(directory, policy):
     """The model and optimizer state as the trainer restores them (training/checkpointing.restore)."""
-    from types import SimpleNamespace
-
     from megatron.core import dist_checkpointing
 
-    from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_state
-    from megatron_gtpo.training.checkpointing import _load_optimizer_state, _sharded_state
-
-    loaded = dist_checkpointing.load(_sharded_state(SimpleNamespace(policy=policy), loading_from=directory),
-                                     directory)
-    load_model_state(directory, policy.chunks, loaded)
-    _load_optimizer_state(policy.optimizer, loaded["optimizer"])
+    loaded = dist_checkpointing.load(policy.sharded_state_dict(loading_from=directory), directory)
+    policy.load_sharded_state_dict(loaded, directory)
 
 
 def _synced(chunks, groups, shape) -> dict:
@@ -244,14 +234,14 @@ def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
     from megatron_gtpo.checkpoint.megatron_checkpoint import model_sharded_state_dict
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.training.model_setup import wrap_for_training
-    from test_parallel_invariance import _gather_hf
+    from invariance_runs import gather_hf
 
     out = {"loaded": {}, "synced": {}, "greedy": {}}
     groups = initialize_parallel(1, 1)  # EP 1 over DP 2: every rank holds all four experts
     for family, source in converted.items():  # converter output into the TE spec, out to a TE checkpoint
         chunks, shape, hf_config = _build(hf_dirs[family], groups, te=True, load=False)
         load_model_only(source, chunks)
-        out["loaded"][family] = _gather_hf(chunks, groups, shape)
+        out["loaded"][family] = gather_hf(chunks, groups, shape)
         out["synced"][family, True] = _synced(chunks, groups, shape)
         local_chunks = _build(hf_dirs[family], groups, te=False)[0]
         out["synced"][family, False] = _synced(local_chunks, groups, shape)
@@ -266,7 +256,7 @@ def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
     groups = initialize_parallel(1, 1, expert_parallel=2)  # TE's extra state, per expert, at another EP
     chunks, shape, _ = _build(moe, groups, te=True, load=False)
     load_model_only(os.path.join(work, "te-qwen3_moe"), chunks)
-    out["reloaded"] = _gather_hf(chunks, groups, shape)
+    out["reloaded"] = gather_hf(chunks, groups, shape)
     out["fp8_metadata"] = _fp8_metadata(chunks)
 
     groups = initialize_parallel(1, 1)
@@ -287,7 +277,7 @@ def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
             _step(policy, groups, shape, PADDED, seed=0)
             _save_trainer_checkpoint(save_to, policy, hf_config)
         _step(policy, groups, shape, PADDED, seed=1)
-        return _gather_hf(policy.chunks, groups, shape)
+        return gather_hf(policy.chunks, groups, shape)
 
     local_ep2, te_ep1 = os.path.join(work, "local-ep2"), os.path.join(work, "te-ep1")
     out["resumed"] = {"local EP 2 -> TE EP 1": (trained(False, 2, save_to=local_ep2),
@@ -300,7 +290,7 @@ def _checkpoint_ranks(rank, world_size, hf_dirs, converted, work):
 @pytest.mark.slow
 def test_checkpoints_weight_sync_and_export_across_the_local_and_te_specs(hf_dirs, tmp_path):
     from megatron_gtpo.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
-    from test_converters import assert_bit_exact, read_safetensors_dir
+    from checkpoint_checks import assert_bit_exact, read_safetensors_dir
 
     converted = {family: str(tmp_path / f"converted-{family}") for family in ("qwen3", "qwen3_moe")}
     for family, directory in converted.items():

@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from megatron_gtpo.config import load_config
-from trainer_runs import (DEMO_CONFIG, assert_resumed_run_equals, checkpoint_tensors, comparable, read_metrics,
-                          run_train, train_command)
+from trainer_runs import (DEMO_CONFIG, assert_resumed_run_equals, checkpoint_tensors, comparable, copy_checkpoint,
+                          read_metrics, run_train, train_command)
 
 pytestmark = pytest.mark.slow  # whole training runs under torchrun
 
@@ -85,23 +85,25 @@ def test_resume_matches_uninterrupted_run(tmp_path):
               "data.mini_batches_per_step=2", "algorithm.kl_coef=0.05", "optim.warmup_steps=2",
               "optim.lr_decay_style=constant"]
     full, part = tmp_path / "full", tmp_path / "part"
-    res = run_train(full, 2, [*common, "steps=4", "checkpoint.keep_last=1"])
+    res = run_train(full, 2, [*common, "steps=4"])
     assert res.returncode == 0, res.stderr[-4000:]
-    # Only the newest checkpoint is kept, no temporary directory is left, and the resolved config sits beside them.
-    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["config.yaml", "latest", "reference",
-                                                                         "step_00000004"]
-    saved = load_config(str(full / "checkpoints" / "config.yaml"))
-    assert saved.optim.warmup_steps == 2 and saved.steps == 4 and saved.checkpoint.keep_last == 1
-    lr = load_config(DEMO_CONFIG).optim.lr
-    assert [r["lr"] for r in read_metrics(full) if r["step"] >= 0] == pytest.approx([lr / 2, lr, lr, lr])
-    res = run_train(part, 2, [*common, "steps=2"])
-    assert res.returncode == 0, res.stderr[-4000:]
-    res = run_train(part, 2, [*common, "steps=4"])  # resumes from step 2 automatically
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert "resumed from" in res.stderr
-    full_rows, tensors = assert_resumed_run_equals(full, part, "step_00000004")
+    full_rows = read_metrics(full)
     assert [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3]
     assert all(r["ref_kl"] > 0 for r in full_rows[2:])  # the policy has moved away from the reference
+    lr = load_config(DEMO_CONFIG).optim.lr
+    assert [r["lr"] for r in full_rows if r["step"] >= 0] == pytest.approx([lr / 2, lr, lr, lr])
+    # The run's step-2 checkpoint and the reference saved as RL started, resumed in another directory (as a relaunch
+    # after a stop there would), keeping only the newest checkpoint.
+    copy_checkpoint(full, part, "step_00000002", "reference")
+    res = run_train(part, 2, [*common, "steps=4", "checkpoint.keep_last=1"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resumed from" in res.stderr
+    # Only the newest checkpoint is kept, no temporary directory is left, and the resolved config sits beside them.
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["config.yaml", "latest", "reference",
+                                                                         "step_00000004"]
+    saved = load_config(str(part / "checkpoints" / "config.yaml"))
+    assert saved.optim.warmup_steps == 2 and saved.steps == 4 and saved.checkpoint.keep_last == 1
+    _, tensors = assert_resumed_run_equals(full, part, "step_00000004", resumed_at=2)
     assert [k for k in tensors if k.startswith("decoder") or k.startswith("embedding") or k.startswith("output")]
 
 
@@ -232,7 +234,7 @@ def test_trainer_checkpoint_exports_to_hf_and_loads_in_transformers(tmp_path):
 def test_math_jsonl_task_on_a_hf_model_with_pooled_rewards(tmp_path):
     """The non-demo path: a HF model directory with its tokenizer, a jsonl math dataset, math-verify rewards in a
     worker pool (one per model replica), GTPO at TP=2."""
-    from test_tokenizers import build_hf_tokenizer_dir
+    from tokenizer_dirs import build_hf_tokenizer_dir
     from tiny_models import make_tiny_qwen2
 
     model_dir = tmp_path / "model"

@@ -3,11 +3,10 @@ of the 4 experts of every layer), and with routing replay under activation recom
 parallelism and EP=2 (each of the 2 tensor-parallel ranks holds 2 whole experts and routes its half of the tokens),
 logging the routing metrics; its checkpoint resumes exactly, and at EP=1 (docs/checkpoints.md)."""
 import math
-import shutil
 
 import pytest
 
-from trainer_runs import assert_resumed_run_equals, comparable, read_metrics, run_train
+from trainer_runs import assert_resumed_run_equals, comparable, copy_checkpoint, read_metrics, run_train
 from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow  # whole training runs under torchrun
@@ -58,27 +57,32 @@ RESUME = [*MOE, "algorithm.routing_replay=rollout", "checkpoint.save_every=2", "
           "optim.lr_decay_style=constant"]
 
 
-def test_resume_is_exact_and_works_at_another_expert_layout(tmp_path, moe_dir):
-    full, part, other = tmp_path / "full", tmp_path / "part", tmp_path / "other"
-    common = [*RESUME, f"model.hf_dir={moe_dir}"]
-    for out, overrides in ((full, ["parallel.expert=2", "steps=4"]), (part, ["parallel.expert=2", "steps=2"]),
-                           (part, ["parallel.expert=2", "steps=4"])):
-        res = run_train(out, 2, [*common, *overrides])
-        assert res.returncode == 0, res.stderr[-4000:]
-    assert "resumed from" in res.stderr
-    full_rows, tensors = assert_resumed_run_equals(full, part, "step_00000004")
-    assert [r["step"] for r in full_rows] == [-1, 0, 1, 2, 3] and any("experts" in k for k in tensors)
-
-    # The step-2 checkpoint of the EP=2 run, resumed with every expert on each replica (EP=1): weights and
-    # optimizer state reshard, and the next step is the uninterrupted run's up to float rounding (sampling does not
-    # depend on the RNG states, which a new layout re-seeds: each response has a stream of its own).
-    shutil.copytree(part / "checkpoints" / "step_00000002", other / "checkpoints" / "step_00000002")
-    (other / "checkpoints" / "latest").write_text("step_00000002\n")
-    res = run_train(other, 2, [*common, "parallel.expert=1", "steps=3"])
+def _resume_from_step_2(full, out, overrides) -> str:
+    """A run in `out` resumed from the step-2 checkpoint of the run in `full` (copied); returns its stderr."""
+    copy_checkpoint(full, out, "step_00000002")
+    res = run_train(out, 2, overrides)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "at a different layout" in res.stderr and "resumed from" in res.stderr
+    assert "resumed from" in res.stderr
+    return res.stderr
+
+
+def test_resume_is_exact_and_works_at_another_expert_layout(tmp_path, moe_dir):
+    """A 3-step run at EP=2 checkpoints after step 2; its step-2 checkpoint resumed at EP=2 trains step 2 and writes
+    the step-3 checkpoint exactly as the uninterrupted run did."""
+    full, part, other = tmp_path / "full", tmp_path / "part", tmp_path / "other"
+    common = [*RESUME, f"model.hf_dir={moe_dir}", "steps=3"]
+    res = run_train(full, 2, [*common, "parallel.expert=2"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    _resume_from_step_2(full, part, [*common, "parallel.expert=2"])
+    full_rows, tensors = assert_resumed_run_equals(full, part, "step_00000003", resumed_at=2)
+    assert [r["step"] for r in full_rows] == [2] and any("experts" in k for k in tensors)
+
+    # The step-2 checkpoint resumed with every expert on each replica (EP=1): weights and optimizer state reshard,
+    # and the next step is the uninterrupted run's up to float rounding (sampling does not depend on the RNG states,
+    # which a new layout re-seeds: each response has a stream of its own).
+    assert "at a different layout" in _resume_from_step_2(full, other, [*common, "parallel.expert=1"])
     (resumed,) = read_metrics(other)
-    expected = comparable(full_rows[3])
+    expected = comparable(full_rows[0])
     assert resumed["step"] == expected["step"] == 2
     for k in ("reward_mean", "entropy_mean", "pg_loss", "grad_norm", "ratio_mean", "lr",
               "expert_load_imbalance/layer_01", "router_entropy/layer_02"):

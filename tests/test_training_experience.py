@@ -5,7 +5,7 @@ Then advantages over the global batch (global_advantages), a rank without groups
 import pytest
 import torch
 
-from distributed_harness import run_distributed
+from distributed_harness import run_cases
 
 G = 2
 TARGET_GROUPS = 2
@@ -63,9 +63,14 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
             "prompt_draws": calls["prompts"]}
 
 
-@pytest.mark.slow
-def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks():
-    rank0, rank1 = run_distributed(_collect, 2, args=("fills", True), timeout_s=120)
+@pytest.fixture(scope="module")
+def collected():
+    """(scenario, dynamic sampling) -> each rank's `_collect`, all in one set of 2 ranks."""
+    return run_cases(_collect, 2, [("fills", True), ("bounded", True), ("bounded", False)], timeout_s=180)
+
+
+def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks(collected):
+    rank0, rank1 = collected["fills", True]
     # Both ranks run 2 rounds and draw prompts twice; rank 0 generates only in the round it needed.
     assert rank0["stats"]["sampling_rounds"] == rank1["stats"]["sampling_rounds"] == 2
     assert rank0["prompt_draws"] == rank1["prompt_draws"] == 2
@@ -83,18 +88,16 @@ def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks()
     assert rank1["stats"]["accuracy"] == pytest.approx(5 / 12) and rank1["stats"]["response_length_mean"] == 2.0
 
 
-@pytest.mark.slow
-def test_dynamic_sampling_stops_after_the_extra_round_bound():
-    rank0, rank1 = run_distributed(_collect, 2, args=("bounded", True), timeout_s=120)
+def test_dynamic_sampling_stops_after_the_extra_round_bound(collected):
+    rank0, rank1 = collected["bounded", True]
     assert rank0["stats"]["sampling_rounds"] == rank1["stats"]["sampling_rounds"] == 3  # 1 + max_extra_rounds
     assert rank1["generate_rounds"] == [0, 1, 2] and rank1["prompts"] == [] and rank1["correct"] == []
     assert rank1["stats"]["groups_kept"] == 0 and rank1["stats"]["groups_generated"] == 9
     assert len(rank0["prompts"]) == TARGET_GROUPS
 
 
-@pytest.mark.slow
-def test_without_dynamic_sampling_one_round_keeps_uninformative_groups():
-    rank0, rank1 = run_distributed(_collect, 2, args=("bounded", False), timeout_s=120)
+def test_without_dynamic_sampling_one_round_keeps_uninformative_groups(collected):
+    rank0, rank1 = collected["bounded", False]
     for out in (rank0, rank1):
         assert out["stats"]["sampling_rounds"] == 1 and out["generate_rounds"] == [0]
         assert len(out["prompts"]) == TARGET_GROUPS
@@ -162,11 +165,18 @@ def _global_advantages(rank, world_size, scenario, algorithm):
             "shape": None if mine is None else list(mine.shape)}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("scenario", list(GLOBAL_BATCHES))
-@pytest.mark.parametrize("algorithm", ["gtpo", "grpo_s", "dapo"])
-def test_global_advantages_span_every_data_parallel_rank(scenario, algorithm):
-    results = run_distributed(_global_advantages, 2, args=(scenario, algorithm), timeout_s=120)
+ADVANTAGE_CASES = [(scenario, algorithm) for scenario in GLOBAL_BATCHES for algorithm in ("gtpo", "grpo_s", "dapo")]
+
+
+@pytest.fixture(scope="module")
+def advantages():
+    """(scenario, algorithm) -> each rank's `_global_advantages`, all in one set of 2 ranks."""
+    return run_cases(_global_advantages, 2, ADVANTAGE_CASES, timeout_s=180)
+
+
+@pytest.mark.parametrize("scenario,algorithm", ADVANTAGE_CASES)
+def test_global_advantages_span_every_data_parallel_rank(advantages, scenario, algorithm):
+    results = advantages[scenario, algorithm]
     for rank, out in enumerate(results):
         sequences = 3 * len(GLOBAL_BATCHES[scenario][rank])
         assert out["shape"][0] == sequences, (rank, out["shape"])

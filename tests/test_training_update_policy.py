@@ -11,70 +11,7 @@ build, old-policy pass, rollout correction, advantages, update.
 import pytest
 
 from distributed_harness import run_distributed
-
-G = 2
-
-
-def _experience(num_prompt_groups, seed=0):
-    import torch
-
-    from megatron_gtpo.rollout.responses import Response, Responses
-    from megatron_gtpo.training.experience import Experience
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = [tuple(torch.randint(3, 16, (2 + n % 3,), generator=g).tolist()) for n in range(num_prompt_groups)]
-    responses = Responses.from_lists([[Response(torch.randint(3, 16, (1 + (3 * n + j) % 5,), generator=g).tolist(),
-                                                [-1.0] * (1 + (3 * n + j) % 5), "stop") for j in range(G)]
-                                      for n in range(num_prompt_groups)])
-    correct = torch.tensor([[1.0, 0.0]] * num_prompt_groups).reshape(num_prompt_groups, G)
-    return Experience(prompts, responses, correct, correct.clone())
-
-
-def _policy_run(algorithm, overrides=(), *, tp=1, pp=1, tied=False):
-    """The trainer's components for the phases below: parallel groups, the policy, the configured algorithm."""
-    from types import SimpleNamespace
-
-    from megatron_gtpo.algorithms import configure_algorithm
-    from megatron_gtpo.config import load_config
-    from megatron_gtpo.data.synthetic import tiny_model_hf_config
-    from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.models.qwen import ModelShape
-    from megatron_gtpo.training.model_setup import build_chunks, wrap_for_training
-
-    import torch
-
-    parallel = initialize_parallel(tp, pp)
-    torch.manual_seed(0)
-    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", "steps=4",
-                             f"algorithm.name={algorithm}", *overrides])
-    hf_config = dict(tiny_model_hf_config(), tie_word_embeddings=tied)
-    policy = wrap_for_training(cfg, build_chunks(cfg, hf_config, parallel))
-    return SimpleNamespace(cfg=cfg, parallel=parallel, policy=policy,
-                           algorithm=configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens),
-                           vocab_size=ModelShape.from_hf(tiny_model_hf_config()).vocab_size)
-
-
-def _step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_equals_old=False, **correction):
-    """The trainer's phases for one step; returns the step batch and the update's metrics."""
-    from megatron_gtpo.training.advantages import global_advantages
-    from megatron_gtpo.training.old_policy import correct_rollout, old_policy_pass
-    from megatron_gtpo.training.reduction import MetricReducer
-    from megatron_gtpo.training.step_batch import build_step_batch
-    from megatron_gtpo.training.trainer import split_evenly
-    from megatron_gtpo.training.update import update_policy
-
-    batch = build_step_batch(exp, run.parallel, mini_batches=split_evenly(list(range(exp.num_prompt_groups)), 1),
-                             max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
-    old_policy_pass(run.policy.chunks, batch, run.parallel, vocab_size=run.vocab_size, temperature=1.0)
-    if rollout_equals_old and batch.old_logprobs_ST is not None:
-        batch.rollout_logprobs_ST = batch.old_logprobs_ST.clone()
-    correct_rollout(batch, **correction)
-    if run.parallel.is_last_stage:
-        global_advantages(run.algorithm.advantages, run.algorithm.uses_entropy, batch, run.parallel)
-    metrics = MetricReducer(run.parallel.device)
-    update_policy(run.policy, batch, run.parallel, run.algorithm, metrics, epochs=1, vocab_size=run.vocab_size,
-                  temperature=1.0, chunk_tokens=None)
-    return batch, metrics.reduce(run.parallel.dp_group)
+from policy_runs import policy_run, run_step, sample_experience
 
 
 ON_POLICY_CASES = [(algorithm, plan) for algorithm in ("gtpo", "grpo_s")
@@ -87,10 +24,10 @@ def _on_policy(rank, world_size):
     largest difference between the step batch's old log-probs and the scoring path's, sequence by sequence."""
     from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
-    exp = _experience(4)
+    exp = sample_experience(4)
     out = {}
     for algorithm, (max_sequences, max_tokens, pack) in ON_POLICY_CASES:
-        run = _policy_run(algorithm)
+        run = policy_run(algorithm)
         reference = []
         for prompt, group in zip(exp.prompt_token_ids, exp.responses.to_lists()):
             for r in group:  # each sequence alone: column P - 1 + t scores response token t
@@ -99,7 +36,7 @@ def _on_policy(rank, world_size):
                     run.policy.chunks, make_micro_batches([sequence], 1, device=run.parallel.device), run.parallel,
                     vocab_size=run.vocab_size)
                 reference.append(logprobs_BL[0, len(prompt) - 1:len(sequence) - 1])
-        batch, update = _step(run, exp, max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
+        batch, update = run_step(run, exp, max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
         error = max(float((batch.old_logprobs_ST[s, :len(ref)] - ref).abs().max()) for s, ref in enumerate(reference))
         out[algorithm, (max_sequences, max_tokens, pack)] = (
             update["ratio_max"], update["ratio_min"], update["approx_kl"], len(batch.plan[0]),
@@ -142,8 +79,8 @@ def _corrected(rank, world_size):
     import torch
 
     def weights_after(rollout_equals_old=True, **settings):
-        run = _policy_run("gtpo")
-        batch, _ = _step(run, _experience(3), rollout_equals_old=rollout_equals_old, **settings)
+        run = policy_run("gtpo")
+        batch, _ = run_step(run, sample_experience(3), rollout_equals_old=rollout_equals_old, **settings)
         return [p.detach().clone() for p in run.policy.chunks[0].parameters()]
 
     plain = weights_after()
@@ -164,11 +101,11 @@ def test_corrections_leave_the_update_unchanged_when_rollout_equals_old():
 def _update_then_empty(rank, world_size):
     import torch
 
-    run = _policy_run("grpo")
-    _, first = _step(run, _experience(2))
+    run = policy_run("grpo")
+    _, first = run_step(run, sample_experience(2))
     weights = [p.detach().clone() for p in run.policy.chunks[0].parameters()]
     schedule_steps = run.policy.scheduler.num_steps
-    _, second = _step(run, _experience(0))
+    _, second = run_step(run, sample_experience(0))
     unchanged = all(torch.equal(a, b) for a, b in zip(weights, run.policy.chunks[0].parameters()))
     return (first["optimizer_steps"], second["optimizer_steps"], second["empty_mini_batches"], unchanged,
             run.policy.scheduler.num_steps == schedule_steps)

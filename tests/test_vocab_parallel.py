@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from distributed_harness import run_distributed
 from megatron_gtpo.distributed.vocab_parallel import vocab_parallel_logprobs_and_entropy
+from vocab_references import float64_reference
 
 PADDED_VOCAB = 48  # divisible by TP = 1, 2, 4
 CHUNK_SIZES = (None, 2, 5)  # unchunked, dividing the token count, and not dividing it
@@ -50,21 +51,6 @@ CASES = {
     "bf16_sb_layout_padding": _make_case(5, lead_shape=(4, 3), vocab_size=35, temperature=0.9,
                                          dtype=torch.bfloat16),
 }
-
-
-def _reference(case):
-    """float64 log-probs, entropies and the three gradients, on the un-padded vocabulary, by torch autograd."""
-    logits = case["logits"].clone().requires_grad_()
-    z = logits[..., : case["vocab_size"]] / case["temperature"]
-    log_p = torch.log_softmax(z, dim=-1)
-    logprobs = log_p.gather(-1, case["targets"].unsqueeze(-1)).squeeze(-1)
-    entropy = -(torch.softmax(z, dim=-1) * log_p).sum(-1)
-    grad_lp, = torch.autograd.grad((logprobs * case["weight_lp"]).sum(), logits, retain_graph=True)
-    grad_ent, = torch.autograd.grad((entropy * case["weight_ent"]).sum(), logits, retain_graph=True)
-    grad_mix, = torch.autograd.grad((0.3 * logprobs * case["weight_lp"] - 1.7 * entropy * case["weight_ent"]).sum(),
-                                    logits)
-    return dict(logprobs=logprobs.detach(), entropy=entropy.detach(), grad_lp=grad_lp, grad_ent=grad_ent,
-                grad_mix=grad_mix)
 
 
 class _CollectiveCounter:
@@ -173,7 +159,7 @@ def _check_rank_results(tp_size, tp_rank, results, references):
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: _reference(case) for name, case in CASES.items()}
+    return {name: float64_reference(case) for name, case in CASES.items()}
 
 
 @pytest.mark.slow
@@ -199,7 +185,7 @@ def test_padding_gets_zero_gradient_and_no_probability():
     (logprobs.sum() + entropy.sum()).backward()
     assert torch.equal(x.grad[..., 35:], torch.zeros_like(x.grad[..., 35:]))
     # Padding logits are 50: had they leaked in, every log-prob would be far below the real-vocab values.
-    torch.testing.assert_close(logprobs.double(), _reference(case)["logprobs"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logprobs.double(), float64_reference(case)["logprobs"], rtol=1e-6, atol=1e-6)
 
 
 def test_gradcheck_float64_both_outputs():

@@ -9,6 +9,9 @@ FAMILY_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3
                   "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 # Qwen3-MoE's tiny experts: 4 of width 32, 2 per token, top-k probabilities renormalised (the published models' choice)
 TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+# The Qwen3 (dense and MoE) tests' shape: head_dim 32, not hidden_size / heads = 16 (Qwen3 sets it apart); the
+# vocabulary of 1000 is padded to 1024 by megatron.
+TINY_QWEN3 = dict(vocab_size=1000, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
 
 
 def tiny_config(family="qwen2", *, vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,

@@ -27,6 +27,17 @@ def read_metrics(output_dir) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def copy_checkpoint(run, to, checkpoint: str, *beside: str) -> None:
+    """Copy `checkpoint` of the run in `run` (and the directories `beside` it, e.g. the KL reference) into the
+    checkpoint directory of `to`, as `latest`: a run started in `to` resumes from it."""
+    import shutil
+
+    for name in (checkpoint, *beside):
+        shutil.copytree(os.path.join(run, "checkpoints", name), os.path.join(to, "checkpoints", name))
+    with open(os.path.join(to, "checkpoints", "latest"), "w", encoding="utf-8") as f:
+        f.write(checkpoint + "\n")
+
+
 def checkpoint_tensors(checkpoint_dir) -> dict:
     """All tensors of a distributed checkpoint, read in this process (no process group needed)."""
     import tempfile
@@ -48,14 +59,19 @@ def comparable(row: dict) -> dict:
             if not k.startswith("time_") and k != "tokens_per_s"}
 
 
-def assert_resumed_run_equals(full, part, checkpoint: str) -> tuple[list[dict], list[str]]:
+def assert_resumed_run_equals(full, part, checkpoint: str, *, resumed_at: int | None = None) \
+        -> tuple[list[dict], list[str]]:
     """The run in `part` (interrupted and resumed) logged the same metrics as the one in `full` (rel 1e-6) and wrote
-    the same tensors to `checkpoint` (rel 1e-5); returns the full run's rows and the checkpoint's tensor names."""
+    the same tensors to `checkpoint` (rel 1e-5); returns the full run's rows and the checkpoint's tensor names.
+    `resumed_at`: `part` only resumed, at that step, from a checkpoint of `full` copied to it (its rows are the
+    steps from there on)."""
     import pytest
     import torch
 
     full_rows, part_rows = read_metrics(full), read_metrics(part)
-    assert [r["step"] for r in part_rows] == [r["step"] for r in full_rows]
+    if resumed_at is not None:
+        full_rows = [r for r in full_rows if r["step"] >= resumed_at]
+    assert part_rows and [r["step"] for r in part_rows] == [r["step"] for r in full_rows]
     for a, b in zip(full_rows, part_rows):
         a, b = comparable(a), comparable(b)
         assert a.keys() == b.keys()

@@ -10,6 +10,10 @@ from megatron_gtpo.config import TrainConfig
 from megatron_gtpo.distributed import ParallelGroups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# chained_optim_avoid_prefix: a mixture-of-experts model's optimizer is a chain of two at EP > 1 (its experts'
+# gradients reduce over another group) and one at EP = 1; without megatron's chained_<i> key prefix the state's keys
+# are the parameters' alone, so a checkpoint resumes at another EP (a dense model's has one optimizer either way).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 @dataclass
@@ -32,6 +36,33 @@ class PolicyModel:
         chunks = build_chunks(cfg, hf_config, parallel)
         load_initial_weights(cfg, chunks, parallel)
         return wrap_for_training(cfg, chunks)
+
+    def sharded_state_dict(self, *, loading_from: str | None = None) -> dict:
+        """The model chunks' and the optimizer's state, sharded over the ranks for megatron-core's dist_checkpointing
+        (the optimizer's refers to the model's; the LR schedule's is not sharded: `scheduler.state_dict`). To be
+        filled from the checkpoint `loading_from`: as much of the model's as it holds (`model_state_to_load`)."""
+        from megatron_gtpo.checkpoint.megatron_checkpoint import model_sharded_state_dict, model_state_to_load
+
+        if loading_from is not None:
+            # A fresh torch Adam has no per-parameter state (no 'step'), and the DistributedOptimizer's state_dict
+            # needs one; megatron-core's own loader fills it with placeholder values that the load then overwrites.
+            for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                optimizer._init_optimizer_states_with_dummy_values()
+            model = model_state_to_load(loading_from, self.chunks)
+        else:
+            model = model_sharded_state_dict(self.chunks)
+        optimizer = self.optimizer.sharded_state_dict(
+            {k: v for sd in model.values() for k, v in sd.items()} if len(model) > 1 else model["model"],
+            is_loading=loading_from is not None, metadata=_OPTIMIZER_METADATA)
+        return {**model, "optimizer": optimizer}
+
+    def load_sharded_state_dict(self, loaded: dict, directory: str) -> None:
+        """Put what dist_checkpointing.load returned for `sharded_state_dict(loading_from=directory)` into the
+        model chunks and the optimizer."""
+        from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_state
+
+        load_model_state(directory, self.chunks, loaded)
+        _load_optimizer_state(self.optimizer, loaded["optimizer"])
 
 
 def materialize_adam_state(optimizer) -> None:
@@ -113,3 +144,43 @@ def wrap_for_training(cfg: TrainConfig, chunks: list) -> PolicyModel:
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
     return PolicyModel(ddp_chunks, optimizer, scheduler)
+
+
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, working around megatron-core 0.16 with torch's Adam (no Apex / Transformer
+    Engine, e.g. on CPU): the fully reshardable parameter state carries no per-parameter 'step' (megatron restores it
+    from the param groups first), yet `_set_main_param_and_optimizer_states` copies every key the live state has.
+    We hand it the live 'step' back, so that copy is a no-op."""
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    # The config's hyper-parameters (max_lr / min_lr that the LR schedule reads from each param group, betas, eps,
+    # weight decay) win over the checkpoint's, so a resumed run may change them: load_state_dict restores the param
+    # groups as saved, so the live values are put back after it (the per-group 'step' comes from the checkpoint).
+    live_hyperparameters = [[{k: v for k, v in group.items() if k not in ("params", "step")}
+                             for group in opt.optimizer.param_groups] for opt in optimizers]
+    patched = []
+    for opt in optimizers:
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            live = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in live and "step" not in tensors:
+                tensors = {**tensors, "step": live["step"]}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+    for opt, live_groups in zip(optimizers, live_hyperparameters):
+        for group, live in zip(opt.optimizer.param_groups, live_groups, strict=True):
+            group.update(live)
+    # megatron-core hands every parameter the SAME 'step' tensor, and torch's Adam increments each parameter's step
+    # in place: without separate copies the step (and with it Adam's bias correction) races ahead after a resume.
+    for opt in patched:
+        for param_state in opt.optimizer.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = param_state["step"].clone()

@@ -42,14 +42,15 @@ class AskedBatch:
 class RolloutQueue:
     """The batches asked for and not yet trained on, and the unfinished groups (module doc). `ask(step, version,
     continued)` draws a batch's prompts and asks the engine for its responses (and the continuation of
-    `continued`'s unfinished responses)."""
+    `continued`'s unfinished responses). `device`: the training device, where a restored state's tensors go."""
 
     def __init__(self, max_staleness: int, ask: Callable[[int, int, SampledGroups | None], AskedBatch], *,
-                 steps: int, partial: PartialRollouts | None = None):
+                 steps: int, partial: PartialRollouts | None = None, device: torch.device | None = None):
         self.max_staleness = max_staleness
         self.ask = ask
         self.steps = steps  # the run's: no batch is asked for beyond its last step
         self.partial = partial
+        self.device = device
         self.asked: dict[int, AskedBatch] = {}
         self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
 
@@ -94,7 +95,9 @@ class RolloutQueue:
                              "continued": _moved(batch.continued, cpu)}
         return {"batches": batches, "unfinished": _moved(self.unfinished, cpu)}
 
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
+    def load_state_dict(self, state: dict) -> None:
+        """From `state_dict()`'s host state, moved to the training device."""
+        device = self.device
         self.asked = {step: AskedBatch(step, b["version"], b["prompts"], lambda r=b["responses"].to(device): r,
                                        _moved(b["continued"], device))
                       for step, b in state["batches"].items()}

@@ -24,7 +24,7 @@ from megatron_gtpo.rollout.responses import Response, Responses
 
 from . import checkpointing
 from .advantages import global_advantages
-from .checkpointing import StopSignal
+from .checkpointing import StopSignal, TrainerState
 from .engine_setup import build_engine
 from .experience import Experience, collect_experience
 from .metrics import MetricsLogger, PhaseTimer
@@ -76,8 +76,9 @@ class Trainer:
         # Responses generated over several steps, a segment each (partial_rollouts.py); None: whole responses.
         self.partial = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, r.partial_segment_tokens) \
             if r.partial_rollouts else None
-        self.rollouts = RolloutQueue(r.max_staleness, self.ask_rollout, steps=cfg.steps, partial=self.partial)
-        self.start_step = checkpointing.restore(self)  # 0 without a checkpoint
+        self.rollouts = RolloutQueue(r.max_staleness, self.ask_rollout, steps=cfg.steps, partial=self.partial,
+                                     device=self.parallel.device)
+        self.start_step = checkpointing.restore(self.checkpoint_state())  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
         self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
         self.sync_weights()  # an external engine starts from the (restored) policy
@@ -96,7 +97,7 @@ class Trainer:
             self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **self.warm_start()})
             self.sync_weights()  # an external engine generates with the warm-started policy from the first batch on
             if self.cfg.steps == 0:  # a warm-start-only run: its checkpoint is where RL runs start (model.load)
-                checkpointing.save(self, 0)
+                checkpointing.save(self.checkpoint_state(), 0)
         self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference
         for step in range(self.start_step, self.cfg.steps):
             timer = PhaseTimer()
@@ -276,10 +277,18 @@ class Trainer:
         stopping = self.stop.agreed(self.parallel.device)  # signals reach ranks at slightly different times
         every = self.cfg.checkpoint.save_every
         if stopping or step == self.cfg.steps or (every and step % every == 0):
-            checkpointing.save(self, step)
+            checkpointing.save(self.checkpoint_state(), step)
         return stopping
 
     # ------------------------------------------------------------------------------------------------ helpers
+
+    def checkpoint_state(self) -> TrainerState:
+        """The components a checkpoint saves and a resume restores, by name (checkpointing.TrainerState): with
+        bounded staleness or partial rollouts also the rollouts asked for and not yet trained on."""
+        return TrainerState(self.cfg, self.parallel, self.policy, self.task.hf_config, self.vocab_size,
+                            shared={"loader": self.loader, "scheduler": self.policy.scheduler},
+                            per_rank={"rollouts": self.rollouts} if checkpointing.holds_rollouts(self.cfg.rollout)
+                            else {})
 
     def sampling_params(self, step: int, round_index: int) -> SamplingParams:
         r = self.cfg.rollout

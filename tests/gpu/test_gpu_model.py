@@ -10,8 +10,8 @@ from cuda_only import pytestmark, skip_without_cuda  # noqa: F401  (pytestmark m
 skip_without_cuda()
 
 from distributed_harness import run_distributed  # noqa: E402
-from test_converters import assert_bit_exact, read_safetensors_dir  # noqa: E402
-from test_vocab_parallel import _reference  # noqa: E402
+from checkpoint_checks import assert_bit_exact, read_safetensors_dir  # noqa: E402
+from vocab_references import float64_reference  # noqa: E402
 from tiny_models import make_tiny_model, make_tiny_qwen2  # noqa: E402
 
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), random weights, tied embeddings.
@@ -106,7 +106,7 @@ def test_vocab_parallel_bf16_matches_float64():
     case = dict(logits=logits.double(), targets=torch.randint(0, vocab, (tokens,), generator=g), vocab_size=vocab,
                 temperature=0.9, weight_lp=torch.randn(tokens, generator=g, dtype=torch.float64),
                 weight_ent=torch.randn(tokens, generator=g, dtype=torch.float64))
-    ref = _reference(case)
+    ref = float64_reference(case)
     for chunk_size in (None, 100):
         x = logits.cuda().requires_grad_()
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(

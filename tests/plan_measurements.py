@@ -1,0 +1,61 @@
+"""What the planner's numbers are checked against, measured on real megatron-core models (on the CPU platform
+layer's "cuda"): the bytes autograd saves in one forward (a probe layer's activations) and the training state's
+tensors after one Adam step. Used by test_plan.py and the Qwen3 / Qwen3-MoE config tests."""
+import torch
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once, padding included)."""
+    storages = {}
+    for t in tensors:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def state_bytes_after_one_step(chunks, ddp, optimizer, vocab_size: int) -> dict:
+    """One Adam step on a random batch through megatron-core's DDP and optimizer (a chained one too: each of its
+    optimizers), then the bytes of the parameter, gradient and optimizer-state tensors (moments and fp32 master
+    weights) that exist afterwards."""
+    tokens = torch.randint(0, vocab_size, (2, 32), device="cuda")
+    positions = torch.arange(32, device="cuda").expand(2, 32)
+    mask = torch.triu(torch.ones(1, 1, 32, 32, dtype=torch.bool, device="cuda"), 1)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    ddp(tokens, positions, mask).float().pow(2).mean().backward()
+    ddp.finish_grad_sync()
+    assert optimizer.step()[0]
+    params = list(chunks[0].parameters())
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    adams = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    state = [v for adam in adams for s in adam.state.values() for v in s.values()
+             if torch.is_tensor(v) and v.numel() > 1]
+    masters = [p for adam in adams for g in adam.param_groups for p in g["params"]
+               if p.untyped_storage().data_ptr() not in param_storages]
+    return {"optimizers": len(adams), "parameters": _storage_bytes(params),
+            "gradients": _storage_bytes(p.main_grad for p in params),
+            "optimizer": _storage_bytes(state) + _storage_bytes(masters)}
+
+
+LAYER_PROBE = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
+               "intermediate_size": 320, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48,
+               "vocab_size": 1000, "tie_word_embeddings": False, "max_position_embeddings": 512}
+PROBE_SEQ, PROBE_BATCH = 40, 3
+
+
+def saved_activation_bytes(model, *, seq_len, batch) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves during one forward."""
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (batch, seq_len), device="cuda")
+    positions = torch.arange(seq_len, device="cuda").expand(batch, seq_len)
+    mask = torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device="cuda"), 1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, positions, mask)
+    return sum(saved.values())

@@ -115,9 +115,10 @@ class ParallelGroups:
 
     @property
     def sequence_multiple(self) -> int:
-        """Token sequences must be padded to a multiple of this: TP with sequence parallelism (megatron splits the
-        sequence over the TP ranks), else 1."""
-        return self.tp_size if self.sequence_parallel else 1
+        """Token rows must be padded to a multiple of this: TP with sequence parallelism (megatron splits the
+        sequence over the TP ranks), times 2 x CP with context parallelism (2 CP chunks of a row, each rank's two
+        then split over TP), else 1."""
+        return (self.tp_size if self.sequence_parallel else 1) * (2 * self.cp_size if self.cp_size > 1 else 1)
 
     @property
     def last_stage_global_rank(self) -> int:

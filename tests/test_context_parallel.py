@@ -1,6 +1,7 @@
 """Context parallelism on CPU: the local spec's all-gather attention (models/context_attention.py) at CP = 2 gives the
 logits of CP = 1, and parameter gradients summed over the CP ranks equal CP = 1's, for padded rows (causal mask) and
-packed rows (block-causal mask), on a tiny Qwen2 (q/k/v bias) and a tiny Qwen3 (per-head q/k norms)."""
+packed rows (block-causal mask), on a tiny Qwen2 (q/k/v bias) and a tiny Qwen3 (per-head q/k norms); so do the
+per-token log-probs and entropies of the scoring pass (training/forward.py), split and gathered back over CP."""
 import pytest
 import torch
 
@@ -13,27 +14,27 @@ SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 4
 ROW_MULTIPLE = 4
 
 
-def _rows(pack: bool, device):
-    """(tokens_BL, position_ids_BL, attention_mask or None) of SEQUENCES: padded rows (megatron's causal mask) or one
-    packed row with its block-causal mask, as training/forward.py builds them."""
-    from megatron_gtpo.training.forward import block_causal_mask, make_micro_batches, pack_sequences
+def _micro_batch(pack: bool, device):
+    """SEQUENCES as padded rows (megatron's causal mask) or one packed row (block-causal mask), as the training
+    passes cut them (training/forward.py)."""
+    from megatron_gtpo.training.forward import make_micro_batches, pack_sequences
 
     if pack:
-        mb = pack_sequences(SEQUENCES, device=device, pad_to_multiple=ROW_MULTIPLE)
-        return mb.tokens_BL, mb.position_ids_BL, block_causal_mask(mb.cu_seqlens, mb.tokens_BL.shape[1])
-    mb = make_micro_batches(SEQUENCES, len(SEQUENCES), device=device, pad_to_multiple=ROW_MULTIPLE)[0]
-    return mb.tokens_BL, mb.position_ids_BL, None
+        return pack_sequences(SEQUENCES, device=device, pad_to_multiple=ROW_MULTIPLE)
+    return make_micro_batches(SEQUENCES, len(SEQUENCES), device=device, pad_to_multiple=ROW_MULTIPLE)[0]
 
 
 def _logits_and_grads(rank, world_size, model_dirs, cp):
-    """Per model and row layout: the whole rows' logits [B, L, V] and every parameter's gradient of a fixed
-    weighted sum of the logits, summed over the CP ranks (each rank's is the part its positions contribute)."""
+    """Per model and row layout: the whole rows' logits [B, L, V], every parameter's gradient of a fixed weighted sum
+    of the logits, summed over the CP ranks (each rank's is the part its positions contribute), and the scoring
+    pass's (logprobs_BL, entropy_BL)."""
     import torch.distributed as dist
 
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.distributed.context_parallel import load_balanced_positions
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen import build_model
+    from megatron_gtpo.training.forward import block_causal_mask, forward_logprobs_and_entropy
 
     groups = initialize_parallel(1, 1, context_parallel=cp)
     out = []
@@ -43,7 +44,9 @@ def _logits_and_grads(rank, world_size, model_dirs, cp):
             load_hf_weights([model], ckpt)
         model.eval()
         for pack in (False, True):
-            tokens_BL, position_ids_BL, mask = _rows(pack, groups.device)
+            mb = _micro_batch(pack, groups.device)
+            tokens_BL, position_ids_BL = mb.tokens_BL, mb.position_ids_BL
+            mask = block_causal_mask(mb.cu_seqlens, tokens_BL.shape[1]) if pack else None
             positions = load_balanced_positions(tokens_BL.shape[1], groups.cp_rank, cp, device=groups.device)
             logits_BlV = model(tokens_BL[:, positions], position_ids_BL[:, positions], attention_mask=mask)
             weights_BLV = torch.randn((*tokens_BL.shape, logits_BlV.shape[-1]),
@@ -58,7 +61,9 @@ def _logits_and_grads(rank, world_size, model_dirs, cp):
             logits_BLV = torch.empty((*tokens_BL.shape, logits_BlV.shape[-1]), device=groups.device)
             for r, part in enumerate(parts):
                 logits_BLV[:, load_balanced_positions(tokens_BL.shape[1], r, cp, device=groups.device)] = part
-            out.append((logits_BLV.cpu(), {name: grad.cpu() for name, grad in grads.items()}))
+            (scores,) = forward_logprobs_and_entropy([model], [mb], groups, vocab_size=TINY["vocab_size"])
+            out.append((logits_BLV.cpu(), {name: grad.cpu() for name, grad in grads.items()},
+                        [v.cpu() for v in scores]))
     return out
 
 
@@ -78,8 +83,10 @@ def test_all_gather_attention_at_cp2_equals_cp1(model_dirs):
     split = run_distributed(_logits_and_grads, 2, args=(model_dirs, 2), timeout_s=300)
     cases = [f"{family} {'packed' if pack else 'padded'}" for family in ("qwen2", "qwen3") for pack in (False, True)]
     for rank_out in split:
-        for case, (ref_logits, ref_grads), (logits, grads) in zip(cases, reference, rank_out):
+        for case, (ref_logits, ref_grads, ref_scores), (logits, grads, scores) in zip(cases, reference, rank_out):
             torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: {m}")
+            for values, ref in zip(scores, ref_scores):  # log-probs, entropies
+                torch.testing.assert_close(values, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case} scores: {m}")
             for name, ref in ref_grads.items():
                 scale = ref.abs().max().clamp_min(1e-6)
                 assert (grads[name] - ref).abs().max() / scale < 1e-5, f"{case}: gradient of {name}"

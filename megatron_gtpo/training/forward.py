@@ -224,7 +224,8 @@ def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.T
     place logits become log-probs and entropies (the old-policy pass, the update, scoring). `check_targets` checks
     the ids' range, at the cost of a host sync. Under context parallelism the logits are this rank's positions of the
     whole rows `tokens_BL` (`on_context_rank`), and the values come back for the whole rows, gathered over the CP
-    ranks (differentiably: each rank's part receives the gradient of every rank's use of it)."""
+    ranks: every CP rank then computes the same loss from them, and each keeps the gradient of its own positions
+    (distributed/context_parallel.gather_sequence)."""
     targets_BL = next_token_targets(tokens_BL)
     if parallel.cp_size > 1:
         targets_BL = targets_BL[:, load_balanced_positions(tokens_BL.shape[1], parallel.cp_rank, parallel.cp_size,
@@ -234,7 +235,8 @@ def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.T
         temperature=temperature, chunk_size=chunk_size, check_targets=check_targets)
     if parallel.cp_size == 1:
         return values
-    return tuple(gather_sequence(v_BL.t().contiguous(), parallel.cp_group).t() for v_BL in values)
+    return tuple(gather_sequence(v_BL.t().contiguous(), parallel.cp_group, same_use_on_every_rank=True).t()
+                 for v_BL in values)
 
 
 def forward_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], parallel: ParallelGroups,

@@ -1,6 +1,7 @@
 """Context parallelism on CPU: the local spec's all-gather attention (models/context_attention.py) at CP = 2 gives the
 logits of CP = 1, and parameter gradients summed over the CP ranks equal CP = 1's, for padded rows (causal mask) and
-packed rows (block-causal mask), on a tiny Qwen2 (q/k/v bias) and a tiny Qwen3 (per-head q/k norms); so do the
+packed rows (block-causal mask), on a tiny Qwen2 (q/k/v bias), Qwen3 (per-head q/k norms) and Qwen3-MoE (routers
+told which positions are padding, models/moe_routing.py); so do the
 per-token log-probs and entropies of the scoring pass (training/forward.py), split and gathered back over CP."""
 import pytest
 import torch
@@ -34,7 +35,7 @@ def _logits_and_grads(rank, world_size, model_dirs, cp):
     from megatron_gtpo.distributed.context_parallel import load_balanced_positions
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen import build_model
-    from megatron_gtpo.training.forward import block_causal_mask, forward_logprobs_and_entropy
+    from megatron_gtpo.training.forward import forward_logprobs_and_entropy, model_forward, on_context_rank
 
     groups = initialize_parallel(1, 1, context_parallel=cp)
     out = []
@@ -45,10 +46,9 @@ def _logits_and_grads(rank, world_size, model_dirs, cp):
         model.eval()
         for pack in (False, True):
             mb = _micro_batch(pack, groups.device)
-            tokens_BL, position_ids_BL = mb.tokens_BL, mb.position_ids_BL
-            mask = block_causal_mask(mb.cu_seqlens, tokens_BL.shape[1]) if pack else None
+            tokens_BL = mb.tokens_BL
             positions = load_balanced_positions(tokens_BL.shape[1], groups.cp_rank, cp, device=groups.device)
-            logits_BlV = model(tokens_BL[:, positions], position_ids_BL[:, positions], attention_mask=mask)
+            logits_BlV = model_forward(model, on_context_rank(mb, groups), local_attention=True)
             weights_BLV = torch.randn((*tokens_BL.shape, logits_BlV.shape[-1]),
                                       generator=torch.Generator().manual_seed(0)).to(groups.device)
             model.zero_grad()
@@ -70,7 +70,7 @@ def _logits_and_grads(rank, world_size, model_dirs, cp):
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     dirs = []
-    for family, extra in (("qwen2", {}), ("qwen3", {"head_dim": 32})):
+    for family, extra in (("qwen2", {}), ("qwen3", {"head_dim": 32}), ("qwen3_moe", {"head_dim": 32})):
         path = tmp_path_factory.mktemp(family)
         make_tiny_model(path, family, seed=3, **TINY, **extra)
         dirs.append(str(path))
@@ -81,7 +81,8 @@ def model_dirs(tmp_path_factory):
 def test_all_gather_attention_at_cp2_equals_cp1(model_dirs):
     reference = run_distributed(_logits_and_grads, 1, args=(model_dirs, 1), timeout_s=300)[0]
     split = run_distributed(_logits_and_grads, 2, args=(model_dirs, 2), timeout_s=300)
-    cases = [f"{family} {'packed' if pack else 'padded'}" for family in ("qwen2", "qwen3") for pack in (False, True)]
+    cases = [f"{family} {'packed' if pack else 'padded'}" for family in ("qwen2", "qwen3", "qwen3_moe")
+             for pack in (False, True)]
     for rank_out in split:
         for case, (ref_logits, ref_grads, ref_scores), (logits, grads, scores) in zip(cases, reference, rank_out):
             torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: {m}")

@@ -77,8 +77,9 @@ class ParallelConfig:
 
     def check(self) -> None:
         _need(self.context == 1,
-              f"parallel.context: {self.context} is not supported by the trainer yet (the RL step runs at context "
-              f"parallel size 1; python -m megatron_gtpo.score --cp scores under context parallelism)")
+              f"parallel.context: {self.context} is not supported by the trainer yet (its rollout, reward and "
+              f"weight-sync groups do not span the context-parallel ranks); python -m megatron_gtpo.score --cp "
+              f"scores under context parallelism")
 
 
 @dataclass

@@ -6,7 +6,7 @@ the context-parallel group (their gradients are reduce-scattered back), puts the
 rank's queries (its load-balanced chunks, distributed/context_parallel.py) attend to them under the causal mask on
 row positions, or under a packed row's block-causal mask (training/forward.py), of which it takes its queries' rows.
 Each query then sees exactly the keys it sees at CP = 1, through megatron's own attention arithmetic. It holds the
-whole row's K/V on every rank (ring attention avoids that): the CPU's attention, and the reference for TE's on a GPU.
+whole row's K/V on every rank (ring attention avoids that): the CPU's attention, which TE's on a GPU must agree with.
 """
 from __future__ import annotations
 

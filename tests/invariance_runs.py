@@ -81,8 +81,8 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
              cp=1):
     """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch, pack), through the
     trainer's own step batch and update_policy, with sequence parallelism if `sp`, full activation recompute
-    (model.recompute_activations) if `recompute` and context parallel size `cp`; a mixture-of-experts model's experts at EP `ep` and ETP `etp`, with
-    `replay` routing every token to arbitrary recorded experts (`_replayed_routes`)."""
+    (model.recompute_activations) if `recompute` and context parallel size `cp`; a mixture-of-experts model's experts
+    at EP `ep` and ETP `etp`, with `replay` routing every token to arbitrary recorded experts (`_replayed_routes`)."""
 
     from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config

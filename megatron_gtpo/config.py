@@ -18,7 +18,7 @@ from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.config_rules import ENGINE_OPTIONS, REMOTE_ENGINES, Features, refused_by
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 from megatron_gtpo.data.templates import DATA_TEMPLATES
-from megatron_gtpo.layout import LayoutError, ParallelLayout, RolloutLayout, check_layout
+from megatron_gtpo.layout import CP_COMM_TYPES, LayoutError, ParallelLayout, RolloutLayout, check_layout
 
 
 class ConfigError(ValueError):
@@ -70,6 +70,16 @@ class ParallelConfig:
     # (ETP; null: parallel.tensor). The rules: layout.check_layout; README, "Expert parallelism".
     expert: int = 1
     expert_tensor: int | None = None
+    # Context parallelism (CP): every sequence split over `context` ranks (layout.ParallelLayout); on GPU, Transformer
+    # Engine's attention exchanges K/V by `context_comm`: p2p (a ring), all_gather, a2a or a2a+p2p.
+    context: int = 1
+    context_comm: str = "p2p"
+
+    def check(self) -> None:
+        _need(self.context == 1,
+              f"parallel.context: {self.context} is not supported by the trainer yet (its rollout, reward and "
+              f"weight-sync groups do not span the context-parallel ranks); python -m megatron_gtpo.score --cp "
+              f"scores under context parallelism")
 
 
 @dataclass
@@ -296,7 +306,8 @@ class TrainConfig:
     def check(self) -> None:
         """Each section's own checks (the `check` methods beside them)."""
         _need(self.steps >= 0, f"steps: must be >= 0, got {self.steps}")
-        for section in (self.model, self.rollout, self.algorithm, self.optim, self.data, self.checkpoint):
+        for section in (self.model, self.parallel, self.rollout, self.algorithm, self.optim, self.data,
+                        self.checkpoint):
             section.check()
 
 
@@ -308,6 +319,7 @@ _CHOICES = {
     "algorithm.rollout_is": ("none", "token", "sequence", "geometric"),
     "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
     "algorithm.routing_replay": ("none", "rollout"),
+    "parallel.context_comm": CP_COMM_TYPES,
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
     "data.task": tuple(SYNTHETIC_TASKS),  # data/synthetic_tasks.py: the only list of tasks
     "data.template": tuple(DATA_TEMPLATES),  # data/templates.py: the only list of templates
@@ -451,12 +463,12 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
     try:
         if world_size is None:
             layout = ParallelLayout(par.tensor, par.pipeline, None, par.virtual_pipeline, par.sequence_parallel,
-                                    expert=par.expert, expert_tensor=par.expert_tensor)
+                                    expert=par.expert, expert_tensor=par.expert_tensor, context=par.context)
         else:
             layout = ParallelLayout.from_world_size(world_size, tensor=par.tensor, pipeline=par.pipeline,
                                                     virtual_pipeline=par.virtual_pipeline,
                                                     sequence_parallel=par.sequence_parallel, expert=par.expert,
-                                                    expert_tensor=par.expert_tensor)
+                                                    expert_tensor=par.expert_tensor, context=par.context)
         check_layout(layout, shape=shape, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
                      rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)),

@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# How Transformer Engine's attention exchanges keys and values over the context-parallel ranks (megatron-core's
+# cp_comm_type): a ring of point-to-point sends, one all-gather, all-to-all over heads, or both.
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
 class LayoutError(ValueError):
     """A parallel layout the model, megatron-core or the rollout engines cannot run; the message names the keys."""
 
@@ -19,9 +24,10 @@ class LayoutError(ValueError):
 class ParallelLayout:
     """Sizes of the parallel dimensions. `data` is None where the world size is not known yet (a config on its
     own). `expert` (EP) and `expert_tensor` (ETP; None: TP, megatron's default) place a mixture-of-experts model's
-    experts: megatron-core lays the expert part of every pipeline stage's TP x DP ranks out again as ETP x EP x
+    experts: megatron-core lays the expert part of every pipeline stage's TP x CP x DP ranks out again as ETP x EP x
     expert-DP, so each EP rank holds num_experts / EP experts, split over ETP ranks, and the tokens of its EP group
-    travel to them by all-to-all (`check_layout` has the rules)."""
+    travel to them by all-to-all (`check_layout` has the rules). `context` (CP) splits every sequence over that many
+    ranks, each holding 2 of its 2 x CP chunks (megatron's load-balanced layout); the world is TP x PP x CP x DP."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -30,24 +36,27 @@ class ParallelLayout:
     sequence_parallel: bool = False
     expert: int = 1
     expert_tensor: int | None = None
+    context: int = 1
 
     @property
     def expert_tensor_size(self) -> int:
         return self.tensor if self.expert_tensor is None else self.expert_tensor
 
     @classmethod
-    def from_world_size(cls, world_size: int, *, tensor: int = 1, pipeline: int = 1, **rest) -> "ParallelLayout":
-        """The layout whose data-parallel size fills `world_size` processes; LayoutError when TP x PP does not
+    def from_world_size(cls, world_size: int, *, tensor: int = 1, pipeline: int = 1, context: int = 1,
+                        **rest) -> "ParallelLayout":
+        """The layout whose data-parallel size fills `world_size` processes; LayoutError when TP x PP x CP does not
         divide it."""
-        _check_sizes(tensor, pipeline)
-        if world_size % (tensor * pipeline):
-            raise LayoutError(f"parallel: world size {world_size} is not divisible by tensor x pipeline = "
-                              f"{tensor} x {pipeline}")
-        return cls(tensor=tensor, pipeline=pipeline, data=world_size // (tensor * pipeline), **rest)
+        _check_sizes(tensor, pipeline, context)
+        if world_size % (tensor * pipeline * context):
+            raise LayoutError(f"parallel: world size {world_size} is not divisible by tensor x pipeline x context = "
+                              f"{tensor} x {pipeline} x {context}")
+        return cls(tensor=tensor, pipeline=pipeline, data=world_size // (tensor * pipeline * context),
+                   context=context, **rest)
 
     @property
     def world_size(self) -> int:
-        return self.tensor * self.pipeline * (self.data or 1)
+        return self.tensor * self.pipeline * self.context * (self.data or 1)
 
 
 @dataclass(frozen=True)
@@ -65,11 +74,11 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
                  moe: bool | None = None) -> None:
     """LayoutError naming the problem when `layout` cannot run.
 
-    Always: sizes >= 1; virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1; ETP divides TP. With
-    `shape` (an object with num_attention_heads, num_query_groups, ffn_hidden_size, num_layers and moe:
+    Always: sizes >= 1 (CP included); virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1; ETP divides
+    TP. With `shape` (an object with num_attention_heads, num_query_groups, ffn_hidden_size, num_layers and moe:
     models.qwen.ModelShape): the heads, KV heads and FFN width divide by TP, the layers by PP x VPP; experts (EP > 1
     or an ETP of its own) need a mixture-of-experts model, whose experts divide by EP and expert width by ETP. With a
-    known data size: ETP x EP divides TP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
+    known data size: ETP x EP divides TP x CP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
     model at TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without). With
     `prompts_per_step`: the prompts split evenly over the mini-batches, and with a known data size over DP x
     mini-batches. With `rollout`: a mixture-of-experts model (`shape`'s, or `moe` where no shape says: a config with
@@ -77,7 +86,7 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
     replica's GPUs (`check_engine_tensor_parallel`, `check_engine_span`) and, with `shape`, split the attention
     heads; remote engines have one server per data-parallel replica."""
     tp, pp, dp, vpp = layout.tensor, layout.pipeline, layout.data, layout.virtual_pipeline
-    _check_sizes(tp, pp)
+    _check_sizes(tp, pp, layout.context)
     _need(dp is None or dp >= 1, f"parallel: the data-parallel size must be >= 1, got {dp}")
     _need(vpp is None or (vpp >= 1 and pp >= 2),
           f"parallel.virtual_pipeline: needs parallel.pipeline >= 2 and a value >= 1, got {vpp} with pipeline {pp}")
@@ -117,20 +126,21 @@ def _need(condition: bool, message: str) -> None:
         raise LayoutError(message)
 
 
-def _check_sizes(tp: int, pp: int) -> None:
+def _check_sizes(tp: int, pp: int, cp: int = 1) -> None:
     _need(tp >= 1 and pp >= 1, f"parallel.tensor / parallel.pipeline: must be >= 1, got {tp} / {pp}")
+    _need(cp >= 1, f"parallel.context: must be >= 1, got {cp}")
 
 
 def _check_experts(layout: ParallelLayout, shape, training: bool) -> None:
-    ep, etp, tp, dp = layout.expert, layout.expert_tensor_size, layout.tensor, layout.data
+    ep, etp, tp, cp, dp = layout.expert, layout.expert_tensor_size, layout.tensor, layout.context, layout.data
     _need(ep >= 1 and etp >= 1, f"parallel.expert / parallel.expert_tensor: must be >= 1, got {ep} / {etp}")
     # Expert-TP ranks nest inside a TP group: a rank's expert shard is then a slice of its TP group's (the weight
     # sync and the converters rely on it).
     _need(tp % etp == 0, f"parallel.expert_tensor: {etp} must divide parallel.tensor = {tp}")
     if dp is not None:
-        _need((tp * dp) % (etp * ep) == 0,
-              f"parallel.expert: expert_tensor x expert = {etp} x {ep} must divide tensor x data-parallel size = "
-              f"{tp} x {dp} (megatron-core lays each pipeline stage's ranks out again for the experts)")
+        _need((tp * cp * dp) % (etp * ep) == 0,
+              f"parallel.expert: expert_tensor x expert = {etp} x {ep} must divide tensor x context x data-parallel "
+              f"size = {tp} x {cp} x {dp} (megatron-core lays each pipeline stage's ranks out again for the experts)")
     if shape is None:
         return
     moe = getattr(shape, "moe", None)

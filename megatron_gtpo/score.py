@@ -1,12 +1,13 @@
 """Per-token log-probs and entropies of given token ids under a checkpoint, at any TP/PP.
 
     torchrun --nproc_per_node N -m megatron_gtpo.score (--hf HF_DIR | --load MEGATRON_DIR) \
-        --input IN.jsonl --output OUT.jsonl [--tp T --pp P --micro-batch-size B --temperature 1.0]
+        --input IN.jsonl --output OUT.jsonl [--tp T --pp P --cp C --micro-batch-size B --temperature 1.0]
 
 Each input line is {"token_ids": [...]}; each output line {"logprobs": [...], "entropy": [...]} with L-1 entries:
 logprobs[k] = log p(token_ids[k+1] | token_ids[:k+1]), entropy[k] = entropy of that next-token distribution (over
-the true vocabulary, at the given temperature). Data-parallel replicas (world / (TP*PP) of them) score disjoint
-slices. The output file appears only when complete (written to a temporary name, then renamed).
+the true vocabulary, at the given temperature). Context parallelism (--cp) splits every sequence over C ranks.
+Data-parallel replicas (world / (TP*PP*CP) of them) score disjoint slices. The output file appears only when complete
+(written to a temporary name, then renamed).
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--output", required=True)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size (each sequence split over CP ranks)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -97,9 +99,10 @@ def main(argv=None) -> int:
     from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
-    parallel = initialize_parallel(args.tp, args.pp, sequence_parallel=args.sequence_parallel)
+    parallel = initialize_parallel(args.tp, args.pp, sequence_parallel=args.sequence_parallel,
+                                   context_parallel=args.cp)
     chunks = build_model(hf_config, tensor_parallel=args.tp, pipeline_parallel=args.pp, pp_rank=parallel.pp_rank,
-                         sequence_parallel=args.sequence_parallel)
+                         sequence_parallel=args.sequence_parallel, context_parallel=args.cp)
     load_weights(chunks, parallel)
 
     my_indices = list(range(parallel.dp_rank, len(sequences), parallel.dp_size))
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
             for b, length in enumerate(mb.lengths_B.tolist()):
                 rows.append({"logprobs": logprobs_BL[b, :length - 1].tolist(),
                              "entropy": entropy_BL[b, :length - 1].tolist()})
-    if parallel.is_last_stage and parallel.tp_rank == 0:
+    if parallel.is_last_stage and parallel.tp_rank == 0 and parallel.cp_rank == 0:  # CP ranks hold the same rows
         gathered = [None] * parallel.dp_size
         dist.all_gather_object(gathered, list(zip(my_indices, rows)), group=parallel.dp_group)
         if parallel.dp_rank == 0:

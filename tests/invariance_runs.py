@@ -77,11 +77,12 @@ def _replayed_routes(exp, shape, first_sequence: int):
     return ReplayPlan(layers, shape.moe.topk)
 
 
-def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=False, sp=False, recompute=False):
+def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=False, sp=False, recompute=False,
+             cp=1):
     """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch, pack), through the
-    trainer's own step batch and update_policy, with sequence parallelism if `sp` and full activation recompute
-    (model.recompute_activations) if `recompute`; a mixture-of-experts model's experts at EP `ep` and ETP `etp`, with
-    `replay` routing every token to arbitrary recorded experts (`_replayed_routes`)."""
+    trainer's own step batch and update_policy, with sequence parallelism if `sp`, full activation recompute
+    (model.recompute_activations) if `recompute` and context parallel size `cp`; a mixture-of-experts model's experts
+    at EP `ep` and ETP `etp`, with `replay` routing every token to arbitrary recorded experts (`_replayed_routes`)."""
 
     from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config
@@ -97,7 +98,8 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
     from megatron_gtpo.training.update import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
 
-    groups = initialize_parallel(tp, pp, sequence_parallel=sp, expert_parallel=ep, expert_tensor_parallel=etp)
+    groups = initialize_parallel(tp, pp, sequence_parallel=sp, expert_parallel=ep, expert_tensor_parallel=etp,
+                                 context_parallel=cp)
     # adam_eps well above float32 noise: the key bias has an analytically zero gradient (softmax ignores a shift
     # shared by all keys), and Adam with a tiny eps would blow its ~1e-9 rounding noise up to +-lr.
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", "steps=1",
@@ -114,7 +116,7 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
         with HFCheckpoint(model_dir) as ckpt:
             chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
                                  sequence_parallel=sp, expert_parallel=ep, expert_tensor_parallel=etp,
-                                 recompute_activations=recompute)
+                                 recompute_activations=recompute, context_parallel=cp)
             load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks)

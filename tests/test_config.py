@@ -96,10 +96,19 @@ def test_layout_dependent_checks():
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "parallel.tensor=2",
                              "data.prompts_per_step=6"])
     validate_layout(cfg, world_size=4)  # DP = 2 divides 6
-    with pytest.raises(ConfigError, match="world size 5 is not divisible by tensor x pipeline = 2 x 1"):
+    with pytest.raises(ConfigError, match="world size 5 is not divisible by tensor x pipeline x context = 2 x 1 x 1"):
         validate_layout(cfg, world_size=5)
     with pytest.raises(ConfigError, match="data-parallel size x mini_batches_per_step = 4 x 1"):
         validate_layout(cfg, world_size=8)
+
+
+def test_context_parallelism_is_refused_by_the_trainer_and_its_comm_kind_checked():
+    base = ["model.tiny_synthetic=true", "data.source=synthetic"]
+    assert load_config(None, base + ["parallel.context_comm=a2a"]).parallel.context_comm == "a2a"
+    with pytest.raises(ConfigError, match="parallel.context: 2 is not supported by the trainer yet"):
+        load_config(None, base + ["parallel.context=2"])
+    with pytest.raises(ConfigError, match="parallel.context_comm"):
+        load_config(None, base + ["parallel.context_comm=ring"])
 
 
 def test_the_model_must_split_at_the_layout():

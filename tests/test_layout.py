@@ -12,10 +12,17 @@ SHAPE_05B = ModelShape.from_hf(hf_config("qwen2.5-0.5b"))  # 14 heads, 2 query g
 
 def test_the_world_size_sets_data_parallel_or_is_refused():
     assert ParallelLayout.from_world_size(8, tensor=2, pipeline=2).data == 2
-    with pytest.raises(LayoutError, match="world size 6 is not divisible by tensor x pipeline = 2 x 2"):
+    with pytest.raises(LayoutError, match="world size 6 is not divisible by tensor x pipeline x context = 2 x 2 x 1"):
         ParallelLayout.from_world_size(6, tensor=2, pipeline=2)
     with pytest.raises(LayoutError, match="parallel.tensor / parallel.pipeline: must be >= 1, got 0 / 1"):
         ParallelLayout.from_world_size(4, tensor=0)
+    # Context parallelism takes its ranks out of the data-parallel ones: world = TP x PP x CP x DP.
+    layout = ParallelLayout.from_world_size(16, tensor=2, pipeline=2, context=2)
+    assert (layout.data, layout.world_size) == (2, 16)
+    with pytest.raises(LayoutError, match="world size 8 is not divisible by tensor x pipeline x context = 1 x 1 x 3"):
+        ParallelLayout.from_world_size(8, context=3)
+    with pytest.raises(LayoutError, match="parallel.context: must be >= 1, got 0"):
+        ParallelLayout.from_world_size(8, context=0)
 
 
 @pytest.mark.parametrize("layout, kwargs, message", [

@@ -77,7 +77,7 @@ def test_router_settings(norm_topk_prob):
      "moe_intermediate_size 766 is not divisible by ETP=4"),
     (ParallelLayout(tensor=2, expert_tensor=4), {}, "parallel.expert_tensor: 4 must divide parallel.tensor = 2"),
     (ParallelLayout(tensor=2, data=2, expert=4), {},
-     r"expert_tensor x expert = 2 x 4 must divide tensor x data-parallel size = 2 x 2"),
+     r"expert_tensor x expert = 2 x 4 must divide tensor x context x data-parallel size = 2 x 1 x 2"),
     (ParallelLayout(data=2, expert=2), {"shape": SHAPE_30B, "rollout": RolloutLayout("vllm")},
      "rollout.engine: vllm is not supported for a mixture-of-experts model"),
     # megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism.
@@ -88,6 +88,8 @@ def test_router_settings(norm_topk_prob):
     # Fits: EP over the DP replicas (ETP = TP), EP inside TP (ETP 1), or both.
     (ParallelLayout(tensor=2, data=4, expert=4), {"shape": SHAPE_30B}, None),
     (ParallelLayout(tensor=4, data=2, expert=8, expert_tensor=1), {"shape": SHAPE_30B}, None),
+    # The context-parallel ranks of a stage take part in the experts' layout: EP 4 over TP 2 x CP 2.
+    (ParallelLayout(tensor=2, context=2, data=1, expert=4, expert_tensor=1), {"shape": SHAPE_30B}, None),
 ])
 def test_expert_layout_rules(layout, kwargs, message):
     if message is None:

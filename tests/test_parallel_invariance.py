@@ -55,16 +55,20 @@ def test_token_budgets_and_packing_match_sequence_counts(reference, level, plan)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,sp", [(2, 1, False), (2, 1, True), (1, 2, False), (1, 1, False)],
-                         ids=["tp2", "tp2-sequence-parallel", "pp2", "dp2"])
-def test_layouts_match_single_process(reference, tp, pp, sp):
+@pytest.mark.parametrize("tp,pp,sp,cp", [(2, 1, False, 1), (2, 1, True, 1), (1, 2, False, 1), (1, 1, False, 1),
+                                         (2, 1, True, 2)],
+                         ids=["tp2", "tp2-sequence-parallel", "pp2", "dp2", "tp2-sequence-parallel-cp2"])
+def test_layouts_match_single_process(reference, tp, pp, sp, cp):
     """Sequence parallelism: each TP rank runs the norms on its half of every (odd-length: padded) sequence, and the
-    norms' gradients are summed over TP."""
+    norms' gradients are summed over TP. Context parallelism (with TP and SP, on 4 ranks): each CP rank runs its two
+    chunks of every row (padded to a multiple of 8), the log-probs come back whole over CP, and the gradients are
+    summed over DP x CP."""
     path, base = reference
-    world = 2  # (1, 1) on two processes is DP=2
+    world = max(2, tp * pp * cp)  # (1, 1) on two processes is DP=2
     plans = [(2, None, False), BUDGETS[1], PACKED[1]]
-    results = run_distributed(one_step, world, args=(str(path), tp, pp, plans), kwargs={"sp": sp}, timeout_s=300)
-    where = f"TP={tp} PP={pp} DP={world // (tp * pp)} SP={sp}"
+    results = run_distributed(one_step, world, args=(str(path), tp, pp, plans), kwargs={"sp": sp, "cp": cp},
+                              timeout_s=300)
+    where = f"TP={tp} PP={pp} CP={cp} DP={world // (tp * pp * cp)} SP={sp}"
     for plan in plans:  # the old-policy pass
         assert torch.allclose(_scored(results, ("token", plan)), _scored(base, ("token", BY_COUNT)), rtol=0,
                               atol=2e-5), f"{where}, plan {plan}"

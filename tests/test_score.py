@@ -69,6 +69,29 @@ def test_score_matches_float64_reference(tmp_path, tie, convert_tp, flags):
         assert torch.allclose(torch.tensor(row["entropy"], dtype=torch.float64), ent, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_score_with_context_parallelism_equals_cp1(model_and_input, tmp_path):
+    """--cp 2 (every sequence split over 2 ranks, padded to a multiple of 4) scores what --cp 1 scores, to float32
+    rounding, and both match the float64 reference."""
+    root, hf, inp = model_and_input
+    rows = {}
+    for cp in (1, 2):
+        out = tmp_path / f"cp{cp}.jsonl"
+        res = _run_score(["--hf", str(root / "hf"), "--input", str(inp), "--output", str(out), "--cp", str(cp),
+                          "--micro-batch-size", "3"], nproc=cp)
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows[cp] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows[2]) == len(SEQUENCES)
+    for seq, one, two in zip(SEQUENCES, rows[1], rows[2]):
+        for key in ("logprobs", "entropy"):
+            assert len(two[key]) == len(seq) - 1
+            torch.testing.assert_close(torch.tensor(two[key]), torch.tensor(one[key]), rtol=1e-5, atol=1e-6)
+        if len(seq) > 1:
+            lp, ent = _reference(hf, seq, 1.0)
+            assert torch.allclose(torch.tensor(two["logprobs"], dtype=torch.float64), lp, rtol=1e-4, atol=1e-5)
+            assert torch.allclose(torch.tensor(two["entropy"], dtype=torch.float64), ent, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("lines,message", [
     (['{"token_ids": [1, 2, 1000]}'], "outside the vocabulary"),
     (['{"token_ids": [1, 2]}', "not json"], "in.jsonl:2: expected a JSON object"),

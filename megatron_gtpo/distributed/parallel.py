@@ -103,6 +103,11 @@ class ParallelGroups:
     etp_group: dist.ProcessGroup | None = None
     etp_rank: int = 0
     etp_size: int = 1
+    # Context parallelism: every sequence is split over the cp_size ranks of cp_group, rank r holding chunks r and
+    # 2 cp_size - 1 - r of its 2 cp_size chunks (megatron's load-balanced layout; distributed/context_parallel.py).
+    cp_group: dist.ProcessGroup | None = None
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def is_last_stage(self) -> bool:
@@ -110,9 +115,10 @@ class ParallelGroups:
 
     @property
     def sequence_multiple(self) -> int:
-        """Token sequences must be padded to a multiple of this: TP with sequence parallelism (megatron splits the
-        sequence over the TP ranks), else 1."""
-        return self.tp_size if self.sequence_parallel else 1
+        """Token rows must be padded to a multiple of this: TP with sequence parallelism (megatron splits the
+        sequence over the TP ranks), times 2 x CP with context parallelism (2 CP chunks of a row, each rank's two
+        then split over TP), else 1."""
+        return (self.tp_size if self.sequence_parallel else 1) * (2 * self.cp_size if self.cp_size > 1 else 1)
 
     @property
     def last_stage_global_rank(self) -> int:
@@ -140,15 +146,17 @@ def _pick_backend(backend: str | None) -> str:
 def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
                         virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
                         expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
-                        backend: str | None = None, seed: int = 1234, timeout_minutes: float = 30.0) -> ParallelGroups:
+                        context_parallel: int = 1, backend: str | None = None, seed: int = 1234,
+                        timeout_minutes: float = 30.0) -> ParallelGroups:
     """Start torch.distributed (unless already started) and megatron's model-parallel state; seed the RNGs.
 
     Rank layout is megatron's default order (tp-cp-ep-dp-pp): TP ranks are adjacent. The experts of a
     mixture-of-experts model at `expert_parallel` (EP) and `expert_tensor_parallel` (ETP, None: TP): megatron lays
     every stage's ranks out again as etp-ep-edp, so with ETP = TP an EP group is EP consecutive data-parallel
-    replicas. On a machine without CUDA the
-    CPU platform layer is activated first, so megatron-core runs unmodified on gloo. megatron-core's checkpoint writer
-    processes end with the rank, and the rank with its torchrun agent, even after a SIGKILL (process_lifetime.py).
+    replicas. `context_parallel` (CP) ranks split every sequence; they sit between the TP and the DP ranks, and the
+    data-parallel group (`dp_group`) leaves them out. On a machine without CUDA the CPU platform layer is activated
+    first, so megatron-core runs unmodified on gloo. megatron-core's checkpoint writer processes end with the rank, and
+    the rank with its torchrun agent, even after a SIGKILL (process_lifetime.py).
     """
     activate_cpu_platform()
     set_nccl_environment()
@@ -158,7 +166,7 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
     check_layout(ParallelLayout.from_world_size(launch.world_size, tensor=tensor_parallel, pipeline=pipeline_parallel,
                                                 virtual_pipeline=virtual_pipeline_parallel,
                                                 sequence_parallel=sequence_parallel, expert=expert_parallel,
-                                                expert_tensor=expert_tensor_parallel))
+                                                expert_tensor=expert_tensor_parallel, context=context_parallel))
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank)
     if not dist.is_initialized():
@@ -179,6 +187,7 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline_parallel,
+        context_parallel_size=context_parallel,
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=expert_tensor_parallel,
     )
@@ -199,6 +208,7 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
         ep_group=ps.get_expert_model_parallel_group(), ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=expert_parallel, etp_group=ps.get_expert_tensor_parallel_group(),
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+        cp_group=ps.get_context_parallel_group(), cp_rank=ps.get_context_parallel_rank(), cp_size=context_parallel,
     )
 
 

@@ -11,6 +11,8 @@ onto the CPU:
 - the same mode runs the device audit (device_audit.py): every tensor keeps the place it would have on a GPU, and a
   host tensor meeting a device tensor, or going to a collective on a group that is NCCL on a GPU, raises
   DeviceMixError, so the CPU runs catch what would fail on CUDA;
+- `pin_memory=True` (megatron-core's RoPE under context parallelism pins a host tensor) allocates ordinary host
+  memory: the CPU build of torch has no pinned-memory allocator;
 - `torch.Generator(device="cuda")` gives a CPU generator;
 - CUDA streams and events (megatron-core's MoE token dispatcher copies its split sizes to the host on a side
   stream) get stand-ins that order nothing, as everything on the CPU runs in program order: there is one stream,
@@ -79,7 +81,10 @@ class _CudaOnCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return _CUDA_TYPE_NAMES.get(name, name)
-        return self.audit.call(func, args, dict(kwargs or {}), is_cuda_device=_is_cuda_device)
+        kwargs = dict(kwargs or {})
+        if kwargs.get("pin_memory"):  # page-locked host memory speeds up copies to a GPU; there is none to pin for
+            kwargs["pin_memory"] = False
+        return self.audit.call(func, args, kwargs, is_cuda_device=_is_cuda_device)
 
 
 class _CpuGenerator(torch.Generator):

@@ -148,6 +148,7 @@ class ModelShape:
 def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                                virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
                                expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
+                               context_parallel: int = 1, context_comm: str = "p2p",
                                params_dtype: torch.dtype = torch.float32, recompute_activations: bool = False,
                                accelerator: Accelerator | None = None, transformer_engine: bool = False,
                                packed_sequences: bool = False, router_losses: RouterLosses = RouterLosses()):
@@ -155,7 +156,9 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     layer spec (`transformer_engine`) and machine (`accelerator`, default this process's: models/accelerator.py
     decides the fusions). `packed_sequences`: the model will see packed rows (data.pack_sequences). Qwen3-MoE: its
     experts at `expert_parallel` (EP) and `expert_tensor_parallel` (None: TP, megatron's default), with
-    `router_losses` (models/moe.py).
+    `router_losses` (models/moe.py). `context_parallel` (CP) splits every sequence over that many ranks; TE's
+    attention exchanges keys and values by `context_comm` (layout.CP_COMM_TYPES), the local spec's gathers them
+    (models/context_attention.py).
 
     All families: GQA (num_query_groups = num_key_value_heads), head_dim as kv_channels, no biases except Qwen2's on
     q/k/v, RMSNorm, SwiGLU, RoPE (rope_theta is passed to GPTModel, which owns the rotary embedding); Qwen3's per-head
@@ -167,7 +170,7 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
 
     shape = ModelShape.from_hf(hf_config)
     check_layout(ParallelLayout(tensor_parallel, pipeline_parallel, None, virtual_pipeline_parallel, sequence_parallel,
-                                expert=expert_parallel, expert_tensor=expert_tensor_parallel),
+                                expert=expert_parallel, expert_tensor=expert_tensor_parallel, context=context_parallel),
                  shape=shape)  # LayoutError (a ValueError) naming the rule
     accelerator = accelerator or Accelerator.probe()
     if transformer_engine and not accelerator.transformer_engine:
@@ -196,6 +199,8 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
         pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=virtual_pipeline_parallel,
         sequence_parallel=sequence_parallel,
+        context_parallel_size=context_parallel,
+        cp_comm_type=context_comm if context_parallel > 1 else None,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -211,9 +216,12 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
     )
 
 
-def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None = None):
+def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None = None, *,
+               context_parallel: bool = False):
     """Transformer Engine's or megatron's local layer spec; `qk_norm`: with per-head q/k norms (Qwen3); `num_experts`:
-    a router and that many experts in place of the MLP (Qwen3-MoE; TE's grouped GEMM or the local SequentialMLP).
+    a router and that many experts in place of the MLP (Qwen3-MoE; TE's grouped GEMM or the local SequentialMLP);
+    `context_parallel`: the local spec's attention gathers the keys and values of the context-parallel ranks
+    (models/context_attention.py; TE's attention does that by itself).
 
     The local spec stores a dense layer's pre-MLP norm under TE's name (mlp.linear_fc1.layer_norm_weight), since TE
     fuses it into fc1; TE's MoE layer keeps it a module of its own (pre_mlp_layernorm), and so does the local MoE
@@ -228,6 +236,10 @@ def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_norm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = LocalRMSNorm
+    if context_parallel:
+        from .context_attention import AllGatherContextAttention
+
+        attention.core_attention = AllGatherContextAttention
     if qk_norm:
         attention.q_layernorm = attention.k_layernorm = LocalRMSNorm
     if num_experts:
@@ -250,6 +262,7 @@ def decoder_block_spec(layer, config, *, transformer_engine: bool, vp_stage: int
 def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int, pp_rank: int,
                 virtual_pipeline_parallel: int | None = None, sequence_parallel: bool = False,
                 expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
+                context_parallel: int = 1, context_comm: str = "p2p",
                 router_losses: RouterLosses = RouterLosses(), params_dtype: torch.dtype = torch.float32,
                 recompute_activations: bool = False,
                 use_transformer_engine: bool | None = None,
@@ -264,7 +277,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
     `use_transformer_engine` says otherwise. `meta_device=True` builds shapes only (no memory, no initialisation;
     the local spec unless asked otherwise, which has the same parameters): for parameter counts, planning, and
     building a GPU run's model on a CPU (`accelerator=Accelerator(cuda=True, ...)`). Qwen3-MoE: its experts at
-    `expert_parallel` / `expert_tensor_parallel` (initialize_parallel's), with `router_losses`.
+    `expert_parallel` / `expert_tensor_parallel` (initialize_parallel's), with `router_losses`. `context_parallel` /
+    `context_comm`: as transformer_config_from_hf.
     """
     import contextlib
 
@@ -278,12 +292,14 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
         hf_config, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         virtual_pipeline_parallel=virtual_pipeline_parallel, sequence_parallel=sequence_parallel,
         expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
+        context_parallel=context_parallel, context_comm=context_comm,
         params_dtype=params_dtype, recompute_activations=recompute_activations,
         accelerator=accelerator, transformer_engine=use_transformer_engine, packed_sequences=packed_sequences,
         router_losses=router_losses)
     if meta_device:
         config.use_cpu_initialization, config.perform_initialization = True, False
-    spec = layer_spec(use_transformer_engine, shape.qk_norm, shape.moe.num_experts if shape.moe else None)
+    spec = layer_spec(use_transformer_engine, shape.qk_norm, shape.moe.num_experts if shape.moe else None,
+                      context_parallel=context_parallel > 1)
     num_chunks = virtual_pipeline_parallel or 1
     chunks = []
     for vp_stage in range(num_chunks):

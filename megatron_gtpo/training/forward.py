@@ -12,10 +12,18 @@ Two layouts of a micro-batch's rows (`MicroBatch`):
   from the position in the row (GPTModel does not read position_ids for RoPE): q.k under RoPE depends only on the
   difference of two positions, and the mask only lets a token see tokens of its own sequence, so the logits equal
   those of positions restarting at 0, up to rounding.
+
+Context parallelism (CP > 1): a micro-batch keeps its whole rows; `on_context_rank` marks the row positions this rank
+feeds the model (megatron's load-balanced layout, distributed/context_parallel.py), which `model_forward` cuts out and
+the attention completes from the other ranks (a packed row's mask stays the whole row's). The next-token targets are
+made from the whole rows before the cut, and the per-token log-probs and entropies gathered back into row order
+(`next_token_logprobs_and_entropy`), so everything after them sees the layout of CP = 1. Rows must be a multiple of
+2 x CP long (ParallelGroups.sequence_multiple).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -23,6 +31,7 @@ from typing import Callable
 import torch
 
 from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
+from megatron_gtpo.distributed.context_parallel import gather_sequence, load_balanced_positions
 from megatron_gtpo.models.moe_routing import RoutedExperts, prepare_routers
 
 
@@ -41,11 +50,25 @@ class MicroBatch:
     # Routing replay (a mixture-of-experts model): the experts [B, L, M, k] every token goes to at each of this
     # rank's MoE layers (models/moe_routing.py); None: the routers choose.
     routed_experts: RoutedExperts | None = None
+    # Context parallelism: long [L / CP], the row positions this rank feeds the model (`on_context_rank`); None: all.
+    context_positions_L: torch.Tensor | None = None
 
     @property
     def token_mask_LB(self) -> torch.Tensor:
-        """bool [L, B]: the row positions that hold tokens (not padding), in the routers' order."""
-        return torch.arange(self.tokens_BL.shape[1], device=self.lengths_B.device)[:, None] < self.lengths_B[None, :]
+        """bool [L, B]: the row positions the model sees that hold tokens (not padding), in the routers' order."""
+        mask_LB = torch.arange(self.tokens_BL.shape[1], device=self.lengths_B.device)[:, None] < self.lengths_B[None, :]
+        return mask_LB if self.context_positions_L is None else mask_LB[self.context_positions_L]
+
+
+def on_context_rank(mb: MicroBatch, parallel: ParallelGroups) -> MicroBatch:
+    """`mb` with the row positions this context-parallel rank feeds the model marked (itself at CP = 1)."""
+    if parallel.cp_size == 1:
+        return mb
+    if mb.routed_experts is not None:
+        raise ValueError("algorithm.routing_replay: replaying the rollout's experts under parallel.context > 1 is not "
+                         "supported")
+    return dataclasses.replace(mb, context_positions_L=load_balanced_positions(
+        mb.tokens_BL.shape[1], parallel.cp_rank, parallel.cp_size, device=mb.tokens_BL.device))
 
 
 def next_token_targets(tokens_BL: torch.Tensor) -> torch.Tensor:
@@ -144,17 +167,23 @@ def model_forward(model, mb: MicroBatch, *, local_attention: bool):
         raise ValueError("data.pack_sequences on megatron-core's local layer spec needs masked_softmax_fusion "
                          "off (its fused causal softmax ignores the block-diagonal mask): use Transformer "
                          "Engine on GPU (THD), or set data.pack_sequences=false")
+    if mb.cu_seqlens is not None and not local_attention and mb.context_positions_L is not None:
+        raise ValueError("data.pack_sequences with parallel.context > 1 on Transformer Engine (THD) needs every "
+                         "sequence split over the context-parallel ranks on its own, which is not implemented: set "
+                         "data.pack_sequences=false")
     prepare_routers(model, mb.routed_experts, mb.token_mask_LB)
+    tokens_BL, position_ids_BL = mb.tokens_BL, mb.position_ids_BL
+    if mb.context_positions_L is not None:
+        tokens_BL, position_ids_BL = tokens_BL[:, mb.context_positions_L], position_ids_BL[:, mb.context_positions_L]
     if mb.cu_seqlens is None:
-        return model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None)
+        return model(tokens_BL, position_ids_BL, attention_mask=None)
     if packed_locally:
-        return model(mb.tokens_BL, mb.position_ids_BL,
-                     attention_mask=block_causal_mask(mb.cu_seqlens, mb.tokens_BL.shape[1]))
+        return model(tokens_BL, position_ids_BL, attention_mask=block_causal_mask(mb.cu_seqlens, mb.tokens_BL.shape[1]))
     from megatron.core.packed_seq_params import PackedSeqParams
 
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                              max_seqlen_q=mb.max_segment, max_seqlen_kv=mb.max_segment)
-    return model(mb.tokens_BL, mb.position_ids_BL, attention_mask=None, packed_seq_params=params)
+    return model(tokens_BL, position_ids_BL, attention_mask=None, packed_seq_params=params)
 
 
 def run_pipeline(model_chunks: list, micro_batches: list, on_last_stage: Callable, *, forward_only: bool,
@@ -193,10 +222,21 @@ def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.T
     under logits / temperature, and the entropy of that next-token distribution over the true vocabulary (the last
     column, and in a packed row each sequence's last, hold garbage: their next token is not their own). The one
     place logits become log-probs and entropies (the old-policy pass, the update, scoring). `check_targets` checks
-    the ids' range, at the cost of a host sync."""
-    return vocab_parallel_logprobs_and_entropy(
-        logits_BLV, next_token_targets(tokens_BL), tp_group=parallel.tp_group, vocab_size=vocab_size,
+    the ids' range, at the cost of a host sync. Under context parallelism the logits are this rank's positions of the
+    whole rows `tokens_BL` (`on_context_rank`), and the values come back for the whole rows, gathered over the CP
+    ranks: every CP rank then computes the same loss from them, and each keeps the gradient of its own positions
+    (distributed/context_parallel.gather_sequence)."""
+    targets_BL = next_token_targets(tokens_BL)
+    if parallel.cp_size > 1:
+        targets_BL = targets_BL[:, load_balanced_positions(tokens_BL.shape[1], parallel.cp_rank, parallel.cp_size,
+                                                           device=tokens_BL.device)]
+    values = vocab_parallel_logprobs_and_entropy(
+        logits_BLV, targets_BL, tp_group=parallel.tp_group, vocab_size=vocab_size,
         temperature=temperature, chunk_size=chunk_size, check_targets=check_targets)
+    if parallel.cp_size == 1:
+        return values
+    return tuple(gather_sequence(v_BL.t().contiguous(), parallel.cp_group, same_use_on_every_rank=True).t()
+                 for v_BL in values)
 
 
 def forward_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], parallel: ParallelGroups,
@@ -215,4 +255,5 @@ def forward_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBa
 
     for model in model_chunks:
         model.eval()
-    return run_pipeline(model_chunks, micro_batches, on_last_stage, forward_only=True)
+    return run_pipeline(model_chunks, micro_batches, on_last_stage, forward_only=True,
+                        inputs=lambda mb: on_context_rank(mb, parallel))

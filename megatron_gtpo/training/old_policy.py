@@ -10,7 +10,7 @@ import torch
 from megatron_gtpo.algorithms.rollout_correction import rollout_correction
 from megatron_gtpo.distributed import ParallelGroups
 
-from .forward import next_token_logprobs_and_entropy, run_pipeline
+from .forward import next_token_logprobs_and_entropy, on_context_rank, run_pipeline
 from .step_batch import StepBatch
 
 
@@ -42,7 +42,8 @@ def _response_logprobs_and_entropy(model_chunks, *, batch: StepBatch, micro_batc
 
     for model in model_chunks:
         model.eval()
-    outputs = run_pipeline(model_chunks, micro_batches, on_last_stage, forward_only=True, inputs=lambda mb: mb.inputs)
+    outputs = run_pipeline(model_chunks, micro_batches, on_last_stage, forward_only=True,
+                           inputs=lambda mb: on_context_rank(mb.inputs, parallel))
     if not parallel.is_last_stage:
         return None, None
     logprobs_ST = torch.zeros(batch.mask_ST.shape, device=parallel.device)

@@ -15,7 +15,7 @@ import torch
 
 from megatron_gtpo.distributed import ParallelGroups
 
-from .forward import MicroBatch, next_token_logprobs_and_entropy, run_pipeline
+from .forward import MicroBatch, next_token_logprobs_and_entropy, on_context_rank, run_pipeline
 from .model_setup import PolicyModel
 from .step_batch import MicroBatchColumns, PlannedMicroBatch, StepBatch
 
@@ -80,7 +80,7 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], p
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor")
         policy.optimizer.zero_grad()
     metrics = run_pipeline(policy.ddp_chunks, micro_batches, loss_on_last_stage, forward_only=False,
-                           inputs=lambda mb: mb.inputs)
+                           inputs=lambda mb: on_context_rank(mb.inputs, parallel))
     if lr is not None:
         for param_group in policy.optimizer.param_groups:
             param_group["lr"] = lr

@@ -107,7 +107,9 @@ def test_rollout_servers_start_with_the_trainers_nccl_environment(monkeypatch, e
 
     for key in [*NCCL_ENVIRONMENT, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT"]:  # what main sets, restored afterwards
-        monkeypatch.delenv(key, raising=False)
+        # set first: monkeypatch restores only what it changed, and deleting an absent key is no change
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     seen = {}
     monkeypatch.setattr(remote_server, "serve", lambda *args, **kwargs: seen.update(os.environ))
     remote_server.main(["--hf-dir", "unused", "--listen", "127.0.0.1:1", "--engine", engine])

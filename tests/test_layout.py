@@ -44,13 +44,12 @@ def test_the_world_size_sets_data_parallel_or_is_refused():
     (ParallelLayout(data=2), {"rollout": RolloutLayout("vllm_remote", remote_servers=1)},
      r"rollout.remote_addresses: 1 given, but there are 2 data-parallel replicas"),
     (ParallelLayout(tensor=4), {"shape": SHAPE_7B, "rollout": RolloutLayout("vllm", engine_tensor_parallel=4)}, None),
-    # Before the world size is known: the prompts over the mini-batches; before the model is read, a config that
-    # says it has experts (routing replay) needs the built-in engine.
+    # Before the world size is known: the prompts over the mini-batches; routing replay needs the built-in engine.
     (ParallelLayout(data=None), {"prompts_per_step": 6, "mini_batches_per_step": 4},
      r"data.prompts_per_step \(6\) must be divisible by data.mini_batches_per_step \(4\)"),
-    (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin_remote"), "moe": True},
-     "rollout.engine: builtin_remote is not supported for a mixture-of-experts model"),
-    (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin"), "moe": True}, None),
+    (ParallelLayout(data=None), {"rollout": RolloutLayout("vllm"), "routing_replay": True},
+     "rollout.engine: vllm does not record routing for algorithm.routing_replay: rollout"),
+    (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin"), "routing_replay": True}, None),
 ])
 def test_each_rule_names_its_keys(layout, kwargs, message):
     if message is None:

@@ -78,8 +78,13 @@ def test_router_settings(norm_topk_prob):
     (ParallelLayout(tensor=2, expert_tensor=4), {}, "parallel.expert_tensor: 4 must divide parallel.tensor = 2"),
     (ParallelLayout(tensor=2, data=2, expert=4), {},
      r"expert_tensor x expert = 2 x 4 must divide tensor x context x data-parallel size = 2 x 1 x 2"),
-    (ParallelLayout(data=2, expert=2), {"shape": SHAPE_30B, "rollout": RolloutLayout("vllm")},
-     "rollout.engine: vllm is not supported for a mixture-of-experts model"),
+    # vLLM serves a mixture-of-experts model (colocated or remote); a built-in rollout server does not.
+    (ParallelLayout(data=2, expert=2),
+     {"shape": SHAPE_30B, "rollout": RolloutLayout("builtin_remote", remote_servers=2)},
+     "rollout.engine: builtin_remote is not supported for a mixture-of-experts model"),
+    (ParallelLayout(data=2, expert=2), {"shape": SHAPE_30B, "rollout": RolloutLayout("vllm")}, None),
+    (ParallelLayout(data=2, expert=2), {"shape": SHAPE_30B, "rollout": RolloutLayout("vllm_remote", remote_servers=2)},
+     None),
     # megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism.
     (ParallelLayout(tensor=2, data=2, expert=2), {"shape": SHAPE_30B, "training": True},
      "a mixture-of-experts model trains at TP > 1 only with parallel.sequence_parallel"),
@@ -134,9 +139,9 @@ def test_planner_counts_equal_meta_device_models_at_expert_layouts():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    # Routing replay stands for a mixture-of-experts model before the model is read: layout.check_layout's one rule.
+    # Routing replay needs the routing recorded at generation: layout.check_layout's one rule.
     (["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=."],
-     "rollout.engine: vllm is not supported for a mixture-of-experts model"),
+     "rollout.engine: vllm does not record routing for algorithm.routing_replay: rollout"),
 ])
 def test_routing_replay_is_refused_where_it_cannot_run(overrides, message):
     from megatron_gtpo.config import ConfigError, load_config

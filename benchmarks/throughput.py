@@ -57,11 +57,11 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
     """Run the trainer's main with the old-policy pass observed; write this rank's record."""
     import torch
 
-    import megatron_gtpo.training.old_policy as old_policy
+    import megatron_gtpo.training.forward as forward
     from megatron_gtpo.train import main
     from megatron_gtpo.training.trainer import Trainer
 
-    op = old_policy.vocab_parallel_logprobs_and_entropy
+    op = forward.vocab_parallel_logprobs_and_entropy
     state = {"scoring": False, "op_s": 0.0, "reference_s": 0.0, "added_s": 0.0, "run": None}
     steps = []
 
@@ -95,10 +95,10 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
 
     old_policy_pass = Trainer.old_policy_pass
 
-    def observed_score(trainer, batch):
+    def observed_score(trainer, batch, *args, **kwargs):
         state.update(scoring=True, op_s=0.0, reference_s=0.0, added_s=0.0, run=trainer)
         try:
-            old_policy_pass(trainer, batch)
+            old_policy_pass(trainer, batch, *args, **kwargs)
         finally:
             state["scoring"] = False
         lengths = batch.sequence_lengths
@@ -106,7 +106,7 @@ def _worker(record_dir: str, logprob_reference: bool, train_argv: list[str]) -> 
                       "sequences": len(lengths), "entropy_op_s": state["op_s"],
                       "reference_op_s": state["reference_s"], "added_s": state["added_s"]})
 
-    old_policy.vocab_parallel_logprobs_and_entropy = timed_op
+    forward.vocab_parallel_logprobs_and_entropy = timed_op  # the one place logits become log-probs
     Trainer.old_policy_pass = observed_score
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -306,7 +306,7 @@ def memory_lines(records_by_algorithm: dict) -> list[str]:
     """The measured CUDA peak (the worst rank) against the planner's peaks for the same shape, layout and workload
     (GPU runs only)."""
     rows = {name: records for name, records in records_by_algorithm.items()
-            if all("max_memory_allocated_gib" in r for r in records)}
+            if records and all("max_memory_allocated_gib" in r for r in records)}
     if not rows:
         return []
     lines = ["", "## Peak GPU memory against the planner (GiB)", "",
@@ -327,13 +327,15 @@ def memory_lines(records_by_algorithm: dict) -> list[str]:
 
 
 def format_report(args, summaries: dict, peak: float | None, device: str, command: str, model: str,
-                  records_by_algorithm: dict) -> str:
+                  records_by_algorithm: dict, runs_left: int = 0) -> str:
     base_name = args.algorithms[0]
     base = summaries[base_name]
     fmt_ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
     lines = ["# Trainer throughput: GRPO vs GTPO vs GRPO-S", "",
              "Command (from the repository root):", "", f"    {command}", "",
              f"Machine: {machine_description()}.", "",
+             *([f"PARTIAL: {runs_left} run(s) still to come; this file is rewritten after each run.", ""]
+               if runs_left else []),
              f"{args.repeats} run(s) per algorithm, interleaved, of {args.steps} steps each, the first {args.skip} of "
              f"each run left out; medians over the remaining {base['steps']} steps. {args.nproc} rank(s). "
              f"Config {args.config} with "
@@ -398,6 +400,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [WORKER_FLAG]:
         return _worker(argv[1], argv[2] == "1", argv[3:])
+    from megatron_gtpo.atomic_files import write_atomically
+
     args = parse_args(argv)
     if args.skip >= args.steps or args.repeats < 1:
         print(f"throughput: need --skip ({args.skip}) < --steps ({args.steps}) and --repeats >= 1", file=sys.stderr)
@@ -413,19 +417,30 @@ def main(argv=None) -> int:
             extra = [f"model.hf_dir={make_random_model(args.random_model, work_dir)}", "model.tiny_synthetic=false"]
         rows = {algorithm: [] for algorithm in args.algorithms}
         records = {algorithm: [] for algorithm in args.algorithms}
+        runs_left = args.repeats * len(args.algorithms)
         for repeat in range(args.repeats):
             k = repeat % len(args.algorithms)
             for algorithm in args.algorithms[k:] + args.algorithms[:k]:
                 print(f"run {repeat + 1}/{args.repeats}: {algorithm} ...", file=sys.stderr, flush=True)
+                started = time.perf_counter()
                 run = run_algorithm(args, algorithm, work_dir, extra, repeat)
+                print(f"run {repeat + 1}/{args.repeats}: {algorithm} took {time.perf_counter() - started:.0f} s",
+                      file=sys.stderr, flush=True)
                 rows[algorithm] += step_rows(run, args.skip, peak)
                 records[algorithm] += run["records"]
+                runs_left -= 1
+                # Rewritten after every run: a run cut short by a time limit (a GPU lease) keeps what finished.
+                finished = [a for a in args.algorithms if rows[a]]
+                if args.output and runs_left and finished[:1] == args.algorithms[:1]:
+                    summaries = {a: summarize(rows[a]) for a in finished}
+                    write_atomically(args.output, format_report(
+                        args, summaries, peak, device, command, model_description(run["records"][0]), records,
+                        runs_left=runs_left))
         summaries = {algorithm: summarize(rows[algorithm]) for algorithm in args.algorithms}
     report = format_report(args, summaries, peak, device, command, model_description(run["records"][0]), records)
     print(report)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(report)
+        write_atomically(args.output, report)
     return 0
 
 

@@ -90,8 +90,8 @@ def collect_experience(sample_round: Callable[[int], Callable[[], SampledGroups]
     With dynamic sampling, groups whose rewards are all equal (algorithms.informative_groups) are dropped and
     more prompts are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders
     stay aligned) until `target_prompt_groups` informative groups are kept; then train on what there is. Round 0 is
-    always rewarded (it was generated ahead); the kept groups beyond the target are the experience's surplus. A
-    round's groups come in the order the engine was asked for them: with partial rollouts the continued (older) ones
+    always rewarded (it was generated ahead); the groups it would keep (with dynamic sampling the informative ones)
+    beyond the target are the surplus. A round's groups come in the order the engine was asked for them: with partial rollouts the continued (older) ones
     first, so they are kept first. `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards.
     The kept groups' responses are selected and concatenated as tensors where the engine left them; only their
     lengths and finish reasons come to the host (rewards, stats). `stand_by()` is called in the rounds where this

@@ -91,12 +91,12 @@ def collect_experience(sample_round: Callable[[int], Callable[[], SampledGroups]
     more prompts are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders
     stay aligned) until `target_prompt_groups` informative groups are kept; then train on what there is. Round 0 is
     always rewarded (it was generated ahead); the groups it would keep (with dynamic sampling the informative ones)
-    beyond the target are the surplus. A round's groups come in the order the engine was asked for them: with partial rollouts the continued (older) ones
-    first, so they are kept first. `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards.
-    The kept groups' responses are selected and concatenated as tensors where the engine left them; only their
-    lengths and finish reasons come to the host (rewards, stats). `stand_by()` is called in the rounds where this
-    rank has enough groups and generates nothing (the built-in engine then takes part in its expert-parallel peers'
-    generation)."""
+    beyond the target are the surplus. A round's groups come in the order the engine was asked for them: with
+    partial rollouts the continued (older) ones first, so they are kept first. `length_penalty(lengths_NG,
+    correct_NG) -> penalty_NG` is added to the rewards. The kept groups' responses are selected and concatenated as
+    tensors where the engine left them; only their lengths and finish reasons come to the host (rewards, stats).
+    `stand_by()` is called in the rounds where this rank has enough groups and generates nothing (the built-in
+    engine then takes part in its expert-parallel peers' generation)."""
     kept: list[RewardedGroups] = []
     surplus: list[RewardedGroups] = []
     all_correct, all_rewards, all_lengths, all_truncated = [], [], [], []

@@ -118,6 +118,10 @@ class RolloutConfig:
     # the rollout correction (algorithm.rollout_is: older versions sampled a continued response's first tokens).
     partial_rollouts: bool = False
     partial_segment_tokens: int | None = None
+    # Dynamic sampling's oversampling: further loader batches of prompts in each batch asked for (ahead, with
+    # max_staleness >= 1), so that fewer rounds are generated on the spot. The informative groups a step does not
+    # need are carried over to the next steps while at most max_staleness versions old (docs/algorithms.md).
+    oversample_batches: int = 0
 
     def check(self) -> None:
         _need(self.num_responses_per_prompt >= 2,
@@ -138,6 +142,8 @@ class RolloutConfig:
               f"rollout.remote_addresses: the {self.engine} engine needs one server address (HOST:PORT) per "
               f"data-parallel replica")
         _need(self.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
+        _need(self.oversample_batches >= 0,
+              f"rollout.oversample_batches: must be >= 0, got {self.oversample_batches}")
         segment, longest = self.partial_segment_tokens, self.max_new_tokens
         _need(not self.partial_rollouts or (segment is not None and 1 <= segment < longest and longest % segment == 0),
               f"rollout.partial_segment_tokens: partial rollouts need a segment in [1, rollout.max_new_tokens = "

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from cli_runs import worker_frames
 from distributed_harness import free_port
@@ -24,7 +25,8 @@ COMPARED = ("reward_mean", "accuracy", "response_length_mean", "groups_kept", "s
             "rollout_logprob_mismatch", "pg_loss", "grad_norm", "staleness_mean", "staleness_max",
             "stale_token_fraction", "continued_fraction", "groups_unfinished", "trained_prompt_ids",
             "rollout_is_capped_fraction", "log_ratio_mean/staleness_0", "log_ratio_mean/staleness_1",
-            "rollout_logprob_mismatch_current", "mismatch_kl_current")
+            "rollout_logprob_mismatch_current", "mismatch_kl_current", "groups_from_carry", "groups_carried",
+            "groups_dropped_stale")
 
 
 @pytest.fixture(scope="module")
@@ -127,21 +129,27 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     """N = 1 with dynamic sampling (further rounds generated on the spot): SIGKILL of the trainer and its server after
     the step-3 checkpoint, then a relaunch with a new server, trains steps 3-5 on what the uninterrupted run did.
     With partial rollouts (2-token segments of the 4-token budget) the checkpoint also holds the unfinished groups,
-    and responses continued over two engine calls are trained on."""
+    and responses continued over two engine calls are trained on, from batches asked for with twice the prompts
+    (rollout.oversample_batches). Whole responses: the informative groups a step did not need are carried over to
+    the next, also through the checkpoint the run resumes from."""
     # A warm start, so that some groups hold both outcomes and steps train (dynamic sampling keeps only those).
     extra = ("data.prompts_per_step=8", "warm_start.steps=30")
     if partial:
-        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2")
+        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "rollout.oversample_batches=1")
     _train(tmp_path, "whole", server_model, 6, 1, *extra)
     assert _train(tmp_path, "killed", server_model, 6, 1, *extra, kill_after_checkpoint=3) == -signal.SIGKILL
     state = json.loads((tmp_path / "killed" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
     assert state["step"] == 3
-    assert (tmp_path / "killed" / "checkpoints" / "step_00000003" / "rollouts" / "rank_00000.pt").is_file()
+    in_flight = tmp_path / "killed" / "checkpoints" / "step_00000003" / "rollouts" / "rank_00000.pt"
+    carried = torch.load(in_flight, weights_only=False)["carried"]
     _train(tmp_path, "killed", server_model, 6, 1, *extra)  # the relaunch resumes from the step-3 checkpoint
     whole, resumed = _rows(tmp_path / "whole"), _rows(tmp_path / "killed")
     assert sorted(resumed) == sorted(whole) == list(range(6))
     for step in range(6):
         assert {k: resumed[step].get(k) for k in COMPARED} == {k: whole[step].get(k) for k in COMPARED}, step
+    if not partial:  # step 2 carried groups over to step 3, through the checkpoint: the resumed step 3 trains them
+        assert carried is not None and whole[3]["groups_from_carry"] == carried.num_groups == whole[2]["groups_carried"]
+    assert sum(whole[k]["groups_carried"] + whole[k]["groups_dropped_stale"] for k in range(6)) > 0
     # Steps trained on batches of the step before (staleness 1) and on rounds generated on the spot (0).
     assert max(whole[k].get("staleness_max", 0) for k in range(1, 6)) >= 1
     assert sum(whole[k]["groups_kept"] for k in range(6)) >= 6

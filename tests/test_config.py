@@ -46,6 +46,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["rollout.max_staleness=1"], "rollout.max_staleness: 1 needs engines on processes of their own that "
                                         "generate while the trainer trains"),
     (BASE, ["rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
+    (BASE, ["rollout.oversample_batches=-1"], "rollout.oversample_batches: must be >= 0"),
     (BASE, ["rollout.partial_rollouts=true"], "rollout.partial_segment_tokens: partial rollouts need a segment"),
     (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=6", "rollout.partial_segment_tokens=4"],
      "rollout.max_new_tokens = 6.? that divides it, got 4"),

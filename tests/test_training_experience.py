@@ -21,14 +21,14 @@ SCRIPTS = {
 }
 
 
-def _collect(rank, world_size, scenario, dynamic_sampling):
+def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0):
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from megatron_gtpo.rollout.engine import SamplingParams
     from megatron_gtpo.rollout.responses import Response, Responses
-    from megatron_gtpo.training.experience import collect_experience
+    from megatron_gtpo.training.experience import RewardedGroups, collect_experience
     from megatron_gtpo.training.partial_rollouts import SampledGroups
 
     script = SCRIPTS[scenario][rank]
@@ -51,12 +51,19 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
     def reward_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
 
+    # Groups carried over from an earlier step (prompts 900, 901, ...), sampled by version 7, rewarded then.
+    old = [SimpleNamespace(prompt_token_ids=(900 + i,), answer="") for i in range(carried_groups)]
+    carried = RewardedGroups(SampledGroups.sampled(old, Responses.from_lists(
+        [[Response([5], [-0.5], "stop")] * G for _ in old]), 7), torch.tensor([[0.0, 1.0]] * len(old)),
+        torch.tensor([[-0.1, 0.9]] * len(old))) if carried_groups else None
     groups = SimpleNamespace(dp_group=dist.group.WORLD, device=torch.device("cpu"))
     exp = collect_experience(sample_round, reward_groups, SamplingParams(n=G), groups,
                              target_prompt_groups=TARGET_GROUPS,
                              dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
-                             length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG)
+                             length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG, carried=carried)
     return {"prompts": [p[0] for p in exp.prompt_token_ids], "correct": exp.correct_NG.tolist(),
+            "surplus": [p.prompt_token_ids[0] for p in exp.surplus.groups.prompts],
+            "surplus_correct": exp.surplus.correct_NG.tolist(),
             "versions": exp.start_versions_R.view(-1, G)[:, 0].tolist(),
             "token_versions": exp.versions_T.tolist(), "continued": exp.continued_R.tolist(),
             "rewards": exp.rewards_NG.tolist(), "stats": exp.stats, "generate_rounds": calls["generate"],
@@ -66,7 +73,8 @@ def _collect(rank, world_size, scenario, dynamic_sampling):
 @pytest.fixture(scope="module")
 def collected():
     """(scenario, dynamic sampling) -> each rank's `_collect`, all in one set of 2 ranks."""
-    return run_cases(_collect, 2, [("fills", True), ("bounded", True), ("bounded", False)], timeout_s=180)
+    return run_cases(_collect, 2, [("fills", True), ("bounded", True), ("bounded", False), ("fills", True, 1),
+                                   ("fills", True, 3)], timeout_s=180)
 
 
 def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks(collected):
@@ -86,6 +94,26 @@ def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks(c
     assert torch.allclose(torch.tensor(rank0["rewards"]), torch.tensor([[0.9, -0.3], [-0.1, 0.7]]))
     # Statistics cover every generated response, kept or not: rank 1 saw 12 responses, 5 correct.
     assert rank1["stats"]["accuracy"] == pytest.approx(5 / 12) and rank1["stats"]["response_length_mean"] == 2.0
+    # The informative groups beyond the need are the surplus (rank 1: round 1's third); uninformative ones are not.
+    assert rank0["surplus"] == [] and rank1["surplus"] == [112] and rank1["surplus_correct"] == [[1, 0]]
+
+
+def test_carried_groups_are_kept_first_and_round_0_is_never_lost(collected):
+    """One carried group per rank: it is kept first, and rank 1 then needs no further round. Three (more than the
+    target of 2): two are kept, and round 0, generated ahead, is rewarded all the same; every informative group not
+    kept is surplus, the carried ones first. The step's statistics cover the groups rewarded in it only."""
+    rank0, rank1 = collected["fills", True, 1]
+    assert rank0["prompts"] == [900, 0] and rank0["surplus"] == [2]
+    assert rank1["prompts"] == [900, 102] and rank1["surplus"] == []
+    assert rank0["stats"]["sampling_rounds"] == rank1["stats"]["sampling_rounds"] == 1
+    assert rank1["generate_rounds"] == [0] and rank0["versions"] == [7, 0]
+    assert rank0["correct"] == [[0, 1], [1, 0]] and rank0["rewards"][0] == pytest.approx([-0.1, 0.9])
+    assert rank0["stats"]["groups_from_carry"] == 1 and rank0["stats"]["groups_generated"] == 3
+    assert rank0["stats"]["accuracy"] == pytest.approx(4 / 6)  # round 0 only: the carried group counted before
+    for rank, out in enumerate(collected["fills", True, 3]):
+        assert out["prompts"] == [900, 901] and out["generate_rounds"] == [0]
+        assert out["surplus"] == [902, *([0, 2] if rank == 0 else [102])]
+        assert out["stats"]["groups_from_carry"] == 2 and out["stats"]["groups_generated"] == 3
 
 
 def test_dynamic_sampling_stops_after_the_extra_round_bound(collected):

@@ -5,9 +5,9 @@ Importing this package imports neither megatron nor vllm; `megatron_gtpo.rollout
 that imports vllm.
 """
 from .builtin import BuiltinEngine
-from .engine import RolloutEngine, SamplingParams
+from .engine import Rollout, RolloutEngine, SamplingParams
 from .responses import FINISH_LENGTH, FINISH_STOP, Response, Responses
 from .sampling import filter_top_k_top_p, sample_next_tokens
 
-__all__ = ["BuiltinEngine", "FINISH_LENGTH", "FINISH_STOP", "Response", "Responses", "RolloutEngine",
+__all__ = ["BuiltinEngine", "FINISH_LENGTH", "FINISH_STOP", "Response", "Responses", "Rollout", "RolloutEngine",
            "SamplingParams", "filter_top_k_top_p", "sample_next_tokens"]

@@ -50,6 +50,7 @@ duration of a call (decode steps have one token, which cannot be split over TP r
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from tqdm import tqdm
 
 from megatron_gtpo.models.moe_routing import recording
 
-from .engine import SamplingParams, check_prompts, response_seed
+from .engine import Rollout, SamplingParams, check_prompts, response_seed
 from .responses import FINISH_LENGTH_CODE, FINISH_STOP_CODE, Responses
 from .sampling import sample_next_tokens
 
@@ -123,10 +124,10 @@ class BuiltinEngine:
             raise ValueError("the built-in engine generates with the model chunks it was built with; "
                              "sync_weights was given different ones")
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams):
-        """`generate` now (the engine runs on the trainer's own ranks); the record when asked."""
-        responses = self.generate(prompts, params)
-        return lambda: responses
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Rollout]:
+        """`generate_routed` now (the engine runs on the trainer's own ranks); its rollout when asked."""
+        rollout = Rollout(*self.generate_routed(prompts, params))
+        return lambda: rollout
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:

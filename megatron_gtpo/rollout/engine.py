@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import torch
+
 from .responses import Responses
 
 _SEED_STRIDE = 1_000_003  # > any prompts x n of one call: the rows of calls with seeds s and s + 1 never share a seed
@@ -74,6 +76,17 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class Rollout:
+    """What every engine's `submit` gives the trainer: the record of the call's responses and, with routing replay
+    (the built-in engine with `record_routing`), per response the experts its fed tokens went to at this rank's MoE
+    layers (rank-local, never sent between ranks; BuiltinEngine.generate_routed). None: the routers choose in
+    training."""
+
+    responses: Responses
+    routed_experts: list[torch.Tensor] | None = None
+
+
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
         """params.n responses per prompt, in prompt order, as one record (responses.py). Called collectively by
@@ -81,11 +94,17 @@ class RolloutEngine(Protocol):
         rank of the group gets the same record, on the training device where the engine's ranks train."""
         ...
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Responses]:
-        """`generate` in two halves, both collective: the call asks, the function it returns gives the record. An
-        engine on processes of its own generates in between, with the weights of the last sync before the call
-        (what lets the trainer train meanwhile: rollout.max_staleness); an engine on the trainer's ranks answers
-        at once."""
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Rollout]:
+        """`generate` in two halves, both collective: the call asks, the function it returns gives the rollout (the
+        record, and the routing where the engine records it). An engine on processes of its own generates in
+        between, with the weights of the last sync before the call (what lets the trainer train meanwhile:
+        rollout.max_staleness); an engine on the trainer's ranks answers at once."""
+        ...
+
+    def stand_by(self) -> None:
+        """Generate nothing this time, collectively with the ranks that do (a rank with enough groups in a round of
+        dynamic sampling): the built-in engine takes part in its expert-parallel peers' forward steps; a no-op for
+        engines without such peers."""
         ...
 
     def sync_weights(self, model_chunks: list, parallel) -> None:

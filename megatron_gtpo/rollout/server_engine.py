@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_gtpo.distributed import warm_up_communicators
 
-from .engine import SamplingParams, check_prompts
+from .engine import Rollout, SamplingParams, check_prompts
 from .placement import split_prompts
 from .responses import Responses
 from .transport import broadcast_responses
@@ -70,12 +70,13 @@ class ServerEngine:
         self.policy_version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
-        return self.submit(prompts, params)()
+        return self.submit(prompts, params)().responses
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Responses]:
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Rollout]:
         """`generate` in two halves, both collective: this call hands every host its part of the prompts, the
-        returned function waits for the answers and shares them. A server that can work in the background (one with
-        `submit`: a rollout server on a node of its own) generates in between; any other answers at once."""
+        returned function waits for the answers and shares them (a rollout without routing). A server that can work
+        in the background (one with `submit`: a rollout server on a node of its own) generates in between; any other
+        answers at once."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
@@ -97,7 +98,7 @@ class ServerEngine:
                 if answered[0] == "ok":
                     answered, waiting = None, answered[1]
 
-        def wait() -> Responses:
+        def wait() -> Rollout:
             mine = attempt(waiting) if waiting is not None else answered
             records, failures = [], []
             for index, host in enumerate(self.hosts):
@@ -111,9 +112,12 @@ class ServerEngine:
             if failures:
                 raise RolloutEngineError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host "
                                    f"rank(s): " + "; ".join(failures))
-            return Responses.cat(records)
+            return Rollout(Responses.cat(records))
 
         return wait
+
+    def stand_by(self) -> None:
+        """Nothing to take part in: a server's engine has no expert-parallel peers among the trainer's ranks."""
 
     def _global_rank(self, host: tuple[int, int]) -> int:
         """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""

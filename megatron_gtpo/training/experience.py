@@ -1,7 +1,9 @@
 """One step's experience: sampled groups with their rewards, dynamic sampling included. The step batch
-(step_batch.py) is built from it."""
+(step_batch.py) is built from it; the informative groups it did not need are its surplus, which the rollout queue
+carries over to the next step (rollout_queue.py)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -13,7 +15,34 @@ from megatron_gtpo.distributed import ParallelGroups
 from megatron_gtpo.rollout.engine import SamplingParams
 from megatron_gtpo.rollout.responses import Responses
 
-from .partial_rollouts import SampledGroups
+from .sampled_groups import SampledGroups
+
+
+@dataclass
+class RewardedGroups:
+    """Sampled groups with their rewards ([N, G] on the host, as `collect_experience` computed them)."""
+
+    groups: SampledGroups
+    correct_NG: torch.Tensor
+    rewards_NG: torch.Tensor
+
+    @classmethod
+    def cat(cls, parts: list[RewardedGroups]) -> RewardedGroups:
+        return cls(SampledGroups.cat([p.groups for p in parts]), torch.cat([p.correct_NG for p in parts]),
+                   torch.cat([p.rewards_NG for p in parts]))
+
+    @property
+    def num_groups(self) -> int:
+        return self.groups.num_groups
+
+    def select(self, index_N: torch.Tensor) -> RewardedGroups:
+        """Groups `index_N` (long indices), in that order."""
+        index_N = index_N.cpu()
+        return RewardedGroups(self.groups.select(index_N), self.correct_NG[index_N], self.rewards_NG[index_N])
+
+    def to(self, device) -> RewardedGroups:
+        """The groups' tensors on `device` (the rewards stay on the host)."""
+        return dataclasses.replace(self, groups=self.groups.to(device))
 
 
 @dataclass
@@ -36,6 +65,7 @@ class Experience:
     # each pipeline stage records its own layers, so it never goes through the transport with the record.
     routed_experts: list[torch.Tensor] | None = None
     continued_R: torch.Tensor | None = None  # bool: the response spans more than one engine call (partial rollouts)
+    surplus: RewardedGroups | None = None  # informative groups beyond the step's need, in the order sampled
 
     @property
     def num_prompt_groups(self) -> int:
@@ -51,29 +81,40 @@ def collect_experience(sample_round: Callable[[int], Callable[[], SampledGroups]
                        params: SamplingParams, parallel: ParallelGroups, *, target_prompt_groups: int,
                        dynamic_sampling: bool, max_extra_rounds: int,
                        length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                       stand_by: Callable[[], None] | None = None) -> Experience:
+                       stand_by: Callable[[], None] | None = None,
+                       carried: RewardedGroups | None = None) -> Experience:
     """Sample G responses per prompt and reward them. `sample_round(round_index)` draws a round's prompts and gives
     the function that returns its groups (called only when the round is needed: the engine is asked then, unless
-    the round was asked for ahead); `reward_groups(prompts, responses) -> [N, G]` verifier rewards in {0, 1}, on the
-    host. With dynamic sampling, groups whose rewards are all equal (algorithms.informative_groups) are dropped and
+    the round was asked for ahead, as round 0 always is); `reward_groups(prompts, responses) -> [N, G]` verifier
+    rewards in {0, 1}, on the host. `carried`: groups rewarded in an earlier step (the rollout queue's), kept first.
+    With dynamic sampling, groups whose rewards are all equal (algorithms.informative_groups) are dropped and
     more prompts are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders
-    stay aligned) until `target_prompt_groups` informative groups are kept; then train on what there is. A round's
-    groups come in the order the engine was asked for them: with partial rollouts the continued (older) ones first,
-    so they are kept first. `length_penalty(lengths_NG, correct_NG) -> penalty_NG` is added to the rewards. The kept
-    groups' responses are selected and concatenated as tensors where the engine left them; only their lengths and
-    finish reasons come to the host (rewards, stats). `stand_by()` is called in the rounds where this rank has enough
-    groups and generates nothing (the built-in engine then takes part in its expert-parallel peers' generation)."""
-    kept: list[SampledGroups] = []
-    kept_correct, kept_rewards = [], []
+    stay aligned) until `target_prompt_groups` informative groups are kept; then train on what there is. Round 0 is
+    always rewarded (it was generated ahead); the groups it would keep (with dynamic sampling the informative ones)
+    beyond the target are the surplus. A round's groups come in the order the engine was asked for them: with
+    partial rollouts the continued (older) ones first, so they are kept first. `length_penalty(lengths_NG,
+    correct_NG) -> penalty_NG` is added to the rewards. The kept groups' responses are selected and concatenated as
+    tensors where the engine left them; only their lengths and finish reasons come to the host (rewards, stats).
+    `stand_by()` is called in the rounds where this rank has enough groups and generates nothing (the built-in
+    engine then takes part in its expert-parallel peers' generation)."""
+    kept: list[RewardedGroups] = []
+    surplus: list[RewardedGroups] = []
     all_correct, all_rewards, all_lengths, all_truncated = [], [], [], []
     rounds = 0
 
     def kept_groups():
         return sum(k.num_groups for k in kept)
 
+    def keep(groups: RewardedGroups, chosen_K: torch.Tensor) -> None:
+        need = target_prompt_groups - kept_groups()
+        kept.append(groups.select(chosen_K[:need]))
+        surplus.append(groups.select(chosen_K[need:]))
+
+    if carried is not None:
+        keep(carried, torch.arange(carried.num_groups))
     while True:
         wait = sample_round(rounds)
-        if kept_groups() < target_prompt_groups:
+        if not rounds or kept_groups() < target_prompt_groups:
             groups = wait()
             correct_NG = reward_groups(groups.prompts, groups.responses)
             lengths_NG = groups.responses.lengths_NG().cpu().float()
@@ -81,10 +122,7 @@ def collect_experience(sample_round: Callable[[int], Callable[[], SampledGroups]
             # Filter on correctness, before length penalties (DAPO's rule).
             keep_N = informative_groups(correct_NG) if dynamic_sampling \
                 else torch.ones(groups.num_groups, dtype=torch.bool)
-            chosen_K = keep_N.nonzero().flatten()[:target_prompt_groups - kept_groups()]
-            kept.append(groups.select(chosen_K))
-            kept_correct.append(correct_NG[chosen_K])
-            kept_rewards.append(rewards_NG[chosen_K])
+            keep(RewardedGroups(groups, correct_NG, rewards_NG), keep_N.nonzero().flatten())
             all_correct.append(correct_NG.flatten())
             all_rewards.append(rewards_NG.flatten())
             all_lengths.append(lengths_NG.flatten())
@@ -107,8 +145,10 @@ def collect_experience(sample_round: Callable[[int], Callable[[], SampledGroups]
         "sampling_rounds": rounds,
         "groups_generated": sum(len(c) for c in all_correct) // G,
         "groups_kept": kept_groups(),
+        "groups_from_carry": min(carried.num_groups, target_prompt_groups) if carried is not None else 0,
     }
-    groups = SampledGroups.cat(kept)
-    return Experience([p.prompt_token_ids for p in groups.prompts], groups.responses, torch.cat(kept_correct),
-                      torch.cat(kept_rewards), stats, groups.prompts, groups.versions_T, groups.start_versions_R,
-                      groups.routed_experts, groups.continued_R())
+    chosen = RewardedGroups.cat(kept)
+    groups = chosen.groups
+    return Experience([p.prompt_token_ids for p in groups.prompts], groups.responses, chosen.correct_NG,
+                      chosen.rewards_NG, stats, groups.prompts, groups.versions_T, groups.start_versions_R,
+                      groups.routed_experts, groups.continued_R(), RewardedGroups.cat(surplus))

@@ -1,4 +1,8 @@
-"""Sampled groups with the policy version of every token, and partial rollouts (rollout.partial_rollouts).
+"""How engine answers become sampled groups: whole responses, or partial rollouts (rollout.partial_rollouts). Both
+implement one interface (`RolloutRequests`): `request(continued, prompts, params)` gives the engine call that starts
+G responses for each new prompt (and continues `continued`'s unfinished ones), `merge(continued, prompts, rollout,
+version)` gives (complete groups, groups still unfinished or None). The rollout queue (rollout_queue.py) and the
+trainer use only this interface.
 
 With partial rollouts every engine call generates at most `segment_tokens` (rollout.partial_segment_tokens) tokens
 per response. A group of G responses is complete when each of them is finished (it sampled a stop token, or
@@ -17,66 +21,49 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import FINISH_LENGTH_CODE, Responses, concat_per_response
 
+from .sampled_groups import SampledGroups, as_rollout, filled
 
-@dataclass
-class SampledGroups:
-    """Prompt groups of G responses each, as sampled so far: the loader's items, their record (prompt-major), per
-    token the policy version (steps trained) whose weights sampled it, and per response the version of its first
-    segment (its oldest). With routing replay, per response the experts the built-in engine routed its tokens to
-    (rank-local; experience.py)."""
+__all__ = ["PartialRollouts", "RolloutRequests", "SampledGroups", "WholeResponses"]
 
-    prompts: list  # [N]
-    responses: Responses
-    versions_T: torch.Tensor  # int64, on the record's device
-    start_versions_R: torch.Tensor  # int64, on the record's device
-    routed_experts: list[torch.Tensor] | None = None
 
-    @classmethod
-    def sampled(cls, prompts: list, rollout, version: int) -> SampledGroups:
-        """One engine call's groups (`rollout`: a record, or with routing replay the record and its routing), every
-        token sampled by the weights of `version`."""
-        responses, routes = rollout if isinstance(rollout, tuple) else (rollout, None)
-        return cls(prompts, responses, _full(responses.num_tokens, version, responses.device),
-                   _full(responses.num_responses, version, responses.device), routes)
+class RolloutRequests(Protocol):
+    """The engine calls of a batch and the groups their answers make (module doc)."""
 
-    @classmethod
-    def cat(cls, parts: list[SampledGroups]) -> SampledGroups:
-        """The groups of `parts` one after the other (at least one part; routing with none or all parts)."""
-        routes = None if any(p.routed_experts is None for p in parts) else \
-            [r for p in parts for r in p.routed_experts]
-        return cls([x for p in parts for x in p.prompts], Responses.cat([p.responses for p in parts]),
-                   torch.cat([p.versions_T for p in parts]), torch.cat([p.start_versions_R for p in parts]), routes)
+    def request(self, continued: SampledGroups | None, prompts: list, params: SamplingParams) \
+            -> tuple[list[list[int]], SamplingParams]:
+        ...
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.prompts)
+    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout | Responses, version: int) \
+            -> tuple[SampledGroups, SampledGroups | None]:
+        ...
 
-    def select(self, index_N) -> SampledGroups:
-        """Groups `index_N` (long indices), in that order."""
-        index = self.responses.prompt_index(index_N)
-        routes = None if self.routed_experts is None else [self.routed_experts[r] for r in index["R"].tolist()]
-        return SampledGroups([self.prompts[i] for i in index["P"].tolist()], self.responses.gather(index),
-                             self.versions_T.index_select(0, index["T"]),
-                             self.start_versions_R.index_select(0, index["R"]), routes)
+    def metrics(self, unfinished: SampledGroups | None) -> dict:
+        """The step's metrics of the groups left unfinished (reduction.METRICS)."""
+        ...
 
-    def to(self, device) -> SampledGroups:
-        """The groups' tensors on `device` (the routing is rank-local and not moved)."""
-        return dataclasses.replace(self, responses=self.responses.to(device), versions_T=self.versions_T.to(device),
-                                   start_versions_R=self.start_versions_R.to(device))
 
-    def continued_R(self) -> torch.Tensor:
-        """bool [R]: the response was continued, so sampled by more than one version (its last token is newer than
-        its first segment; a continued segment is never empty)."""
-        lengths_R = self.responses.lengths_R
-        last_T = (self.responses.token_starts_R() + lengths_R - 1).clamp(min=0)
-        last_versions_R = self.versions_T[last_T] if self.versions_T.numel() else self.start_versions_R
-        return (lengths_R > 0) & (last_versions_R > self.start_versions_R)
+@dataclass(frozen=True)
+class WholeResponses:
+    """Each engine call generates whole responses: every group it answers is complete, none continues."""
+
+    def request(self, continued: SampledGroups | None, prompts: list, params: SamplingParams) \
+            -> tuple[list[list[int]], SamplingParams]:
+        """One engine prompt per new prompt, params.n responses each (`continued` is always None here)."""
+        return [list(p.prompt_token_ids) for p in prompts], params
+
+    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout | Responses, version: int) \
+            -> tuple[SampledGroups, None]:
+        return SampledGroups.sampled(prompts, rollout, version), None
+
+    def metrics(self, unfinished: SampledGroups | None) -> dict:
+        return {}
 
 
 @dataclass(frozen=True)
@@ -113,22 +100,27 @@ class PartialRollouts:
         rows += [list(p.prompt_token_ids) for p in prompts for _ in range(self.group_size)]
         return rows, dataclasses.replace(params, n=1, max_new_tokens=self.segment_tokens)
 
-    def merge(self, continued: SampledGroups | None, prompts: list, record: Responses, version: int) \
+    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout | Responses, version: int) \
             -> tuple[SampledGroups, SampledGroups]:
         """(complete groups, groups with an unfinished response) after the call `request(continued, prompts, ...)`
-        answered with `record`, sampled by the weights of `version`: `continued`'s groups first, then the new ones,
-        each in the order they were asked for."""
+        answered with `rollout` (no routing: config_rules refuses routing replay with partial rollouts), sampled by
+        the weights of `version`: `continued`'s groups first, then the new ones, each in the order they were asked
+        for."""
+        record = as_rollout(rollout).responses
         device = record.device
         continuing = record.num_prompts - len(prompts) * self.group_size  # rows that continue responses
         rows = record.select_prompts(torch.arange(continuing))
         fresh = record.select_prompts(torch.arange(continuing, record.num_prompts))
-        fresh = dataclasses.replace(fresh, responses_per_prompt_P=_full(len(prompts), self.group_size, device))
+        fresh = dataclasses.replace(fresh, responses_per_prompt_P=filled(len(prompts), self.group_size, device))
         parts = [SampledGroups.sampled(prompts, fresh, version)]
         if continued is not None:
             parts.insert(0, self._continue(continued.to(device), rows, version))
         groups = SampledGroups.cat(parts)
         done_N = ~self.unfinished_R(groups.responses).view(groups.num_groups, self.group_size).any(dim=1)
         return groups.select(done_N.nonzero().flatten()), groups.select((~done_N).nonzero().flatten())
+
+    def metrics(self, unfinished: SampledGroups | None) -> dict:
+        return {"groups_unfinished": unfinished.num_groups if unfinished is not None else 0}
 
     def _continue(self, groups: SampledGroups, rows: Responses, version: int) -> SampledGroups:
         """`groups` with each unfinished response followed by its row of `rows` (in order), sampled by `version`;
@@ -140,9 +132,7 @@ class PartialRollouts:
         continuation = Responses(responses_per_prompt_P=responses.responses_per_prompt_P, lengths_R=lengths_R,
                                  finish_R=finish_R, token_ids_T=rows.token_ids_T, logprobs_T=rows.logprobs_T)
         versions_T = concat_per_response(groups.versions_T, responses.lengths_R,
-                                         _full(rows.num_tokens, version, responses.device), lengths_R)
+                                         filled(rows.num_tokens, version, responses.device), lengths_R)
         return SampledGroups(groups.prompts, responses.extend(continuation), versions_T, groups.start_versions_R)
 
 
-def _full(size: int, value: int, device) -> torch.Tensor:
-    return torch.full((size,), value, dtype=torch.int64, device=device)

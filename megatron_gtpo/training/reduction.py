@@ -65,6 +65,11 @@ METRICS: dict[str, Metric] = {
     "continued_fraction": _mean("kept_responses"),
     "stale_token_fraction": _mean("kept_tokens"),
     "groups_unfinished": Metric(Reduce.SUM, kind=int, optional=True),
+    # Informative groups beyond a step's need (dynamic sampling): kept this step from the previous step's, carried
+    # over to the next step, dropped as too old for it (rollout_queue.py).
+    "groups_from_carry": Metric(Reduce.SUM, kind=int),
+    "groups_carried": Metric(Reduce.SUM, kind=int),
+    "groups_dropped_stale": Metric(Reduce.SUM, kind=int),
     # The old-policy pass over the kept response tokens: weighted by tokens (correct / failed: those tokens only).
     "entropy_mean": _mean("tokens"),
     "entropy_correct_mean": _mean("correct_tokens"),

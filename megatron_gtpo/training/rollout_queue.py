@@ -1,10 +1,12 @@
-"""Rollouts asked for ahead of training (rollout.max_staleness = N), and the groups partial rollouts left unfinished.
+"""Rollouts asked for ahead of training (rollout.max_staleness = N), the groups partial rollouts left unfinished, and
+the complete groups carried over from one step to the next.
 
 Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked
 for at step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version
 max(0, k - N) (the weights after that many steps) while the trainer trains the steps in between, and no batch is
 trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
 whatever the engines' speed. N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
+Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot, with the weights of now.
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
 batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the
@@ -12,47 +14,47 @@ unfinished responses of batch k continue in batch k + N, sampled N versions late
 version later): a response of s segments is trained at most (s - 1) x max(N, 1) + N versions after its first token
 was sampled (s x N at N >= 1).
 
+Complete informative groups that a step's dynamic sampling did not need (experience.py's surplus) are carried over
+to the next step (`carry`), trained there before any new group, while their newest token is at most N versions old
+then; older ones are dropped and counted. At N = 0 none is young enough, so nothing is carried: the on-policy
+trainer is unchanged.
+
 A checkpoint holds the batches asked for and not yet trained on (`state_dict` waits for them: the prompts, the
-version that generated them, their rollout records and the groups they continue) and the unfinished groups, so a
-resumed run trains on the very batches an uninterrupted one would, in the same order.
+version that generated them, their rollouts and the groups they continue), the unfinished groups and the carried
+ones, so a resumed run trains on the very batches an uninterrupted one would, in the same order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .partial_rollouts import PartialRollouts, SampledGroups
+from .experience import RewardedGroups
+from .metrics import PhaseTimer
+from .partial_rollouts import RolloutRequests, WholeResponses
+from .rollout_source import AskedBatch
+from .sampled_groups import Rollout, SampledGroups, as_rollout
 
-
-@dataclass
-class AskedBatch:
-    """One sampling round asked of the engine: its new prompts (the loader's items), the policy version (steps
-    trained) whose weights generate it, the function that waits for the engine's answer (collective over the model
-    replica), and with partial rollouts the groups whose unfinished responses it continues."""
-
-    step: int
-    version: int
-    prompts: list
-    wait: Callable
-    continued: SampledGroups | None = None
+__all__ = ["AskedBatch", "RolloutQueue", "carry_over"]
 
 
 class RolloutQueue:
-    """The batches asked for and not yet trained on, and the unfinished groups (module doc). `ask(step, version,
-    continued)` draws a batch's prompts and asks the engine for its responses (and the continuation of
-    `continued`'s unfinished responses). `device`: the training device, where a restored state's tensors go."""
+    """The batches asked for and not yet trained on, the unfinished groups and the carried ones (module doc).
+    `ask(step, version, continued[, round_index])` (rollout_source.RolloutSource.ask) draws a round's prompts and
+    asks the engine for its responses (and the continuation of `continued`'s unfinished responses). `partial`: how
+    the engine's answers merge into groups (partial_rollouts.PartialRollouts; None: whole responses). `device`: the
+    training device, where a restored state's tensors go."""
 
-    def __init__(self, max_staleness: int, ask: Callable[[int, int, SampledGroups | None], AskedBatch], *,
-                 steps: int, partial: PartialRollouts | None = None, device: torch.device | None = None):
+    def __init__(self, max_staleness: int, ask: Callable[..., AskedBatch], *, steps: int,
+                 partial: RolloutRequests | None = None, device: torch.device | None = None):
         self.max_staleness = max_staleness
         self.ask = ask
         self.steps = steps  # the run's: no batch is asked for beyond its last step
-        self.partial = partial
+        self.requests = partial if partial is not None else WholeResponses()
         self.device = device
         self.asked: dict[int, AskedBatch] = {}
         self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
+        self.carried: RewardedGroups | None = None  # complete groups kept for the next step
 
     def take(self, step: int) -> SampledGroups:
         """The groups of batch `step`, waited for (asked for now if it was not: N = 0, or the first step); then every
@@ -69,40 +71,81 @@ class RolloutQueue:
                 self._ask(later, step)
         return groups
 
+    def rounds(self, step: int, timer: PhaseTimer) -> Callable[[int], Callable[[], SampledGroups]]:
+        """Step `step`'s sampling rounds for experience.collect_experience: round 0 is batch `step` (`take`, waited
+        for now); round r >= 1 draws its prompts when called and is generated by the weights of now when waited
+        for. The waits are timed as the "generate" phase."""
+        with timer("generate"):
+            first = self.take(step)
+
+        def sample_round(round_index: int) -> Callable[[], SampledGroups]:
+            if not round_index:
+                return lambda: first
+            asked = self.ask(step, step, None, round_index)
+
+            def wait():
+                with timer("generate"):
+                    return self.groups(asked)
+            return wait
+        return sample_round
+
     def _ask(self, step: int, version: int) -> None:
         continued, self.unfinished = self.unfinished, None
         self.asked[step] = self.ask(step, version, continued)
 
     def groups(self, asked: AskedBatch) -> SampledGroups:
-        """The groups of a round, waited for: with partial rollouts only the complete ones; the others wait for the
-        next batch asked for."""
-        rollout = asked.wait()
-        if self.partial is None:
-            return SampledGroups.sampled(asked.prompts, rollout, asked.version)
-        complete, unfinished = self.partial.merge(asked.continued, asked.prompts, rollout, asked.version)
-        self.unfinished = unfinished if self.unfinished is None else SampledGroups.cat([self.unfinished, unfinished])
+        """The complete groups of a round, waited for; groups with an unfinished response (partial rollouts) wait
+        for the next batch asked for."""
+        complete, unfinished = self.requests.merge(asked.continued, asked.prompts, asked.wait(), asked.version)
+        if unfinished is not None:
+            self.unfinished = unfinished if self.unfinished is None else SampledGroups.cat([self.unfinished,
+                                                                                             unfinished])
         return complete
 
+    def take_carried(self) -> RewardedGroups | None:
+        """The groups carried over to this step (once)."""
+        carried, self.carried = self.carried, None
+        return carried
+
+    def carry(self, surplus: RewardedGroups | None, step: int) -> dict:
+        """Keep step `step`'s surplus groups for the next step, those young enough for it (`carry_over`); returns the
+        step's metrics of the queue (carried, dropped as too old, and the unfinished groups)."""
+        self.carried, dropped = carry_over(surplus, step + 1, self.max_staleness)
+        return {"groups_carried": self.carried.num_groups if self.carried is not None else 0,
+                "groups_dropped_stale": dropped, **self.requests.metrics(self.unfinished)}
+
     def state_dict(self) -> dict:
-        """Every batch asked for, waited for (collective over the model replica), and the unfinished groups, on the
-        host."""
+        """Every batch asked for, waited for (collective over the model replica), the unfinished groups and the
+        carried ones, on the host."""
         cpu = torch.device("cpu")
         batches = {}
         for step, batch in sorted(self.asked.items()):
-            responses = batch.wait()
-            self.asked[step] = AskedBatch(step, batch.version, batch.prompts, lambda r=responses: r, batch.continued)
-            batches[step] = {"version": batch.version, "prompts": batch.prompts, "responses": responses.to(cpu),
+            rollout = as_rollout(batch.wait())
+            self.asked[step] = AskedBatch(step, batch.version, batch.prompts, lambda r=rollout: r, batch.continued)
+            batches[step] = {"version": batch.version, "prompts": batch.prompts, "responses": rollout.responses.to(cpu),
                              "continued": _moved(batch.continued, cpu)}
-        return {"batches": batches, "unfinished": _moved(self.unfinished, cpu)}
+        return {"batches": batches, "unfinished": _moved(self.unfinished, cpu), "carried": _moved(self.carried, cpu)}
 
     def load_state_dict(self, state: dict) -> None:
-        """From `state_dict()`'s host state, moved to the training device."""
+        """From `state_dict()`'s host state, moved to the training device (a checkpoint written before groups were
+        carried holds none)."""
         device = self.device
-        self.asked = {step: AskedBatch(step, b["version"], b["prompts"], lambda r=b["responses"].to(device): r,
-                                       _moved(b["continued"], device))
+        self.asked = {step: AskedBatch(step, b["version"], b["prompts"],
+                                       lambda r=Rollout(b["responses"].to(device)): r, _moved(b["continued"], device))
                       for step, b in state["batches"].items()}
         self.unfinished = _moved(state["unfinished"], device)
+        self.carried = _moved(state.get("carried"), device)
 
 
-def _moved(groups: SampledGroups | None, device: torch.device) -> SampledGroups | None:
+def carry_over(surplus: RewardedGroups | None, step: int, max_staleness: int) -> tuple[RewardedGroups | None, int]:
+    """(the groups of `surplus` that step `step` may train on: each group's newest token sampled at most
+    `max_staleness` versions before `step`, in their order (None if none), how many are too old)."""
+    if surplus is None or not surplus.num_groups:
+        return None, 0
+    young_N = surplus.groups.newest_versions_N() >= step - max_staleness
+    kept = surplus.select(young_N.nonzero().flatten())
+    return (kept if kept.num_groups else None), surplus.num_groups - kept.num_groups
+
+
+def _moved(groups, device: torch.device):
     return None if groups is None else groups.to(device)

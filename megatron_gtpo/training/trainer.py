@@ -9,7 +9,6 @@ through it.
 from __future__ import annotations
 
 import os
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,10 +29,11 @@ from .experience import Experience, collect_experience
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel
 from .old_policy import correct_rollout, old_policy_pass
-from .partial_rollouts import PartialRollouts, SampledGroups
+from .partial_rollouts import PartialRollouts, WholeResponses
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
-from .rollout_queue import AskedBatch, RolloutQueue
+from .rollout_queue import RolloutQueue
+from .rollout_source import RolloutSource
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task, check_prompt_lengths
 from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
@@ -73,14 +73,17 @@ class Trainer:
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
         self.algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
         r = cfg.rollout
-        # Responses generated over several steps, a segment each (partial_rollouts.py); None: whole responses.
-        self.partial = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, r.partial_segment_tokens) \
-            if r.partial_rollouts else None
-        self.rollouts = RolloutQueue(r.max_staleness, self.ask_rollout, steps=cfg.steps, partial=self.partial,
+        # Whole responses, or responses generated over several steps, a segment each (partial_rollouts.py).
+        requests = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, r.partial_segment_tokens) \
+            if r.partial_rollouts else WholeResponses()
+        self.source = RolloutSource(lambda: self.loader.next_batch().items, requests, self.sampling_params,
+                                    oversample_batches=r.oversample_batches)
+        self.rollouts = RolloutQueue(r.max_staleness, self.source.ask, steps=cfg.steps, partial=requests,
                                      device=self.parallel.device)
         self.start_step = checkpointing.restore(self.checkpoint_state())  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
         self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
+        self.source.engine = self.engine
         self.sync_weights()  # an external engine starts from the (restored) policy
         self.is_logging_rank = (self.parallel.is_last_stage and self.parallel.tp_rank == 0
                                 and self.parallel.dp_rank == 0)
@@ -151,31 +154,22 @@ class Trainer:
             self.reference.pin(self.policy.chunks, self.parallel, resumed=self.start_step > 0)
 
     def collect_experience(self, step: int, timer: PhaseTimer, metrics: MetricReducer) -> Experience:
-        """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says:
-        the first round is the batch asked for rollout.max_staleness steps ago (rollout_queue.py), waited for before
-        the next batches are asked for; further rounds are generated now. Times the "generate" phase (the wait for
-        rollouts) and the "reward" one, records the rollout's metrics."""
-        with timer("generate"):
-            first = self.rollouts.take(step)
-
-        def sample_round(round_index):
-            if not round_index:
-                return lambda: first
-            return timed(timer, "generate", partial(self.rollouts.groups, self.ask_round(step, round_index)))
-
+        """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says, from
+        the groups the rollout queue carried over and its rounds (the first asked for rollout.max_staleness steps
+        ago; rollout_queue.py); the informative groups left over go back to it. Times the "reward" phase (the queue
+        times "generate"), records the rollout's metrics."""
         def reward(prompts, responses):
             with timer("reward"):
                 return self.reward_responses(prompts, responses)
 
-        a = self.cfg.algorithm
-        exp = collect_experience(sample_round, reward, self.sampling_params(step, 0), self.parallel,
+        exp = collect_experience(self.rollouts.rounds(step, timer), reward, self.sampling_params(step, 0),
+                                 self.parallel, carried=self.rollouts.take_carried(),
                                  target_prompt_groups=self.cfg.data.prompts_per_step // self.parallel.dp_size,
                                  dynamic_sampling=self.algorithm.dynamic_sampling,
-                                 max_extra_rounds=a.max_resample_rounds, length_penalty=self.algorithm.length_penalty,
-                                 # the built-in engine's: take part in expert-parallel peers' generation
-                                 stand_by=getattr(self.engine, "stand_by", None))
+                                 max_extra_rounds=self.cfg.algorithm.max_resample_rounds,
+                                 length_penalty=self.algorithm.length_penalty, stand_by=self.engine.stand_by)
         stats = exp.stats
-        counts = ("groups_kept", "groups_generated", "sampling_rounds")
+        counts = ("groups_kept", "groups_generated", "sampling_rounds", "groups_from_carry")
         rewarded = ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio", "response_length_max")
         # Partial rollouts may complete no group this step: then there is nothing to average.
         metrics.add({k: stats[k] for k in counts + (rewarded if stats["groups_generated"] else ())},
@@ -184,37 +178,8 @@ class Trainer:
         metrics.add_totals(totals, weights)
         if exp.num_prompt_groups:
             metrics.add({"staleness_max": int((step - exp.start_versions_R).max())})
-        if self.partial is not None:
-            unfinished = self.rollouts.unfinished
-            metrics.add({"groups_unfinished": unfinished.num_groups if unfinished is not None else 0})
+        metrics.add(self.rollouts.carry(exp.surplus, step))  # carried, dropped as too old, unfinished
         return exp
-
-    def ask_rollout(self, step: int, version: int, continued: SampledGroups | None) -> AskedBatch:
-        """Batch `step`'s prompts, and the engine asked for their responses (and the continuation of `continued`'s
-        unfinished responses) with the weights of now (`version`)."""
-        prompts = self.loader.next_batch().items
-        asked, params = self.request(prompts, continued, self.sampling_params(step, 0))
-        if self.replay is not None:  # the built-in engine (layout.check_layout): it generates now, on this rank
-            rollout = self.engine.generate_routed(asked, params)
-            return AskedBatch(step, version, prompts, lambda: rollout)
-        return AskedBatch(step, version, prompts, self.engine.submit(asked, params), continued)
-
-    def ask_round(self, step: int, round_index: int) -> AskedBatch:
-        """A further sampling round of dynamic sampling at step `step`, generated by the weights of now when waited
-        for (the engine is not asked before: a rank with enough groups never waits)."""
-        prompts = self.loader.next_batch().items  # a new seed per step, sampling round and DP replica
-        asked, params = self.request(prompts, None, self.sampling_params(step, round_index))
-        # With routing replay, the built-in engine's record and the routing it recorded on this rank.
-        generate = self.engine.generate_routed if self.replay is not None else self.engine.generate
-        return AskedBatch(step, step, prompts, partial(generate, asked, params))
-
-    def request(self, prompts: list, continued: SampledGroups | None, params: SamplingParams) \
-            -> tuple[list[list[int]], SamplingParams]:
-        """The engine's prompts and params for `prompts` (G responses each) and, with partial rollouts, the
-        continuation of `continued`'s unfinished responses (partial_rollouts.PartialRollouts.request)."""
-        if self.partial is not None:
-            return self.partial.request(continued, prompts, params)
-        return [list(p.prompt_token_ids) for p in prompts], params
 
     def build_step_batch(self, exp: Experience, step: int) -> StepBatch:
         """The step batch; when rollouts may be stale (rollout.max_staleness, partial rollouts), with each token's
@@ -309,14 +274,6 @@ class Trainer:
             rewards = torch.tensor(self.task.rewards(texts, references), dtype=torch.float32, device=device)
         dist.broadcast(rewards, src=dist.get_global_rank(mp_group, 0), group=mp_group)
         return rewards.cpu().view(responses.num_prompts, self.cfg.rollout.num_responses_per_prompt)
-
-
-def timed(timer: PhaseTimer, phase: str, fn):
-    """`fn`, timed as `phase` when called."""
-    def run():
-        with timer(phase):
-            return fn()
-    return run
 
 
 def _staleness_totals(exp: Experience, step: int) -> tuple[dict, dict]:

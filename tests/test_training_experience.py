@@ -29,7 +29,7 @@ def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0):
     from megatron_gtpo.rollout.engine import SamplingParams
     from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.training.experience import RewardedGroups, collect_experience
-    from megatron_gtpo.training.partial_rollouts import SampledGroups
+    from megatron_gtpo.training.sampled_groups import SampledGroups
 
     script = SCRIPTS[scenario][rank]
     calls = {"prompts": 0, "generate": []}

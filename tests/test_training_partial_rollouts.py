@@ -8,7 +8,8 @@ import torch
 
 from megatron_gtpo.rollout.engine import SamplingParams
 from megatron_gtpo.rollout.responses import Response, Responses, concat_per_response
-from megatron_gtpo.training.partial_rollouts import PartialRollouts, SampledGroups
+from megatron_gtpo.training.partial_rollouts import PartialRollouts
+from megatron_gtpo.training.sampled_groups import SampledGroups
 
 G = 2
 PARTIAL = PartialRollouts(group_size=G, max_new_tokens=4, segment_tokens=2)

@@ -30,7 +30,7 @@ from megatron_gtpo.rollout.responses import FINISH_LENGTH_CODE, Responses, conca
 
 from .sampled_groups import SampledGroups, as_rollout, filled
 
-__all__ = ["PartialRollouts", "RolloutRequests", "SampledGroups", "WholeResponses"]
+__all__ = ["PartialRollouts", "RolloutRequests", "WholeResponses"]
 
 
 class RolloutRequests(Protocol):

@@ -194,7 +194,7 @@ class Trainer:
         unfinished responses) with the weights of now (`version`)."""
         prompts = self.loader.next_batch().items
         asked, params = self.request(prompts, continued, self.sampling_params(step, 0))
-        if self.replay is not None:  # the built-in engine (layout.check_layout): it generates now, on this rank
+        if self.replay is not None:  # the routing comes with the record: generated now (no overlap with training)
             rollout = self.engine.generate_routed(asked, params)
             return AskedBatch(step, version, prompts, lambda: rollout)
         return AskedBatch(step, version, prompts, self.engine.submit(asked, params), continued)
@@ -204,7 +204,7 @@ class Trainer:
         for (the engine is not asked before: a rank with enough groups never waits)."""
         prompts = self.loader.next_batch().items  # a new seed per step, sampling round and DP replica
         asked, params = self.request(prompts, None, self.sampling_params(step, round_index))
-        # With routing replay, the built-in engine's record and the routing it recorded on this rank.
+        # With routing replay, the engine's record and the routing of this rank's MoE layers.
         generate = self.engine.generate_routed if self.replay is not None else self.engine.generate
         return AskedBatch(step, step, prompts, partial(generate, asked, params))
 

@@ -128,6 +128,11 @@ class BuiltinEngine:
         responses = self.generate(prompts, params)
         return lambda: responses
 
+    def submit_routed(self, prompts: list[list[int]], params: SamplingParams):
+        """`generate_routed` now; the record and its routing when asked."""
+        rollout = self.generate_routed(prompts, params)
+        return lambda: rollout
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
         """The record (responses.py) of params.n responses per prompt, on the group's device on every rank."""

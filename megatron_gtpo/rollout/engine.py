@@ -88,6 +88,9 @@ class RolloutEngine(Protocol):
         at once."""
         ...
 
+    # Routing replay (algorithm.routing_replay: rollout) also asks `submit_routed` (prompts, params) -> function
+    # giving (record, per response its routing at this rank's MoE layers): rollout/builtin.py, server_engine.py.
+
     def sync_weights(self, model_chunks: list, parallel) -> None:
         """Make the engine's weights those of `model_chunks` (collective over the model-parallel group)."""
         ...

@@ -80,14 +80,14 @@ class RemoteClient:
         """The server's record (responses.py), on the host: its tensors cross the channel pickled."""
         return self.submit(prompts, params, first_prompt=first_prompt)()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, *,
-               first_prompt: int = 0) -> Callable[[], Responses]:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0,
+               op: str = "generate") -> Callable[[], Responses]:
         """Send the request now; the returned function waits for its record (module doc: what it is generated
-        with)."""
-        reply_key, version = self._request("generate", (prompts, params, first_prompt)), self.policy_version
+        with), or with op "generate_routed" (`submit_routed`) for the record and its routed experts."""
+        reply_key, version = self._request(op, (prompts, params, first_prompt)), self.policy_version
 
         def wait() -> Responses:
-            responses, generated_by = self._reply(reply_key, "generate", self.request_timeout_s)
+            responses, generated_by = self._reply(reply_key, op, self.request_timeout_s)
             if generated_by != version:
                 raise RuntimeError(f"policy version mismatch: the rollout server at {self.address} generated with "
                                    f"policy version {generated_by}, the last one synced before the request is "
@@ -96,15 +96,10 @@ class RemoteClient:
 
         return wait
 
-    def generate_routed(self, prompts: list[list[int]], params: SamplingParams, *,
-                        first_prompt: int = 0) -> tuple[Responses, torch.Tensor]:
-        """The server's record and its routed experts (vllm_engine.VLLMServer.generate_routed), on the host."""
-        (responses, experts), generated_by = self._call("generate_routed", (prompts, params, first_prompt),
-                                                        self.request_timeout_s)
-        if generated_by != self.policy_version:
-            raise RuntimeError(f"policy version mismatch: the rollout server at {self.address} generated with policy "
-                               f"version {generated_by}, the last one synced is {self.policy_version}")
-        return responses, experts
+    def submit_routed(self, prompts: list[list[int]], params: SamplingParams, *,
+                      first_prompt: int = 0) -> Callable[[], tuple[Responses, torch.Tensor]]:
+        """`submit` of the record and its routed experts (vllm_engine.VLLMServer.generate_routed), on the host."""
+        return self.submit(prompts, params, first_prompt=first_prompt, op="generate_routed")
 
     def begin_weight_update(self) -> None:
         self._call("begin", None, self.request_timeout_s)

@@ -86,9 +86,13 @@ class ServerEngine:
         """`generate`, and per response of the record (prompt-major) the experts its fed tokens went to at this
         rank's MoE layers (`routed_layers`): the built-in engine's routing record (BuiltinEngine.generate_routed),
         int16 [P + R - 1, M, k], but on the host (module doc)."""
+        return self.submit_routed(prompts, params)()
+
+    def submit_routed(self, prompts: list[list[int]], params: SamplingParams) -> Callable:
+        """`generate_routed` in two halves, as `submit`."""
         if self.routed_layers is None:
             raise ValueError("this rollout engine was not built for routing replay (routed_layers)")
-        return self._submit(prompts, params, routed=True)()
+        return self._submit(prompts, params, routed=True)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Responses]:
         """`generate` in two halves, both collective: this call hands every host its part of the prompts, the
@@ -108,7 +112,7 @@ class ServerEngine:
         if self.server is not None:  # every host generates its part at once, before any answer is shared
             index = self.hosts.index(me)
             start = sum(len(p) for p in parts[:index])
-            submit = None if routed else getattr(self.server, "submit", None)
+            submit = getattr(self.server, "submit_routed" if routed else "submit", None)
             if not parts[index]:
                 answered = ("ok", (Responses.empty(), self._no_routing()) if routed else Responses.empty())
             elif submit is None:

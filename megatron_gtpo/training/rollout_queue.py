@@ -91,17 +91,28 @@ class RolloutQueue:
         for step, batch in sorted(self.asked.items()):
             responses = batch.wait()
             self.asked[step] = AskedBatch(step, batch.version, batch.prompts, lambda r=responses: r, batch.continued)
-            batches[step] = {"version": batch.version, "prompts": batch.prompts, "responses": responses.to(cpu),
+            batches[step] = {"version": batch.version, "prompts": batch.prompts,
+                             "responses": _rollout_to(responses, cpu),
                              "continued": _moved(batch.continued, cpu)}
         return {"batches": batches, "unfinished": _moved(self.unfinished, cpu)}
 
     def load_state_dict(self, state: dict) -> None:
         """From `state_dict()`'s host state, moved to the training device."""
         device = self.device
-        self.asked = {step: AskedBatch(step, b["version"], b["prompts"], lambda r=b["responses"].to(device): r,
+        self.asked = {step: AskedBatch(step, b["version"], b["prompts"],
+                                       lambda r=_rollout_to(b["responses"], device): r,
                                        _moved(b["continued"], device))
                       for step, b in state["batches"].items()}
         self.unfinished = _moved(state["unfinished"], device)
+
+
+def _rollout_to(rollout, device: torch.device):
+    """An engine's answer with its record on `device`: a record, or with routing replay (record, per response its
+    routing), whose routing goes to the host (rank-local, like the file it is saved in)."""
+    if isinstance(rollout, tuple):
+        record, routes = rollout
+        return record.to(device), [r.cpu() for r in routes]
+    return rollout.to(device)
 
 
 def _moved(groups: SampledGroups | None, device: torch.device) -> SampledGroups | None:

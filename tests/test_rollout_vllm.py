@@ -381,6 +381,8 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
         older = RemoteClient(address, shape, groups.device)  # waits for the server's vLLM to come up
         RemoteClient(address, shape, groups.device).close()
         out["replaced"] = _error_text(lambda: older.generate(PROMPTS, greedy))[0]
+        # Routing replay needs a server started with --return-routed-experts: refused when connecting.
+        out["not_routed"] = _error_text(lambda: RemoteClient(address, shape, groups.device, routed=True))[0]
     engine = connect(address)
     out["weight_group_size"] = None if engine.server is None else engine.server.group.size()
     out["version_0"] = engine.policy_version
@@ -449,6 +451,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
                                                                                                   seconds)
     assert other["unreachable"][0] == unreachable
     assert "a newer trainer session replaced it" in ref["replaced"], ref["replaced"]
+    assert "does not return routed experts" in ref["not_routed"] and "--return-routed-experts" in ref["not_routed"]
     assert (ref["weight_group_size"], other["weight_group_size"]) == (1 + REMOTE_VLLM_TP, None)
     # The weights really went over: vLLM started from checkpoint A and now generates what the Megatron model does.
     assert _tokens(ref["before_sync"]) != _tokens(ref["vllm_greedy"]), "the sync changed nothing"

@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                       enforce_eager=args.enforce_eager, seed=args.seed,
                       return_routed_experts=args.return_routed_experts)
     else:
+        if args.return_routed_experts:
+            parser.error("--return-routed-experts: the builtin engine's routing stays on its own rank (vLLM only)")
         _own_world()
         kwargs = dict(dtype=args.dtype or "float32", max_batch_rows=args.max_batch_rows,
                       max_batch_tokens=args.max_batch_tokens, seed=args.seed)

@@ -210,12 +210,17 @@ def test_the_moe_recipe_fits_16_and_8_h100s_and_the_planner_suggests_layouts():
     p = cfg.parallel
     recipe = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline, data=16 // (p.tensor * p.pipeline), expert=p.expert,
                             expert_tensor=p.expert_tensor, sequence_parallel=p.sequence_parallel)
+    assert settings.vllm_memory_fraction is not None  # 16 GPUs: colocated vLLM engines
     assert plan(SHAPE_30B, recipe, workload, settings).fits
-    one_node = ParallelLayout(tensor=4, data=2, expert=2, expert_tensor=4, sequence_parallel=True)  # the recipe's note
-    assert plan(SHAPE_30B, one_node, workload, replace(settings, recompute_activations=True)).fits
-    for gpus, most_gib in ((8, 80), (16, 72)):
-        best = suggest_layouts(SHAPE_30B, gpus, workload, settings)[0]
+    # 1 node: the built-in engine (the recipe's note), with recompute.
+    builtin = replace(settings, vllm_memory_fraction=None, builtin_max_batch_tokens=131072)
+    one_node = ParallelLayout(tensor=2, data=4, expert=4, expert_tensor=2, sequence_parallel=True)
+    assert not plan(SHAPE_30B, one_node, workload, replace(settings, recompute_activations=True)).fits  # with vLLM
+    assert plan(SHAPE_30B, one_node, workload, replace(builtin, recompute_activations=True)).fits
+    for gpus, engine_settings, most_gib in ((8, builtin, 80), (16, settings, 80), (16, builtin, 72)):
+        best = suggest_layouts(SHAPE_30B, gpus, workload, engine_settings)[0]
         assert best.fits and best.layout.world_size == gpus
-        # 16 GPUs leave a tenth; on 8 (DP = 2) routing replay's record takes 4.5 GiB per GPU and none leaves a tenth.
+        # 16 GPUs with the built-in engine leave a tenth; on 8 (DP = 2) routing replay's record takes 4.5 GiB per GPU
+        # and none leaves a tenth; vLLM takes half of every GPU while it generates.
         assert max(best.memory_gib["training_peak"], best.memory_gib["generation_peak"]) <= most_gib
     assert suggest_layouts(SHAPE_30B, 16, workload, settings)[0].layout == recipe

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.distributed import warm_up_communicators
-from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE, record_from_vllm
+from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE
 
 from .engine import SamplingParams, check_prompts
 from .placement import split_prompts
@@ -167,20 +167,21 @@ class ServerEngine:
 
     def _share_routing(self, experts, src: int, prompts: list[list[int]], n: int, lengths: list[int]) \
             -> list[torch.Tensor]:
-        """A host's experts (`experts` on the host, None elsewhere) on every rank of the replica, each rank keeping
-        its own layers of each response, on the host. Collective over the replica."""
-        layers, k = self.shape.num_layers, self.shape.moe.topk
+        """A host's experts (`experts`, every layer's, on the host; None elsewhere) on every rank of the replica, each
+        rank keeping its own MoE layers (`routed_layers`) of each response, on the host. Collective over the
+        replica."""
+        layers, k, device = self.shape.num_layers, self.shape.moe.topk, self.parallel.device
         rows_per_response = [len(p) + r - 1 for p, r in zip([p for p in prompts for _ in range(n)], lengths)]
-        shared = experts if experts is not None else torch.empty(sum(rows_per_response), layers, k,
-                                                                 dtype=EXPERT_INDEX_DTYPE)
-        step = max(1, _ROUTING_SLICE_BYTES // (layers * k * shared.element_size()))
-        for start in range(0, shared.shape[0], step):
-            piece = shared[start:start + step].to(self.parallel.device)
+        rows = sum(rows_per_response)
+        index = torch.tensor([layer - 1 for layer in self.routed_layers], device=device)  # vLLM's layers: 0-based
+        kept = torch.empty(rows, len(self.routed_layers), k, dtype=EXPERT_INDEX_DTYPE)
+        step = max(1, _ROUTING_SLICE_BYTES // (layers * k * kept.element_size()))
+        for start in range(0, rows, step):
+            piece = experts[start:start + step].to(device) if experts is not None else \
+                torch.empty(min(step, rows - start), layers, k, dtype=EXPERT_INDEX_DTYPE, device=device)
             dist.broadcast(piece.view(torch.uint8), src=src, group=self.parallel.mp_group)  # NCCL, gloo: no int16
-            shared[start:start + step] = piece.cpu()
-        return [record_from_vllm(chunk, prompt_length=len(p), response_length=r, layers=self.routed_layers, topk=k)
-                for chunk, p, r in zip(shared.split(rows_per_response), [p for p in prompts for _ in range(n)],
-                                       lengths)]
+            kept[start:start + step] = piece.index_select(1, index).cpu()
+        return list(kept.split(rows_per_response))
 
     def _global_rank(self, host: tuple[int, int]) -> int:
         """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""

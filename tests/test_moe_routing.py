@@ -170,5 +170,7 @@ def test_vllm_routing_becomes_the_builtin_record():
                        (vllm_outputs[0][..., :1], "top-2")):
         with pytest.raises(ValueError, match=match):
             record_from_vllm(bad, prompt_length=7, response_length=4, layers=layers, topk=k)
+    with pytest.raises(ValueError, match="returned no routed experts"):
+        record_from_vllm(None, prompt_length=7, response_length=4, layers=layers, topk=k)
     with pytest.raises(ValueError, match="not among the 6 layers"):
         record_from_vllm(vllm_outputs[0], prompt_length=7, response_length=4, layers=(7,), topk=k)

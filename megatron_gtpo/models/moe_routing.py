@@ -117,8 +117,11 @@ def record_from_vllm(routed_experts_NLK, *, prompt_length: int, response_length:
     routed_experts_prompt_start = 0 those are the prompt's P positions (prefix-cached ones included: vLLM keeps
     their routing beside the KV cache) and every generated token but the last, never fed: N = P + R - 1, the
     record's positions. Neither side has padding (the built-in engine drops its left pads from the record); the
-    step batch fills the positions nobody fed (`filler_experts`). ValueError when the rows are not those positions
-    or the layers and top-k are not the model's."""
+    step batch fills the positions nobody fed (`filler_experts`). ValueError when there are none, the rows are not
+    those positions or the layers and top-k are not the model's."""
+    if routed_experts_NLK is None:
+        raise ValueError("vLLM returned no routed experts for a completion (an engine built without "
+                         "enable_return_routed_experts?)")
     experts_NLK = torch.as_tensor(routed_experts_NLK)
     expected = prompt_length + response_length - 1
     if experts_NLK.dim() != 3 or experts_NLK.shape[0] != expected or experts_NLK.shape[2] != topk:

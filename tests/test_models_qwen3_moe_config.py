@@ -211,7 +211,16 @@ def test_the_moe_recipe_fits_16_and_8_h100s_and_the_planner_suggests_layouts():
     recipe = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline, data=16 // (p.tensor * p.pipeline), expert=p.expert,
                             expert_tensor=p.expert_tensor, sequence_parallel=p.sequence_parallel)
     assert settings.vllm_memory_fraction is not None  # 16 GPUs: colocated vLLM engines
-    assert plan(SHAPE_30B, recipe, workload, settings).fits
+    recipe_plan = plan(SHAPE_30B, recipe, workload, settings)
+    assert recipe_plan.fits
+    # vLLM's share of a GPU holds the whole model, every layer's 128 experts included, in bf16 over vLLM TP 2. By hand:
+    # 48 x (attention 2048 x (4096 + 2 x 512) + 4096 x 2048 + q/k norms 256, experts 128 x 3 x 2048 x 768, router
+    # 2048 x 128, 2 norms 2048) + embedding and output 2 x 151,936 x 2048 + final norm 2048 (the planner pads the
+    # vocabulary to 152,576: 0.01 % more). Its KV cache: K and V of 48 layers x 2 of the 4 KV heads x 128 x 2 bytes.
+    by_hand = 48 * (2048 * 5120 + 4096 * 2048 + 256 + 128 * 3 * 2048 * 768 + 2048 * 128 + 2 * 2048) \
+        + 2 * 151_936 * 2048 + 2048
+    assert recipe_plan.memory_gib["vllm_weights"] * 2**30 == pytest.approx(by_hand * 2 / 2, rel=2e-4)
+    assert recipe_plan.kv_cache["bytes_per_token"] == 2 * 48 * 2 * 128 * 2
     # 1 node: the built-in engine (the recipe's note), with recompute.
     builtin = replace(settings, vllm_memory_fraction=None, builtin_max_batch_tokens=131072)
     one_node = ParallelLayout(tensor=2, data=4, expert=4, expert_tensor=2, sequence_parallel=True)

@@ -32,7 +32,7 @@ from vllm import SamplingParams as VLLMSamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
-from megatron_gtpo.models.moe_routing import record_from_vllm
+from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE, record_from_vllm
 from megatron_gtpo.models.qwen import ModelShape, load_hf_config
 
 from .cuda_ipc import import_buffer
@@ -200,7 +200,7 @@ class VLLMServer:
                                    response_length=len(sample.token_ids), layers=layers, topk=self.topk)
                   for prompt, out in zip(prompts, outputs) for sample in out.outputs]
         record = Responses.from_lists([[_response(sample) for sample in out.outputs] for out in outputs])
-        return record, torch.cat(routed) if routed else torch.empty(0, self.num_layers, self.topk, dtype=torch.int16)
+        return record, torch.cat(routed) if routed else torch.empty(0, self.num_layers, self.topk, dtype=EXPERT_INDEX_DTYPE)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int) -> list:
         self._wake(["weights", "kv_cache"])

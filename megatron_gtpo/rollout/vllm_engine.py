@@ -200,7 +200,9 @@ class VLLMServer:
                                    response_length=len(sample.token_ids), layers=layers, topk=self.topk)
                   for prompt, out in zip(prompts, outputs) for sample in out.outputs]
         record = Responses.from_lists([[_response(sample) for sample in out.outputs] for out in outputs])
-        return record, torch.cat(routed) if routed else torch.empty(0, self.num_layers, self.topk, dtype=EXPERT_INDEX_DTYPE)
+        if not routed:
+            return record, torch.empty(0, self.num_layers, self.topk, dtype=EXPERT_INDEX_DTYPE)
+        return record, torch.cat(routed)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int) -> list:
         self._wake(["weights", "kv_cache"])

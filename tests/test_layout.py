@@ -44,11 +44,13 @@ def test_the_world_size_sets_data_parallel_or_is_refused():
     (ParallelLayout(data=2), {"rollout": RolloutLayout("vllm_remote", remote_servers=1)},
      r"rollout.remote_addresses: 1 given, but there are 2 data-parallel replicas"),
     (ParallelLayout(tensor=4), {"shape": SHAPE_7B, "rollout": RolloutLayout("vllm", engine_tensor_parallel=4)}, None),
-    # Before the world size is known: the prompts over the mini-batches; routing replay needs the built-in engine.
+    # Before the world size is known: the prompts over the mini-batches; replay needs an engine that records routing.
     (ParallelLayout(data=None), {"prompts_per_step": 6, "mini_batches_per_step": 4},
      r"data.prompts_per_step \(6\) must be divisible by data.mini_batches_per_step \(4\)"),
-    (ParallelLayout(data=None), {"rollout": RolloutLayout("vllm"), "routing_replay": True},
-     "rollout.engine: vllm does not record routing for algorithm.routing_replay: rollout"),
+    (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin_remote"), "routing_replay": True},
+     "rollout.engine: builtin_remote does not record routing for algorithm.routing_replay: rollout"),
+    (ParallelLayout(data=None), {"rollout": RolloutLayout("vllm"), "routing_replay": True}, None),
+    (ParallelLayout(data=None), {"rollout": RolloutLayout("vllm_remote"), "routing_replay": True}, None),
     (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin"), "routing_replay": True}, None),
 ])
 def test_each_rule_names_its_keys(layout, kwargs, message):

@@ -139,9 +139,10 @@ def test_planner_counts_equal_meta_device_models_at_expert_layouts():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    # Routing replay needs the routing recorded at generation: layout.check_layout's one rule.
-    (["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=."],
-     "rollout.engine: vllm does not record routing for algorithm.routing_replay: rollout"),
+    # Routing replay needs the routing recorded or returned at generation: layout.check_layout's one rule (whether
+    # vLLM can return it is vllm_engine.routed_experts_unavailable's, when the engine starts).
+    (["rollout.engine=builtin_remote", "rollout.remote_addresses=[h:1]"],
+     "rollout.engine: builtin_remote does not record routing for algorithm.routing_replay: rollout"),
 ])
 def test_routing_replay_is_refused_where_it_cannot_run(overrides, message):
     from megatron_gtpo.config import ConfigError, load_config
@@ -209,12 +210,26 @@ def test_the_moe_recipe_fits_16_and_8_h100s_and_the_planner_suggests_layouts():
     p = cfg.parallel
     recipe = ParallelLayout(tensor=p.tensor, pipeline=p.pipeline, data=16 // (p.tensor * p.pipeline), expert=p.expert,
                             expert_tensor=p.expert_tensor, sequence_parallel=p.sequence_parallel)
-    assert plan(SHAPE_30B, recipe, workload, settings).fits
-    one_node = ParallelLayout(tensor=4, data=2, expert=2, expert_tensor=4, sequence_parallel=True)  # the recipe's note
-    assert plan(SHAPE_30B, one_node, workload, replace(settings, recompute_activations=True)).fits
-    for gpus, most_gib in ((8, 80), (16, 72)):
-        best = suggest_layouts(SHAPE_30B, gpus, workload, settings)[0]
+    assert settings.vllm_memory_fraction is not None  # 16 GPUs: colocated vLLM engines
+    recipe_plan = plan(SHAPE_30B, recipe, workload, settings)
+    assert recipe_plan.fits
+    # vLLM's share of a GPU holds the whole model, every layer's 128 experts included, in bf16 over vLLM TP 2. By hand:
+    # 48 x (attention 2048 x (4096 + 2 x 512) + 4096 x 2048 + q/k norms 256, experts 128 x 3 x 2048 x 768, router
+    # 2048 x 128, 2 norms 2048) + embedding and output 2 x 151,936 x 2048 + final norm 2048 (the planner pads the
+    # vocabulary to 152,576: 0.01 % more). Its KV cache: K and V of 48 layers x 2 of the 4 KV heads x 128 x 2 bytes.
+    by_hand = 48 * (2048 * 5120 + 4096 * 2048 + 256 + 128 * 3 * 2048 * 768 + 2048 * 128 + 2 * 2048) \
+        + 2 * 151_936 * 2048 + 2048
+    assert recipe_plan.memory_gib["vllm_weights"] * 2**30 == pytest.approx(by_hand * 2 / 2, rel=2e-4)
+    assert recipe_plan.kv_cache["bytes_per_token"] == 2 * 48 * 2 * 128 * 2
+    # 1 node: the built-in engine (the recipe's note), with recompute.
+    builtin = replace(settings, vllm_memory_fraction=None, builtin_max_batch_tokens=131072)
+    one_node = ParallelLayout(tensor=2, data=4, expert=4, expert_tensor=2, sequence_parallel=True)
+    assert not plan(SHAPE_30B, one_node, workload, replace(settings, recompute_activations=True)).fits  # with vLLM
+    assert plan(SHAPE_30B, one_node, workload, replace(builtin, recompute_activations=True)).fits
+    for gpus, engine_settings, most_gib in ((8, builtin, 80), (16, settings, 80), (16, builtin, 72)):
+        best = suggest_layouts(SHAPE_30B, gpus, workload, engine_settings)[0]
         assert best.fits and best.layout.world_size == gpus
-        # 16 GPUs leave a tenth; on 8 (DP = 2) routing replay's record takes 4.5 GiB per GPU and none leaves a tenth.
+        # 16 GPUs with the built-in engine leave a tenth; on 8 (DP = 2) routing replay's record takes 4.5 GiB per GPU
+        # and none leaves a tenth; vLLM takes half of every GPU while it generates.
         assert max(best.memory_gib["training_peak"], best.memory_gib["generation_peak"]) <= most_gib
     assert suggest_layouts(SHAPE_30B, 16, workload, settings)[0].layout == recipe

@@ -116,3 +116,61 @@ def test_recorded_replayed_and_measured_routing_is_transformers(moe):
         ours = replayed[b, :len(sequence)]
         assert (ours - forced).abs().max() / forced.abs().max() < 1e-4, b
         assert (ours - unforced).abs().max() / unforced.abs().max() > 1e-2, b  # forcing mattered
+
+
+def _builtin_route_log(true_routes, prompt_lengths, response_lengths, layers):
+    """What the built-in engine records (rollout/builtin.py's _RouteLog, at the rank's MoE `layers`) for the same
+    routing `true_routes` (per row [P + R - 1, all layers, k]) in one left-padded batch: a prefill over the padded
+    prompts (the pads' experts are garbage, 99), then one decode column per step while a row still feeds tokens."""
+    from megatron_gtpo.rollout.builtin import _RouteLog
+
+    width = max(prompt_lengths)
+    pads = [width - p for p in prompt_lengths]
+    log = _RouteLog(len(true_routes), pads)
+    index = [layer - 1 for layer in layers]
+
+    def column(row, c):
+        return true_routes[row][c - pads[row]][index] if c >= pads[row] else torch.full_like(
+            true_routes[row][0][index], 99)
+
+    rows = list(range(len(true_routes)))
+    log.add(0, rows, torch.stack([column(b, c) for c in range(width) for b in rows]).to(torch.int16))
+    for step in range(1, max(response_lengths)):
+        active = [b for b in rows if step <= response_lengths[b] - 1]
+        if active:
+            log.add(width + step - 1, active,
+                    torch.stack([column(b, width + step - 1) for b in active]).to(torch.int16))
+    return log.per_row()
+
+
+def test_vllm_routing_becomes_the_builtin_record():
+    """vLLM's `routed_experts` of each completion (hand-built: uint8 [P + R - 1, all layers, k]) become exactly what
+    the built-in engine records for the same routing in a left-padded batch, at a pipeline stage's MoE layers: a
+    long and a short prompt (padded), the same prompt twice (n=2; vLLM serves the second from its prefix cache and
+    still reports the prompt's routing), a response of one token (its only token never fed: prompt rows only). The
+    last generated position is in neither; outputs with it, or cut short, are refused."""
+    import numpy as np
+
+    from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE, record_from_vllm
+
+    num_layers, layers, k = 6, (3, 4, 6), 2  # this stage's MoE layers (megatron's 1-based numbers)
+    prompt_lengths, response_lengths = [7, 3, 7, 4], [4, 5, 2, 1]
+    gen = torch.Generator().manual_seed(3)
+    true_routes = [torch.randint(0, 8, (p + r - 1, num_layers, k), generator=gen)
+                   for p, r in zip(prompt_lengths, response_lengths)]
+    true_routes[2][:7] = true_routes[0][:7]  # the same prompt: its routing is the same
+    vllm_outputs = [t.numpy().astype(np.uint8) for t in true_routes]
+    builtin = _builtin_route_log(true_routes, prompt_lengths, response_lengths, layers)
+    for out, p, r, expected in zip(vllm_outputs, prompt_lengths, response_lengths, builtin):
+        record = record_from_vllm(out, prompt_length=p, response_length=r, layers=layers, topk=k)
+        assert record.dtype == EXPERT_INDEX_DTYPE and record.shape == (p + r - 1, len(layers), k)
+        assert torch.equal(record, expected)
+    last_fed = np.concatenate([vllm_outputs[0], vllm_outputs[0][-1:]])  # one row too many: the last position
+    for bad, match in ((last_fed, "not one row per fed position"), (vllm_outputs[0][2:], "not one row per fed"),
+                       (vllm_outputs[0][..., :1], "top-2")):
+        with pytest.raises(ValueError, match=match):
+            record_from_vllm(bad, prompt_length=7, response_length=4, layers=layers, topk=k)
+    with pytest.raises(ValueError, match="returned no routed experts"):
+        record_from_vllm(None, prompt_length=7, response_length=4, layers=layers, topk=k)
+    with pytest.raises(ValueError, match="not among the 6 layers"):
+        record_from_vllm(vllm_outputs[0], prompt_length=7, response_length=4, layers=(7,), topk=k)

@@ -291,9 +291,10 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
 
 
 def test_routing_replay_record_is_counted_on_every_rank_of_its_stage():
-    """algorithm.routing_replay: rollout keeps the built-in engine's record on the GPU from generation to the end of the
-    update: per rank, its replica's sequences x fed tokens (prompt + response - 1) x the stage's MoE layers x top-k
-    expert indices, stored as int16 (models/moe_routing.EXPERT_INDEX_DTYPE)."""
+    """algorithm.routing_replay: rollout keeps the record on the GPU from generation (the built-in engine) or from the
+    step batch (vLLM's, on the host while vLLM generates) to the end of the update: per rank, its replica's sequences
+    x fed tokens (prompt + response - 1) x the stage's MoE layers x top-k expert indices, stored as int16
+    (models/moe_routing.EXPERT_INDEX_DTYPE)."""
     from megatron_gtpo.config import load_config
 
     cfg = load_config(os.path.join(REPO, "examples", "qwen3-30b-a3b-gtpo.yaml"))
@@ -304,12 +305,16 @@ def test_routing_replay_record_is_counted_on_every_rank_of_its_stage():
     # fed tokens, 48 MoE layers, 8 experts per token, 2 bytes each: 1,207,762,944 bytes (1.12 GiB) on every rank.
     expected = 256 * 6143 * 48 * 8 * 2
     layout = ParallelLayout(tensor=2, data=8, expert=8, expert_tensor=2, sequence_parallel=True)
-    replayed = plan(shape, layout, workload, settings)
-    unreplayed = plan(shape, layout, workload, replace(settings, routing_replay=False))
-    assert replayed.stages[0].routing_record == expected
-    assert replayed.memory_gib["routing_record"] == expected / 2**30
-    for peak in ("training_peak", "generation_peak"):
-        assert replayed.memory_gib[peak] - unreplayed.memory_gib[peak] == pytest.approx(expected / 2**30, rel=1e-9)
+    assert settings.vllm_memory_fraction is not None  # the recipe generates on colocated vLLM engines
+    builtin = replace(settings, vllm_memory_fraction=None)
+    for engine_settings, peaks in ((settings, ("training_peak",)), (builtin, ("training_peak", "generation_peak"))):
+        replayed = plan(shape, layout, workload, engine_settings)
+        unreplayed = plan(shape, layout, workload, replace(engine_settings, routing_replay=False))
+        assert replayed.stages[0].routing_record == expected
+        assert replayed.memory_gib["routing_record"] == expected / 2**30
+        for peak in ("training_peak", "generation_peak"):
+            assert replayed.memory_gib[peak] - unreplayed.memory_gib[peak] == pytest.approx(
+                expected / 2**30 if peak in peaks else 0.0, rel=1e-9, abs=1e-12), peak
     # Two pipeline stages hold 24 MoE layers each; a dense model records nothing.
     staged = plan(shape, ParallelLayout(tensor=2, pipeline=2, data=4, expert=8, expert_tensor=1,
                                         sequence_parallel=True), workload, settings)

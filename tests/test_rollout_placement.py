@@ -1,10 +1,12 @@
 """Where a replica's rollout engines run and which prompts each serves (rollout/placement.py): pure arithmetic on
 ranks and lists, checked against hand-written layouts; no GPU needed. Then the engine group logic
 (server_engine.ServerEngine) on 2-4 gloo ranks with stand-in servers: the prompt split across hosts, responses
-reassembled in prompt order on every rank, and the memory release before a colocated engine wakes."""
+reassembled in prompt order on every rank, with routing replay each rank's layers of the routing the hosts report,
+and the memory release before a colocated engine wakes."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from distributed_harness import run_distributed
 from megatron_gtpo.rollout.placement import (colocated_cuda_devices, engine_hosts, engine_members, split_counts,
@@ -97,26 +99,56 @@ class _EchoServer:
         return Responses.from_lists([[Response(list(p) + [self.index], [-0.5] * (len(p) + 1), "length")]
                                      for p in prompts])
 
+    def generate_routed(self, prompts, params, first_prompt=0):
+        """`generate`, and for each response's P + R - 1 fed positions at every layer the experts `_experts` names
+        (vLLM's layout after vllm_engine.VLLMServer.generate_routed)."""
+        import torch
+
+        responses = self.generate(prompts, params, first_prompt)
+        return responses, torch.cat([_experts(first_prompt + i, 2 * len(p), range(1, 4))  # P + R - 1, R = P + 1
+                                     for i, p in enumerate(prompts)])
+
+
+def _experts(prompt_index, rows, layers):
+    """Hand-made routing of a response of prompt `prompt_index`: int16 [rows, layers, 2], a different expert per
+    prompt, position, layer (1-based) and slot."""
+    import torch
+
+    r, m, j = torch.meshgrid(torch.arange(rows), torch.tensor(list(layers)), torch.arange(2), indexing="ij")
+    return ((prompt_index + 2 * r + 3 * m + j) % 8).to(torch.int16)
+
 
 LAYOUTS = [(2, 2, 1, 7), (2, 2, 2, 5), (2, 2, 4, 3), (4, 1, 2, 1)]  # (tp, pp, engine_tp, prompts) on 4 ranks
 
 
 def _split_across_hosts(rank, world_size):
     from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.rollout import server_engine
     from megatron_gtpo.rollout.engine import SamplingParams
     from megatron_gtpo.rollout.server_engine import ServerEngine
 
+    server_engine._ROUTING_SLICE_BYTES = 5 * 3 * 2 * 2  # the routing crosses in slices of 5 positions
     out = []
     for tp, pp, engine_tp, num_prompts in LAYOUTS:
         groups = initialize_parallel(tp, pp)
         hosts = engine_hosts(tp=tp, pp=pp, engine_tp=engine_tp)
         me = (groups.pp_rank, groups.tp_rank)
         server = _EchoServer(hosts.index(me)) if me in hosts else None
-        engine = ServerEngine(server, groups, SimpleNamespace(vocab_size=100, max_position_embeddings=64),
-                              hosts=hosts)
+        layers = (1,) if groups.pp_rank == 0 else (2, 3)  # this stage's MoE layers
+        engine = ServerEngine(server, groups, SimpleNamespace(vocab_size=100, max_position_embeddings=64,
+                                                              num_layers=3, moe=SimpleNamespace(topk=2)),
+                              hosts=hosts, routed_layers=layers)
         responses = engine.generate([[i, i + 1] for i in range(num_prompts)], SamplingParams(max_new_tokens=1))
-        out.append((responses.token_id_lists(), None if server is None else server.calls,
-                    None if server is None else server.intervals))
+        out.append((responses.token_id_lists(), None if server is None else server.calls[:],
+                    None if server is None else server.intervals[:]))
+        # Routing replay: prompts of 1 to 3 tokens; each rank keeps its own layers of each response, on the host.
+        prompts = [[i] * (1 + i % 3) for i in range(num_prompts)]
+        routed_record, routes = engine.generate_routed(prompts, SamplingParams(max_new_tokens=1))
+        assert routed_record.token_id_lists()[0][:-1] == prompts[0]
+        for i, (prompt, experts) in enumerate(zip(prompts, routes)):
+            assert experts.device.type == "cpu"
+            assert torch.equal(experts, _experts(i, 2 * len(prompt), layers)), (tp, pp, engine_tp, i)
+        assert len(routes) == num_prompts
     return out
 
 

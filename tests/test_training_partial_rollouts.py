@@ -172,3 +172,22 @@ def test_a_resume_under_other_rollout_settings_than_the_in_flight_work_is_refuse
     with pytest.raises(ValueError, match="checkpoint ckpt/step_00000003 holds rollouts generated and not yet "
                                          "trained on under other rollout settings than this run's " + f"\\({message}"):
         check_rollout_schedule(saved_config, cfg, "ckpt/step_00000003")
+
+
+def test_a_saved_queue_keeps_the_routing_of_its_batches_in_flight():
+    """Routing replay with rollouts in flight (rollout.max_staleness 1 on a vLLM rollout server): the batch asked
+    for ahead is saved with its routing and comes back with it on the host after a resume (rollout_queue.py)."""
+    from megatron_gtpo.training.rollout_queue import AskedBatch, RolloutQueue
+
+    def ask(step, version, continued):
+        record = Responses.from_lists([[Response([7, 8], [-0.5, -0.25], "length")] for _ in range(G)])
+        routes = [torch.full((3, 1, 2), 10 * step + j, dtype=torch.int16) for j in range(G)]
+        return AskedBatch(step, version, [_prompt(1000 + step)], lambda: (record, routes), continued)
+
+    queue = RolloutQueue(1, ask, steps=3)
+    assert queue.take(0).routed_experts[1][0, 0, 0] == 1
+    resumed = RolloutQueue(1, ask, steps=3, device=torch.device("cpu"))
+    resumed.load_state_dict(queue.state_dict())  # batch 1, asked for at step 0
+    groups = resumed.take(1)
+    assert [r[0, 0, 0].item() for r in groups.routed_experts] == [10 + j for j in range(G)]
+    assert all(r.device.type == "cpu" and r.dtype == torch.int16 for r in groups.routed_experts)

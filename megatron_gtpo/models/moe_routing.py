@@ -105,6 +105,35 @@ def filler_experts(num_tokens: int, layers: int, topk: int, device) -> torch.Ten
     return torch.arange(topk, dtype=EXPERT_INDEX_DTYPE, device=device).expand(num_tokens, layers, topk)
 
 
+def record_from_vllm(routed_experts_NLK, *, prompt_length: int, response_length: int, layers: tuple[int, ...],
+                     topk: int, device=None) -> torch.Tensor:
+    """One vLLM completion's routing as the built-in engine's record (rollout/builtin.py's generate_routed): int16
+    [P + R - 1, M, k] on `device`, M ordered as `layers` (megatron's 1-based global layer numbers of this rank's MoE
+    layers).
+
+    `routed_experts_NLK` is vLLM's `CompletionOutput.routed_experts` (an engine built with
+    enable_return_routed_experts; numpy uint8 [N, num_hidden_layers, k], uint16 above 256 experts): one row per
+    position the engine fed, its 0-based layer axis over every decoder layer. With the request's default
+    routed_experts_prompt_start = 0 those are the prompt's P positions (prefix-cached ones included: vLLM keeps
+    their routing beside the KV cache) and every generated token but the last, never fed: N = P + R - 1, the
+    record's positions. Neither side has padding (the built-in engine drops its left pads from the record); the
+    step batch fills the positions nobody fed (`filler_experts`). ValueError when there are none, the rows are not
+    those positions or the layers and top-k are not the model's."""
+    if routed_experts_NLK is None:
+        raise ValueError("vLLM returned no routed experts for a completion (an engine built without "
+                         "enable_return_routed_experts?)")
+    experts_NLK = torch.as_tensor(routed_experts_NLK)
+    expected = prompt_length + response_length - 1
+    if experts_NLK.dim() != 3 or experts_NLK.shape[0] != expected or experts_NLK.shape[2] != topk:
+        raise ValueError(f"vLLM's routed experts {tuple(experts_NLK.shape)} are not one row per fed position of a "
+                         f"{prompt_length}-token prompt and {response_length}-token response ({expected} x layers x "
+                         f"top-{topk})")
+    if not layers or min(layers) < 1 or max(layers) > experts_NLK.shape[1]:
+        raise ValueError(f"MoE layers {layers} are not among the {experts_NLK.shape[1]} layers vLLM reports")
+    index = torch.tensor([layer - 1 for layer in layers])
+    return experts_NLK.index_select(1, index).to(device=device, dtype=EXPERT_INDEX_DTYPE)
+
+
 def prepare_routers(model, routed: RoutedExperts | None, token_mask_LB: torch.Tensor | None) -> None:
     """Before a forward of `model` (one model chunk) on a micro-batch of L x B tokens: with `routed` (experts
     [B, L, M, k] of this rank's MoE layers), every router takes the recorded choices for its layer (megatron's

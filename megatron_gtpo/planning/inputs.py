@@ -63,8 +63,9 @@ class Settings:
     # Without a colocated vLLM the built-in engine generates on the training model: its static KV cache holds at
     # most this many token slots per batch (rollout.builtin_max_batch_tokens; None: every row of a replica at once).
     builtin_max_batch_tokens: int | None = None
-    # algorithm.routing_replay: rollout. The built-in engine's record of the experts each fed token went to at a rank's
-    # MoE layers stays on that rank's GPU from generation to the end of the update (memory.routing_record_bytes).
+    # algorithm.routing_replay: rollout. The record of the experts each fed token went to at a rank's MoE layers
+    # (memory.routing_record_bytes): on that rank's GPU from generation (built-in engine) or from the step batch
+    # (vLLM's, on the host before) to the end of the update.
     routing_replay: bool = False
     # The phase-time model (plan_disaggregated): one GPU's peak rates (H100 SXM datasheet: bf16 dense, HBM3) and the
     # fractions of them each phase reaches. The fractions are assumptions, not measurements.

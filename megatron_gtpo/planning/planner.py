@@ -82,7 +82,10 @@ def _training_peak(stage: StageMemory, settings: Settings, rollout: RolloutMemor
 
 
 def _generation_peak(stages: list[StageMemory], settings: Settings, rollout: RolloutMemory) -> float:
-    return max(st.persistent + st.routing_record for st in stages) + settings.framework_overhead_gib * GIB \
+    # Routing replay: the built-in engine records on the GPU while it generates; vLLM's routing waits on the host
+    # until the step batch (server_engine.py), which puts it on the GPU for training only.
+    return max(st.persistent + (0.0 if rollout.colocated else st.routing_record) for st in stages) \
+        + settings.framework_overhead_gib * GIB \
         + rollout.budget + rollout.builtin_kv
 
 

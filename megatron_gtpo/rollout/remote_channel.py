@@ -13,7 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-PROTOCOL = 3  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py)
+PROTOCOL = 4  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py);
+# 4: generate_routed, and hello says whether the server returns routed experts
 ROOT = "gtpo_remote"
 _CHUNK_BYTES = 4 * 2**20  # the libuv TCPStore refuses values over 8 MiB
 

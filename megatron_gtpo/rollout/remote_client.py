@@ -40,7 +40,8 @@ class RemoteClient:
     (docs/remote_rollout.md has the protocol)."""
 
     def __init__(self, address: str, shape, device: torch.device, *, connect_timeout_s: float = 300.0,
-                 request_timeout_s: float = 1800.0):
+                 request_timeout_s: float = 1800.0, routed: bool = False):
+        """`routed` (routing replay): ConnectionError unless the server returns routed experts."""
         host, port = parse_address(address)
         self.address = address
         self.connect_timeout_s = connect_timeout_s
@@ -60,6 +61,10 @@ class RemoteClient:
         self._seq = 0
         info = self._call("hello", dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape),
                                         device_type=device.type), connect_timeout_s)
+        if routed and not info["routed_experts"]:
+            raise ConnectionError(f"the rollout server at {address} does not return routed experts, which "
+                                  f"algorithm.routing_replay: rollout takes over: start it with "
+                                  f"--return-routed-experts (a vLLM server on GPUs)")
         self.dtype = getattr(torch, info["dtype"])
         self.policy_version = info["version"]
         reply_key = self._request("join", connect_timeout_s)
@@ -75,14 +80,14 @@ class RemoteClient:
         """The server's record (responses.py), on the host: its tensors cross the channel pickled."""
         return self.submit(prompts, params, first_prompt=first_prompt)()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, *,
-               first_prompt: int = 0) -> Callable[[], Responses]:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0,
+               op: str = "generate") -> Callable[[], Responses]:
         """Send the request now; the returned function waits for its record (module doc: what it is generated
-        with)."""
-        reply_key, version = self._request("generate", (prompts, params, first_prompt)), self.policy_version
+        with), or with op "generate_routed" (`submit_routed`) for the record and its routed experts."""
+        reply_key, version = self._request(op, (prompts, params, first_prompt)), self.policy_version
 
         def wait() -> Responses:
-            responses, generated_by = self._reply(reply_key, "generate", self.request_timeout_s)
+            responses, generated_by = self._reply(reply_key, op, self.request_timeout_s)
             if generated_by != version:
                 raise RuntimeError(f"policy version mismatch: the rollout server at {self.address} generated with "
                                    f"policy version {generated_by}, the last one synced before the request is "
@@ -90,6 +95,11 @@ class RemoteClient:
             return responses
 
         return wait
+
+    def submit_routed(self, prompts: list[list[int]], params: SamplingParams, *,
+                      first_prompt: int = 0) -> Callable[[], tuple[Responses, torch.Tensor]]:
+        """`submit` of the record and its routed experts (vllm_engine.VLLMServer.generate_routed), on the host."""
+        return self.submit(prompts, params, first_prompt=first_prompt, op="generate_routed")
 
     def begin_weight_update(self) -> None:
         self._call("begin", None, self.request_timeout_s)
@@ -167,19 +177,22 @@ class RemoteEngine(ServerEngine):
 
     @classmethod
     def connect(cls, address: str, parallel, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                connect_timeout_s: float = 300.0, request_timeout_s: float = 1800.0) -> RemoteEngine:
+                connect_timeout_s: float = 300.0, request_timeout_s: float = 1800.0,
+                routed_layers: tuple[int, ...] | None = None) -> RemoteEngine:
         """Collective over the model-parallel group: the sync destination connects (waiting up to
-        `connect_timeout_s` for the server to answer and be ready); every rank raises if that failed."""
+        `connect_timeout_s` for the server to answer and be ready); every rank raises if that failed.
+        `routed_layers` (this rank's MoE layers, routing replay): the server must return routed experts."""
         client, outcome = None, None
         if is_sync_destination(parallel):
             outcome = attempt(lambda: RemoteClient(address, shape, parallel.device,
                                                        connect_timeout_s=connect_timeout_s,
-                                                       request_timeout_s=request_timeout_s))
+                                                       request_timeout_s=request_timeout_s,
+                                                       routed=routed_layers is not None))
             if outcome[0] == "ok":
                 client = outcome[1]
                 outcome = ("ok", client.policy_version)
         version = unwrap(share_outcome(outcome, dist.get_global_rank(parallel.mp_group, 0), parallel.mp_group))
-        engine = cls(client, parallel, shape, bucket_bytes=bucket_bytes)
+        engine = cls(client, parallel, shape, bucket_bytes=bucket_bytes, routed_layers=routed_layers)
         engine.policy_version = version
         return engine
 

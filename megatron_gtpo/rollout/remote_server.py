@@ -2,13 +2,15 @@
 (docs/remote_rollout.md):
 
     python -m megatron_gtpo.rollout.remote_server --hf-dir DIR --listen HOST:PORT [--engine vllm|builtin] \
-        [--tensor-parallel-size K] [--gpu-memory-utilization F] [--dtype D] [--max-model-len N] [--enforce-eager]
+        [--tensor-parallel-size K] [--gpu-memory-utilization F] [--dtype D] [--max-model-len N] [--enforce-eager] \
+        [--return-routed-experts]
 
 `--engine vllm` (default; `rollout.engine: vllm_remote`) serves a vLLM engine (vllm_engine.VLLMServer);
 `--engine builtin` (`rollout.engine: builtin_remote`) the built-in Megatron engine (builtin_server.BuiltinServer),
-which needs no vLLM. The server hosts the rendezvous TCPStore at HOST:PORT, answers the requests of the newest
-trainer session (a newer session replaces an older one), and runs until a trainer asks it to shut down. The
-trainer's side is remote_client.py.
+which needs no vLLM. `--return-routed-experts` (vLLM on GPUs): the server also answers each response's experts, for
+a trainer's routing replay (algorithm.routing_replay: rollout). The server hosts the rendezvous TCPStore at
+HOST:PORT, answers the requests of the newest trainer session (a newer session replaces an older one), and runs
+until a trainer asks it to shut down. The trainer's side is remote_client.py.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ class _Session:
             return None
         if op == "generate":
             return server.generate(*payload), server.policy_version
+        if op == "generate_routed":
+            return server.generate_routed(*payload), server.policy_version
         if op == "begin":
             return server.begin_weight_update()
         if op == "bucket":
@@ -70,7 +74,8 @@ class _Session:
             raise ValueError(f"the trainer sends weights from {payload['device_type']} tensors, the vLLM workers "
                              f"are on {self.server.device_type}: both must be cpu (gloo) or cuda (NCCL)")
         return dict(version=self.server.policy_version, dtype=str(self.server.dtype).removeprefix("torch."),
-                    num_workers=self.server.num_workers)
+                    num_workers=self.server.num_workers,
+                    routed_experts=getattr(self.server, "return_routed_experts", False))
 
 
 ENGINES = ("vllm", "builtin")
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                       help="KV-cache size in bytes (instead of a memory fraction; use it on CPU)")
     vllm.add_argument("--max-model-len", type=int, default=None)
     vllm.add_argument("--enforce-eager", action="store_true")
+    vllm.add_argument("--return-routed-experts", action="store_true",
+                      help="answer each response's experts too, for routing replay (vLLM's V2 model runner, GPUs)")
     builtin = parser.add_argument_group("builtin")
     builtin.add_argument("--max-batch-rows", type=int, default=None)
     builtin.add_argument("--max-batch-tokens", type=int, default=None)
@@ -165,8 +172,11 @@ def main(argv: list[str] | None = None) -> None:
         kwargs = dict(tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype or "auto",
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
-                      enforce_eager=args.enforce_eager, seed=args.seed)
+                      enforce_eager=args.enforce_eager, seed=args.seed,
+                      return_routed_experts=args.return_routed_experts)
     else:
+        if args.return_routed_experts:
+            parser.error("--return-routed-experts: the builtin engine's routing stays on its own rank (vLLM only)")
         _own_world()
         kwargs = dict(dtype=args.dtype or "float32", max_batch_rows=args.max_batch_rows,
                       max_batch_tokens=args.max_batch_tokens, seed=args.seed)

@@ -8,6 +8,8 @@ The server object is a `vllm_engine.VLLMServer` in the same process (colocated m
 
     generate(prompts, SamplingParams, first_prompt=0) -> Responses (the record, responses.py; `first_prompt`: the
         index of prompts[0] in the replica's prompts, so that seeds differ across engines)
+    generate_routed(prompts, SamplingParams, first_prompt=0) -> (Responses, experts) (routing replay only: `generate`
+        and every response's experts at every layer, vllm_engine.VLLMServer.generate_routed)
     begin_weight_update() -> None
     load_bucket(bucket: list[(hf_name, tensor)]) -> None
     load_ipc_bucket(names, dtype_names, shapes, {gpu_uuid: rebuild args}) -> None (colocated on CUDA only:
@@ -18,7 +20,9 @@ The server object is a `vllm_engine.VLLMServer` in the same process (colocated m
 
 `generate` and `sync_weights` are collective over the model-parallel group: each host calls its server, and its
 outcome (result or error text) is broadcast to every rank, which returns it or raises. The records travel as
-tensors to the group's device (rollout/transport.py), the small outcomes of a sync as objects.
+tensors to the group's device (rollout/transport.py), the small outcomes of a sync as objects. With routing replay
+the experts follow each record, every layer's to every rank of the replica (in slices of at most
+`_ROUTING_SLICE_BYTES` on the device), and each rank keeps its own MoE layers' on the host until the step batch.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.distributed import warm_up_communicators
+from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE
 
 from .engine import Rollout, SamplingParams, check_prompts
 from .placement import split_prompts
@@ -36,6 +41,8 @@ from .responses import Responses
 from .transport import broadcast_responses
 from .weight_sync import DEFAULT_BUCKET_BYTES, SINGLE_DESTINATION, hf_weight_buckets, is_sync_destination, \
     pack_on_device, policy_checksum_names, tensor_checksum
+
+_ROUTING_SLICE_BYTES = 2**26  # routing crosses the device in slices of this size: a transient, not a copy
 
 
 class RolloutEngineError(ConnectionError, RuntimeError):
@@ -55,7 +62,8 @@ class ServerEngine:
     """
 
     def __init__(self, server, parallel, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 ipc_members=None):
+                 ipc_members=None, routed_layers: tuple[int, ...] | None = None):
+        """`routed_layers`: this rank's MoE layers (models/moe_routing.routed_layers), for `generate_routed`."""
         self.hosts = [tuple(h) for h in hosts]
         # Colocated on CUDA: each engine's member ranks (placement.engine_members, host first), which hand their
         # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).
@@ -67,16 +75,28 @@ class ServerEngine:
         self.parallel = parallel
         self.shape = shape
         self.bucket_bytes = bucket_bytes
+        self.routed_layers = routed_layers
         self.policy_version = 0
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
         return self.submit(prompts, params)().responses
 
+    def generate_routed(self, prompts: list[list[int]], params: SamplingParams) \
+            -> tuple[Responses, list[torch.Tensor]]:
+        """`generate`, and per response of the record (prompt-major) the experts its fed tokens went to at this
+        rank's MoE layers (`routed_layers`): the built-in engine's routing record (BuiltinEngine.generate_routed),
+        int16 [P + R - 1, M, k], but on the host (module doc)."""
+        if self.routed_layers is None:
+            raise ValueError("this rollout engine was not built for routing replay (routed_layers)")
+        rollout = self.submit(prompts, params)()
+        return rollout.responses, rollout.routed_experts
+
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Rollout]:
         """`generate` in two halves, both collective: this call hands every host its part of the prompts, the
-        returned function waits for the answers and shares them (a rollout without routing). A server that can work
-        in the background (one with `submit`: a rollout server on a node of its own) generates in between; any other
-        answers at once."""
+        returned function waits for the answers and shares them, with the routing of this rank's MoE layers when the
+        engine was built for routing replay (`routed_layers`). A server that can work in the background (one with
+        `submit`: a rollout server on a node of its own) generates in between; any other answers at once."""
+        routed = self.routed_layers is not None
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
@@ -88,11 +108,12 @@ class ServerEngine:
         if self.server is not None:  # every host generates its part at once, before any answer is shared
             index = self.hosts.index(me)
             start = sum(len(p) for p in parts[:index])
-            submit = getattr(self.server, "submit", None)
+            submit = getattr(self.server, "submit_routed" if routed else "submit", None)
             if not parts[index]:
-                answered = ("ok", Responses.empty())
+                answered = ("ok", (Responses.empty(), self._no_routing()) if routed else Responses.empty())
             elif submit is None:
-                answered = attempt(partial(self.server.generate, parts[index], params, first_prompt=start))
+                generate = self.server.generate_routed if routed else self.server.generate
+                answered = attempt(partial(generate, parts[index], params, first_prompt=start))
             else:
                 answered = attempt(partial(submit, parts[index], params, first_prompt=start))
                 if answered[0] == "ok":
@@ -100,24 +121,66 @@ class ServerEngine:
 
         def wait() -> Rollout:
             mine = attempt(waiting) if waiting is not None else answered
-            records, failures = [], []
+            experts = None
+            if routed and self.server is not None:
+                mine, experts = self._checked_routing(mine, parts[self.hosts.index(me)], params.n)
+            records, routes, failures = [], [], []
             for index, host in enumerate(self.hosts):
                 # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
                 status, payload = broadcast_responses(mine if host == me else None, self._global_rank(host),
                                                       self.parallel.mp_group, self.parallel.device)
                 if status == "ok":
                     records.append(payload)
+                    if routed:
+                        routes += self._share_routing(experts if host == me else None, self._global_rank(host),
+                                                      parts[index], params.n, payload.lengths_R.tolist())
                 else:
                     failures.append(f"engine {index} (host pp_rank, tp_rank = {host}): {payload}")
             if failures:
                 raise RolloutEngineError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host "
                                    f"rank(s): " + "; ".join(failures))
-            return Rollout(Responses.cat(records))
+            return Rollout(Responses.cat(records), routes if routed else None)
 
         return wait
 
     def stand_by(self) -> None:
         """Nothing to take part in: a server's engine has no expert-parallel peers among the trainer's ranks."""
+
+    def _no_routing(self) -> torch.Tensor:
+        return torch.empty(0, self.shape.num_layers, self.shape.moe.topk, dtype=EXPERT_INDEX_DTYPE)
+
+    def _checked_routing(self, outcome, prompts: list[list[int]], n: int):
+        """A host's ("ok", (record, experts)) as ("ok", record) and its experts, or an error outcome (and None) when
+        the experts are not int16 [sum of (P + R - 1), num_layers, k] for that record."""
+        if outcome[0] != "ok":
+            return outcome, None
+        record, experts = outcome[1]
+        rows = sum(len(p) for p in prompts for _ in range(n)) + int(record.lengths_R.sum()) - len(prompts) * n
+        expected = (rows, self.shape.num_layers, self.shape.moe.topk)
+        if not isinstance(experts, torch.Tensor) or experts.dtype != EXPERT_INDEX_DTYPE \
+                or tuple(experts.shape) != expected:
+            got = tuple(experts.shape) if isinstance(experts, torch.Tensor) else type(experts).__name__
+            return ("error", f"the engine's routed experts {got} are not int16 {expected} (every fed position of its "
+                             f"responses, every layer, top-k)"), None
+        return ("ok", record), experts
+
+    def _share_routing(self, experts, src: int, prompts: list[list[int]], n: int, lengths: list[int]) \
+            -> list[torch.Tensor]:
+        """A host's experts (`experts`, every layer's, on the host; None elsewhere) on every rank of the replica, each
+        rank keeping its own MoE layers (`routed_layers`) of each response, on the host. Collective over the
+        replica."""
+        layers, k, device = self.shape.num_layers, self.shape.moe.topk, self.parallel.device
+        rows_per_response = [len(p) + r - 1 for p, r in zip([p for p in prompts for _ in range(n)], lengths)]
+        rows = sum(rows_per_response)
+        index = torch.tensor([layer - 1 for layer in self.routed_layers], device=device)  # vLLM's layers: 0-based
+        kept = torch.empty(rows, len(self.routed_layers), k, dtype=EXPERT_INDEX_DTYPE)
+        step = max(1, _ROUTING_SLICE_BYTES // (layers * k * kept.element_size()))
+        for start in range(0, rows, step):
+            piece = experts[start:start + step].to(device) if experts is not None else \
+                torch.empty(min(step, rows - start), layers, k, dtype=EXPERT_INDEX_DTYPE, device=device)
+            dist.broadcast(piece.view(torch.uint8), src=src, group=self.parallel.mp_group)  # NCCL, gloo: no int16
+            kept[start:start + step] = piece.index_select(1, index).cpu()
+        return list(kept.split(rows_per_response))
 
     def _global_rank(self, host: tuple[int, int]) -> int:
         """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""

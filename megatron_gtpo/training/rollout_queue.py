@@ -123,6 +123,7 @@ class RolloutQueue:
             rollout = as_rollout(batch.wait())
             self.asked[step] = AskedBatch(step, batch.version, batch.prompts, lambda r=rollout: r, batch.continued)
             batches[step] = {"version": batch.version, "prompts": batch.prompts, "responses": rollout.responses.to(cpu),
+                             "routed_experts": _routes_to_host(rollout.routed_experts),
                              "continued": _moved(batch.continued, cpu)}
         return {"batches": batches, "unfinished": _moved(self.unfinished, cpu), "carried": _moved(self.carried, cpu)}
 
@@ -131,7 +132,8 @@ class RolloutQueue:
         carried holds none)."""
         device = self.device
         self.asked = {step: AskedBatch(step, b["version"], b["prompts"],
-                                       lambda r=Rollout(b["responses"].to(device)): r, _moved(b["continued"], device))
+                                       lambda r=Rollout(b["responses"].to(device), b.get("routed_experts")): r,
+                                       _moved(b["continued"], device))
                       for step, b in state["batches"].items()}
         self.unfinished = _moved(state["unfinished"], device)
         self.carried = _moved(state.get("carried"), device)
@@ -147,5 +149,11 @@ def carry_over(surplus: RewardedGroups | None, step: int, max_staleness: int) ->
     return (kept if kept.num_groups else None), surplus.num_groups - kept.num_groups
 
 
-def _moved(groups, device: torch.device):
+def _routes_to_host(routes: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """A rollout's routing (routing replay: per response, this rank's MoE layers) on the host, where it stays until
+    the step batch (rank-local, like the file it is saved in)."""
+    return None if routes is None else [r.cpu() for r in routes]
+
+
+def _moved(groups: SampledGroups | None, device: torch.device) -> SampledGroups | None:
     return None if groups is None else groups.to(device)

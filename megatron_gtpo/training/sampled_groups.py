@@ -18,7 +18,7 @@ from megatron_gtpo.rollout.responses import Responses
 class SampledGroups:
     """Prompt groups of G responses each, as sampled so far: the loader's items, their record (prompt-major), per
     token the policy version (steps trained) whose weights sampled it, and per response the version of its first
-    segment (its oldest). With routing replay, per response the experts the built-in engine routed its tokens to
+    segment (its oldest). With routing replay, per response the experts the engine routed its tokens to
     (rank-local; experience.py)."""
 
     prompts: list  # [N]

@@ -228,8 +228,8 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
         routes = exp.routed_experts if exp.routed_experts is not None else []
         if len(routes) != len(response_lengths):
             raise ValueError(f"routing replay needs each response's recorded experts: {len(routes)} recorded for "
-                             f"{len(response_lengths)} responses (the engine must record routing: rollout.engine "
-                             f"builtin)")
+                             f"{len(response_lengths)} responses (the engine must record or return routing: "
+                             f"rollout.engine builtin, vllm or vllm_remote)")
     planned = [[_planned(rows, tokens_SL, mask_ST, sequence_lengths, prompt_lengths, response_lengths, parallel, pack,
                          replay, routes)
                 for rows in mini] for mini in plan]

@@ -71,7 +71,12 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch_size:
     terms = _LAYER_ACTIVATION_TERMS[kernels] + (_QK_NORM_ACTIVATION_TERMS[kernels] if shape.qk_norm else ()) \
         + moe_terms
     per_token = sum(coef * dims[name] / divisor[split] for coef, name, split in terms)
-    return round(per_token * tokens * bytes_per_element)
+    index_and_mask = 0
+    if kernels == "local" and c > 1:  # the all-gather attention's own per layer, not in the model dtype: the int64
+        # position order of the gathered K and of V (index_select keeps its index), and the bool mask of this rank's
+        # queries against the row
+        index_and_mask = 2 * 8 * seq_len + seq_len // c * seq_len
+    return round(per_token * tokens * bytes_per_element) + index_and_mask
 
 
 def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_micro_batches: int) -> float:

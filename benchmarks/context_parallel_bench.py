@@ -10,7 +10,8 @@ same 2 cores), each CP rank holding its load-balanced half of the row (distribut
                      vocab-parallel log-probs and entropies gathered over CP, and the backward of their sum
   logprob pass       forward_logprobs_and_entropy (the old-policy / scoring pass, no autograd)
 Per phase: wall clock of the slowest rank, min and median over --repeats after one warm-up; the ratios CP = 2 /
-CP = 1 of the minima; the largest difference of the CP = 2 log-probs from CP = 1's (they must agree).
+CP = 1 of the minima, and CP = 2 against a perfect split of the 1-thread CP = 1 run (what CP adds to each rank's
+half of the work); the largest difference of the CP = 2 log-probs from CP = 1's (they must agree).
 
 Memory: the planner's (megatron_gtpo.planning) per-GPU training peak of the Qwen2.5-32B paper-length recipe
 (examples/qwen2.5-32b-dapo-20k.yaml) at CP = 2 and CP = 1 on the same 32 GPUs, with and without recompute.
@@ -145,7 +146,12 @@ def _markdown(times: dict, max_diff: float, args, command: str, load: tuple) -> 
             lines.append(f"| {name} | {label} | {min(times[label][name]):.3f} | "
                          f"{statistics.median(times[label][name]):.3f} | "
                          f"{min(times[cp2][name]) / min(times[label][name]):.2f} |")
-    lines += ["", f"Largest |log-prob CP=2 - CP=1| over the row: {max_diff:.2e}.", "",
+    one_thread = RUNS[1][0]
+    lines += ["", "CP=2 against a perfect split of the 1-thread CP=1 run over its two ranks (CP=2 min / (CP=1, 1 "
+              "thread min / 2)), the cost of CP itself: " + "; ".join(
+                  f"{name} {min(times[cp2][name]) / (min(times[one_thread][name]) / 2):.2f}" for name in times[cp2])
+              + ".",
+              "", f"Largest |log-prob CP=2 - CP=1| over the row: {max_diff:.2e}.", "",
               f"### Memory: the planner's per-GPU peaks, GiB, of {RECIPE} (Qwen2.5-32B, 2048 + 20480 tokens) on 32 "
               f"H100s of 80 GiB", "",
               "| layout | activations | context K/V | training peak | generation peak | fits |",

@@ -167,11 +167,11 @@ def suggest_layouts(shape: ModelShape, gpus: int, workload: Workload, settings: 
     generates (the built-in engine does not under CP); a mixture-of-experts model's EP dividing its experts and
     TP x CP x DP, ETP 1 or TP; sequence parallelism at TP > 1 (a mixture-of-experts model trains only with it, and it
     divides the activations the TP ranks would otherwise each keep whole); each without and with activation
-    recompute (`settings` otherwise). Best: a tenth of the GPU left at the
-    training and the generation peak (the planner's activation and allocator terms are estimates), then no
-    recompute, the fewest GPUs per model replica (TP x PP x CP: the most data-parallel replicas), then the smallest
-    CP (whose K/V exchange a replica of the same size at CP = 1 does not pay), then the lowest training peak. So CP
-    comes first only where a sequence does not fit a replica without it."""
+    recompute (`settings` otherwise). Best: a tenth of the GPU left at the training and the generation peak (the
+    planner's activation and allocator terms are estimates), then no recompute, the fewest GPUs per model replica
+    (TP x PP x CP: the most data-parallel replicas), then the smallest CP (whose K/V exchange a replica of the same
+    size at CP = 1 does not pay), then the lowest training peak. So CP comes first only where a sequence does not
+    fit a replica without it."""
     plans = []
     for tp in (t for t in _divisors(gpus) if t <= settings.gpus_per_node):
         for pp in (p for p in _divisors(gpus // tp) if shape.num_layers % p == 0):

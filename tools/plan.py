@@ -245,13 +245,14 @@ PHASES = (("prefill_s", "prefill"), ("decode_s", "decode"), ("generate_s", "gene
 def format_disaggregated(result: dict) -> str:
     train, roll, phases, co = result["training"], result["rollout"], result["phases_s"], result["colocated"]
     lay, a, n = train["layout"], result["assumptions"], result["max_staleness"]
+    context = f" CP={lay['context']}" if lay["context"] > 1 else ""
     unused = result["nodes"] - train["nodes"] - roll["nodes"]
     lines = [
         f"{result['model']} on {result['nodes']} nodes x {result['gpus_per_node']} GPUs: rollout servers "
         f"(rollout.engine vllm_remote) and training on nodes of their own, rollout.max_staleness {n}",
         "",
         f"split (the shortest step of the {1 + len(result['alternatives'])} that run):",
-        f"  training: {train['nodes']} node(s), TP={lay['tensor']} PP={lay['pipeline']} DP={lay['data']} "
+        f"  training: {train['nodes']} node(s), TP={lay['tensor']} PP={lay['pipeline']}{context} DP={lay['data']} "
         f"({train['gpus']} GPUs), training peak {train['training_peak_gib']:.1f} GiB per GPU",
         f"  rollout:  {roll['nodes']} node(s), {roll['servers']} vLLM servers of TP={roll['server_tp']} "
         f"({roll['gpus']} GPUs), KV cache {roll['kv_cache_gib_per_gpu']:.2f} GiB per GPU = "

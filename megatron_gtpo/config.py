@@ -76,10 +76,7 @@ class ParallelConfig:
     context_comm: str = "p2p"
 
     def check(self) -> None:
-        _need(self.context == 1,
-              f"parallel.context: {self.context} is not supported by the trainer yet (its rollout, reward and "
-              f"weight-sync groups do not span the context-parallel ranks); python -m megatron_gtpo.score --cp "
-              f"scores under context parallelism")
+        """The layout's rules are layout.check_layout's (validate_layout)."""
 
 
 @dataclass

@@ -42,8 +42,11 @@ LAYER_PROBE = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hi
 PROBE_SEQ, PROBE_BATCH = 40, 3
 
 
-def saved_activation_bytes(model, *, seq_len, batch) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves during one forward."""
+def saved_activation_bytes(model, *, seq_len, batch, context_parallel=1, cp_rank=0) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves during one forward of rows of `seq_len` tokens;
+    under context parallelism, of this rank's load-balanced positions of them (the attention masks on its own)."""
+    from megatron_gtpo.distributed.context_parallel import load_balanced_positions
+
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -56,6 +59,9 @@ def saved_activation_bytes(model, *, seq_len, batch) -> int:
     tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (batch, seq_len), device="cuda")
     positions = torch.arange(seq_len, device="cuda").expand(batch, seq_len)
     mask = torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device="cuda"), 1)
+    if context_parallel > 1:
+        held = load_balanced_positions(seq_len, cp_rank, context_parallel, device="cuda")
+        tokens, positions, mask = tokens[:, held], positions[:, held], None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens, positions, mask)
     return sum(saved.values())

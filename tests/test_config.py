@@ -103,11 +103,10 @@ def test_layout_dependent_checks():
         validate_layout(cfg, world_size=8)
 
 
-def test_context_parallelism_is_refused_by_the_trainer_and_its_comm_kind_checked():
+def test_context_parallelism_is_accepted_and_its_comm_kind_checked():
     base = ["model.tiny_synthetic=true", "data.source=synthetic"]
     assert load_config(None, base + ["parallel.context_comm=a2a"]).parallel.context_comm == "a2a"
-    with pytest.raises(ConfigError, match="parallel.context: 2 is not supported by the trainer yet"):
-        load_config(None, base + ["parallel.context=2"])
+    assert load_config(None, base + ["parallel.context=2"]).parallel.context == 2
     with pytest.raises(ConfigError, match="parallel.context_comm"):
         load_config(None, base + ["parallel.context_comm=ring"])
 

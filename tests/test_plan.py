@@ -27,7 +27,7 @@ from megatron_gtpo.models.qwen import ModelShape
 from megatron_gtpo.models.presets import hf_config
 from megatron_gtpo.planning import (Settings, Workload, forward_flops, generation_phase_s, layer_activation_bytes,
                                     parameter_count, plan, plan_disaggregated, settings_from_config, step_s,
-                                    total_parameter_count, training_phase_s, workload_from_config)
+                                    suggest_layouts, total_parameter_count, training_phase_s, workload_from_config)
 from plan_measurements import (LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, saved_activation_bytes,
                                state_bytes_after_one_step)
 
@@ -68,6 +68,14 @@ def _measure_all(rank, world_size):
                 model(tokens, torch.arange(PROBE_SEQ, device="cuda").expand(PROBE_BATCH, PROBE_SEQ),
                       torch.triu(torch.ones(1, 1, PROBE_SEQ, PROBE_SEQ, dtype=torch.bool, device="cuda"), 1))
             out["flops"] = counter.get_total_flops()
+    groups = initialize_parallel(1, 1, context_parallel=2)  # CP = 2 x DP = 2: the all-gather attention
+    for recompute in (False, True):
+        saved = [saved_activation_bytes(build_model(dict(LAYER_PROBE, num_hidden_layers=layers), tensor_parallel=1,
+                                                    pipeline_parallel=1, pp_rank=0, context_parallel=2,
+                                                    recompute_activations=recompute)[0],
+                                        seq_len=PROBE_SEQ, batch=PROBE_BATCH, context_parallel=2,
+                                        cp_rank=groups.cp_rank) for layers in (1, 2)]
+        out[("cp2", recompute)] = saved[1] - saved[0]
     return out
 
 
@@ -167,6 +175,23 @@ def test_local_profile_layer_activations_equal_saved_tensors(measurements, tp, r
                                       sequence_parallel=False, kernels="local", bytes_per_element=4,
                                       recompute=recompute)
     assert all(rank[(tp, recompute)] == expected for rank in measurements)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_local_profile_layer_activations_at_cp2_equal_saved_tensors(measurements, recompute):
+    """At CP = 2 a rank keeps its half of the row's tokens, and the all-gather attention the whole row's keys and
+    values (expanded to every head), its position-order indices and its queries' mask; by hand for this probe (fp32,
+    L = 40, b = 3, h = 128, 4 heads x 48 = q 192, f = 320, d = 48): the measured CP = 1 layer less half of what
+    scales with a rank's tokens, plus the K/V of the other half of the row, plus 2 x 8 x L + (L / 2) x L bytes."""
+    shape = ModelShape.from_hf(dict(LAYER_PROBE, num_hidden_layers=1))
+    expected = layer_activation_bytes(shape, seq_len=PROBE_SEQ, micro_batch_size=PROBE_BATCH, tensor_parallel=1,
+                                      sequence_parallel=False, kernels="local", bytes_per_element=4,
+                                      recompute=recompute, context_parallel=2)
+    assert all(rank[("cp2", recompute)] == expected for rank in measurements)
+    if not recompute:
+        cp1 = measurements[0][(1, False)]
+        kv_row = 2 * 192 * PROBE_SEQ * PROBE_BATCH * 4  # K and V of every head over the whole row
+        assert expected == cp1 / 2 + kv_row / 2 + 2 * 8 * PROBE_SEQ + PROBE_SEQ // 2 * PROBE_SEQ
 
 
 def test_forward_flops_equal_torch_flop_counter_on_a_megatron_forward(measurements):
@@ -282,8 +307,8 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
     model = next(m for m in RECIPE_GPUS if path.startswith(m + "-"))
     shape = ModelShape.from_hf(hf_config(model))
     for gpus in RECIPE_GPUS[model]:
-        tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-        layout = ParallelLayout(tensor=tp, pipeline=pp, data=gpus // (tp * pp),
+        tp, pp, cp = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.context
+        layout = ParallelLayout(tensor=tp, pipeline=pp, data=gpus // (tp * pp * cp), context=cp,
                                 virtual_pipeline=cfg.parallel.virtual_pipeline,
                                 sequence_parallel=cfg.parallel.sequence_parallel)
         result = plan(shape, layout, workload_from_config(cfg), settings_from_config(cfg))
@@ -516,4 +541,73 @@ def test_cli_disaggregated_prints_the_split_and_refuses_too_few_nodes(capsys):
     assert status == 0 and result["assumptions"]["training_mfu"] == 0.2
     assert (result["rollout"]["servers"], result["training"]["layout"]["data"]) == (4, 4)
     status, _, err = _plan_cli(capsys, "--model", "qwen2.5-7b", "--tp", "4", "--nodes", "1", "--disaggregated")
-    assert status == 2 and "one training replica (TP x PP = 4 GPUs) and one rollout server" in err
+    assert status == 2 and "one training replica (TP x PP x CP = 4 GPUs) and one rollout server" in err
+
+
+# The Qwen2.5-32B paper-length workload (examples/qwen2.5-32b-dapo-20k.yaml): 2048 + 20480 tokens per sequence.
+LONG = Workload(max_prompt_tokens=2048, max_response_tokens=20480, mini_batches_per_step=4)
+
+
+def test_context_parallelism_splits_a_gpus_share_of_each_sequence_by_hand():
+    """At CP = 2 a GPU holds 11,264 of a sequence's 22,528 tokens: the "te" profile's activations (every term per
+    local token) and the logits halve exactly, the log-prob workspaces stay at their chunk (the budget, not the
+    sequence, sets it), the optimizer state shards over DP x CP, and Transformer Engine's ring adds its K/V blocks
+    in flight: 4 blocks of K and V, 2 x 8 KV heads x 128 / TP 8 per local token, bf16 (by hand: 23,068,672 bytes)."""
+    from megatron_gtpo.planning.memory import stage_memory
+
+    shape = ModelShape.from_hf(hf_config("qwen2.5-32b"))
+    settings = Settings(vllm_memory_fraction=0.5, vllm_tensor_parallel=8)
+    cp1 = ParallelLayout(tensor=8, pipeline=2, data=2, sequence_parallel=True)
+    cp2 = replace(cp1, data=1, context=2)
+    one, two = (plan(shape, layout, LONG, settings).stages for layout in (cp1, cp2))
+    for a, b in zip(one, two):  # per pipeline stage
+        assert b.activations == a.activations / 2
+        assert b.logits == a.logits / 2
+        assert b.logprob_workspaces == a.logprob_workspaces
+        assert (b.parameters, b.gradients, b.optimizer) == (a.parameters, a.gradients, a.optimizer)
+        assert (a.context_kv, b.context_kv) == (0, 4 * 2 * 128 * 11264 * 2)
+    # 1 micro-batch in flight on the last stage: 32 layers x 11,264 tokens x (4 h / 8 + 2 q / 8 + 2 kv / 8 + 3 f / 8)
+    h, q, kv, f = 5120, 5120, 1024, 27648
+    assert two[1].activations == 32 * 11264 * (4 * h + 2 * q + 2 * kv + 3 * f) / 8 * 2
+    # The distributed optimizer: 12 bytes per parameter over DP x CP = 2 in both layouts
+    assert two[0].optimizer == two[0].params * 12 / 2
+    half = stage_memory(shape, replace(cp2, data=2), LONG, settings, 0, distributed_optimizer=True, recompute=False)
+    assert half.optimizer == two[0].optimizer / 2
+    # Recompute keeps each layer's input (its half of the row, split over TP by SP) plus one layer's whole set.
+    layer = 11264 * (4 * h + 2 * q + 2 * kv + 3 * f) / 8 * 2
+    recomputed = plan(shape, cp2, LONG, replace(settings, recompute_activations=True)).stages[1]
+    assert recomputed.activations == 32 * 11264 * h / 8 * 2 + layer
+    # The all-gather attention (kernels "local") holds the whole row's K and V, as gathered and in position order.
+    local = plan(shape, cp2, LONG, replace(settings, kernels="local")).stages[1]
+    assert local.context_kv == 2 * 2 * 128 * 22528 * 2
+
+
+def test_suggest_takes_context_parallelism_where_a_long_sequence_does_not_fit_otherwise():
+    """Qwen2.5-7B at 2048 + 40960 tokens on 8 GPUs: without recompute, only CP fits replicas of fewer than 8 GPUs, so
+    the best suggestion is TP = 4 with CP = 2 (recompute would cost a third more compute); with the built-in engine
+    (no colocated vLLM) CP is not proposed (it does not generate under CP)."""
+    shape = ModelShape.from_hf(hf_config("qwen2.5-7b"))
+    settings = Settings(vllm_memory_fraction=0.5)
+    longer = replace(LONG, max_response_tokens=40960)
+    plans = suggest_layouts(shape, 8, longer, settings)
+    assert all(p.fits and p.layout.world_size == 8 for p in plans)
+    # Without recompute and without CP, only replicas of all 8 GPUs fit (TP 4 x PP 2): CP = 2 halves them
+    assert all(p.layout.tensor * p.layout.pipeline == 8 for p in plans
+               if p.layout.context == 1 and not p.settings.recompute_activations)
+    assert (plans[0].layout.tensor, plans[0].layout.context, plans[0].layout.data) == (4, 2, 1)
+    assert not plans[0].settings.recompute_activations
+    builtin = suggest_layouts(shape, 8, longer, replace(settings, vllm_memory_fraction=None))
+    assert all(p.layout.context == 1 for p in builtin)
+
+
+def test_cli_takes_the_context_parallel_size(capsys):
+    status, out, _ = _plan_cli(capsys, "--model", "qwen2.5-32b", "--tp", "8", "--pp", "2", "--cp", "2", "--nodes", "4",
+                               "--max-response-tokens", "20480", "--sp", "--json")
+    result = json.loads(out)
+    assert status == 0 and result["layout"]["context"] == 2 and result["layout"]["data"] == 1
+    assert result["memory_gib"]["context_kv"] == pytest.approx(4 * 2 * 128 * 11264 * 2 / 2**30)
+    status, _, err = _plan_cli(capsys, "--model", "qwen2.5-32b", "--tp", "8", "--pp", "2", "--cp", "3", "--nodes", "4")
+    assert status == 2 and "not divisible by TP x PP x CP = 8 x 2 x 3" in err
+    status, out, _ = _plan_cli(capsys, "--model", "qwen2.5-32b", "--tp", "8", "--pp", "2", "--cp", "2", "--nodes", "4",
+                               "--max-response-tokens", "20480", "--sp")
+    assert "TP=8 PP=2 CP=2 DP=1" in out and "context_kv" in out

@@ -3,7 +3,8 @@ script's header (examples/slurm/*.sbatch, launch.sh) or examples/slurm/README.md
 checks and builds the TransformerConfig a GPU run would build.
 
 The launches are read from the files themselves, so a newly documented one is covered without touching this test:
-- in a yaml's header, every `EXTRA_ARGS="..."` (its --set overrides applied together, to that yaml);
+- in a yaml's header, every `EXTRA_ARGS="..."` (its --set overrides applied together, to that yaml), and every
+  `... sbatch [options] examples/slurm/SCRIPT` command (dry-run as below);
 - in a script's header comments and in the README, every `... sbatch [options] examples/slurm/SCRIPT` command: the
   script runs as a dry run (DRY_RUN=1, stand-in `srun` / `scontrol`, the command's environment and a SLURM
   allocation of its --nodes / #SBATCH --nodes), and the trainer command it prints (config, every --set, nodes x ranks
@@ -13,7 +14,8 @@ Checked per launch: `load_config` (the config validation) accepts it; with the p
 for the model at that size (`validate_layout`); and megatron-core's TransformerConfig for that model and layout on
 the machine it runs on (its own validation; a GPU with Transformer Engine, the CPU for the tiny synthetic model).
 The model: the preset the yaml's header plans with (`tools/plan.py --model NAME --config THIS_FILE`), or the tiny
-synthetic model.
+synthetic model. A launch a yaml's own header documents with its nodes is also planned (megatron_gtpo.planning) at
+its world size and must fit an 80 GiB H100 at the training and at the generation peak.
 """
 import os
 import re
@@ -161,6 +163,8 @@ def documented_launches(bin_dir) -> list[Launch]:
         launches.append(Launch(path, path))
         header = " ".join(_header(path))
         launches += [Launch(path, path, _sets(extra)) for extra in re.findall(r'EXTRA_ARGS="([^"]*)"', header)]
+        for command in _sbatch_commands(path):
+            launches += _dry_run(path, command, bin_dir)
     for path in SCRIPTS + ["examples/slurm/README.md"]:
         for command in _sbatch_commands(path):
             launches += _dry_run(path, command, bin_dir)
@@ -195,6 +199,11 @@ def test_the_documented_launches_are_found(launches):
                and launch.where.startswith("examples/slurm/qwen3-30b-a3b.sbatch") for launch in extra)
     assert any("rollout.max_staleness=1" in launch.overrides for launch in extra)
     assert any(launch.config == "examples/cpu_demo.yaml" and launch.world_size == 2 for launch in extra)
+    # The paper-length recipes' own headers: context parallelism on 4 and 8 nodes (32B), 2 nodes (30B-A3B).
+    assert {(launch.config, launch.world_size) for launch in launches if launch.where.startswith(launch.config)
+            and launch.world_size} >= {("examples/qwen2.5-32b-dapo-20k.yaml", 32),
+                                       ("examples/qwen2.5-32b-dapo-20k.yaml", 64),
+                                       ("examples/qwen3-30b-a3b-dapo-20k.yaml", 16)}
 
 
 def test_every_documented_launch_passes_the_config_checks_and_builds_its_gpu_configuration(launches):
@@ -213,11 +222,35 @@ def test_every_documented_launch_passes_the_config_checks_and_builds_its_gpu_con
             transformer_config_from_hf(
                 hf, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
                 virtual_pipeline_parallel=p.virtual_pipeline, sequence_parallel=p.sequence_parallel,
-                expert_parallel=p.expert, expert_tensor_parallel=p.expert_tensor,
-                params_dtype=getattr(torch, m.dtype), recompute_activations=m.recompute_activations,
+                expert_parallel=p.expert, expert_tensor_parallel=p.expert_tensor, context_parallel=p.context,
+                context_comm=p.context_comm, params_dtype=getattr(torch, m.dtype),
+                recompute_activations=m.recompute_activations,
                 accelerator=machine, transformer_engine=machine.transformer_engine,
                 packed_sequences=cfg.data.pack_sequences,
                 router_losses=RouterLosses(m.moe_aux_loss_coef, m.moe_z_loss_coef))
         except (ConfigError, ValueError, AssertionError) as e:
             failures.append(f"{launch}\n    {type(e).__name__}: {e}")
     assert not failures, "\n".join(failures)
+
+
+def test_the_launches_a_recipe_documents_fit_an_80gib_gpu(launches):
+    from megatron_gtpo.layout import ParallelLayout
+    from megatron_gtpo.models.qwen import ModelShape
+    from megatron_gtpo.planning import plan, settings_from_config, workload_from_config
+
+    planned = []
+    for launch in launches:
+        if not (launch.where.startswith(launch.config + ":") and launch.world_size):
+            continue
+        cfg = load_config(os.path.join(REPO, launch.config), list(launch.overrides))
+        p = cfg.parallel
+        layout = ParallelLayout.from_world_size(launch.world_size, tensor=p.tensor, pipeline=p.pipeline,
+                                                context=p.context, virtual_pipeline=p.virtual_pipeline,
+                                                sequence_parallel=p.sequence_parallel, expert=p.expert,
+                                                expert_tensor=p.expert_tensor)
+        result = plan(ModelShape.from_hf(model_of(launch.config, cfg)[0]), layout, workload_from_config(cfg),
+                      settings_from_config(cfg, gpu_memory_gib=80.0))
+        assert result.fits, (str(launch), result.reasons)
+        assert max(result.memory_gib["training_peak"], result.memory_gib["generation_peak"]) <= 80, str(launch)
+        planned.append((launch.config, layout.context))
+    assert {("examples/qwen2.5-32b-dapo-20k.yaml", 2), ("examples/qwen3-30b-a3b-dapo-20k.yaml", 2)} <= set(planned)

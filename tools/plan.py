@@ -4,11 +4,14 @@
     python tools/plan.py --model qwen2.5-32b --tp 8 --pp 2 --dp 4 [--json]
     python tools/plan.py --model qwen2.5-7b --config examples/qwen2.5-7b-gtpo.yaml --nodes 1
     python tools/plan.py --model qwen3-30b-a3b --config examples/qwen3-30b-a3b-gtpo.yaml --nodes 2 --suggest
+    python tools/plan.py --model qwen2.5-32b --config examples/qwen2.5-32b-gtpo-20k.yaml --nodes 4
 
 --model is a name (qwen2.5-0.5b ... qwen2.5-72b, qwen3-0.6b ... qwen3-32b, qwen3-30b-a3b, qwen3-235b-a22b), a
 config.json, or a Hugging Face model directory. --config takes the layout, workload, dtype, recompute and rollout
 settings from a trainer config; explicit flags win. A mixture-of-experts model generates on the built-in engine (no
-vLLM). --suggest plans every layout of the --nodes' GPUs the rules allow and prints the best that fits.
+vLLM). --cp splits every sequence over that many GPUs (context parallelism: a GPU holds 1 / CP of each sequence's
+activations and logits, and the keys and values the attention exchanges). --suggest plans every layout of the
+--nodes' GPUs the rules allow, CP included, and prints the best that fits.
 --disaggregated splits the --nodes between rollout servers (rollout.engine vllm_remote, one per data-parallel
 replica) and training by a phase-time model, and prints the split, the phase times against colocated engines on all
 the GPUs, the staleness it needs and the model's assumptions (docs/planning.md):
@@ -42,11 +45,13 @@ def parse_args(argv=None):
     layout.add_argument("--tp", type=int, help="tensor parallel size (default 1, or the config's)")
     layout.add_argument("--pp", type=int, help="pipeline parallel size (default 1, or the config's)")
     layout.add_argument("--dp", type=int, help="data parallel size (default: from --nodes, else 1)")
-    layout.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs: DP = nodes x GPUs / (TP x PP)")
+    layout.add_argument("--nodes", type=int,
+                        help="nodes of --gpus-per-node GPUs: DP = nodes x GPUs / (TP x PP x CP)")
     layout.add_argument("--vpp", type=int, help="virtual pipeline size (interleaved schedule)")
     layout.add_argument("--sp", action="store_true", default=None, help="sequence parallelism")
     layout.add_argument("--ep", type=int, help="expert parallel size (mixture-of-experts models; default 1)")
     layout.add_argument("--etp", type=int, help="expert tensor parallel size (default: TP)")
+    layout.add_argument("--cp", type=int, help="context parallel size (default 1, or the config's)")
     layout.add_argument("--suggest", action="store_true",
                         help="plan every allowed layout of the GPUs of --nodes and print the best that fits")
     work = p.add_argument_group("workload (defaults: the paper's 128 prompts x 16, 2048 + 4096 tokens)")
@@ -130,20 +135,21 @@ def build_inputs(args, moe: bool = False) -> tuple[ParallelLayout, Workload, Set
         layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                                 virtual_pipeline=cfg.parallel.virtual_pipeline,
                                 sequence_parallel=cfg.parallel.sequence_parallel, expert=cfg.parallel.expert,
-                                expert_tensor=cfg.parallel.expert_tensor)
+                                expert_tensor=cfg.parallel.expert_tensor, context=cfg.parallel.context)
     pick = lambda value, default: default if value is None else value  # noqa: E731
-    tp, pp = pick(args.tp, layout.tensor), pick(args.pp, layout.pipeline)
+    tp, pp, cp = pick(args.tp, layout.tensor), pick(args.pp, layout.pipeline), pick(args.cp, layout.context)
     if args.nodes is not None:
         gpus = args.nodes * args.gpus_per_node
-        if gpus % (tp * pp):
-            raise ValueError(f"{args.nodes} nodes x {args.gpus_per_node} GPUs are not divisible by TP x PP = "
-                             f"{tp} x {pp}")
-        if args.dp is not None and args.dp != gpus // (tp * pp):
-            raise ValueError(f"--dp {args.dp} contradicts --nodes {args.nodes} (DP = {gpus // (tp * pp)})")
-        dp = gpus // (tp * pp)
+        if gpus % (tp * pp * cp):
+            raise ValueError(f"{args.nodes} nodes x {args.gpus_per_node} GPUs are not divisible by TP x PP x CP = "
+                             f"{tp} x {pp} x {cp}")
+        if args.dp is not None and args.dp != gpus // (tp * pp * cp):
+            raise ValueError(f"--dp {args.dp} contradicts --nodes {args.nodes} (DP = {gpus // (tp * pp * cp)})")
+        dp = gpus // (tp * pp * cp)
     else:
         dp = pick(args.dp, 1)
-    layout = ParallelLayout(tensor=tp, pipeline=pp, data=dp, virtual_pipeline=pick(args.vpp, layout.virtual_pipeline),
+    layout = ParallelLayout(tensor=tp, pipeline=pp, data=dp, context=cp,
+                            virtual_pipeline=pick(args.vpp, layout.virtual_pipeline),
                             sequence_parallel=pick(args.sp, layout.sequence_parallel),
                             expert=pick(args.ep, layout.expert), expert_tensor=pick(args.etp, layout.expert_tensor))
     workload = Workload(
@@ -180,8 +186,9 @@ def format_table(result: dict) -> str:
     lay, mem, kv, fl = result["layout"], result["memory_gib"], result["kv_cache"], result["flops_per_step"]
     experts = f", EP={lay['expert']} ETP={lay['expert_tensor'] or lay['tensor']}" if lay["expert"] > 1 \
         or result["params_active"] != result["params_total"] else ""
+    context = f" CP={lay['context']}" if lay["context"] > 1 else ""
     lines = [
-        f"{result['model']}: TP={lay['tensor']} PP={lay['pipeline']} DP={lay['data']}{experts} "
+        f"{result['model']}: TP={lay['tensor']} PP={lay['pipeline']}{context} DP={lay['data']}{experts} "
         f"(VPP={lay['virtual_pipeline']}, SP={lay['sequence_parallel']}), {lay['world_size']} GPUs of "
         f"{mem['gpu']:g} GiB",
         f"parameters: {result['params_total']:,} total, {result['params_active']:,} active per token, "
@@ -190,7 +197,8 @@ def format_table(result: dict) -> str:
         "",
         f"memory per GPU, GiB (worst pipeline stage: {result['worst_stage']})",
     ]
-    for key in ("parameters", "gradients", "optimizer", "routing_record", "activations", "logits", "logprob_workspaces",
+    for key in ("parameters", "gradients", "optimizer", "routing_record", "activations", "context_kv", "logits",
+                "logprob_workspaces",
                 "dispatcher_buffers", "allocator_slack", "framework_overhead", "vllm_asleep", "training_peak",
                 "vllm_budget", "vllm_weights", "vllm_kv_cache", "builtin_kv_cache", "generation_peak"):
         lines.append(f"  {key:<20} {mem[key]:9.2f}")
@@ -206,6 +214,8 @@ def format_table(result: dict) -> str:
                   f"({kv['bytes_per_token']:,} B/token per GPU) = {kv['full_length_sequences']} full-length "
                   f"sequences at once; {kv['sequences_per_engine']} sequences per engine per step "
                   f"({kv['waves_at_full_length']} waves at full length)"]
+    elif lay["context"] > 1:
+        lines += ["", "rollout: rollout servers (the built-in engine does not generate under context parallelism)"]
     else:
         lines += ["", f"rollout: the built-in engine on the training model, a KV cache of "
                       f"{kv['builtin_batch_tokens']:,} token slots per batch"]
@@ -217,10 +227,10 @@ def format_table(result: dict) -> str:
 
 
 def format_suggestions(plans: list) -> str:
-    lines = ["", "layouts that fit, best first (TP PP DP EP ETP SP recompute: training / generation peak GiB)"]
+    lines = ["", "layouts that fit, best first (TP PP CP DP EP ETP SP recompute: training / generation peak GiB)"]
     for p in plans[:8]:
         lay, mem = p.layout, p.memory_gib
-        lines.append(f"  TP={lay.tensor} PP={lay.pipeline} DP={lay.data} EP={lay.expert} "
+        lines.append(f"  TP={lay.tensor} PP={lay.pipeline} CP={lay.context} DP={lay.data} EP={lay.expert} "
                      f"ETP={lay.expert_tensor_size} SP={lay.sequence_parallel} "
                      f"recompute={p.settings.recompute_activations}: {mem['training_peak']:.1f} / "
                      f"{mem['generation_peak']:.1f}")
@@ -235,13 +245,14 @@ PHASES = (("prefill_s", "prefill"), ("decode_s", "decode"), ("generate_s", "gene
 def format_disaggregated(result: dict) -> str:
     train, roll, phases, co = result["training"], result["rollout"], result["phases_s"], result["colocated"]
     lay, a, n = train["layout"], result["assumptions"], result["max_staleness"]
+    context = f" CP={lay['context']}" if lay["context"] > 1 else ""
     unused = result["nodes"] - train["nodes"] - roll["nodes"]
     lines = [
         f"{result['model']} on {result['nodes']} nodes x {result['gpus_per_node']} GPUs: rollout servers "
         f"(rollout.engine vllm_remote) and training on nodes of their own, rollout.max_staleness {n}",
         "",
         f"split (the shortest step of the {1 + len(result['alternatives'])} that run):",
-        f"  training: {train['nodes']} node(s), TP={lay['tensor']} PP={lay['pipeline']} DP={lay['data']} "
+        f"  training: {train['nodes']} node(s), TP={lay['tensor']} PP={lay['pipeline']}{context} DP={lay['data']} "
         f"({train['gpus']} GPUs), training peak {train['training_peak_gib']:.1f} GiB per GPU",
         f"  rollout:  {roll['nodes']} node(s), {roll['servers']} vLLM servers of TP={roll['server_tp']} "
         f"({roll['gpus']} GPUs), KV cache {roll['kv_cache_gib_per_gpu']:.2f} GiB per GPU = "

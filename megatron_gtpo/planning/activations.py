@@ -7,7 +7,9 @@ from megatron_gtpo.models.qwen import ModelShape
 
 # Elements kept by autograd per token and per decoder layer, as (coefficient, dimension name, split):
 # split "tp": divided by TP; "sp": divided by TP under sequence parallelism only; "position": replicated and kept
-# once per sequence position, shared by the sequences of a micro-batch.
+# once per sequence position, shared by the sequences of a micro-batch; "tp_row": divided by TP and kept for every
+# token of the whole row on each context-parallel rank (the keys and values the all-gather attention gathers).
+# Context parallelism (CP = C) gives a rank L / C of a row's L tokens: every term but "tp_row" is per token of those.
 # Dimension names: h hidden, f ffn hidden, q = heads x head_dim, kv = query groups x head_dim, d head_dim,
 # s = sequence length (softmax probabilities of unfused attention), 1 = a scalar per token.
 _LAYER_ACTIVATION_TERMS = {
@@ -16,11 +18,12 @@ _LAYER_ACTIVATION_TERMS = {
     # and fc2 its input (f).
     "te": ((4, "h", "sp"), (2, "q", "tp"), (2, "kv", "tp"), (3, "f", "tp")),
     # megatron's local spec (measured on CPU, fp32): six hidden-sized tensors (norm inputs and outputs, residual
-    # path), an rstd per norm, RoPE's cos/sin for q and k ([s, 1, 1, d] each), q plus k and v expanded to every
-    # head plus the attention output, the [heads, s, s] softmax probabilities, fc1's output (2f), silu's output,
-    # the SwiGLU product.
-    "local": ((6, "h", "sp"), (2, "1", "sp"), (4, "d", "position"), (4, "q", "tp"), (1, "heads_s", "tp"),
-              (5, "f", "tp")),
+    # path), an rstd per norm, RoPE's cos/sin for q and k ([s, 1, 1, d] each), q and the attention output, k and v
+    # expanded to every head (under CP: the whole row's, gathered: models/context_attention.py), the [heads, s, s]
+    # softmax probabilities (a rank's queries against the whole row's keys), fc1's output (2f), silu's output, the
+    # SwiGLU product.
+    "local": ((6, "h", "sp"), (2, "1", "sp"), (4, "d", "position"), (2, "q", "tp"), (2, "q", "tp_row"),
+              (1, "heads_s", "tp"), (5, "f", "tp")),
 }
 # What the per-head q/k norms (Qwen3) add. Both specs: the norms keep their inputs (k is a view of linear_qkv's
 # output, which therefore stays alive whole: q, k and v; q is a copy where megatron's reshape of a rank's query heads
@@ -40,17 +43,19 @@ _MOE_ACTIVATION_TERMS = ((2, "topk_h", "sp"), (2, "experts_fp32", "sp"))
 
 def layer_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch_size: int, tensor_parallel: int,
                            sequence_parallel: bool, kernels: str, bytes_per_element: int,
-                           recompute: bool = False, expert_tensor_parallel: int | None = None) -> int:
+                           recompute: bool = False, expert_tensor_parallel: int | None = None,
+                           context_parallel: int = 1) -> int:
     """Bytes autograd keeps for one decoder layer and one micro-batch of `micro_batch_size` sequences of
-    `seq_len` tokens. With full recompute only the layer's input (the checkpoint) is kept. A mixture-of-experts
-    layer: its MLP terms for the k experts each token goes to (their width split over `expert_tensor_parallel`,
-    default TP), plus _MOE_ACTIVATION_TERMS."""
+    `seq_len` tokens, on one rank of `context_parallel` (CP) ranks that split each sequence: L / CP tokens of it,
+    and (the "local" profile) the whole row's gathered keys and values. With full recompute only the layer's input
+    (the checkpoint) is kept. A mixture-of-experts layer: its MLP terms for the k experts each token goes to (their
+    width split over `expert_tensor_parallel`, default TP), plus _MOE_ACTIVATION_TERMS."""
     if kernels not in _LAYER_ACTIVATION_TERMS:
         raise ValueError(f"kernels {kernels!r} is not one of {', '.join(_LAYER_ACTIVATION_TERMS)}")
-    t = tensor_parallel
-    tokens = seq_len * micro_batch_size
+    t, c = tensor_parallel, context_parallel
+    tokens = seq_len * micro_batch_size / c
     if recompute:
-        return tokens * shape.hidden_size * bytes_per_element // (t if sequence_parallel else 1)
+        return round(tokens * shape.hidden_size * bytes_per_element / (t if sequence_parallel else 1))
     q = shape.num_attention_heads * shape.head_dim
     copies_q = shape.num_query_groups // t > 1 and shape.num_attention_heads > shape.num_query_groups
     dims = {"h": shape.hidden_size, "f": shape.ffn_hidden_size, "q": q, "kv": shape.num_query_groups * shape.head_dim,
@@ -62,11 +67,16 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch_size:
         dims.update(f=shape.moe.topk * shape.moe.ffn_hidden_size * t / etp, topk_h=shape.moe.topk * shape.hidden_size,
                     experts_fp32=shape.moe.num_experts * 4 / bytes_per_element)
         moe_terms = _MOE_ACTIVATION_TERMS
-    divisor = {"tp": t, "sp": t if sequence_parallel else 1, "position": micro_batch_size}
+    divisor = {"tp": t, "sp": t if sequence_parallel else 1, "position": micro_batch_size, "tp_row": t / c}
     terms = _LAYER_ACTIVATION_TERMS[kernels] + (_QK_NORM_ACTIVATION_TERMS[kernels] if shape.qk_norm else ()) \
         + moe_terms
     per_token = sum(coef * dims[name] / divisor[split] for coef, name, split in terms)
-    return round(per_token * tokens * bytes_per_element)
+    index_and_mask = 0
+    if kernels == "local" and c > 1:  # the all-gather attention's own per layer, not in the model dtype: the int64
+        # position order of the gathered K and of V (index_select keeps its index), and the bool mask of this rank's
+        # queries against the row
+        index_and_mask = 2 * 8 * seq_len + seq_len // c * seq_len
+    return round(per_token * tokens * bytes_per_element) + index_and_mask
 
 
 def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_micro_batches: int) -> float:
@@ -80,3 +90,19 @@ def pipeline_micro_batches_in_flight(layout: ParallelLayout, pp_rank: int, num_m
     chunks = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, num_micro_batches * v)  # megatron's warm-up + 1
     return chunks / v
 
+
+
+def context_kv_bytes(shape: ModelShape, *, seq_len: int, micro_batch_size: int, tensor_parallel: int,
+                     context_parallel: int, kernels: str, bytes_per_element: int) -> int:
+    """The keys and values in flight between context-parallel ranks while one layer's attention runs (transient; 0 at
+    CP = 1), for one micro-batch of sequences of `seq_len` tokens. "te" (Transformer Engine's p2p ring): a rank's K/V
+    block it computes on and the one it receives, and in backward their gradients as well: 4 blocks of
+    2 x kv / TP per local token (an estimate). "local" (the all-gather attention): the whole row's K and V as
+    gathered and in position order (gather_sequence's two [L, kv / TP] tensors each)."""
+    if context_parallel == 1:
+        return 0
+    kv = shape.num_query_groups * shape.head_dim / tensor_parallel
+    row_tokens = seq_len * micro_batch_size
+    if kernels == "te":
+        return round(4 * 2 * kv * row_tokens / context_parallel * bytes_per_element)
+    return round(2 * 2 * kv * row_tokens * bytes_per_element)

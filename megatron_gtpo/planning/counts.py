@@ -78,8 +78,8 @@ def expert_parameter_count(shape: ModelShape, layout: ParallelLayout, pp_rank: i
 
 
 def expert_data_parallel_size(layout: ParallelLayout) -> int:
-    """megatron-core's expert-data-parallel size: a stage's TP x DP ranks laid out again as ETP x EP x EDP."""
-    return layout.tensor * layout.data // (layout.expert_tensor_size * layout.expert)
+    """megatron-core's expert-data-parallel size: a stage's TP x CP x DP ranks laid out again as ETP x EP x EDP."""
+    return layout.tensor * layout.context * layout.data // (layout.expert_tensor_size * layout.expert)
 
 
 def total_parameter_count(shape: ModelShape) -> int:

@@ -13,7 +13,7 @@ from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE
 from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
 from megatron_gtpo.rollout.placement import engine_hosts
 
-from .activations import layer_activation_bytes, pipeline_micro_batches_in_flight
+from .activations import context_kv_bytes, layer_activation_bytes, pipeline_micro_batches_in_flight
 from .counts import (expert_data_parallel_size, expert_parameter_count, parameter_count, stage_layer_counts,
                      total_parameter_count)
 from .inputs import BYTES_PER_ELEMENT, GIB, Settings, Workload
@@ -28,8 +28,9 @@ def vllm_tensor_parallel(shape: ModelShape, layout: ParallelLayout, settings: Se
 
 
 def rollout_engines(layout: ParallelLayout, vllm_tp: int) -> int:
-    """Colocated vLLM engines of the whole job (rollout/placement.engine_hosts per replica, times DP)."""
-    return layout.data * len(engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp))
+    """Colocated vLLM engines of the whole job (rollout/placement.engine_hosts per TP x PP ranks, times CP x DP: the
+    context-parallel ranks of a replica host engines of their own, so that every GPU generates)."""
+    return layout.data * layout.context * len(engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp))
 
 
 def vllm_weight_bytes(shape: ModelShape, vllm_tp: int) -> float:
@@ -60,6 +61,8 @@ class StageMemory:
     dispatcher: float = 0.0
     # Routing replay's record of the step's routing on this rank (routing_record_bytes; 0 without replay)
     routing_record: float = 0.0
+    # Context parallelism's keys and values in flight while one layer's attention runs (activations.context_kv_bytes)
+    context_kv: float = 0.0
 
     @property
     def persistent(self) -> float:
@@ -67,23 +70,28 @@ class StageMemory:
 
     @property
     def transient(self) -> float:
-        return self.activations + self.logits + self.logprob_workspaces + self.dispatcher
+        return self.activations + self.logits + self.logprob_workspaces + self.dispatcher + self.context_kv
 
 
 def stage_memory(shape: ModelShape, layout: ParallelLayout, workload: Workload, settings: Settings, pp_rank: int, *,
                  distributed_optimizer: bool, recompute: bool) -> StageMemory:
-    """One GPU of pipeline stage `pp_rank` at the training peak of one micro-batch."""
+    """One GPU of pipeline stage `pp_rank` at the training peak of one micro-batch. Under context parallelism
+    (CP = C) a rank holds L / C tokens of each sequence: its activations, logits, log-prob workspaces and dispatcher
+    buffers are those of L / C tokens, plus the keys and values the attention exchanges (context_kv_bytes)."""
     e = BYTES_PER_ELEMENT[settings.params_dtype]
     params = parameter_count(shape, layout, pp_rank)
     optimizer = optimizer_bytes(shape, layout, settings, pp_rank, distributed_optimizer=distributed_optimizer)
-    t, s, b = layout.tensor, workload.max_sequence_tokens, workload.micro_batch_size
-    tokens = s * b // (t if layout.sequence_parallel else 1)
+    t, s, b, c = layout.tensor, workload.max_sequence_tokens, workload.micro_batch_size, layout.context
+    tokens = s * b / c / (t if layout.sequence_parallel else 1)
     dispatcher = 2.0 * tokens * shape.moe.topk * shape.hidden_size * e if shape.moe else 0.0
     logits, workspaces = _logits_and_workspaces(shape, layout, workload, settings, pp_rank)
+    context_kv = context_kv_bytes(shape, seq_len=s, micro_batch_size=b, tensor_parallel=t, context_parallel=c,
+                                  kernels=settings.kernels, bytes_per_element=e)
     return StageMemory(pp_rank, params, params * e, params * 4.0, optimizer,
                        _activation_bytes(shape, layout, workload, settings, pp_rank, recompute=recompute), logits,
                        workspaces, dispatcher,
-                       routing_record_bytes(shape, layout, workload, pp_rank) if settings.routing_replay else 0.0)
+                       routing_record_bytes(shape, layout, workload, pp_rank) if settings.routing_replay else 0.0,
+                       context_kv)
 
 
 def routing_record_bytes(shape: ModelShape, layout: ParallelLayout, workload: Workload, pp_rank: int) -> int:
@@ -102,11 +110,13 @@ def routing_record_bytes(shape: ModelShape, layout: ParallelLayout, workload: Wo
 def optimizer_bytes(shape: ModelShape, layout: ParallelLayout, settings: Settings, pp_rank: int, *,
                     distributed_optimizer: bool) -> float:
     """Adam's moments in fp32; bf16 models add an fp32 master copy (fp32 models step their own weights). The
-    distributed optimizer shards the dense parameters' state over DP, the experts' over the expert-DP group."""
+    distributed optimizer shards the dense parameters' state over DP x CP (megatron-core reduces the gradients and
+    shards the state over the data-parallel group with the context-parallel ranks), the experts' over the
+    expert-DP group."""
     params = parameter_count(shape, layout, pp_rank)
     experts = expert_parameter_count(shape, layout, pp_rank)
     optimizer_bytes_per_param = 8 + (4 if settings.params_dtype != "float32" else 0)
-    return ((params - experts) / (layout.data if distributed_optimizer else 1)
+    return ((params - experts) / (layout.data * layout.context if distributed_optimizer else 1)
             + experts / (expert_data_parallel_size(layout) if distributed_optimizer else 1)) \
         * optimizer_bytes_per_param
 
@@ -124,7 +134,8 @@ def _activation_bytes(shape: ModelShape, layout: ParallelLayout, workload: Workl
         return layer_activation_bytes(shape, seq_len=workload.max_sequence_tokens, micro_batch_size=b,
                                       tensor_parallel=layout.tensor, sequence_parallel=layout.sequence_parallel,
                                       kernels=settings.kernels, bytes_per_element=e,
-                                      recompute=recomputed, expert_tensor_parallel=layout.expert_tensor_size)
+                                      recompute=recomputed, expert_tensor_parallel=layout.expert_tensor_size,
+                                      context_parallel=layout.context)
 
     activations = pipeline_micro_batches_in_flight(layout, pp_rank, micro_batches) * layers * per_layer(recompute)
     if recompute:
@@ -136,13 +147,15 @@ def _logits_and_workspaces(shape: ModelShape, layout: ParallelLayout, workload: 
                            pp_rank: int) -> tuple[float, float]:
     """The last stage's: the vocab-parallel log-prob/entropy op keeps this micro-batch's logits shard for backward
     and returns a gradient of the same size and dtype; its own two fp32 workspaces are chunk-sized (the trainer's
-    chunk). Other stages: none."""
+    chunk), both for the L / CP tokens of a sequence a context-parallel rank holds (the log-probs are computed where
+    the logits are, never gathered). Other stages: none."""
     if pp_rank != layout.pipeline - 1:
         return 0.0, 0.0
     t, s, b = layout.tensor, workload.max_sequence_tokens, workload.micro_batch_size
     vocab_local = padded_vocab_size(shape.vocab_size, t) // t
-    logits = 2.0 * s * b * vocab_local * BYTES_PER_ELEMENT[settings.params_dtype]
-    chunk = min(s * b, chunk_tokens_for_budget(settings.logprob_workspace_mib * 2**20, vocab_local))
+    local_tokens = math.ceil(s * b / layout.context)
+    logits = 2.0 * local_tokens * vocab_local * BYTES_PER_ELEMENT[settings.params_dtype]
+    chunk = min(local_tokens, chunk_tokens_for_budget(settings.logprob_workspace_mib * 2**20, vocab_local))
     return logits, 2.0 * chunk * vocab_local * WORKSPACE_BYTES_PER_ELEMENT
 
 
@@ -152,7 +165,8 @@ class RolloutMemory:
     (`budget`: its weights, bf16, every engine holding the whole model split over vLLM's TP; its `overhead`; the KV
     cache that is left), of which level-1 sleep keeps the overhead (`asleep`) while training runs. Without vLLM the
     built-in engine generates on the training model, with a static KV cache of its replica's rows (or of
-    builtin_max_batch_tokens token slots per batch) on each stage's layers, its KV heads split over TP."""
+    builtin_max_batch_tokens token slots per batch) on each stage's layers, its KV heads split over TP; at CP > 1
+    it does not (rollout servers generate: no KV cache here)."""
 
     colocated: bool
     vllm_tp: int
@@ -184,7 +198,9 @@ def rollout_memory(shape: ModelShape, layout: ParallelLayout, workload: Workload
     kv_bytes = budget - weights - overhead
     kv_bytes_per_token = vllm_kv_bytes_per_token(shape, vllm_tp)
     kv_tokens = max(0, int(kv_bytes // kv_bytes_per_token)) if colocated else 0
-    builtin_tokens = 0 if colocated else workload.sequences_per_step // layout.data * workload.max_sequence_tokens
+    # Without vLLM at CP > 1, rollout servers generate: the built-in engine does not run in the trainer's processes
+    builtin = not colocated and layout.context == 1
+    builtin_tokens = workload.sequences_per_step // layout.data * workload.max_sequence_tokens if builtin else 0
     if settings.builtin_max_batch_tokens is not None:
         builtin_tokens = min(builtin_tokens, settings.builtin_max_batch_tokens)
     builtin_kv = builtin_tokens * max(stage_layer_counts(shape, layout)) * 2 \

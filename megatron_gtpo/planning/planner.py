@@ -94,7 +94,7 @@ def _memory_gib(worst: StageMemory, generation_peak: float, settings: Settings, 
     return {
         "parameters": worst.parameters / GIB, "gradients": worst.gradients / GIB, "optimizer": worst.optimizer / GIB,
         "routing_record": worst.routing_record / GIB,
-        "activations": worst.activations / GIB, "logits": worst.logits / GIB,
+        "activations": worst.activations / GIB, "context_kv": worst.context_kv / GIB, "logits": worst.logits / GIB,
         "logprob_workspaces": worst.logprob_workspaces / GIB, "dispatcher_buffers": worst.dispatcher / GIB,
         "allocator_slack": worst.transient * settings.allocator_slack_fraction / GIB,
         "framework_overhead": settings.framework_overhead_gib * GIB / GIB,
@@ -166,33 +166,47 @@ def _kv_cache_report(layout: ParallelLayout, rollout: RolloutMemory) -> dict:
 
 def suggest_layouts(shape: ModelShape, gpus: int, workload: Workload, settings: Settings) -> list[Plan]:
     """The plans of every layout of `gpus` GPUs the rules allow that fit, best first: TP within a node, dividing
-    the heads; PP dividing the layers; a mixture-of-experts model's EP dividing its experts and TP x DP, ETP 1 or TP,
-    and sequence parallelism at TP > 1 (which training it needs); each without and with activation recompute
-    (`settings` otherwise). Best: a tenth of the GPU left at the training and the generation peak (the planner's
-    activation and allocator terms are estimates), then no recompute, the fewest GPUs per model replica (the most
-    data-parallel replicas), then the lowest training peak."""
+    the heads; PP dividing the layers; CP (context parallelism) dividing what is left where a colocated vLLM engine
+    generates (the built-in engine does not under CP); a mixture-of-experts model's EP dividing its experts and
+    TP x CP x DP, ETP 1 or TP; sequence parallelism at TP > 1 (a mixture-of-experts model trains only with it, and it
+    divides the activations the TP ranks would otherwise each keep whole); each without and with activation
+    recompute (`settings` otherwise). Best: a tenth of the GPU left at the training and the generation peak (the
+    planner's activation and allocator terms are estimates), then no recompute, the fewest GPUs per model replica
+    (TP x PP x CP: the most data-parallel replicas), then the smallest CP (whose K/V exchange a replica of the same
+    size at CP = 1 does not pay), then the lowest training peak. So CP comes first only where a sequence does not
+    fit a replica without it."""
     plans = []
     for tp in (t for t in _divisors(gpus) if t <= settings.gpus_per_node):
         for pp in (p for p in _divisors(gpus // tp) if shape.num_layers % p == 0):
-            dp = gpus // (tp * pp)
-            experts = [(1, None)] if shape.moe is None else [
-                (ep, etp) for ep in _divisors(shape.moe.num_experts) if (tp * dp) % ep == 0
-                for etp in sorted({1, tp}) if (tp * dp) % (ep * etp) == 0]
-            for ep, etp in experts:
-                layout = ParallelLayout(tensor=tp, pipeline=pp, data=dp, expert=ep, expert_tensor=etp,
-                                        sequence_parallel=shape.moe is not None and tp > 1)
-                for recompute in (False, True):
-                    try:
-                        candidate = plan(shape, layout, workload, replace(settings, recompute_activations=recompute))
-                    except ValueError:  # the layout's rules (layout.check_layout) or the workload's
-                        continue
-                    if candidate.fits:
-                        plans.append(candidate)
+            for cp in _divisors(gpus // (tp * pp)) if settings.vllm_memory_fraction is not None else [1]:
+                plans += _fitting(shape, workload, settings, tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp))
+
     def tight(p: Plan) -> bool:
         return max(p.memory_gib["training_peak"], p.memory_gib["generation_peak"]) > 0.9 * settings.gpu_memory_gib
 
     return sorted(plans, key=lambda p: (tight(p), p.settings.recompute_activations,
-                                        p.layout.tensor * p.layout.pipeline, p.memory_gib["training_peak"]))
+                                        p.layout.tensor * p.layout.pipeline * p.layout.context, p.layout.context,
+                                        p.memory_gib["training_peak"]))
+
+
+def _fitting(shape: ModelShape, workload: Workload, settings: Settings, *, tp: int, pp: int, cp: int,
+             dp: int) -> list[Plan]:
+    """The plans that fit of TP x PP x CP x DP with every expert placement, without and with recompute."""
+    experts = [(1, None)] if shape.moe is None else [
+        (ep, etp) for ep in _divisors(shape.moe.num_experts) if (tp * cp * dp) % ep == 0
+        for etp in sorted({1, tp}) if (tp * cp * dp) % (ep * etp) == 0]
+    plans = []
+    for ep, etp in experts:
+        layout = ParallelLayout(tensor=tp, pipeline=pp, data=dp, expert=ep, expert_tensor=etp, context=cp,
+                                sequence_parallel=tp > 1)
+        for recompute in (False, True):
+            try:
+                candidate = plan(shape, layout, workload, replace(settings, recompute_activations=recompute))
+            except ValueError:  # the layout's rules (layout.check_layout) or the workload's
+                continue
+            if candidate.fits:
+                plans.append(candidate)
+    return plans
 
 
 def _divisors(n: int) -> list[int]:

@@ -91,7 +91,8 @@ def plan_disaggregated(shape: ModelShape, layout: ParallelLayout, workload: Work
     vllm_remote rule; every size of server_tensor_parallel_sizes when None) on nodes of their own, each holding the
     model and a KV cache of at least one full-length sequence in server_memory_fraction of its GPUs. Ties go to
     fewer nodes, then fewer GPUs. ValueError when no split runs, with the reasons."""
-    gpus_per_node, replica_gpus = settings.gpus_per_node, layout.tensor * layout.pipeline
+    gpus_per_node = settings.gpus_per_node
+    replica_gpus = layout.tensor * layout.pipeline * layout.context
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     check_plan(shape, replace(layout, data=None), workload, replace(settings, vllm_memory_fraction=None))
@@ -105,7 +106,7 @@ def plan_disaggregated(shape: ModelShape, layout: ParallelLayout, workload: Work
                               server_tps=[server_tp] if server_tp is not None else allowed)
     if not splits:
         why = "; ".join(dict.fromkeys(reasons)) or (
-            f"one training replica (TP x PP = {replica_gpus} GPUs) and one rollout server, on nodes of their own, "
+            f"one training replica (TP x PP x CP = {replica_gpus} GPUs) and one rollout server, on nodes of their own, "
             f"need more than {nodes} node(s)")
         raise ValueError(f"no split of {nodes} node(s) x {gpus_per_node} GPUs into training and rollout runs: {why}")
     splits.sort(key=lambda s: (s["phases_s"]["step_s"], s["training"]["nodes"] + s["rollout"]["nodes"],
@@ -121,7 +122,8 @@ def _splits(shape: ModelShape, layout: ParallelLayout, workload: Workload, setti
             max_staleness: int, server_tps: list[int]) -> tuple[list[dict], list[str]]:
     """Every split (`_split`) of `nodes` nodes with servers of each of `server_tps` GPUs that fits the nodes and
     spreads its servers evenly, and the reasons the others that fit the nodes cannot run."""
-    gpus_per_node, replica_gpus = settings.gpus_per_node, layout.tensor * layout.pipeline
+    gpus_per_node = settings.gpus_per_node
+    replica_gpus = layout.tensor * layout.pipeline * layout.context
     splits, reasons = [], []
     for tp in server_tps:
         for dp in range(1, nodes * gpus_per_node // replica_gpus + 1):

@@ -69,8 +69,9 @@ class ServerEngine:
         # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).
         self.ipc_members = None if ipc_members is None else [[tuple(m) for m in ms] for ms in ipc_members]
         if (server is not None) != is_sync_destination(parallel, self.hosts):
-            raise ValueError(f"a rollout server must live on each engine host {self.hosts} (pp_rank, tp_rank) and "
-                             f"only there; this rank is ({parallel.pp_rank}, {parallel.tp_rank})")
+            raise ValueError(f"a rollout server must live on each engine host {self.hosts} (pp_rank, tp_rank) of CP "
+                             f"rank 0 and only there; this rank is ({parallel.pp_rank}, {parallel.tp_rank}), CP rank "
+                             f"{parallel.cp_rank}")
         self.server = server
         self.parallel = parallel
         self.shape = shape
@@ -183,9 +184,8 @@ class ServerEngine:
         return list(kept.split(rows_per_response))
 
     def _global_rank(self, host: tuple[int, int]) -> int:
-        """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""
-        pp_rank, tp_rank = host
-        return dist.get_global_rank(self.parallel.mp_group, pp_rank * self.parallel.tp_size + tp_rank)
+        """A host's global rank (on CP rank 0 of the replica)."""
+        return self.parallel.replica_global_rank(*host)
 
     def _release_cached_memory(self) -> None:
         """Before a colocated engine wakes (its KV cache, its weights) on the model replica's GPUs: every rank of
@@ -246,7 +246,7 @@ class ServerEngine:
         me = (self.parallel.pp_rank, self.parallel.tp_rank)
         if self.server is not None and failure is None:
             members = next(ms for ms in self.ipc_members if ms[0] == me)
-            mine = [everyone[p * self.parallel.tp_size + t] for p, t in members]
+            mine = [everyone[self.parallel.replica_index(p, t)] for p, t in members]
             errors = [payload for status, payload in mine if status != "ok"]
             failure = f"exporting a bucket by CUDA IPC: {errors[0]}" if errors else _error_of(partial(
                 self.server.load_ipc_bucket, names, dtype_names, shapes, dict(payload for _, payload in mine)))

@@ -99,13 +99,12 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "algorithm.routing_replay: rollout is not supported at parallel.context {parallel.context} (the built-in "
          "engine that records the routing runs in the trainer's processes, which split every sequence); use "
          "algorithm.routing_replay: none"),
-    Rule("CP needs rollout servers",
-         lambda f: f.parallel.context > 1 and f.rollout.engine not in REMOTE_ENGINES,
-         "the built-in engine's inference path slices positions per CP rank, and colocated vLLM engines are not "
-         "placed over a replica's CP ranks",
-         "rollout.engine: {rollout.engine} runs in the trainer's processes, which at parallel.context "
-         "{parallel.context} split every sequence over the context-parallel ranks; generate on rollout servers "
-         "({remote_engines}: docs/remote_rollout.md)"),
+    Rule("no built-in engine in the trainer at CP > 1",
+         lambda f: f.parallel.context > 1 and f.rollout.engine == "builtin",
+         "the built-in engine's inference path would have to slice positions per CP rank",
+         "rollout.engine: builtin does not generate in the trainer's processes at parallel.context "
+         "{parallel.context} (they split every sequence over the context-parallel ranks); generate on vLLM (vllm) or "
+         "on rollout servers ({remote_engines}: docs/remote_rollout.md)"),
     Rule("the tiny model needs the synthetic task",
          lambda f: f.model.tiny_synthetic and f.data.source != "synthetic",
          "the tiny model's vocabulary is the synthetic task's characters",

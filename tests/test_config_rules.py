@@ -28,7 +28,7 @@ EXAMPLES = {
     "routing replay needs CP = 1": (TINY + ["parallel.context=2", "algorithm.routing_replay=rollout",
                                             "rollout.engine=vllm_remote", "rollout.remote_addresses=[h:1]"],
                                     ["algorithm.routing_replay=none"]),
-    "CP needs rollout servers": (TINY + ["parallel.context=2"],
+    "no built-in engine in the trainer at CP > 1": (TINY + ["parallel.context=2"],
                                  ["rollout.engine=builtin_remote", "rollout.remote_addresses=[h:1]"]),
     "the tiny model needs the synthetic task": (TINY + ["data.source=jsonl", "data.path=p.jsonl"],
                                                 ["model.tiny_synthetic=false", "model.hf_dir=/hf"]),

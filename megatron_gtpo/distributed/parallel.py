@@ -110,6 +110,9 @@ class ParallelGroups:
     cp_group: dist.ProcessGroup | None = None
     cp_rank: int = 0
     cp_size: int = 1
+    # The TP x PP ranks of this rank's CP slice of the replica (megatron's model-parallel group; `mp_group` at CP =
+    # 1): on CP rank 0 the members of the replica's colocated engines.
+    cp_slice_group: dist.ProcessGroup | None = None
 
     @property
     def is_last_stage(self) -> bool:
@@ -222,6 +225,7 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
         ep_size=expert_parallel, etp_group=ps.get_expert_tensor_parallel_group(),
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
         cp_group=ps.get_context_parallel_group(), cp_rank=ps.get_context_parallel_rank(), cp_size=context_parallel,
+        cp_slice_group=ps.get_model_parallel_group(),
     )
 
 

@@ -235,22 +235,24 @@ class ServerEngine:
         self.policy_version = versions[0]
 
     def _load_by_ipc(self, bucket: list, failure: str | None) -> str | None:
-        """One bucket by CUDA IPC (collective over the replica: every rank is an engine member). Returns the first
-        failure so far (this rank's export or, on a host, its server's load)."""
+        """One bucket by CUDA IPC (collective over the engines' members: the TP x PP ranks of CP rank 0, the only
+        ones that receive buckets). Returns the first failure so far (this rank's export or, on a host, its server's
+        load)."""
         from . import cuda_ipc
 
         names, dtype_names, shapes, flat = pack_on_device(bucket)
         exported = attempt(partial(cuda_ipc.export_buffer, flat))
-        everyone: list = [None] * dist.get_world_size(self.parallel.mp_group)
-        dist.all_gather_object(everyone, exported, group=self.parallel.mp_group)
+        members_group = self.parallel.cp_slice_group
+        everyone: list = [None] * dist.get_world_size(members_group)
+        dist.all_gather_object(everyone, exported, group=members_group)
         me = (self.parallel.pp_rank, self.parallel.tp_rank)
         if self.server is not None and failure is None:
             members = next(ms for ms in self.ipc_members if ms[0] == me)
-            mine = [everyone[self.parallel.replica_index(p, t)] for p, t in members]
+            mine = [everyone[p * self.parallel.tp_size + t] for p, t in members]
             errors = [payload for status, payload in mine if status != "ok"]
             failure = f"exporting a bucket by CUDA IPC: {errors[0]}" if errors else _error_of(partial(
                 self.server.load_ipc_bucket, names, dtype_names, shapes, dict(payload for _, payload in mine)))
-        dist.barrier(group=self.parallel.mp_group)  # every rank keeps its buffer until its engine has loaded it
+        dist.barrier(group=members_group)  # every rank keeps its buffer until its engine has loaded it
         del flat
         return failure
 
@@ -268,7 +270,7 @@ def start_colocated_servers(parallel, hosts, start_server):
     torch.cuda.empty_cache()
     warm_up_communicators()
     dist.barrier()
-    outcome = attempt(start_server) if (parallel.pp_rank, parallel.tp_rank) in hosts else ("ok", None)
+    outcome = attempt(start_server) if is_sync_destination(parallel, hosts) else ("ok", None)
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, outcome[1] if outcome[0] == "error" else None)
     failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]

@@ -1,7 +1,8 @@
 """The whole RL step under context parallelism (parallel.context: 2) on CPU: the trainer at CP = 2 generates on a
-built-in rollout server (rollout.engine: builtin_remote; the trainer's own engines are refused at CP > 1) and logs the
-metrics of the same run at CP = 1 (rewards, response lengths and prompts exactly, losses and gradient norms to float32
-rounding); its checkpoint resumes exactly at CP = 2, and at CP = 1 it resumes where the CP = 1 run is."""
+built-in rollout server (rollout.engine: builtin_remote; the built-in engine in the trainer's processes is refused at
+CP > 1) and logs the metrics of the same run at CP = 1 (rewards, response lengths and prompts exactly, losses and
+gradient norms to float32 rounding); its checkpoint resumes exactly at CP = 2, and at CP = 1 it resumes where the
+CP = 1 run is."""
 import os
 import signal
 import subprocess

@@ -244,14 +244,16 @@ def _replica_group(ps, tp: int, pp: int, cp: int, world_size: int) -> dist.Proce
     return mine
 
 
-def warm_up_communicators() -> list:
+def warm_up_communicators(parallel: ParallelGroups | None = None) -> list:
     """One small all-reduce on every process group training communicates over, in the same order on every rank;
     returns those groups. NCCL creates a group's communicator, and its device buffers, lazily at the group's first
     collective; a colocated rollout engine sizes its KV cache from the free GPU memory when it starts, so the
     communicators must exist before that (rollout/server_engine.start_colocated_servers). Only these groups: each
     communicator costs GPU memory, and megatron-core creates many groups a dense model never uses. (Mixture-of-experts
     models run on the built-in engine only, which sizes nothing from free memory.)
-    tests/test_device_audit.py checks that a training step communicates over no other group."""
+    tests/test_device_audit.py checks that a training step communicates over no other group. Under context
+    parallelism (`parallel`'s CP > 1) also the CP group and the replica's TP x CP x PP group
+    (ParallelGroups.mp_group)."""
     from megatron.core import parallel_state as ps
 
     groups = [dist.group.WORLD, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
@@ -259,6 +261,8 @@ def warm_up_communicators() -> list:
               ps.get_intra_distributed_optimizer_instance_group(), ps.get_model_parallel_group()]
     if ps.is_rank_in_embedding_group():  # tied embeddings across the first and last stage
         groups.append(ps.get_embedding_group())
+    if parallel is not None and parallel.cp_size > 1:
+        groups += [parallel.cp_group, parallel.mp_group]
     probe = torch.zeros(1, device=torch.cuda.current_device())
     for group in groups:
         dist.all_reduce(probe, group=group)

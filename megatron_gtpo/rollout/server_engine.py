@@ -268,7 +268,7 @@ def start_colocated_servers(parallel, hosts, start_server):
     made later, they would take memory the engine counted as free); then the hosts start their engines, and no rank
     goes on (to a weight sync that empties its cache, say) before all are up."""
     torch.cuda.empty_cache()
-    warm_up_communicators()
+    warm_up_communicators(parallel)
     dist.barrier()
     outcome = attempt(start_server) if is_sync_destination(parallel, hosts) else ("ok", None)
     errors: list = [None] * dist.get_world_size()

@@ -136,7 +136,8 @@ def test_colocated_vllm_engines_must_tile_their_replica():
     validate_layout(config(2), world_size=8)  # an engine per stage
     validate_layout(config(1), world_size=8)  # two engines per stage
     with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: an engine at tensor parallel size 4 spans "
-                                          r"pipeline stages, .* \(got 2\); use a divisor of parallel.tensor = 2"):
+                                          r"pipeline stages, .* \(got 2 replicas, context 1\); use a divisor of "
+                                          r"parallel.tensor = 2"):
         validate_layout(config(4), world_size=8)
     with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: a rollout engine at tensor parallel size 3 "
                                           r"must divide the training tensor parallel size 2"):

@@ -71,7 +71,8 @@ class ParallelConfig:
     expert: int = 1
     expert_tensor: int | None = None
     # Context parallelism (CP): every sequence split over `context` ranks (layout.ParallelLayout); on GPU, Transformer
-    # Engine's attention exchanges K/V by `context_comm`: p2p (a ring), all_gather, a2a or a2a+p2p.
+    # Engine's attention exchanges K/V by `context_comm`: p2p (a ring), all_gather, a2a or a2a+p2p. At CP > 1 the
+    # trainer generates on vLLM or rollout servers (config_rules.CROSS_FEATURE_RULES).
     context: int = 1
     context_comm: str = "p2p"
 

@@ -1,5 +1,6 @@
 """The rules between features of a run configuration, in one table (`CROSS_FEATURE_RULES`): the rollout engine,
-mixture-of-experts routing replay, bounded staleness, partial rollouts, the data source and the warm start. Each row
+mixture-of-experts routing replay, bounded staleness, partial rollouts, context parallelism, the data source and the
+warm start. Each row
 has a name, when the configuration is refused, why, and the one message it gets (which starts with the key it is
 about). config.validate applies them after each section's own checks (the `check` methods beside the sections in
 config.py) and before the layout's rules.
@@ -91,6 +92,19 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "trains",
          "rollout.max_staleness: {rollout.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
          "geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample"),
+    Rule("routing replay needs CP = 1",
+         lambda f: f.parallel.context > 1 and f.algorithm.routing_replay == "rollout",
+         "the replayed experts are recorded per whole row by the built-in engine in the trainer's processes, which "
+         "context parallelism splits",
+         "algorithm.routing_replay: rollout is not supported at parallel.context {parallel.context} (the built-in "
+         "engine that records the routing runs in the trainer's processes, which split every sequence); use "
+         "algorithm.routing_replay: none"),
+    Rule("no built-in engine in the trainer at CP > 1",
+         lambda f: f.parallel.context > 1 and f.rollout.engine == "builtin",
+         "the built-in engine's inference path would have to slice positions per CP rank",
+         "rollout.engine: builtin does not generate in the trainer's processes at parallel.context "
+         "{parallel.context} (they split every sequence over the context-parallel ranks); generate on vLLM (vllm) or "
+         "on rollout servers ({remote_engines}: docs/remote_rollout.md)"),
     Rule("the tiny model needs the synthetic task",
          lambda f: f.model.tiny_synthetic and f.data.source != "synthetic",
          "the tiny model's vocabulary is the synthetic task's characters",

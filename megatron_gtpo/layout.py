@@ -98,7 +98,7 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
     if prompts_per_step is not None:
         _check_prompt_split(prompts_per_step, mini_batches_per_step, dp)
     if rollout is not None:
-        _check_rollout(rollout, tp, pp, dp, shape, routing_replay)
+        _check_rollout(rollout, tp, pp, dp, shape, routing_replay, layout.context)
 
 
 def check_engine_tensor_parallel(*, tp: int, pp: int, engine_tp: int) -> None:
@@ -113,13 +113,14 @@ def check_engine_tensor_parallel(*, tp: int, pp: int, engine_tp: int) -> None:
           f"pipeline = {tp * pp} (one engine over several whole stages)")
 
 
-def check_engine_span(*, tp: int, engine_tp: int, dp: int) -> None:
-    """LayoutError for an engine over several pipeline stages (`engine_tp` > TP) at DP > 1: megatron's rank order
-    (tp-cp-ep-dp-pp) puts the DP replicas between two stages, so its GPUs would not be consecutive."""
-    _need(engine_tp <= tp or dp == 1,
+def check_engine_span(*, tp: int, engine_tp: int, dp: int, cp: int = 1) -> None:
+    """LayoutError for an engine over several pipeline stages (`engine_tp` > TP) at DP > 1 or CP > 1: megatron's
+    rank order (tp-cp-ep-dp-pp) puts the DP replicas and the CP ranks between two stages, so its GPUs would not be
+    consecutive."""
+    _need(engine_tp <= tp or dp * cp == 1,
           f"rollout.vllm_tensor_parallel: an engine at tensor parallel size {engine_tp} spans pipeline stages, whose "
-          f"GPUs are consecutive only with one data-parallel replica (got {dp}); use a divisor of parallel.tensor = "
-          f"{tp}")
+          f"GPUs are consecutive only with one data-parallel replica and parallel.context 1 (got {dp} replicas, "
+          f"context {cp}); use a divisor of parallel.tensor = {tp}")
 
 
 def _need(condition: bool, message: str) -> None:
@@ -184,7 +185,8 @@ def _check_prompt_split(prompts_per_step: int, mini_batches_per_step: int, dp: i
           f"mini_batches_per_step = {dp} x {mini_batches_per_step}")
 
 
-def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, shape, routing_replay: bool) -> None:
+def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, shape, routing_replay: bool,
+                   cp: int) -> None:
     # The one place this is decided: which engines serve a mixture-of-experts model, and which replay its routing.
     moe = getattr(shape, "moe", None) is not None
     _need(not routing_replay or rollout.engine != "builtin_remote",
@@ -207,4 +209,4 @@ def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, sha
           f"rollout.vllm_tensor_parallel: {vtp} must divide the model's {getattr(shape, 'num_attention_heads', 0)} "
           f"attention heads")
     check_engine_tensor_parallel(tp=tp, pp=pp, engine_tp=vtp)
-    check_engine_span(tp=tp, engine_tp=vtp, dp=dp)
+    check_engine_span(tp=tp, engine_tp=vtp, dp=dp, cp=cp)

@@ -103,10 +103,14 @@ def test_layout_dependent_checks():
         validate_layout(cfg, world_size=8)
 
 
-def test_context_parallelism_is_accepted_and_its_comm_kind_checked():
+def test_context_parallelism_fills_the_world_and_its_comm_kind_is_checked():
     base = ["model.tiny_synthetic=true", "data.source=synthetic"]
     assert load_config(None, base + ["parallel.context_comm=a2a"]).parallel.context_comm == "a2a"
-    assert load_config(None, base + ["parallel.context=2"]).parallel.context == 2
+    cfg = load_config(None, base + ["parallel.context=2", "rollout.engine=builtin_remote",
+                                    "rollout.remote_addresses=[h:1]"])
+    validate_layout(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="not divisible by tensor x pipeline x context = 1 x 1 x 2"):
+        validate_layout(cfg, world_size=3)
     with pytest.raises(ConfigError, match="parallel.context_comm"):
         load_config(None, base + ["parallel.context_comm=ring"])
 
@@ -132,7 +136,8 @@ def test_colocated_vllm_engines_must_tile_their_replica():
     validate_layout(config(2), world_size=8)  # an engine per stage
     validate_layout(config(1), world_size=8)  # two engines per stage
     with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: an engine at tensor parallel size 4 spans "
-                                          r"pipeline stages, .* \(got 2\); use a divisor of parallel.tensor = 2"):
+                                          r"pipeline stages, .* \(got 2 replicas, context 1\); use a divisor of "
+                                          r"parallel.tensor = 2"):
         validate_layout(config(4), world_size=8)
     with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: a rollout engine at tensor parallel size 3 "
                                           r"must divide the training tensor parallel size 2"):

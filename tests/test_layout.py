@@ -41,6 +41,8 @@ def test_the_world_size_sets_data_parallel_or_is_refused():
      "rollout.vllm_tensor_parallel: a rollout engine at tensor parallel size 3 must divide"),
     (ParallelLayout(tensor=2, pipeline=2, data=2), {"rollout": RolloutLayout("vllm", engine_tensor_parallel=4)},
      "spans pipeline stages, whose GPUs are consecutive only with one data-parallel replica"),
+    (ParallelLayout(tensor=2, pipeline=2, context=2), {"rollout": RolloutLayout("vllm", engine_tensor_parallel=4)},
+     r"consecutive only with one data-parallel replica and parallel.context 1 \(got 1 replicas, context 2\)"),
     (ParallelLayout(data=2), {"rollout": RolloutLayout("vllm_remote", remote_servers=1)},
      r"rollout.remote_addresses: 1 given, but there are 2 data-parallel replicas"),
     (ParallelLayout(tensor=4), {"shape": SHAPE_7B, "rollout": RolloutLayout("vllm", engine_tensor_parallel=4)}, None),

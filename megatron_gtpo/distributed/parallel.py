@@ -82,7 +82,9 @@ class ParallelGroups:
     tp_group: dist.ProcessGroup
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
-    mp_group: dist.ProcessGroup  # tensor x pipeline: the ranks holding one model replica
+    # The ranks holding one model replica: tensor x context x pipeline (CP ranks hold the same weights and see the
+    # same batch). They generate, reward and sync as one (the rollout engine, the reward broadcast).
+    mp_group: dist.ProcessGroup
     tp_rank: int
     tp_size: int
     pp_rank: int
@@ -108,6 +110,9 @@ class ParallelGroups:
     cp_group: dist.ProcessGroup | None = None
     cp_rank: int = 0
     cp_size: int = 1
+    # The TP x PP ranks of this rank's CP slice of the replica (megatron's model-parallel group; `mp_group` at CP =
+    # 1): on CP rank 0 the members of the replica's colocated engines.
+    cp_slice_group: dist.ProcessGroup | None = None
 
     @property
     def is_last_stage(self) -> bool:
@@ -119,6 +124,16 @@ class ParallelGroups:
         sequence over the TP ranks), times 2 x CP with context parallelism (2 CP chunks of a row, each rank's two
         then split over TP), else 1."""
         return (self.tp_size if self.sequence_parallel else 1) * (2 * self.cp_size if self.cp_size > 1 else 1)
+
+    def replica_global_rank(self, pp_rank: int, tp_rank: int) -> int:
+        """The global rank of this replica's rank (pp_rank, tp_rank) of CP rank 0 (where a rollout engine's host
+        lives): torch orders a group by global rank, and megatron's order (tp-cp-ep-dp-pp) puts the stage first, then
+        the CP rank, then the TP rank."""
+        return dist.get_global_rank(self.mp_group, self.replica_index(pp_rank, tp_rank))
+
+    def replica_index(self, pp_rank: int, tp_rank: int) -> int:
+        """The index in `mp_group` of this replica's rank (pp_rank, tp_rank) of CP rank 0."""
+        return pp_rank * self.cp_size * self.tp_size + tp_rank
 
     @property
     def last_stage_global_rank(self) -> int:
@@ -197,7 +212,8 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
     model_parallel_cuda_manual_seed(stage_seed)
     return ParallelGroups(
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(), mp_group=_replica_group(ps, tensor_parallel, pipeline_parallel,
+                                                                       context_parallel, launch.world_size),
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tensor_parallel,
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pipeline_parallel,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
@@ -209,17 +225,35 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
         ep_size=expert_parallel, etp_group=ps.get_expert_tensor_parallel_group(),
         etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
         cp_group=ps.get_context_parallel_group(), cp_rank=ps.get_context_parallel_rank(), cp_size=context_parallel,
+        cp_slice_group=ps.get_model_parallel_group(),
     )
 
 
-def warm_up_communicators() -> list:
+def _replica_group(ps, tp: int, pp: int, cp: int, world_size: int) -> dist.ProcessGroup:
+    """The TP x CP x PP ranks of this rank's data-parallel replica: megatron's model-parallel group (TP x PP) at
+    CP = 1; megatron-core has none with CP, so at CP > 1 one made here (every rank creates every replica's group, in
+    the same order, as torch requires)."""
+    if cp == 1:
+        return ps.get_model_parallel_group()
+    ranks = ps.RankGenerator(tp=tp, ep=1, dp=world_size // (tp * cp * pp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    mine = None
+    for members in ranks.get_ranks("tp-cp-pp"):
+        group = dist.new_group(members)
+        if dist.get_rank() in members:
+            mine = group
+    return mine
+
+
+def warm_up_communicators(parallel: ParallelGroups | None = None) -> list:
     """One small all-reduce on every process group training communicates over, in the same order on every rank;
     returns those groups. NCCL creates a group's communicator, and its device buffers, lazily at the group's first
     collective; a colocated rollout engine sizes its KV cache from the free GPU memory when it starts, so the
     communicators must exist before that (rollout/server_engine.start_colocated_servers). Only these groups: each
     communicator costs GPU memory, and megatron-core creates many groups a dense model never uses. (Mixture-of-experts
     models run on the built-in engine only, which sizes nothing from free memory.)
-    tests/test_device_audit.py checks that a training step communicates over no other group."""
+    tests/test_device_audit.py checks that a training step communicates over no other group. Under context
+    parallelism (`parallel`'s CP > 1) also the CP group and the replica's TP x CP x PP group
+    (ParallelGroups.mp_group)."""
     from megatron.core import parallel_state as ps
 
     groups = [dist.group.WORLD, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
@@ -227,6 +261,8 @@ def warm_up_communicators() -> list:
               ps.get_intra_distributed_optimizer_instance_group(), ps.get_model_parallel_group()]
     if ps.is_rank_in_embedding_group():  # tied embeddings across the first and last stage
         groups.append(ps.get_embedding_group())
+    if parallel is not None and parallel.cp_size > 1:
+        groups += [parallel.cp_group, parallel.mp_group]
     probe = torch.zeros(1, device=torch.cuda.current_device())
     for group in groups:
         dist.all_reduce(probe, group=group)

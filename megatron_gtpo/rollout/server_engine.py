@@ -69,8 +69,9 @@ class ServerEngine:
         # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).
         self.ipc_members = None if ipc_members is None else [[tuple(m) for m in ms] for ms in ipc_members]
         if (server is not None) != is_sync_destination(parallel, self.hosts):
-            raise ValueError(f"a rollout server must live on each engine host {self.hosts} (pp_rank, tp_rank) and "
-                             f"only there; this rank is ({parallel.pp_rank}, {parallel.tp_rank})")
+            raise ValueError(f"a rollout server must live on each engine host {self.hosts} (pp_rank, tp_rank) of CP "
+                             f"rank 0 and only there; this rank is ({parallel.pp_rank}, {parallel.tp_rank}), CP rank "
+                             f"{parallel.cp_rank}")
         self.server = server
         self.parallel = parallel
         self.shape = shape
@@ -183,9 +184,8 @@ class ServerEngine:
         return list(kept.split(rows_per_response))
 
     def _global_rank(self, host: tuple[int, int]) -> int:
-        """A host's global rank: the model-parallel group lists a replica's ranks stage-major, TP rank within."""
-        pp_rank, tp_rank = host
-        return dist.get_global_rank(self.parallel.mp_group, pp_rank * self.parallel.tp_size + tp_rank)
+        """A host's global rank (on CP rank 0 of the replica)."""
+        return self.parallel.replica_global_rank(*host)
 
     def _release_cached_memory(self) -> None:
         """Before a colocated engine wakes (its KV cache, its weights) on the model replica's GPUs: every rank of
@@ -235,14 +235,16 @@ class ServerEngine:
         self.policy_version = versions[0]
 
     def _load_by_ipc(self, bucket: list, failure: str | None) -> str | None:
-        """One bucket by CUDA IPC (collective over the replica: every rank is an engine member). Returns the first
-        failure so far (this rank's export or, on a host, its server's load)."""
+        """One bucket by CUDA IPC (collective over the engines' members: the TP x PP ranks of CP rank 0, the only
+        ones that receive buckets). Returns the first failure so far (this rank's export or, on a host, its server's
+        load)."""
         from . import cuda_ipc
 
         names, dtype_names, shapes, flat = pack_on_device(bucket)
         exported = attempt(partial(cuda_ipc.export_buffer, flat))
-        everyone: list = [None] * dist.get_world_size(self.parallel.mp_group)
-        dist.all_gather_object(everyone, exported, group=self.parallel.mp_group)
+        members_group = self.parallel.cp_slice_group
+        everyone: list = [None] * dist.get_world_size(members_group)
+        dist.all_gather_object(everyone, exported, group=members_group)
         me = (self.parallel.pp_rank, self.parallel.tp_rank)
         if self.server is not None and failure is None:
             members = next(ms for ms in self.ipc_members if ms[0] == me)
@@ -250,7 +252,7 @@ class ServerEngine:
             errors = [payload for status, payload in mine if status != "ok"]
             failure = f"exporting a bucket by CUDA IPC: {errors[0]}" if errors else _error_of(partial(
                 self.server.load_ipc_bucket, names, dtype_names, shapes, dict(payload for _, payload in mine)))
-        dist.barrier(group=self.parallel.mp_group)  # every rank keeps its buffer until its engine has loaded it
+        dist.barrier(group=members_group)  # every rank keeps its buffer until its engine has loaded it
         del flat
         return failure
 
@@ -266,9 +268,9 @@ def start_colocated_servers(parallel, hosts, start_server):
     made later, they would take memory the engine counted as free); then the hosts start their engines, and no rank
     goes on (to a weight sync that empties its cache, say) before all are up."""
     torch.cuda.empty_cache()
-    warm_up_communicators()
+    warm_up_communicators(parallel)
     dist.barrier()
-    outcome = attempt(start_server) if (parallel.pp_rank, parallel.tp_rank) in hosts else ("ok", None)
+    outcome = attempt(start_server) if is_sync_destination(parallel, hosts) else ("ok", None)
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, outcome[1] if outcome[0] == "error" else None)
     failed = [f"rank {rank}: {error}" for rank, error in enumerate(errors) if error]

@@ -87,8 +87,9 @@ SINGLE_DESTINATION = ((0, 0),)  # (pp_rank, tp_rank): TP rank 0 of the first pip
 
 def is_sync_destination(parallel, destinations=SINGLE_DESTINATION) -> bool:
     """Whether this rank receives the full HF tensors: its (pp_rank, tp_rank) is one of `destinations` (the hosts of
-    its replica's engines, rollout/placement.engine_hosts; by default TP rank 0 of the first stage only)."""
-    return (parallel.pp_rank, parallel.tp_rank) in set(destinations)
+    its replica's engines, rollout/placement.engine_hosts; by default TP rank 0 of the first stage only), on CP rank 0
+    (the other CP ranks hold the same weights: one of them sends)."""
+    return parallel.cp_rank == 0 and (parallel.pp_rank, parallel.tp_rank) in set(destinations)
 
 
 def _local_parameters(model_chunks: list, expert_offset: int) -> dict[str, torch.Tensor]:

@@ -56,7 +56,8 @@ class Trainer:
         p = cfg.parallel
         self.parallel = initialize_parallel(p.tensor, p.pipeline, virtual_pipeline_parallel=p.virtual_pipeline,
                                             sequence_parallel=p.sequence_parallel, expert_parallel=p.expert,
-                                            expert_tensor_parallel=p.expert_tensor, seed=cfg.seed)
+                                            expert_tensor_parallel=p.expert_tensor, context_parallel=p.context,
+                                            seed=cfg.seed)
         self.vocab_size = shape.vocab_size
         # The vocab-parallel log-prob op's chunk, from model.logprob_workspace_mib.
         self.logprob_chunk_tokens = chunk_tokens_for_budget(
@@ -86,7 +87,7 @@ class Trainer:
         self.source.engine = self.engine
         self.sync_weights()  # an external engine starts from the (restored) policy
         self.is_logging_rank = (self.parallel.is_last_stage and self.parallel.tp_rank == 0
-                                and self.parallel.dp_rank == 0)
+                                and self.parallel.cp_rank == 0 and self.parallel.dp_rank == 0)
         os.makedirs(cfg.logging.output_dir, exist_ok=True)
         self.logger = MetricsLogger(cfg.logging.output_dir, enabled=self.is_logging_rank, start_step=self.start_step,
                                     total_steps=cfg.steps, tensorboard=cfg.logging.tensorboard,

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import Response, Responses, concat_per_response
 from megatron_gtpo.training.partial_rollouts import PartialRollouts
 from megatron_gtpo.training.sampled_groups import SampledGroups
@@ -182,7 +182,7 @@ def test_a_saved_queue_keeps_the_routing_of_its_batches_in_flight():
     def ask(step, version, continued):
         record = Responses.from_lists([[Response([7, 8], [-0.5, -0.25], "length")] for _ in range(G)])
         routes = [torch.full((3, 1, 2), 10 * step + j, dtype=torch.int16) for j in range(G)]
-        return AskedBatch(step, version, [_prompt(1000 + step)], lambda: (record, routes), continued)
+        return AskedBatch(step, version, [_prompt(1000 + step)], lambda: Rollout(record, routes), continued)
 
     queue = RolloutQueue(1, ask, steps=3)
     assert queue.take(0).routed_experts[1][0, 0, 0] == 1

@@ -28,9 +28,10 @@ def vllm_tensor_parallel(shape: ModelShape, layout: ParallelLayout, settings: Se
 
 
 def rollout_engines(layout: ParallelLayout, vllm_tp: int) -> int:
-    """Colocated vLLM engines of the whole job (rollout/placement.engine_hosts per TP x PP ranks, times CP x DP: the
-    context-parallel ranks of a replica host engines of their own, so that every GPU generates)."""
-    return layout.data * layout.context * len(engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp))
+    """Colocated vLLM engines of the whole job: rollout/placement.engine_hosts per TP x PP ranks of each replica's
+    context-parallel rank 0 (the trainer starts engines there only: rollout/weight_sync.is_sync_destination), times
+    DP. At CP > 1 the other CP ranks' GPUs do not generate."""
+    return layout.data * len(engine_hosts(tp=layout.tensor, pp=layout.pipeline, engine_tp=vllm_tp))
 
 
 def vllm_weight_bytes(shape: ModelShape, vllm_tp: int) -> float:

@@ -46,10 +46,10 @@ SRUN_ENV = dict(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NOD
                 SLURM_JOB_NODELIST="rollout[001-002]", SLURM_STEP_NODELIST="rollout[001-002]", SLURM_JOB_ID="1")
 
 
-def _start_server(model_dir: str, log_path) -> tuple[subprocess.Popen, str]:
+def _start_server(model_dir: str, log_path, *flags) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "megatron_gtpo.rollout.remote_server", "--engine", "builtin", "--hf-dir", model_dir,
-           "--listen", address]
+           "--listen", address, *flags]
     log = open(log_path, "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, OMP_NUM_THREADS="1", **SRUN_ENV), start_new_session=True), address
@@ -193,3 +193,70 @@ def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_s
     assert not worker_frames(output), output[-3000:]
     checkpoint = out / "checkpoints" / latest.read_text().strip()
     assert find_damage(str(checkpoint)) is None
+
+
+# A trainer session that leaves the server busy: a generation of minutes (the server decodes one row at a time), or
+# a weight update stopped inside a bucket (the server waits in the broadcast of its second tensor).
+_LEFT_BEHIND = """
+import sys, time, torch
+from megatron_gtpo.data.synthetic import tiny_model_hf_config
+from megatron_gtpo.models.qwen import ModelShape
+from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.remote_channel import broadcast_from_trainer
+from megatron_gtpo.rollout.remote_client import RemoteClient
+
+client = RemoteClient(sys.argv[1], ModelShape.from_hf(tiny_model_hf_config()), torch.device("cpu"))
+if sys.argv[2] == "generation":
+    client.submit([[5, 6, 7]] * 500, SamplingParams(n=4, max_new_tokens=60))
+else:
+    client.begin_weight_update()
+    client._request("bucket", (["a", "b"], ["float32", "float32"], [[4], [4]]))
+    broadcast_from_trainer(client.group, torch.ones(4))
+print("left behind", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_new_trainer_session_preempts_the_generation_and_weight_update_of_the_one_before(tmp_path, server_model):
+    """A server kept alive while its trainer dies: the relaunched trainer's session is served within seconds, not
+    after the dead session's generation (SIGKILL of its trainer mid-generation) or the group timeout of its unfinished
+    weight update (a trainer stopped mid-bucket whose connections stay open, as a dead one's do under NCCL), and the
+    server then generates what it generated before: the abandoned update left neither weights nor version behind."""
+    import torch
+
+    from megatron_gtpo.data.synthetic import tiny_model_hf_config
+    from megatron_gtpo.models.qwen import ModelShape
+    from megatron_gtpo.rollout.engine import SamplingParams
+    from megatron_gtpo.rollout.remote_client import RemoteClient
+
+    shape, cpu = ModelShape.from_hf(tiny_model_hf_config()), torch.device("cpu")
+    prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(n=2, max_new_tokens=8, seed=3)
+    server, address = _start_server(server_model, tmp_path / "server.log", "--max-batch-rows", "1")
+    processes = [server]
+    try:
+        first = RemoteClient(address, shape, cpu, connect_timeout_s=120)
+        expected, version = first.generate(prompts, params), first.policy_version  # its session is left open
+        for work in ("generation", "weight_update"):
+            old = subprocess.Popen([sys.executable, "-c", _LEFT_BEHIND, address, work], stdout=subprocess.PIPE,
+                                   text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+            processes.append(old)
+            assert old.stdout.readline().strip() == "left behind", work
+            time.sleep(0.5)  # the server is inside the generation / the broadcast
+            if work == "generation":
+                os.killpg(old.pid, signal.SIGKILL)
+            start = time.monotonic()
+            client = RemoteClient(address, shape, cpu, connect_timeout_s=20, request_timeout_s=20)
+            served_s = time.monotonic() - start
+            got = client.generate(prompts, params)
+            assert served_s < 5, (work, served_s)
+            assert client.policy_version == version, work
+            assert all(torch.equal(a, b) for a, b in zip(got.tensors(), expected.tensors())), work
+        client.close(shutdown_server=True)
+        assert server.wait(timeout=60) == 0
+        log = (tmp_path / "server.log").read_text()
+        assert log.count("Preempted: trainer session") == 2, log[-3000:]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()

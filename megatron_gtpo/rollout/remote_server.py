@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_gtpo.distributed import set_nccl_environment
 
-from .remote_channel import PROTOCOL, ROOT, parse_address, post_message, session_key, take_message, weights_prefix
+from .remote_channel import PROTOCOL, ROOT, NewerSession, parse_address, post_message, session_key, take_message
 from .server_engine import attempt
 
 _POLL_S = 0.05
@@ -44,8 +44,7 @@ class _Session:
         if op == "hello":
             return self.hello(payload)
         if op == "join":
-            probes = server.join_weight_group(self.store_host, self.store_port, weights_prefix(self.session),
-                                              timeout_s=payload)
+            probes = server.join_weight_group(self.store_host, self.store_port, self.session, timeout_s=payload)
             if any(p != self.session for p in probes):
                 raise RuntimeError(f"the weight group probe reached the workers as {probes}, sent {self.session}")
             return None
@@ -110,8 +109,9 @@ def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
                     store.delete_key(f"{session_key(current, seq)}/req")  # a request it may have left unread
                     post_message(store, f"{session_key(current, seq)}/rep",
                                  ("error", "a newer trainer session replaced it"))
-                    server.leave_weight_group()
+                    server.leave_weight_group(abandoned=True)  # a broadcast of it may still be pending
                 log.info("serving trainer session %d", newest)
+                server.interrupt = NewerSession(store, newest)
                 session = _Session(server, shape, host, port, newest)
                 current, seq, active = newest, 0, True
             request_key = f"{session_key(current, seq)}/req"

@@ -74,17 +74,17 @@ class GTPOWorkerExtension:
         flat = import_buffer(pickle.loads(handles_pickled), self.device)
         self._gtpo_reload(unpack_flat(flat, names, dtype_names, shapes))
 
-    def gtpo_join_weight_group(self, host: str, port: int, prefix: str, world_size: int, timeout_s: float) -> int:
+    def gtpo_join_weight_group(self, host: str, port: int, session: int, world_size: int, timeout_s: float) -> int:
         """Join the remote trainer's weight broadcast group (remote_channel.py) as rank 1 + this worker's rank; returns
-        the probe value the trainer broadcasts first."""
-        self.gtpo_weight_group = join_weight_group(host, port, prefix, 1 + self.rank, world_size, self.device,
-                                                   timeout_s)
+        the probe value the trainer broadcasts first. A newer session interrupts the broadcasts of this one."""
+        self.gtpo_weight_group, self.gtpo_interrupt = join_weight_group(
+            host, port, session, 1 + self.rank, world_size, self.device, timeout_s)
         probe = torch.zeros(1, dtype=torch.int64, device=self.device)
-        broadcast_from_trainer(self.gtpo_weight_group, probe)
+        broadcast_from_trainer(self.gtpo_weight_group, probe, self.gtpo_interrupt)
         return int(probe.item())
 
-    def gtpo_leave_weight_group(self) -> None:
-        close_weight_group(getattr(self, "gtpo_weight_group", None))  # None: this worker never joined one
+    def gtpo_leave_weight_group(self, abandoned: bool = False) -> None:
+        close_weight_group(getattr(self, "gtpo_weight_group", None), abandoned=abandoned)  # None: never joined one
         self.gtpo_weight_group = None
 
     def gtpo_receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
@@ -93,7 +93,7 @@ class GTPOWorkerExtension:
         weights = [(name, torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device))
                    for name, dtype_name, shape in zip(names, dtype_names, shapes)]
         for _, tensor in weights:
-            broadcast_from_trainer(self.gtpo_weight_group, tensor)
+            broadcast_from_trainer(self.gtpo_weight_group, tensor, self.gtpo_interrupt)
         self._gtpo_reload(weights)
 
     def _gtpo_reload(self, weights: list) -> None:
@@ -147,6 +147,7 @@ class VLLMServer:
         self.max_model_len = model_config.max_model_len
         self.dtype = model_config.dtype
         self.policy_version = 0
+        self.interrupt = None  # a remote server's generation is not pre-empted (docs/remote_rollout.md: sessions)
         self._asleep: set[str] = set()  # tags currently asleep
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:
@@ -197,17 +198,20 @@ class VLLMServer:
         self.policy_version = version
         return version
 
-    def join_weight_group(self, host: str, port: int, prefix: str, timeout_s: float = 300.0) -> list[int]:
-        """Remote mode: every worker joins the trainer's weight group at the store HOST:PORT; their probe values."""
+    def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
+        """Remote mode: every worker joins trainer session `session`'s weight group at the store HOST:PORT; their
+        probe values."""
         return self.llm.collective_rpc("gtpo_join_weight_group",
-                                       args=(host, port, prefix, 1 + self.num_workers, timeout_s))
+                                       args=(host, port, session, 1 + self.num_workers, timeout_s))
 
     def receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
         """Remote mode: every worker receives the bucket the trainer broadcasts and loads it in place."""
         self.llm.collective_rpc("gtpo_receive_bucket", args=(names, dtype_names, shapes))
 
-    def leave_weight_group(self) -> None:
-        self.llm.collective_rpc("gtpo_leave_weight_group")
+    def leave_weight_group(self, *, abandoned: bool = False) -> None:
+        """`abandoned`: a newer session pre-empted this one's update (a worker's broadcast may be pending): the
+        weights are then partly the abandoned update's, and the version unchanged, until the new session syncs."""
+        self.llm.collective_rpc("gtpo_leave_weight_group", args=(abandoned,))
 
     def close(self) -> None:
         """Stop vLLM's engine process."""

@@ -63,11 +63,14 @@ def _overrides(address: str, steps: int, staleness: int, *extra) -> list[str]:
             "rollout.remote_connect_timeout_s=120", "algorithm.rollout_is=token", *extra]
 
 
-def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_checkpoint: int | None = None):
-    """One training run against a fresh server; with `kill_after_checkpoint`, SIGKILL of the trainer and the server
-    once that step's checkpoint is the newest. Returns the trainer's exit status."""
+def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_checkpoint: int | None = None,
+           server: tuple[subprocess.Popen, str] | None = None):
+    """One training run against a fresh server, or against `server` (process, address), which outlives it; with
+    `kill_after_checkpoint`, SIGKILL of the trainer (and of a fresh server) once that step's checkpoint is the
+    newest. Returns the trainer's exit status."""
     out = tmp_path / name
-    server, address = _start_server(model_dir, tmp_path / f"{name}_server.log")
+    own_server = server is None
+    server, address = _start_server(model_dir, tmp_path / f"{name}_server.log") if own_server else server
     trainer = subprocess.Popen(train_command(out, 1, _overrides(address, steps, staleness, *extra)),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
@@ -84,11 +87,10 @@ def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_check
             time.sleep(0.05)
         assert trainer.poll() is None, "the run ended before it could be killed"
         os.killpg(trainer.pid, signal.SIGKILL)
-        os.killpg(server.pid, signal.SIGKILL)
         trainer.wait()
         return trainer.returncode
     finally:
-        for process in (trainer, server):
+        for process in (trainer, server) if own_server else (trainer,):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
@@ -124,20 +126,28 @@ def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, s
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole_responses", "partial_rollouts"])
 def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_path, server_model, partial):
-    """N = 1 with dynamic sampling (further rounds generated on the spot): SIGKILL of the trainer and its server after
-    the step-3 checkpoint, then a relaunch with a new server, trains steps 3-5 on what the uninterrupted run did.
-    With partial rollouts (2-token segments of the 4-token budget) the checkpoint also holds the unfinished groups,
-    and responses continued over two engine calls are trained on."""
+    """N = 1 with dynamic sampling (further rounds generated on the spot): SIGKILL of the trainer after the step-3
+    checkpoint, then a relaunch trains steps 3-5 on what the uninterrupted run did. Whole responses: the server
+    survives, and serves the relaunched trainer's session (pre-empting the dead one's work). Partial rollouts (2-token
+    segments of the 4-token budget): the server is killed too and the relaunch starts a new one; the checkpoint also
+    holds the unfinished groups, and responses continued over two engine calls are trained on."""
     # A warm start, so that some groups hold both outcomes and steps train (dynamic sampling keeps only those).
     extra = ("data.prompts_per_step=8", "warm_start.steps=30")
     if partial:
         extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2")
     _train(tmp_path, "whole", server_model, 6, 1, *extra)
-    assert _train(tmp_path, "killed", server_model, 6, 1, *extra, kill_after_checkpoint=3) == -signal.SIGKILL
-    state = json.loads((tmp_path / "killed" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
-    assert state["step"] == 3
-    assert (tmp_path / "killed" / "checkpoints" / "step_00000003" / "rollouts" / "rank_00000.pt").is_file()
-    _train(tmp_path, "killed", server_model, 6, 1, *extra)  # the relaunch resumes from the step-3 checkpoint
+    server = None if partial else _start_server(server_model, tmp_path / "killed_server.log")
+    try:
+        assert _train(tmp_path, "killed", server_model, 6, 1, *extra, kill_after_checkpoint=3,
+                      server=server) == -signal.SIGKILL
+        state = json.loads((tmp_path / "killed" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+        assert state["step"] == 3
+        assert (tmp_path / "killed" / "checkpoints" / "step_00000003" / "rollouts" / "rank_00000.pt").is_file()
+        _train(tmp_path, "killed", server_model, 6, 1, *extra, server=server)  # resumes from the step-3 checkpoint
+    finally:
+        if server is not None:
+            os.killpg(server[0].pid, signal.SIGKILL)
+            server[0].wait()
     whole, resumed = _rows(tmp_path / "whole"), _rows(tmp_path / "killed")
     assert sorted(resumed) == sorted(whole) == list(range(6))
     for step in range(6):

@@ -7,7 +7,8 @@
 `--engine vllm` (default; `rollout.engine: vllm_remote`) serves a vLLM engine (vllm_engine.VLLMServer);
 `--engine builtin` (`rollout.engine: builtin_remote`) the built-in Megatron engine (builtin_server.BuiltinServer),
 which needs no vLLM. The server hosts the rendezvous TCPStore at HOST:PORT, answers the requests of the newest
-trainer session (a newer session replaces an older one), and runs until a trainer asks it to shut down. The
+trainer session (a newer session replaces an older one and pre-empts its generation or weight update), and runs
+until a trainer asks it to shut down. The
 trainer's side is remote_client.py.
 """
 from __future__ import annotations

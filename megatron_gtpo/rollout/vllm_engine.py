@@ -147,7 +147,7 @@ class VLLMServer:
         self.max_model_len = model_config.max_model_len
         self.dtype = model_config.dtype
         self.policy_version = 0
-        self.interrupt = None  # a remote server's generation is not pre-empted (docs/remote_rollout.md: sessions)
+        self.interrupt = None  # a remote server's pre-emption check (remote_channel.NewerSession), between steps
         self._asleep: set[str] = set()  # tags currently asleep
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:
@@ -161,11 +161,25 @@ class VLLMServer:
             seed=response_seed(params.seed, first_prompt + i, 0, params.n) if params.per_request_seeds else None)
             for i in range(len(prompts))]
         try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                        use_tqdm=False)
+            outputs = self._run([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests)
         finally:  # training comes next, failed generation or not: give the memory back
             self._sleep()
         return Responses.from_lists([[_response(sample) for sample in out.outputs] for out in outputs])
+
+    def _run(self, prompts: list, requests: list) -> list:
+        """`LLM.generate`'s loop (enqueue, then engine steps until every request finished; outputs in request order),
+        with `interrupt` called before every step: what it raises aborts the requests."""
+        request_ids = self.llm.enqueue(prompts, requests, use_tqdm=False)
+        engine, outputs = self.llm.llm_engine, []
+        try:
+            while engine.has_unfinished_requests():
+                if self.interrupt is not None:
+                    self.interrupt()
+                outputs += [out for out in engine.step() if out.finished]
+        except BaseException:
+            engine.abort_request(request_ids, internal=True)
+            raise
+        return sorted(outputs, key=lambda out: int(out.request_id))
 
     def begin_weight_update(self) -> None:
         self._wake(["weights"])

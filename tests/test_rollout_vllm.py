@@ -377,10 +377,14 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
         return RemoteEngine.connect(addr, groups, shape, bucket_bytes=BUCKET_BYTES, connect_timeout_s=timeout_s)
 
     out["unreachable"] = _error_text(lambda: connect(f"127.0.0.1:{unused_port}", timeout_s=2.0))
-    if rank == 0:  # a newer session replaces an older one (a restarted trainer need not wait for its dead self)
+    if rank == 0:  # a newer session pre-empts an older one's generation (a restarted trainer need not wait for it)
+        import time
+
         older = RemoteClient(address, shape, groups.device)  # waits for the server's vLLM to come up
-        RemoteClient(address, shape, groups.device).close()
-        out["replaced"] = _error_text(lambda: older.generate(PROMPTS, greedy))[0]
+        pending = older.submit(PROMPTS * 200, SamplingParams(n=4, max_new_tokens=200))  # a minute of steps, or more
+        time.sleep(1.0)  # the server is inside the generation
+        out["newer_served_s"] = _error_text(lambda: RemoteClient(address, shape, groups.device).close())
+        out["replaced"] = _error_text(pending)[0]
         # Routing replay needs a server started with --return-routed-experts: refused when connecting.
         out["not_routed"] = _error_text(lambda: RemoteClient(address, shape, groups.device, routed=True))[0]
     engine = connect(address)
@@ -450,7 +454,8 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
     assert "no rollout server answered at 127.0.0.1:" in unreachable and seconds < REMOTE_TIMEOUT_S, (unreachable,
                                                                                                   seconds)
     assert other["unreachable"][0] == unreachable
-    assert "a newer trainer session replaced it" in ref["replaced"], ref["replaced"]
+    assert "failed in 'generate': Preempted: trainer session" in ref["replaced"], ref["replaced"]
+    assert ref["newer_served_s"][0] == "no error" and ref["newer_served_s"][1] < REMOTE_TIMEOUT_S, ref["newer_served_s"]
     assert "does not return routed experts" in ref["not_routed"] and "--return-routed-experts" in ref["not_routed"]
     assert (ref["weight_group_size"], other["weight_group_size"]) == (1 + REMOTE_VLLM_TP, None)
     # The weights really went over: vLLM started from checkpoint A and now generates what the Megatron model does.
@@ -486,12 +491,14 @@ class _RecordingLLM:
     def wake_up(self, tags):
         self.calls.append(("wake", tuple(tags)))
 
-    def generate(self, prompts, params, use_tqdm):
+    def enqueue(self, prompts, params, use_tqdm):
         from types import SimpleNamespace
 
         self.calls.append(("generate", len(prompts)))
         sample = SimpleNamespace(token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}], finish_reason="length")
-        return [SimpleNamespace(outputs=[sample]) for _ in prompts]
+        self.llm_engine = _RecordingEngine([SimpleNamespace(request_id=str(i), finished=True, outputs=[sample])
+                                            for i in range(len(prompts))])
+        return [str(i) for i in range(len(prompts))]
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -505,12 +512,26 @@ class _RecordingLLM:
         return [None] * self.workers
 
 
+class _RecordingEngine:
+    """vLLM's LLMEngine as `VLLMServer._run` steps it: one step finishes every request."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def has_unfinished_requests(self):
+        return bool(self.outputs)
+
+    def step(self):
+        outputs, self.outputs = self.outputs, []
+        return outputs
+
+
 def _sleeping_server():
     from megatron_gtpo.rollout.vllm_engine import VLLMServer
 
     server = VLLMServer.__new__(VLLMServer)  # everything __init__ sets, without starting vLLM
     server.llm, server.sleep_supported = _RecordingLLM(), True
-    server.policy_version, server._asleep = 0, set()
+    server.policy_version, server._asleep, server.interrupt = 0, set(), None
     return server
 
 

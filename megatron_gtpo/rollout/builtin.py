@@ -63,6 +63,10 @@ from .responses import FINISH_LENGTH_CODE, FINISH_STOP_CODE, Responses
 from .sampling import sample_next_tokens
 
 
+def _nothing() -> None:
+    pass
+
+
 def unwrap_chunk(model_chunk):
     """The GPTModel inside DDP / Float16Module wrappers."""
     from megatron.core.utils import unwrap_model
@@ -99,6 +103,9 @@ class BuiltinEngine:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
         self.record_routing = record_routing
+        # Called before every forward step of a generation; what it raises abandons the generation (a rollout
+        # server's pre-emption by a newer trainer session, remote_channel.NewerSession).
+        self.between_steps: Callable[[], None] = _nothing
         # ParallelGroups of a dense model (or stand-ins without the attribute) need no lockstep.
         self.lockstep_group = getattr(parallel, "expert_lockstep_group", None)
         config = self.models[0].config
@@ -254,6 +261,7 @@ class BuiltinEngine:
         pads = [width - len(r) if self.left_pad else 0 for r in rows]
         routes = _RouteLog(len(rows), pads) if recorder is not None else None
         while active:
+            self.between_steps()
             self._peers_forward(True)
             logits_BV = self._forward(feed_BS, context, _attention_mask(key_is_pad_BK, feed_BS.shape[1], position))
             if routes is not None:  # the fed columns [position - S, position) of the active rows

@@ -10,6 +10,10 @@ the trainer's side is the one vLLM servers use. It is what lets engines generate
 A weight update is whole: `receive_bucket` keeps each bucket's tensors, `finish_weight_update` loads them all into
 the model (every parameter must be covered) and checks the trainer's checksums against what arrived, then bumps
 the policy version. Memory: one host copy of the model during an update.
+
+`interrupt` (set by the serving loop for each session, remote_channel.NewerSession) is called between decode steps
+and while a broadcast is pending: when a newer trainer session connects, the older one's generation or weight update
+is abandoned (`Preempted`); `leave_weight_group(abandoned=True)` then drops what an unfinished update received.
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ class BuiltinServer:
         self.policy_version = 0
         self.group = None
         self._update: dict[str, torch.Tensor] | None = None
+        self.interrupt = self.engine.between_steps  # nothing to interrupt until a session sets it
+        self.engine.between_steps = lambda: self.interrupt()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0):
         if first_prompt != 0:  # one server per replica: the whole replica's prompts come in one call
@@ -71,15 +77,15 @@ class BuiltinServer:
                              f"{first_prompt}")
         return self.engine.generate(prompts, params)
 
-    def join_weight_group(self, host: str, port: int, prefix: str, timeout_s: float = 300.0) -> list[int]:
-        self.group = join_weight_group(host, port, prefix, 1, 1 + self.num_workers, self._device, timeout_s)
+    def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
+        self.group, _ = join_weight_group(host, port, session, 1, 1 + self.num_workers, self._device, timeout_s)
         probe = torch.zeros(1, dtype=torch.int64, device=self._device)
-        broadcast_from_trainer(self.group, probe)
+        broadcast_from_trainer(self.group, probe, self.interrupt)
         return [int(probe.item())]
 
-    def leave_weight_group(self) -> None:
-        close_weight_group(self.group)
-        self.group = None
+    def leave_weight_group(self, *, abandoned: bool = False) -> None:
+        close_weight_group(self.group, abandoned=abandoned)
+        self.group, self._update = None, None
 
     def begin_weight_update(self) -> None:
         self._update = {}
@@ -89,7 +95,7 @@ class BuiltinServer:
             raise RuntimeError("a weight bucket arrived outside a weight update (no begin)")
         for name, dtype_name, shape in zip(names, dtype_names, shapes):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self._device)
-            broadcast_from_trainer(self.group, tensor)
+            broadcast_from_trainer(self.group, tensor, self.interrupt)
             self._update[name] = tensor
 
     def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:

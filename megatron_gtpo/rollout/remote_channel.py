@@ -3,11 +3,16 @@
 Control messages are pickled (trusted networks only) under store keys of the server's TCPStore, all under `ROOT`;
 `post_message` / `take_message` write and read one. Weights travel in a process group of their own over the same
 store (`weight_group`: gloo for CPU tensors, NCCL for CUDA ones; rank 0 the trainer, rank 1 + i vLLM worker i),
-broadcast from the trainer (`broadcast_from_trainer`). Imports no vllm.
+broadcast from the trainer (`broadcast_from_trainer`). A server's work for a session stops when a newer session
+connects (`NewerSession`, `Preempted`). Imports no vllm.
 """
 from __future__ import annotations
 
 import pickle
+import queue
+import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -17,6 +22,31 @@ PROTOCOL = 4  # 2: generate carries first_prompt; 3: generate answers a rollout 
 # 4: generate_routed, and hello says whether the server returns routed experts
 ROOT = "gtpo_remote"
 _CHUNK_BYTES = 4 * 2**20  # the libuv TCPStore refuses values over 8 MiB
+_CHECK_EVERY_S = 0.05  # how often work for a session looks for a newer one
+_WAIT_STEP_S = 0.001
+
+
+class Preempted(RuntimeError):
+    """A newer trainer session connected: the work for the older one was abandoned."""
+
+
+class NewerSession:
+    """Called while a server works for trainer session `session` (between decode steps, while it waits for a
+    broadcast): raises `Preempted` once a newer session has connected to `store`. Asks the store at most every
+    50 ms."""
+
+    def __init__(self, store, session: int):
+        self.store, self.session = store, session
+        self._checked = -float("inf")
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < _CHECK_EVERY_S:
+            return
+        self._checked = now
+        newest = self.store.add(f"{ROOT}/sessions", 0)
+        if newest > self.session:
+            raise Preempted(f"trainer session {newest} replaced session {self.session}")
 
 
 def session_key(session: int, seq: int) -> str:
@@ -68,23 +98,60 @@ def weight_group(store, prefix: str, rank: int, world_size: int, device: torch.d
     raise ValueError(f"weights can be broadcast from and to cpu or cuda devices, not {device}")
 
 
-def join_weight_group(host: str, port: int, prefix: str, rank: int, world_size: int, device: torch.device,
+def join_weight_group(host: str, port: int, session: int, rank: int, world_size: int, device: torch.device,
                       timeout_s: float):
-    """`weight_group` for a vLLM worker: it opens its own connection to the server's store."""
+    """`weight_group` of trainer session `session` for a server or a vLLM worker, over a connection of its own to
+    the server's store; with the `NewerSession` that interrupts its broadcasts."""
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    return weight_group(store, prefix, rank, world_size, device, timeout_s)
+    return weight_group(store, weights_prefix(session), rank, world_size, device, timeout_s), \
+        NewerSession(store, session)
 
 
-def close_weight_group(group) -> None:
+def close_weight_group(group, *, abandoned: bool = False) -> None:
     """Shut a weight group (or None) down now: NCCL's communicator and its GPU buffers freed, gloo's connections
     closed, rather than whenever garbage collection gets to it. Such a group belongs to no torch.distributed world,
-    so destroy_process_group does not know it: it is the backend's own shutdown."""
-    if group is not None:
+    so destroy_process_group does not know it: it is the backend's own shutdown. `abandoned`: a broadcast may still
+    be pending (its trainer session was pre-empted): the group is aborted, which does not wait for it."""
+    if group is None:
+        return
+    if not abandoned:
         group.shutdown()
+        return
+    group.abort()
+    if _ABANDONED is None:
+        _start_burying()
+    _ABANDONED.put(group)
 
 
-def broadcast_from_trainer(group, tensor: torch.Tensor) -> None:
-    """Broadcast `tensor` from rank 0 (the trainer) into the same-shaped tensors of the other ranks."""
+# A gloo group's destructor joins its threads, so it waits for a pending broadcast until the group's timeout
+# (measured: the whole timeout): abandoned groups are released on a thread of their own, not the serving loop's.
+_ABANDONED: queue.SimpleQueue | None = None
+
+
+def _start_burying() -> None:
+    global _ABANDONED
+    _ABANDONED = queue.SimpleQueue()
+    threading.Thread(target=_bury, args=(_ABANDONED,), name="abandoned weight groups", daemon=True).start()
+
+
+def _bury(abandoned: queue.SimpleQueue) -> None:
+    while True:
+        group = abandoned.get()
+        while sys.getrefcount(group) > 2:  # until this thread holds the last reference (and the call's argument)
+            time.sleep(_CHECK_EVERY_S)
+        del group  # the destructor runs here
+
+
+def broadcast_from_trainer(group, tensor: torch.Tensor, interrupt=None) -> None:
+    """Broadcast `tensor` from rank 0 (the trainer) into the same-shaped tensors of the other ranks. A receiver
+    passes `interrupt` (a `NewerSession`): it is called while the broadcast is pending, and what it raises abandons
+    the broadcast (the caller then shuts the group down: a trainer that died mid-sync without closing its
+    connections, as on NCCL, would leave the broadcast pending until the group's timeout)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    work = group.broadcast([tensor], options)
+    if interrupt is not None:
+        while not work.is_completed():
+            interrupt()
+            time.sleep(_WAIT_STEP_S)
+    work.wait()

@@ -9,8 +9,9 @@
 `--engine builtin` (`rollout.engine: builtin_remote`) the built-in Megatron engine (builtin_server.BuiltinServer),
 which needs no vLLM. `--return-routed-experts` (vLLM on GPUs): the server also answers each response's experts, for
 a trainer's routing replay (algorithm.routing_replay: rollout). The server hosts the rendezvous TCPStore at
-HOST:PORT, answers the requests of the newest trainer session (a newer session replaces an older one), and runs
-until a trainer asks it to shut down. The trainer's side is remote_client.py.
+HOST:PORT, answers the requests of the newest trainer session (a newer session replaces an older one and pre-empts
+its generation or weight update), and runs until a trainer asks it to shut down. The trainer's side is
+remote_client.py.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from megatron_gtpo.distributed import set_nccl_environment
 
-from .remote_channel import PROTOCOL, ROOT, parse_address, post_message, session_key, take_message, weights_prefix
+from .remote_channel import PROTOCOL, ROOT, NewerSession, parse_address, post_message, session_key, take_message
 from .server_engine import attempt
 
 _POLL_S = 0.05
@@ -46,8 +47,7 @@ class _Session:
         if op == "hello":
             return self.hello(payload)
         if op == "join":
-            probes = server.join_weight_group(self.store_host, self.store_port, weights_prefix(self.session),
-                                              timeout_s=payload)
+            probes = server.join_weight_group(self.store_host, self.store_port, self.session, timeout_s=payload)
             if any(p != self.session for p in probes):
                 raise RuntimeError(f"the weight group probe reached the workers as {probes}, sent {self.session}")
             return None
@@ -115,8 +115,9 @@ def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
                     store.delete_key(f"{session_key(current, seq)}/req")  # a request it may have left unread
                     post_message(store, f"{session_key(current, seq)}/rep",
                                  ("error", "a newer trainer session replaced it"))
-                    server.leave_weight_group()
+                    server.leave_weight_group(abandoned=True)  # a broadcast of it may still be pending
                 log.info("serving trainer session %d", newest)
+                server.interrupt = NewerSession(store, newest)
                 session = _Session(server, shape, host, port, newest)
                 current, seq, active = newest, 0, True
             request_key = f"{session_key(current, seq)}/req"

@@ -94,17 +94,17 @@ class GTPOWorkerExtension:
         flat = import_buffer(pickle.loads(handles_pickled), self.device)
         self._gtpo_reload(unpack_flat(flat, names, dtype_names, shapes))
 
-    def gtpo_join_weight_group(self, host: str, port: int, prefix: str, world_size: int, timeout_s: float) -> int:
+    def gtpo_join_weight_group(self, host: str, port: int, session: int, world_size: int, timeout_s: float) -> int:
         """Join the remote trainer's weight broadcast group (remote_channel.py) as rank 1 + this worker's rank; returns
-        the probe value the trainer broadcasts first."""
-        self.gtpo_weight_group = join_weight_group(host, port, prefix, 1 + self.rank, world_size, self.device,
-                                                   timeout_s)
+        the probe value the trainer broadcasts first. A newer session interrupts the broadcasts of this one."""
+        self.gtpo_weight_group, self.gtpo_interrupt = join_weight_group(
+            host, port, session, 1 + self.rank, world_size, self.device, timeout_s)
         probe = torch.zeros(1, dtype=torch.int64, device=self.device)
-        broadcast_from_trainer(self.gtpo_weight_group, probe)
+        broadcast_from_trainer(self.gtpo_weight_group, probe, self.gtpo_interrupt)
         return int(probe.item())
 
-    def gtpo_leave_weight_group(self) -> None:
-        close_weight_group(getattr(self, "gtpo_weight_group", None))  # None: this worker never joined one
+    def gtpo_leave_weight_group(self, abandoned: bool = False) -> None:
+        close_weight_group(getattr(self, "gtpo_weight_group", None), abandoned=abandoned)  # None: never joined one
         self.gtpo_weight_group = None
 
     def gtpo_receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
@@ -113,7 +113,7 @@ class GTPOWorkerExtension:
         weights = [(name, torch.empty(shape, dtype=getattr(torch, dtype_name), device=self.device))
                    for name, dtype_name, shape in zip(names, dtype_names, shapes)]
         for _, tensor in weights:
-            broadcast_from_trainer(self.gtpo_weight_group, tensor)
+            broadcast_from_trainer(self.gtpo_weight_group, tensor, self.gtpo_interrupt)
         self._gtpo_reload(weights)
 
     def _gtpo_reload(self, weights: list) -> None:
@@ -178,6 +178,7 @@ class VLLMServer:
         self.num_layers = model_config.get_total_num_hidden_layers()
         self.topk = model_config.get_num_experts_per_tok() if return_routed_experts else 0
         self.policy_version = 0
+        self.interrupt = None  # a remote server's pre-emption check (remote_channel.NewerSession), between steps
         self._asleep: set[str] = set()  # tags currently asleep
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:
@@ -213,10 +214,24 @@ class VLLMServer:
             seed=response_seed(params.seed, first_prompt + i, 0, params.n) if params.per_request_seeds else None)
             for i in range(len(prompts))]
         try:
-            return self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                     use_tqdm=False)
+            return self._run([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests)
         finally:  # training comes next, failed generation or not: give the memory back
             self._sleep()
+
+    def _run(self, prompts: list, requests: list) -> list:
+        """`LLM.generate`'s loop (enqueue, then engine steps until every request finished; outputs in request order),
+        with `interrupt` called before every step: what it raises aborts the requests."""
+        request_ids = self.llm.enqueue(prompts, requests, use_tqdm=False)
+        engine, outputs = self.llm.llm_engine, []
+        try:
+            while engine.has_unfinished_requests():
+                if self.interrupt is not None:
+                    self.interrupt()
+                outputs += [out for out in engine.step() if out.finished]
+        except BaseException:
+            engine.abort_request(request_ids, internal=True)
+            raise
+        return sorted(outputs, key=lambda out: int(out.request_id))
 
     def begin_weight_update(self) -> None:
         self._wake(["weights"])
@@ -249,17 +264,20 @@ class VLLMServer:
         self.policy_version = version
         return version
 
-    def join_weight_group(self, host: str, port: int, prefix: str, timeout_s: float = 300.0) -> list[int]:
-        """Remote mode: every worker joins the trainer's weight group at the store HOST:PORT; their probe values."""
+    def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
+        """Remote mode: every worker joins trainer session `session`'s weight group at the store HOST:PORT; their
+        probe values."""
         return self.llm.collective_rpc("gtpo_join_weight_group",
-                                       args=(host, port, prefix, 1 + self.num_workers, timeout_s))
+                                       args=(host, port, session, 1 + self.num_workers, timeout_s))
 
     def receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
         """Remote mode: every worker receives the bucket the trainer broadcasts and loads it in place."""
         self.llm.collective_rpc("gtpo_receive_bucket", args=(names, dtype_names, shapes))
 
-    def leave_weight_group(self) -> None:
-        self.llm.collective_rpc("gtpo_leave_weight_group")
+    def leave_weight_group(self, *, abandoned: bool = False) -> None:
+        """`abandoned`: a newer session pre-empted this one's update (a worker's broadcast may be pending): the
+        weights are then partly the abandoned update's, and the version unchanged, until the new session syncs."""
+        self.llm.collective_rpc("gtpo_leave_weight_group", args=(abandoned,))
 
     def close(self) -> None:
         """Stop vLLM's engine process."""

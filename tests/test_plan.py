@@ -544,6 +544,18 @@ def test_cli_disaggregated_prints_the_split_and_refuses_too_few_nodes(capsys):
     assert status == 2 and "one training replica (TP x PP x CP = 4 GPUs) and one rollout server" in err
 
 
+def test_split_of_a_moe_layout_starts_at_the_fewest_replicas_that_hold_its_experts():
+    """The 30B-A3B recipe's layout (TP=2, EP=8: EP x ETP = 16 needs TP x DP >= 16, so DP >= 8) on 4 nodes: the
+    engine's rules were checked at DP=1 and refused every split; now the splits start at DP=8, and a DP that cannot
+    hold the experts is a reason, not the answer."""
+    shape = ModelShape.from_hf(hf_config("qwen3-30b-a3b"))
+    layout = ParallelLayout(tensor=2, expert=8, sequence_parallel=True, data=None)
+    result = plan_disaggregated(shape, layout, Workload(prompts_per_step=128, mini_batches_per_step=4), Settings(),
+                                nodes=4)
+    dps = [result["training"]["layout"]["data"]] + [o["training"]["layout"]["data"] for o in result["alternatives"]]
+    assert dps and all(dp % 8 == 0 for dp in dps)
+
+
 # The Qwen2.5-32B paper-length workload (examples/qwen2.5-32b-dapo-20k.yaml): 2048 + 20480 tokens per sequence.
 LONG = Workload(max_prompt_tokens=2048, max_response_tokens=20480, mini_batches_per_step=4)
 

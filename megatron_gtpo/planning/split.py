@@ -96,7 +96,11 @@ def plan_disaggregated(shape: ModelShape, layout: ParallelLayout, workload: Work
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     check_plan(shape, replace(layout, data=None), workload, replace(settings, vllm_memory_fraction=None))
-    check_layout(replace(layout, data=1), shape=shape, rollout=RolloutLayout("vllm_remote", 1, 1))  # the engine's rules
+    # The engine's rules, at the fewest replicas the experts fit (EP x ETP must divide TP x CP x DP); each split's own
+    # DP is checked by plan() and a DP that cannot hold them is one of the reasons.
+    experts = layout.expert * layout.expert_tensor_size
+    fewest = experts // math.gcd(layout.tensor * layout.context, experts)
+    check_layout(replace(layout, data=fewest), shape=shape, rollout=RolloutLayout("vllm_remote", 1, fewest))
     allowed = server_tensor_parallel_sizes(shape, gpus_per_node)
     if server_tp is not None and server_tp not in allowed:
         raise ValueError(f"a rollout server's TP must divide the model's {shape.num_attention_heads} attention heads, "

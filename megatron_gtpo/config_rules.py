@@ -94,11 +94,10 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample"),
     Rule("routing replay needs CP = 1",
          lambda f: f.parallel.context > 1 and f.algorithm.routing_replay == "rollout",
-         "the replayed experts are recorded per whole row by the built-in engine in the trainer's processes, which "
-         "context parallelism splits",
-         "algorithm.routing_replay: rollout is not supported at parallel.context {parallel.context} (the built-in "
-         "engine that records the routing runs in the trainer's processes, which split every sequence); use "
-         "algorithm.routing_replay: none"),
+         "the routing record holds whole rows, and splitting it over the context-parallel ranks as the tokens are "
+         "is not implemented (training/forward.py)",
+         "algorithm.routing_replay: rollout is not supported at parallel.context {parallel.context} (the rollout's "
+         "routing record is not split over the context-parallel ranks); use algorithm.routing_replay: none"),
     Rule("no built-in engine in the trainer at CP > 1",
          lambda f: f.parallel.context > 1 and f.rollout.engine == "builtin",
          "the built-in engine's inference path would have to slice positions per CP rank",

@@ -3,7 +3,8 @@ gradient norm and updated weights (every expert's included) on one process (EP 1
 replicas, whose tokens cross replicas to their experts and whose micro-batch counts differ (the lockstep padding),
 with and without routing replay, for the token- and the sequence-level loss (invariance_runs.py's step);
 and at TP=2 with sequence parallelism and EP=2 (ETP=1), where each TP rank routes and replays its half of every
-padded or packed row; and replay under activation recompute at PP 2 as one process without recompute."""
+padded or packed row; at CP=2 with EP=2, where each CP rank routes its two chunks of every row; and replay under
+activation recompute at PP 2 as one process without recompute."""
 import pytest
 
 from distributed_harness import run_distributed
@@ -50,6 +51,21 @@ def test_tensor_and_sequence_parallel_update_matches_one_process(moe_reference):
             assert any("experts" in name for name in merge(results, (level, plan))[2])
             assert_same(merge(references[True], (level, BY_COUNT)), merge(results, (level, plan)),
                          f"{level} loss, TP=2 SP EP=2 vs one process, plan {plan}")
+
+
+@pytest.mark.slow
+def test_context_parallel_update_matches_one_process(moe_reference):
+    """CP=2 x EP=2 on two processes (the experts' EP group spans the CP ranks, megatron's expert layout of TP x CP x
+    DP), padded and packed rows (each sequence padded to a multiple of 2 x CP), against one process."""
+    path, references = moe_reference
+    plans = [BUDGETS[1], PACKED[1]]
+    results = run_distributed(one_step, 2, args=(str(path), 1, 1, plans), kwargs={"ep": 2, "etp": 1, "cp": 2},
+                              timeout_s=300)
+    for level in LOSS_LEVELS:
+        for plan in plans:
+            assert any("experts" in name for name in merge(results, (level, plan))[2])
+            assert_same(merge(references[False], (level, BY_COUNT)), merge(results, (level, plan)),
+                         f"{level} loss, CP=2 EP=2 vs one process, plan {plan}")
 
 
 @pytest.mark.slow

@@ -638,15 +638,16 @@ def test_generate_routed_gives_each_response_its_fed_positions():
     from megatron_gtpo.rollout import SamplingParams
 
     class RoutedLLM(_RecordingLLM):
-        def generate(self, prompts, params, use_tqdm):
+        def enqueue(self, prompts, params, use_tqdm):
             from types import SimpleNamespace
 
             self.calls.append(("generate", len(prompts)))
-            return [SimpleNamespace(outputs=[SimpleNamespace(
-                token_ids=[7] * (j + 1), logprobs=[{7: SimpleNamespace(logprob=-0.5)}] * (j + 1),
-                finish_reason="length",
-                routed_experts=self.routing(len(p["prompt_token_ids"]), j, i)) for j in range(2)])
-                for i, p in enumerate(prompts)]
+            self.llm_engine = _RecordingEngine([SimpleNamespace(request_id=str(i), finished=True, outputs=[
+                SimpleNamespace(token_ids=[7] * (j + 1), logprobs=[{7: SimpleNamespace(logprob=-0.5)}] * (j + 1),
+                                finish_reason="length",
+                                routed_experts=self.routing(len(p["prompt_token_ids"]), j, i)) for j in range(2)])
+                for i, p in reversed(list(enumerate(prompts)))])  # finished out of order: the server sorts them
+            return [str(i) for i in range(len(prompts))]
 
         def routing(self, prompt_length, j, i):
             rows = prompt_length + j + self.extra_rows  # P + R - 1 with R = j + 1

@@ -1,12 +1,18 @@
 """What a failed command-line run must look like: a non-zero exit and one message, without a traceback of ours."""
 from __future__ import annotations
 
+import os
 import subprocess
+
+import megatron_gtpo
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(megatron_gtpo.__file__)) + os.sep
 
 
 def worker_frames(output: str) -> list[str]:
-    """Traceback frames in the project's code (torchrun's own ChildFailedError report is torch's frames only)."""
-    return [line for line in output.splitlines() if line.lstrip().startswith('File "') and "megatron_gtpo" in line]
+    """Traceback frames in the package's files (torchrun's own ChildFailedError report is torch's frames only; a
+    checkout named megatron_gtpo holds torch's files too, in its .venv, so the match is on the package's folder)."""
+    return [line for line in output.splitlines() if line.lstrip().startswith(f'File "{PACKAGE_DIR}')]
 
 
 def assert_one_clean_error(res: subprocess.CompletedProcess, message: str) -> None:

@@ -143,7 +143,8 @@ def _split_across_hosts(rank, world_size):
                     None if server is None else server.intervals[:]))
         # Routing replay: prompts of 1 to 3 tokens; each rank keeps its own layers of each response, on the host.
         prompts = [[i] * (1 + i % 3) for i in range(num_prompts)]
-        routed_record, routes = engine.generate_routed(prompts, SamplingParams(max_new_tokens=1))
+        rollout = engine.submit(prompts, SamplingParams(max_new_tokens=1))()
+        routed_record, routes = rollout.responses, rollout.routed_experts
         assert routed_record.token_id_lists()[0][:-1] == prompts[0]
         for i, (prompt, experts) in enumerate(zip(prompts, routes)):
             assert experts.device.type == "cpu"

@@ -129,11 +129,7 @@ class ParallelGroups:
         """The global rank of this replica's rank (pp_rank, tp_rank) of CP rank 0 (where a rollout engine's host
         lives): torch orders a group by global rank, and megatron's order (tp-cp-ep-dp-pp) puts the stage first, then
         the CP rank, then the TP rank."""
-        return dist.get_global_rank(self.mp_group, self.replica_index(pp_rank, tp_rank))
-
-    def replica_index(self, pp_rank: int, tp_rank: int) -> int:
-        """The index in `mp_group` of this replica's rank (pp_rank, tp_rank) of CP rank 0."""
-        return pp_rank * self.cp_size * self.tp_size + tp_rank
+        return dist.get_global_rank(self.mp_group, pp_rank * self.cp_size * self.tp_size + tp_rank)
 
     @property
     def last_stage_global_rank(self) -> int:

@@ -79,9 +79,9 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Rollout:
     """What every engine's `submit` gives the trainer: the record of the call's responses and, with routing replay
-    (the built-in engine with `record_routing`), per response the experts its fed tokens went to at this rank's MoE
-    layers (rank-local, never sent between ranks; BuiltinEngine.generate_routed). None: the routers choose in
-    training."""
+    (the built-in engine with `record_routing`, a server engine with `routed_layers`), per response the experts its
+    fed tokens went to at this rank's MoE layers (rank-local; BuiltinEngine.generate_routed). None: the routers choose
+    in training."""
 
     responses: Responses
     routed_experts: list[torch.Tensor] | None = None

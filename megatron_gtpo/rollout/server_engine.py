@@ -63,7 +63,9 @@ class ServerEngine:
 
     def __init__(self, server, parallel, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  ipc_members=None, routed_layers: tuple[int, ...] | None = None):
-        """`routed_layers`: this rank's MoE layers (models/moe_routing.routed_layers), for `generate_routed`."""
+        """`routed_layers`: this rank's MoE layers (models/moe_routing.routed_layers): with them `submit`'s rollouts
+        carry each response's experts at those layers, the built-in engine's routing record (int16 [P + R - 1, M, k],
+        BuiltinEngine.generate_routed), but on the host (module doc)."""
         self.hosts = [tuple(h) for h in hosts]
         # Colocated on CUDA: each engine's member ranks (placement.engine_members, host first), which hand their
         # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).
@@ -81,16 +83,6 @@ class ServerEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
         return self.submit(prompts, params)().responses
-
-    def generate_routed(self, prompts: list[list[int]], params: SamplingParams) \
-            -> tuple[Responses, list[torch.Tensor]]:
-        """`generate`, and per response of the record (prompt-major) the experts its fed tokens went to at this
-        rank's MoE layers (`routed_layers`): the built-in engine's routing record (BuiltinEngine.generate_routed),
-        int16 [P + R - 1, M, k], but on the host (module doc)."""
-        if self.routed_layers is None:
-            raise ValueError("this rollout engine was not built for routing replay (routed_layers)")
-        rollout = self.submit(prompts, params)()
-        return rollout.responses, rollout.routed_experts
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Rollout]:
         """`generate` in two halves, both collective: this call hands every host its part of the prompts, the

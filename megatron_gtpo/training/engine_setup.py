@@ -14,7 +14,7 @@ from .task import Task
 
 def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups):
     """The engine of rollout.engine started from the policy's weights. For routing replay (algorithm.routing_replay:
-    rollout) the built-in engine records each token's experts, vLLM engines return them (`generate_routed`)."""
+    rollout) the built-in engine records each token's experts, vLLM engines return them (their rollouts carry them)."""
     from megatron_gtpo.models.moe_routing import routed_layers
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 

@@ -120,6 +120,12 @@ class RolloutConfig:
     # max_staleness >= 1), so that fewer rounds are generated on the spot. The informative groups a step does not
     # need are carried over to the next steps while at most max_staleness versions old (docs/algorithms.md).
     oversample_batches: int = 0
+    # No drain (docs/algorithms.md, "Weight updates during generation"): a rollout server takes each weight update
+    # between the decode steps of its generations in flight rather than after them; their later tokens are sampled
+    # by the new weights (the rows in flight are prefilled again under them) and stamped with that version. Gives up
+    # the fixed schedule: which tokens each version samples depends on the engines' speed, so a resumed run trains
+    # on other tokens than an uninterrupted one. Needs a rollout server and max_staleness >= 1.
+    update_during_generation: bool = False
 
     def check(self) -> None:
         _need(self.num_responses_per_prompt >= 2,

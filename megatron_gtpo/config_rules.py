@@ -92,6 +92,22 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "trains",
          "rollout.max_staleness: {rollout.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
          "geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample"),
+    Rule("updates during generation need rollout servers",
+         lambda f: f.rollout.update_during_generation and f.rollout.engine not in REMOTE_ENGINES,
+         "only an engine on processes of its own generates while the trainer syncs weights",
+         "rollout.update_during_generation: needs engines on processes of their own ({remote_engines}); the "
+         "{rollout.engine} engine generates only while the trainer waits"),
+    Rule("updates during generation need staleness",
+         lambda f: f.rollout.update_during_generation and f.rollout.engine in REMOTE_ENGINES
+         and f.rollout.max_staleness == 0,
+         "at max_staleness 0 the trainer waits for each generation before it trains, so no update meets one",
+         "rollout.update_during_generation: needs rollout.max_staleness >= 1 (at 0 the trainer waits for every "
+         "generation before it trains and syncs, so no update would meet one)"),
+    Rule("updates during generation without routing replay",
+         lambda f: f.rollout.update_during_generation and f.algorithm.routing_replay == "rollout",
+         "a response's routing would span the prefills of two weight versions",
+         "rollout.update_during_generation: not with algorithm.routing_replay: rollout (a response's routing would "
+         "span two weight versions)"),
     Rule("routing replay needs CP = 1",
          lambda f: f.parallel.context > 1 and f.algorithm.routing_replay == "rollout",
          "the routing record holds whole rows, and splitting it over the context-parallel ranks as the tokens are "

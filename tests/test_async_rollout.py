@@ -279,3 +279,46 @@ def test_a_new_trainer_session_preempts_the_generation_and_weight_update_of_the_
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def test_a_server_takes_a_weight_update_between_decode_steps_and_stamps_every_token(tmp_path, server_model):
+    """rollout.update_during_generation's protocol, trainer's client against a built-in server: generations A and B
+    are asked for, then a weight update is sent. The server takes it during A (in drain mode it would wait for A and
+    B): A's later tokens count it; B, asked for before the update but started after it, counts it on every token and
+    equals a generation C asked for after the update (same seed: the new weights sampled it), whose tokens count
+    nothing. Both answers say they were asked for with the version before the update."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_gtpo.data.synthetic import tiny_model_hf_config
+    from megatron_gtpo.models.qwen import ModelShape
+    from megatron_gtpo.rollout.engine import SamplingParams
+    from megatron_gtpo.rollout.remote_client import RemoteClient
+    from megatron_gtpo.rollout.weight_sync import tensor_checksum
+
+    server, address = _start_server(server_model, tmp_path / "server.log", "--max-batch-rows", "1")
+    try:
+        client = RemoteClient(address, ModelShape.from_hf(tiny_model_hf_config()), torch.device("cpu"),
+                              connect_timeout_s=120, request_timeout_s=120, update_during_generation=True)
+        version = client.policy_version
+        long = SamplingParams(n=4, max_new_tokens=60, seed=1)
+        wait_a = client.submit([[5, 6, 7]] * 4, long)
+        wait_b = client.submit([[8, 9]], SamplingParams(n=2, max_new_tokens=8, seed=2))
+        weights = {name: (t.float() * 0.9).contiguous()
+                   for name, t in load_file(os.path.join(server_model, "model.safetensors")).items()}
+        client.begin_weight_update()
+        client.load_bucket(list(weights.items()))
+        assert client.finish_weight_update({n: tensor_checksum(t) for n, t in weights.items()}) == version + 1
+        a, b = wait_a(), wait_b()  # each checks it was asked for with `version`
+        c = client.generate([[8, 9]], SamplingParams(n=2, max_new_tokens=8, seed=2))
+        stamps = a.weight_updates_T.tolist()
+        assert set(stamps) <= {0, 1} and stamps == sorted(stamps[:60]) + stamps[60:], stamps[:60]
+        assert stamps[-1] == 1, "the update waited for the generation in flight"
+        assert b.weight_updates_T.tolist() == [1] * b.num_tokens and c.weight_updates_T.tolist() == [0] * c.num_tokens
+        assert all(torch.equal(x, y) for x, y in zip(b.tensors()[:-1], c.tensors()[:-1]))
+        client.close(shutdown_server=True)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -8,6 +8,7 @@ from megatron_gtpo.config_rules import CROSS_FEATURE_RULES, ENGINE_OPTIONS, REMO
 
 TINY = ["model.tiny_synthetic=true", "data.source=synthetic"]
 JSONL = ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl"]
+REMOTE = ["rollout.engine=builtin_remote", "rollout.remote_addresses=[h:1]"]
 PARTIAL = ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout.partial_segment_tokens=2"]
 
 # Per row (by name): the overrides that break it, and the change that makes them load.
@@ -25,6 +26,15 @@ EXAMPLES = {
     "partial rollouts need dynamic sampling": (TINY + PARTIAL + ["algorithm.rollout_is=token", "algorithm.name=grpo"],
                                                ["algorithm.dynamic_sampling=true"]),
     "partial rollouts need the rollout correction": (TINY + PARTIAL, ["algorithm.rollout_is=token"]),
+    "updates during generation need rollout servers": (
+        TINY + ["rollout.update_during_generation=true"],
+        REMOTE + ["rollout.max_staleness=1", "algorithm.rollout_is=token"]),
+    "updates during generation need staleness": (TINY + REMOTE + ["rollout.update_during_generation=true"],
+                                                 ["rollout.max_staleness=1", "algorithm.rollout_is=token"]),
+    "updates during generation without routing replay": (
+        TINY + REMOTE + ["rollout.update_during_generation=true", "rollout.max_staleness=1",
+                         "algorithm.rollout_is=token", "algorithm.routing_replay=rollout"],
+        ["algorithm.routing_replay=none"]),
     "routing replay needs CP = 1": (TINY + ["parallel.context=2", "algorithm.routing_replay=rollout",
                                             "rollout.engine=vllm_remote", "rollout.remote_addresses=[h:1]"],
                                     ["algorithm.routing_replay=none"]),

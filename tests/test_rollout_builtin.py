@@ -90,6 +90,43 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_token):
     out["scored_filtered"] = score(out["filtered"], 1.3)
     out["scored_greedy"] = score(out["greedy"], 1.0)
     out["scored_top_k1"] = score(out["greedy_top_k1"], 2.0)
+
+    # New weights at the 4th forward step (what a rollout server's between_steps does when it takes a weight update
+    # during a generation): the rows in flight are prefilled again, so each token is sampled, and its log-prob
+    # reported, by the weights it is stamped with; left padding and teacher forcing in batches of 3 (whose later
+    # batches start under the new weights).
+    params = [p for c in chunks for p in c.parameters()]
+    old_weights = [p.detach().clone() for p in params]
+    new_weights = [p.detach() * 0.8 for p in params]
+
+    def load(weights):
+        with torch.no_grad():
+            for p, w in zip(params, weights):
+                p.copy_(w)
+
+    for name, e in (("updated", engine), ("updated_small_batches", engine_small_batches)):
+        calls = []
+
+        def update_at_fourth_step():
+            calls.append(None)
+            if len(calls) != 4:
+                return 0
+            load(new_weights)
+            return 1
+
+        e.between_steps = update_at_fourth_step
+        record = e.generate(PROMPTS, SamplingParams(n=2, temperature=SAMPLE_TEMPERATURE, max_new_tokens=8, seed=9))
+        e.between_steps = lambda: 0
+        updates = record.weight_updates_T.tolist()
+        responses = record.to_lists()
+        stamps, start = [], 0
+        for r in (r for rs in responses for r in rs):
+            stamps.append(updates[start:start + len(r.token_ids)])
+            start += len(r.token_ids)
+        out[name] = (responses, stamps)
+        out[f"scored_{name}_new"] = score(responses, SAMPLE_TEMPERATURE)
+        load(old_weights)
+        out[f"scored_{name}_old"] = score(responses, SAMPLE_TEMPERATURE)
     dist.barrier()
     return out
 
@@ -192,3 +229,18 @@ def _check_layout(results, hf_greedy, stop_prompt, stop_token, layout):
     _assert_logprobs_match(ref["sampled"], ref["scored_sampled"], f"{layout} sampled")
     # top-k/top-p change what may be drawn, not the reported log-probs (the full tempered distribution's).
     _assert_logprobs_match(ref["filtered"], ref["scored_filtered"], f"{layout} top-k/top-p")
+
+    # Weights changed at the 4th forward step: each token stamped with the updates before it, its log-prob that of
+    # those weights on the whole prefix (the KV cache recomputed), for both prompt schemes.
+    for name in ("updated", "updated_small_batches"):
+        responses, stamps = ref[name]
+        flat = [r for rs in responses for r in rs]
+        if name == "updated":  # left padding: tokens 0-2 from forward steps 1-3, the rest after the update
+            assert stamps == [[0, 0, 0] + [1] * 5] * len(flat), (layout, stamps)
+        assert {0, 1} == {u for row in stamps for u in row}, (layout, name, stamps)
+        old = [row for row in ref[f"scored_{name}_old"]]
+        new = [row for row in ref[f"scored_{name}_new"]]
+        for r, row_stamps, old_lp, new_lp in zip(flat, stamps, old, new):
+            expected = torch.where(torch.tensor(row_stamps) == 1, new_lp.double(), old_lp.double())
+            err = (torch.tensor(r.logprobs, dtype=torch.float64) - expected).abs().max().item()
+            assert err < 1e-5, f"{layout} {name}: log-probs differ from their weights' scoring by {err:.2e}"

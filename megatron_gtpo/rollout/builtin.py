@@ -24,7 +24,12 @@ How a batch is generated:
   are fed their next prompt token (the model's prediction is discarded). No padding and no masks, at the price of
   (longest - shortest prompt) extra decode steps;
 - a row that samples a stop token, or reaches max_new_tokens, leaves the batch: its KV-cache rows are dropped (the
-  cache is compacted), so finished sequences cost nothing more. The loop ends when no row is left.
+  cache is compacted), so finished sequences cost nothing more. The loop ends when no row is left;
+- `between_steps` is called before every forward step. It may change the model's weights (a rollout server taking a
+  weight update while it generates: remote_server.py); it then returns how many updates it took, and the rows in
+  flight are prefilled again under the new weights (their KV cache is computed afresh from their tokens so far), so
+  every later token is sampled from the new policy, and is stamped with the updates taken before it
+  (`Responses.weight_updates_T`).
 
 Pipeline parallelism: each forward step walks the virtual pipeline stages in order; a stage receives the hidden
 states [s, b, h] of the previous one from its pipeline peer (torch.distributed send/recv on the pipeline group) and
@@ -63,8 +68,8 @@ from .responses import FINISH_LENGTH_CODE, FINISH_STOP_CODE, Responses
 from .sampling import sample_next_tokens
 
 
-def _nothing() -> None:
-    pass
+def _no_update() -> int:
+    return 0
 
 
 def unwrap_chunk(model_chunk):
@@ -103,9 +108,10 @@ class BuiltinEngine:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
         self.record_routing = record_routing
-        # Called before every forward step of a generation; what it raises abandons the generation (a rollout
-        # server's pre-emption by a newer trainer session, remote_channel.NewerSession).
-        self.between_steps: Callable[[], None] = _nothing
+        # Called before every forward step of a generation, on every rank of the group alike: what it raises abandons
+        # the generation (a rollout server's pre-emption by a newer trainer session, remote_channel.NewerSession); it
+        # returns the weight updates it took (module doc).
+        self.between_steps: Callable[[], int] = _no_update
         # ParallelGroups of a dense model (or stand-ins without the attribute) need no lockstep.
         self.lockstep_group = getattr(parallel, "expert_lockstep_group", None)
         config = self.models[0].config
@@ -158,15 +164,17 @@ class BuiltinEngine:
         seeds = [response_seed(params.seed, i, j, params.n) for i in range(len(prompts)) for j in range(params.n)]
         batches = batch_ranges([len(r) for r in rows], max_new_tokens=params.max_new_tokens,
                                max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
-        tokens, logprobs, lengths, finish = [], [], [], []  # per batch: flat device tensors; per row: host ints
+        tokens, logprobs, updates, lengths, finish = [], [], [], [], []  # per batch: flat device tensors; per row: ints
         routed: list[torch.Tensor] | None = [] if self.record_routing else None
+        self._updates_taken = 0  # between_steps' weight updates during this call
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
                 tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
             for batch in batches:
-                tokens_T, logprobs_T, batch_lengths, batch_finish, batch_routes = self._generate_batch(
+                tokens_T, logprobs_T, updates_T, batch_lengths, batch_finish, batch_routes = self._generate_batch(
                     [rows[r] for r in batch], [seeds[r] for r in batch], params, recorder)
                 tokens.append(tokens_T)
                 logprobs.append(logprobs_T)
+                updates.append(updates_T)
                 lengths += batch_lengths
                 finish += batch_finish
                 if routed is not None:
@@ -179,7 +187,8 @@ class BuiltinEngine:
         record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=device),
                            lengths_R=torch.tensor(lengths, device=device),
                            finish_R=torch.tensor(finish, device=device),
-                           token_ids_T=torch.cat(tokens), logprobs_T=torch.cat(logprobs))
+                           token_ids_T=torch.cat(tokens), logprobs_T=torch.cat(logprobs),
+                           weight_updates_T=torch.cat(updates))
         return record, routed
 
     @torch.no_grad()
@@ -228,8 +237,9 @@ class BuiltinEngine:
                     model.set_input_tensor(None)
 
     def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams, recorder=None):
-        """One batch of rows: (token_ids_T, logprobs_T) on the device, the rows' tokens back to back, the rows'
-        lengths and finish codes as host lists, and with a `recorder` each row's recorded experts (else None)."""
+        """One batch of rows: (token_ids_T, logprobs_T, weight_updates_T) on the device, the rows' tokens back to
+        back, the rows' lengths and finish codes as host lists, and with a `recorder` each row's recorded experts
+        (else None)."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         device = self.parallel.device
@@ -241,6 +251,7 @@ class BuiltinEngine:
         # Row r's k-th token and its log-prob land at [r, k] (on the device, as they are sampled).
         tokens_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int32, device=device)
         logprobs_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.float32, device=device)
+        updates_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int16, device=device)
         lengths = [0] * len(rows)
         finish: list[int | None] = [None] * len(rows)
 
@@ -261,7 +272,11 @@ class BuiltinEngine:
         pads = [width - len(r) if self.left_pad else 0 for r in rows]
         routes = _RouteLog(len(rows), pads) if recorder is not None else None
         while active:
-            self.between_steps()
+            if self._take_updates():  # new weights: the rows in flight are prefilled again under them
+                feed_BS = torch.tensor([([0] * pads[row] + rows[row] + generated)[:position] for row, generated in
+                                        zip(active, tokens_RN[active].tolist())], dtype=torch.long, device=device)
+                context = StaticInferenceContext(max_batch_size=len(active),
+                                                 max_sequence_length=context.max_sequence_length)
             self._peers_forward(True)
             logits_BV = self._forward(feed_BS, context, _attention_mask(key_is_pad_BK, feed_BS.shape[1], position))
             if routes is not None:  # the fed columns [position - S, position) of the active rows
@@ -290,6 +305,8 @@ class BuiltinEngine:
                 b_W, row_W, k_W = torch.tensor(written, dtype=torch.long, device=device).unbind(1)
                 tokens_RN[row_W, k_W] = shared_2B[0, b_W].to(torch.int32)
                 logprobs_RN[row_W, k_W] = shared_2B[1, b_W].float()
+                if self._updates_taken:
+                    updates_RN[row_W, k_W] = self._updates_taken
             if len(keep) < len(active):
                 keep_B = torch.tensor(keep, dtype=torch.long, device=device)
                 _keep_cache_rows(context, keep_B)
@@ -300,7 +317,16 @@ class BuiltinEngine:
             position += 1
         valid_RN = torch.arange(params.max_new_tokens, device=device) < torch.tensor(lengths, device=device)[:, None]
         experts = routes.per_row() if routes is not None else None
-        return tokens_RN[valid_RN], logprobs_RN[valid_RN], lengths, finish, experts
+        return tokens_RN[valid_RN], logprobs_RN[valid_RN], updates_RN[valid_RN], lengths, finish, experts
+
+    def _take_updates(self) -> int:
+        """`between_steps`, counting the weight updates it took in this call; refuses them while recording routing
+        (a row's routing would mix two prefills)."""
+        taken = self.between_steps()
+        if taken and self.record_routing:
+            raise RuntimeError("the weights changed during a generation that records routing (routing replay)")
+        self._updates_taken += taken
+        return taken
 
     def _forward(self, tokens_BS: torch.Tensor, context, attention_mask) -> torch.Tensor | None:
         """One forward step of `tokens_BS` (positions from the cache offset on) through all pipeline stages, with

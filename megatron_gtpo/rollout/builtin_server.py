@@ -11,13 +11,18 @@ A weight update is whole: `receive_bucket` keeps each bucket's tensors, `finish_
 the model (every parameter must be covered) and checks the trainer's checksums against what arrived, then bumps
 the policy version. Memory: one host copy of the model during an update.
 
-`interrupt` (set by the serving loop for each session, remote_channel.NewerSession) is called between decode steps
-and while a broadcast is pending: when a newer trainer session connects, the older one's generation or weight update
-is abandoned (`Preempted`); `leave_weight_group(abandoned=True)` then drops what an unfinished update received.
+`interrupt` (set by the serving loop for each session, remote_channel.NewerSession) is called while a broadcast is
+pending, and `between_steps` (by default `interrupt`) before every decode step: when a newer trainer session
+connects, the older one's generation or weight update is abandoned (`Preempted`); `leave_weight_group(abandoned=True)`
+then drops what an unfinished update received. A session whose trainer sends weight updates during generation
+(rollout.update_during_generation) sets `between_steps` to take them there (remote_server.py); the engine then
+prefills its rows in flight again under the new weights (builtin.py), and `pause_generation` / `resume_generation`
+have nothing to do: the engine waits inside `between_steps` meanwhile.
 """
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -68,14 +73,21 @@ class BuiltinServer:
         self.policy_version = 0
         self.group = None
         self._update: dict[str, torch.Tensor] | None = None
-        self.interrupt = self.engine.between_steps  # nothing to interrupt until a session sets it
-        self.engine.between_steps = lambda: self.interrupt()
+        self.interrupt: Callable[[], None] = lambda: None  # nothing to interrupt until a session sets it
+        self.between_steps: Callable[[], int] = lambda: self.interrupt() or 0
+        self.engine.between_steps = lambda: self.between_steps()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0):
         if first_prompt != 0:  # one server per replica: the whole replica's prompts come in one call
             raise ValueError(f"a built-in rollout server serves all of its replica's prompts, got first_prompt="
                              f"{first_prompt}")
         return self.engine.generate(prompts, params)
+
+    def pause_generation(self) -> None:
+        """Nothing: the engine waits inside `between_steps` while the update is taken."""
+
+    def resume_generation(self) -> None:
+        """Nothing: the engine prefills its rows again when `between_steps` reports the update (builtin.py)."""
 
     def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
         self.group, _ = join_weight_group(host, port, session, 1, 1 + self.num_workers, self._device, timeout_s)

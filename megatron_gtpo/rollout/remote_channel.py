@@ -18,8 +18,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-PROTOCOL = 4  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py);
-# 4: generate_routed, and hello says whether the server returns routed experts
+PROTOCOL = 5  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py);
+# 4: generate_routed, and hello says whether the server returns routed experts; 5: a request's op readable on its own
+# (`peek_request`), hello says whether the trainer sends weight updates during generation
 ROOT = "gtpo_remote"
 _CHUNK_BYTES = 4 * 2**20  # the libuv TCPStore refuses values over 8 MiB
 _CHECK_EVERY_S = 0.05  # how often work for a session looks for a newer one
@@ -72,6 +73,24 @@ def post_message(store, key: str, message) -> None:
     for i, chunk in enumerate(chunks):
         store.set(f"{key}/{i}", chunk)
     store.set(key, str(len(chunks)))
+
+
+def post_request(store, key: str, op: str, payload) -> None:
+    """Request `op` under `key` (a `session_key`): its op first, readable without the payload (`peek_request`)."""
+    store.set(f"{key}/op", op)
+    post_message(store, f"{key}/req", (op, payload))
+
+
+def peek_request(store, key: str) -> str | None:
+    """The op of the request under `key` once it is complete (None before), leaving it to be taken."""
+    return store.get(f"{key}/op").decode() if store.check([f"{key}/req"]) else None
+
+
+def take_request(store, key: str, timeout_s: float):
+    """(op, payload) of the request under `key`, waited for, its keys deleted."""
+    message = take_message(store, f"{key}/req", timeout_s)
+    store.delete_key(f"{key}/op")
+    return message
 
 
 def take_message(store, key: str, timeout_s: float):

@@ -4,9 +4,12 @@ gives a `RolloutEngine` with the semantics of the colocated `vllm_engine.VLLMEng
 every rank of the model-parallel group gets the responses, or raises when the server failed. After a transport
 failure a client refuses further calls; after an error the server reported, the session stays usable.
 
-`submit` asks for responses without waiting for them: the server answers requests in order, so a weight update sent
-after a submitted generation waits until that generation is done (the update drains it, never interrupts it), and
-the generation is of the weights that were current when it was submitted. Imports no vllm.
+`submit` asks for responses without waiting for them. By default the server answers requests in order, so a weight
+update sent after a submitted generation waits until that generation is done (the update drains it, never interrupts
+it), and the generation is of the weights that were current when it was submitted. With `update_during_generation`
+(rollout.update_during_generation) the server takes a weight update between the decode steps of the generations in
+flight instead: their later tokens are sampled by the new weights, and each token says how many updates came before
+it (`Responses.weight_updates_T`, counted from the weights the request was made with). Imports no vllm.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from .remote_channel import (
     broadcast_from_trainer,
     close_weight_group,
     parse_address,
-    post_message,
+    post_request,
     session_key,
     take_message,
     weight_group,
@@ -40,8 +43,9 @@ class RemoteClient:
     (docs/remote_rollout.md has the protocol)."""
 
     def __init__(self, address: str, shape, device: torch.device, *, connect_timeout_s: float = 300.0,
-                 request_timeout_s: float = 1800.0, routed: bool = False):
-        """`routed` (routing replay): ConnectionError unless the server returns routed experts."""
+                 request_timeout_s: float = 1800.0, routed: bool = False, update_during_generation: bool = False):
+        """`routed` (routing replay): ConnectionError unless the server returns routed experts.
+        `update_during_generation`: the server takes weight updates while it generates (module doc)."""
         host, port = parse_address(address)
         self.address = address
         self.connect_timeout_s = connect_timeout_s
@@ -59,8 +63,8 @@ class RemoteClient:
             raise ConnectionError(f"no rollout server answered at {address} within {connect_timeout_s:g} s "
                                   f"({type(e).__name__}: {e})") from None
         self._seq = 0
-        info = self._call("hello", dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape),
-                                        device_type=device.type), connect_timeout_s)
+        info = self._call("hello", dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape), device_type=device.type,
+                                        update_during_generation=update_during_generation), connect_timeout_s)
         if routed and not info["routed_experts"]:
             raise ConnectionError(f"the rollout server at {address} does not return routed experts, which "
                                   f"algorithm.routing_replay: rollout takes over: start it with "
@@ -87,10 +91,10 @@ class RemoteClient:
         reply_key, version = self._request(op, (prompts, params, first_prompt)), self.policy_version
 
         def wait() -> Responses:
-            responses, generated_by = self._reply(reply_key, op, self.request_timeout_s)
-            if generated_by != version:
-                raise RuntimeError(f"policy version mismatch: the rollout server at {self.address} generated with "
-                                   f"policy version {generated_by}, the last one synced before the request is "
+            responses, made_with = self._reply(reply_key, op, self.request_timeout_s)
+            if made_with != version:
+                raise RuntimeError(f"policy version mismatch: the rollout server at {self.address} took the request "
+                                   f"as made with policy version {made_with}, the last one synced before it is "
                                    f"{version}")
             return responses
 
@@ -140,7 +144,7 @@ class RemoteClient:
         key = session_key(self.session, self._seq)
         self._seq += 1
         try:
-            post_message(self.store, f"{key}/req", (op, payload))
+            post_request(self.store, key, op, payload)
         except Exception as e:  # noqa: BLE001
             raise self._broke(f"sending {op!r}", e) from None
         return f"{key}/rep"
@@ -178,16 +182,18 @@ class RemoteEngine(ServerEngine):
     @classmethod
     def connect(cls, address: str, parallel, shape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                 connect_timeout_s: float = 300.0, request_timeout_s: float = 1800.0,
-                routed_layers: tuple[int, ...] | None = None) -> RemoteEngine:
+                routed_layers: tuple[int, ...] | None = None, update_during_generation: bool = False) -> RemoteEngine:
         """Collective over the model-parallel group: the sync destination connects (waiting up to
         `connect_timeout_s` for the server to answer and be ready); every rank raises if that failed.
-        `routed_layers` (this rank's MoE layers, routing replay): the server must return routed experts."""
+        `routed_layers` (this rank's MoE layers, routing replay): the server must return routed experts.
+        `update_during_generation`: the server takes weight updates while it generates (module doc)."""
         client, outcome = None, None
         if is_sync_destination(parallel):
             outcome = attempt(lambda: RemoteClient(address, shape, parallel.device,
                                                        connect_timeout_s=connect_timeout_s,
                                                        request_timeout_s=request_timeout_s,
-                                                       routed=routed_layers is not None))
+                                                       routed=routed_layers is not None,
+                                                       update_during_generation=update_during_generation))
             if outcome[0] == "ok":
                 client = outcome[1]
                 outcome = ("ok", client.policy_version)

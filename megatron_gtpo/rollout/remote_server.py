@@ -12,6 +12,14 @@ a trainer's routing replay (algorithm.routing_replay: rollout). The server hosts
 HOST:PORT, answers the requests of the newest trainer session (a newer session replaces an older one and pre-empts
 its generation or weight update), and runs until a trainer asks it to shut down. The trainer's side is
 remote_client.py.
+
+Requests are answered in order, but for a session whose trainer sends weight updates during generation (hello's
+`update_during_generation`, rollout.update_during_generation): before every decode step of a generation the session
+looks ahead among the requests already sent, past further generations, for a weight update, and takes it there
+(`server.pause_generation`, its begin / bucket / finish, `server.resume_generation`). The generation goes on under
+the new weights; its later tokens count the update (`Responses.weight_updates_T`), and a generation asked for before
+the update but started after it counts it on all its tokens. Each generation is answered with the policy version
+it was asked for with (what the trainer's client checks).
 """
 from __future__ import annotations
 
@@ -27,20 +35,47 @@ import torch.distributed as dist
 
 from megatron_gtpo.distributed import set_nccl_environment
 
-from .remote_channel import PROTOCOL, ROOT, NewerSession, parse_address, post_message, session_key, take_message
+from .remote_channel import (
+    PROTOCOL,
+    ROOT,
+    NewerSession,
+    parse_address,
+    peek_request,
+    post_message,
+    session_key,
+    take_request,
+)
 from .server_engine import attempt
 
 _POLL_S = 0.05
+_UPDATE_POLL_S = 0.002  # between the requests of a weight update taken during a generation (the engine waits)
+_UPDATE_OPS = ("begin", "bucket", "finish")
+_GENERATE_OPS = ("generate", "generate_routed")
 _SHAPE_FIELDS_IGNORED = ("init_std",)  # not used by inference
 log = logging.getLogger(__name__)
 
 
 class _Session:
-    """Server side of one trainer session: the request handlers."""
+    """Server side of one trainer session: the request handlers, and the weight updates taken during a generation
+    (module doc). `seq` is the next request to read in order; `answered` the later ones already answered."""
 
-    def __init__(self, server, shape: dict, store_host: str, store_port: int, session: int):
-        self.server, self.shape = server, shape
+    def __init__(self, server, shape: dict, store, store_host: str, store_port: int, session: int,
+                 request_timeout_s: float = 600.0):
+        self.server, self.shape, self.store = server, shape, store
         self.store_host, self.store_port, self.session = store_host, store_port, session
+        self.request_timeout_s = request_timeout_s
+        self.seq = 0
+        self.answered: set[int] = set()
+        self.finished_ahead: list[int] = []  # the seqs of the weight updates' finishes taken ahead of order
+        self.update_during_generation = False
+        self.generating: int | None = None  # the seq of the generation in progress
+
+    def next_request(self) -> str:
+        """The key of the next request to read in order (past those answered ahead)."""
+        while self.seq in self.answered:
+            self.answered.remove(self.seq)
+            self.seq += 1
+        return session_key(self.session, self.seq)
 
     def handle(self, op: str, payload):
         server = self.server
@@ -52,7 +87,7 @@ class _Session:
                 raise RuntimeError(f"the weight group probe reached the workers as {probes}, sent {self.session}")
             return None
         if op == "generate":
-            return server.generate(*payload), server.policy_version
+            return self.generate(payload)
         if op == "generate_routed":
             return server.generate_routed(*payload), server.policy_version
         if op == "begin":
@@ -62,6 +97,67 @@ class _Session:
         if op == "finish":
             return server.finish_weight_update(payload)
         raise ValueError(f"unknown request {op!r}")
+
+    def generate(self, payload):
+        """(the record, the policy version the request was made with): the current one, less the updates taken
+        ahead of it (whose tokens count them all)."""
+        self.finished_ahead = [f for f in self.finished_ahead if f > self.seq]
+        ahead = len(self.finished_ahead)
+        made_with = self.server.policy_version - ahead
+        self.generating = self.seq
+        try:
+            record = self.server.generate(*payload)
+        finally:
+            self.generating = None
+        if ahead:  # started under weights newer than asked for: every token counts those updates
+            record = dataclasses.replace(record, weight_updates_T=record.weight_updates_T + ahead)
+        return record, made_with
+
+    def between_steps(self) -> int:
+        """Before each decode step: pre-emption by a newer session, and (update_during_generation) the next weight
+        update sent so far, taken now; the number of updates taken."""
+        self.server.interrupt()
+        if not self.update_during_generation or self.generating is None:
+            return 0
+        seq = self.generating + 1
+        while True:  # past the generations asked for after this one, to the first update
+            op = None if seq in self.answered else peek_request(self.store, session_key(self.session, seq))
+            if op in _UPDATE_OPS:
+                return self._take_update(seq)
+            if op not in _GENERATE_OPS and seq not in self.answered:
+                return 0
+            seq += 1
+
+    def _take_update(self, seq: int) -> int:
+        """Answer the weight update whose first request is `seq` (the generation waits); 1."""
+        self.server.pause_generation()
+        try:
+            while True:
+                key = session_key(self.session, seq)
+                op = self._wait_for_request(key)
+                if op not in _UPDATE_OPS:
+                    raise RuntimeError(f"the trainer left a weight update unfinished (sent {op!r} before its finish)")
+                _, payload = take_request(self.store, key, self.request_timeout_s)
+                outcome = attempt(lambda: self.handle(op, payload))
+                post_message(self.store, f"{key}/rep", outcome)
+                self.answered.add(seq)
+                if outcome[0] == "error":
+                    raise RuntimeError(f"a weight update during generation failed in {op!r}: {outcome[1]}")
+                if op == "finish":
+                    self.finished_ahead.append(seq)
+                    return 1
+                seq += 1
+        finally:
+            self.server.resume_generation()
+
+    def _wait_for_request(self, key: str) -> str:
+        deadline = time.monotonic() + self.request_timeout_s
+        while (op := peek_request(self.store, key)) is None:
+            self.server.interrupt()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no request of the weight update in {self.request_timeout_s:g} s")
+            time.sleep(_UPDATE_POLL_S)
+        return op
 
     def hello(self, payload: dict) -> dict:
         if payload.get("protocol") != PROTOCOL:
@@ -73,6 +169,7 @@ class _Session:
         if payload["device_type"] != self.server.device_type:
             raise ValueError(f"the trainer sends weights from {payload['device_type']} tensors, the vLLM workers "
                              f"are on {self.server.device_type}: both must be cpu (gloo) or cuda (NCCL)")
+        self.update_during_generation = bool(payload["update_during_generation"])
         return dict(version=self.server.policy_version, dtype=str(self.server.dtype).removeprefix("torch."),
                     num_workers=self.server.num_workers,
                     routed_experts=getattr(self.server, "return_routed_experts", False))
@@ -106,25 +203,28 @@ def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
     server, shape = start_server(engine, model_dir, **server_kwargs)
     shape = dataclasses.asdict(shape)
     log.info("%s ready (%d worker(s) on %s)", engine, server.num_workers, server.device_type)
-    current, seq, active = 0, 0, False
+    session, active = None, False
     try:
         while True:
             newest = store.add(f"{ROOT}/sessions", 0)
-            if newest > current:  # a newer trainer connected: it replaces the current session
+            if session is None or newest > session.session:  # a newer trainer connected: it replaces the current one
                 if active:
-                    store.delete_key(f"{session_key(current, seq)}/req")  # a request it may have left unread
-                    post_message(store, f"{session_key(current, seq)}/rep",
-                                 ("error", "a newer trainer session replaced it"))
+                    key = session.next_request()
+                    store.delete_key(f"{key}/req")  # a request it may have left unread
+                    post_message(store, f"{key}/rep", ("error", "a newer trainer session replaced it"))
                     server.leave_weight_group(abandoned=True)  # a broadcast of it may still be pending
-                log.info("serving trainer session %d", newest)
+                if newest:
+                    log.info("serving trainer session %d", newest)
                 server.interrupt = NewerSession(store, newest)
-                session = _Session(server, shape, host, port, newest)
-                current, seq, active = newest, 0, True
-            request_key = f"{session_key(current, seq)}/req"
-            if not active or not store.check([request_key]):
+                session = _Session(server, shape, store, host, port, newest)
+                server.between_steps = session.between_steps
+                active = newest > 0
+            key = session.next_request()
+            if not active or peek_request(store, key) is None:
                 time.sleep(_POLL_S)
                 continue
-            op, payload = take_message(store, request_key, 60.0)
+            current = session.session
+            op, payload = take_request(store, key, 60.0)
             if op in ("close", "shutdown"):
                 server.leave_weight_group()
                 active = False
@@ -133,9 +233,9 @@ def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
                 outcome = attempt(lambda: session.handle(op, payload))
                 if outcome[0] == "error":
                     log.warning("session %d, %r failed: %s", current, op, outcome[1])
-            reply_key = f"{session_key(current, seq)}/rep"
+            reply_key = f"{key}/rep"
             post_message(store, reply_key, outcome)
-            seq += 1
+            session.seq += 1
             if op == "shutdown":
                 log.info("shutdown requested by session %d", current)
                 deadline = time.monotonic() + 10.0  # the store dies with this process: let the trainer read first

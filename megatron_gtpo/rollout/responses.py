@@ -6,12 +6,15 @@ transport and the experience to the step batch without a Python object per respo
     finish_R                int64    [R]  finish reasons, codes into FINISH_REASONS
     token_ids_T             int32    [T]  all responses' tokens back to back (T = sum of lengths_R)
     logprobs_T              float32  [T]  logprobs_T[t] belongs to token_ids_T[t] (the convention of engine.py)
+    weight_updates_T        int16    [T]  weight updates the engine took between the call and sampling the token:
+                                          0 (the weights the call was made with) but for a rollout server that takes
+                                          updates while it generates (rollout.update_during_generation)
 
 A field's name ends with its axis: _P per prompt, _R per response, _T per token. Selection (`select_prompts`),
 concatenation (`cat`), continuation (`extend`), moves (`to`), allocation (`allocate`) and the transport work field
 by field from that suffix and the field's declared dtype, so a new per-token or per-response field is one more
-declaration here. (The policy versions of partial rollouts stay beside the record, training/partial_rollouts.py:
-no engine knows them.) A response ends with its stop token when its finish reason is
+declaration here. (Policy versions stay beside the record, training/sampled_groups.py: an engine knows only the
+updates it took during a call.) A response ends with its stop token when its finish reason is
 "stop"; "length" means max_new_tokens were generated without one.
 
 The tensors live wherever their producer put them: the built-in engine's on the training device, a vLLM server's on
@@ -56,6 +59,7 @@ class Responses:
     finish_R: torch.Tensor = _tensor_field(torch.int64)
     token_ids_T: torch.Tensor = _tensor_field(torch.int32)  # half the bytes of int64 on the wire; ids < 2**31
     logprobs_T: torch.Tensor = _tensor_field(torch.float32)
+    weight_updates_T: torch.Tensor = _tensor_field(torch.int16)  # a call spans few updates (rollout.max_staleness)
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -77,7 +81,8 @@ class Responses:
 
     @classmethod
     def from_lists(cls, groups: list[list[Response]], device=None) -> Responses:
-        """The record of [prompt][sample] list-view responses; log-probs rounded to float32. ValueError for an
+        """The record of [prompt][sample] list-view responses (sampled by the call's weights: no weight update);
+        log-probs rounded to float32. ValueError for an
         unknown finish reason or a response whose log-probs do not match its tokens; OverflowError for a token id
         that int32 cannot hold."""
         flat = [r for group in groups for r in group]
@@ -94,7 +99,8 @@ class Responses:
         record = cls(responses_per_prompt_P=torch.tensor([len(g) for g in groups], dtype=torch.int64),
                      lengths_R=torch.tensor([len(r.token_ids) for r in flat], dtype=torch.int64),
                      finish_R=torch.tensor([FINISH_REASONS.index(r.finish_reason) for r in flat], dtype=torch.int64),
-                     token_ids_T=_from_array(tokens, torch.int32), logprobs_T=_from_array(logprobs, torch.float32))
+                     token_ids_T=_from_array(tokens, torch.int32), logprobs_T=_from_array(logprobs, torch.float32),
+                     weight_updates_T=torch.zeros(len(tokens), dtype=torch.int16))
         return record.to(device) if device is not None else record
 
     # -- sizes and moves --------------------------------------------------------------------------------------
@@ -205,7 +211,8 @@ class Responses:
         return [tokens[a:b] for a, b in zip(starts, starts[1:])]
 
     def to_lists(self) -> list[list[Response]]:
-        """The list view: [prompt][sample] `Response`s (one copy of each field to the host)."""
+        """The list view: [prompt][sample] `Response`s (one copy of each field to the host; without the weight
+        updates, which only the training record keeps)."""
         tokens = self.token_id_lists()
         logprobs = self.logprobs_T.cpu().tolist()
         reasons = [FINISH_REASONS[c] for c in self.finish_R.tolist()]

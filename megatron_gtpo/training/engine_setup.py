@@ -53,4 +53,5 @@ def _remote_engine(cfg: TrainConfig, shape, parallel: ParallelGroups, routed_lay
         parse_address(address)  # every rank fails alike on a malformed address
     return RemoteEngine.connect(r.remote_addresses[parallel.dp_rank], parallel, shape,
                                 connect_timeout_s=r.remote_connect_timeout_s,
-                                request_timeout_s=r.remote_request_timeout_s, routed_layers=routed_layers)
+                                request_timeout_s=r.remote_request_timeout_s, routed_layers=routed_layers,
+                                update_during_generation=r.update_during_generation)

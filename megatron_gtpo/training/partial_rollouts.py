@@ -28,7 +28,7 @@ import torch
 from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import FINISH_LENGTH_CODE, Responses, concat_per_response
 
-from .sampled_groups import SampledGroups, as_rollout, filled
+from .sampled_groups import SampledGroups, as_rollout, filled, sampled_versions
 
 __all__ = ["PartialRollouts", "RolloutRequests", "WholeResponses"]
 
@@ -130,9 +130,10 @@ class PartialRollouts:
         lengths_R = torch.zeros_like(responses.lengths_R).index_copy(0, where_U, rows.lengths_R)
         finish_R = responses.finish_R.index_copy(0, where_U, rows.finish_R)
         continuation = Responses(responses_per_prompt_P=responses.responses_per_prompt_P, lengths_R=lengths_R,
-                                 finish_R=finish_R, token_ids_T=rows.token_ids_T, logprobs_T=rows.logprobs_T)
-        versions_T = concat_per_response(groups.versions_T, responses.lengths_R,
-                                         filled(rows.num_tokens, version, responses.device), lengths_R)
+                                 finish_R=finish_R, token_ids_T=rows.token_ids_T, logprobs_T=rows.logprobs_T,
+                                 weight_updates_T=rows.weight_updates_T)
+        versions_T = concat_per_response(groups.versions_T, responses.lengths_R, sampled_versions(rows, version),
+                                         lengths_R)
         return SampledGroups(groups.prompts, responses.extend(continuation), versions_T, groups.start_versions_R)
 
 

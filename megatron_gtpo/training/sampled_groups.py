@@ -29,11 +29,11 @@ class SampledGroups:
 
     @classmethod
     def sampled(cls, prompts: list, rollout: Rollout | Responses, version: int) -> SampledGroups:
-        """One engine call's groups (`rollout`: an engine's, or a bare record: no routing), every token sampled by the
-        weights of `version`."""
+        """One engine call's groups (`rollout`: an engine's, or a bare record: no routing), made with the weights of
+        `version` (each token sampled by those or, where the engine took updates during the call, later ones)."""
         rollout = as_rollout(rollout)
         responses, routes = rollout.responses, rollout.routed_experts
-        return cls(prompts, responses, filled(responses.num_tokens, version, responses.device),
+        return cls(prompts, responses, sampled_versions(responses, version),
                    filled(responses.num_responses, version, responses.device), routes)
 
     @classmethod
@@ -69,8 +69,9 @@ class SampledGroups:
         return torch.where(lengths_R > 0, last_versions_R, self.start_versions_R)
 
     def continued_R(self) -> torch.Tensor:
-        """bool [R]: the response was continued, so sampled by more than one version (its last token is newer than
-        its first segment; a continued segment is never empty)."""
+        """bool [R]: the response was sampled by more than one version (its last token is newer than its first
+        segment's weights): continued by a later engine call (partial rollouts; a continued segment is never empty),
+        or across a weight update the engine took while generating it."""
         return (self.responses.lengths_R > 0) & (self.last_versions_R() > self.start_versions_R)
 
     def newest_versions_N(self) -> torch.Tensor:
@@ -83,6 +84,12 @@ class SampledGroups:
 def filled(size: int, value: int, device) -> torch.Tensor:
     """int64 [size] of `value` (a policy version per token or response)."""
     return torch.full((size,), value, dtype=torch.int64, device=device)
+
+
+def sampled_versions(responses: Responses, version: int) -> torch.Tensor:
+    """int64 [T]: the policy version that sampled each token of an engine call made with the weights of `version`
+    (plus the weight updates the engine took before the token)."""
+    return responses.weight_updates_T.to(torch.int64) + version
 
 
 def as_rollout(rollout: Rollout | Responses) -> Rollout:

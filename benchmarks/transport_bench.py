@@ -68,7 +68,7 @@ def engine_record(args, ids_RN, logprobs_RN) -> Responses:
     return Responses(responses_per_prompt_P=torch.full((args.prompts,), args.samples),
                      lengths_R=torch.full((R,), args.tokens), finish_R=torch.full((R,), FINISH_LENGTH_CODE),
                      token_ids_T=ids_RN.flatten().to(torch.int32), logprobs_T=logprobs_RN.flatten(),
-                     weight_updates_T=torch.zeros(ids_RN.numel(), dtype=torch.int16))
+                     weight_updates_T=torch.zeros(ids_RN.numel(), dtype=torch.int32))
 
 
 def engine_lists(args, ids_RN, logprobs_RN) -> list[list[Response]]:

@@ -322,3 +322,27 @@ def test_a_server_takes_a_weight_update_between_decode_steps_and_stamps_every_to
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def test_a_run_whose_server_takes_updates_during_generation_weighs_each_token_by_its_own_version(tmp_path,
+                                                                                                 server_model):
+    """rollout.update_during_generation at N = 1, dynamic sampling off (a step trains its batch), responses of up to
+    32 tokens, a server generating 4 rows at a time (slower than the trainer's step: each update lands in a
+    generation): the run trains, no batch is older than N, some of a batch's tokens were sampled by the weights of
+    the step that trains them, and on those the rollout log-probs are the old policy's to float noise."""
+    server = _start_server(server_model, tmp_path / "server.log", "--max-batch-rows", "4")
+    try:
+        _train(tmp_path, "no_drain", server_model, 4, 1, "rollout.update_during_generation=true",
+               "rollout.max_new_tokens=32", "checkpoint.save_every=0", "algorithm.dynamic_sampling=false",
+               server=server)
+    finally:
+        os.killpg(server[0].pid, signal.SIGKILL)
+        server[0].wait()
+    rows = _rows(tmp_path / "no_drain")
+    assert sorted(rows) == [0, 1, 2, 3] and max(rows[k]["staleness_max"] for k in rows) == 1
+    fresh = [k for k in (1, 2, 3) if rows[k]["stale_token_fraction"] < 1]  # batch k was asked for at step k - 1
+    assert fresh, "no update reached a generation in flight"
+    for k in fresh:
+        assert rows[k]["rollout_logprob_mismatch_current"] < 1e-4, rows[k]
+    print({k: {m: rows[k][m] for m in ("stale_token_fraction", "continued_fraction", "rollout_logprob_mismatch",
+                                       "rollout_logprob_mismatch_current")} for k in rows})

@@ -22,7 +22,7 @@ def test_from_lists_lays_the_responses_out_flat():
     assert _fields(record) == {"counts": [2, 2, 2], "lengths": [2, 1, 0, 3, 1, 2], "finish": [0, 1, 1, 0, 0, 1],
                                "tokens": [5, 6, 7, 8, 9, 10, 11, 12, 13],
                                "logprobs": [-0.5, -0.25, -1.0, -2.0, -0.125, -4.0, -0.75, -3.0, -0.0625]}
-    assert [t.dtype for t in record.tensors()] == [torch.int64] * 3 + [torch.int32, torch.float32, torch.int16]
+    assert [t.dtype for t in record.tensors()] == [torch.int64] * 3 + [torch.int32, torch.float32, torch.int32]
     assert record.weight_updates_T.tolist() == [0] * 9  # list-view responses were sampled by the call's weights
     record.check()
 

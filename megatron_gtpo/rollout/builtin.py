@@ -251,7 +251,7 @@ class BuiltinEngine:
         # Row r's k-th token and its log-prob land at [r, k] (on the device, as they are sampled).
         tokens_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int32, device=device)
         logprobs_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.float32, device=device)
-        updates_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int16, device=device)
+        updates_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int32, device=device)
         lengths = [0] * len(rows)
         finish: list[int | None] = [None] * len(rows)
 

@@ -6,7 +6,7 @@ transport and the experience to the step batch without a Python object per respo
     finish_R                int64    [R]  finish reasons, codes into FINISH_REASONS
     token_ids_T             int32    [T]  all responses' tokens back to back (T = sum of lengths_R)
     logprobs_T              float32  [T]  logprobs_T[t] belongs to token_ids_T[t] (the convention of engine.py)
-    weight_updates_T        int16    [T]  weight updates the engine took between the call and sampling the token:
+    weight_updates_T        int32    [T]  weight updates the engine took between the call and sampling the token:
                                           0 (the weights the call was made with) but for a rollout server that takes
                                           updates while it generates (rollout.update_during_generation)
 
@@ -59,7 +59,7 @@ class Responses:
     finish_R: torch.Tensor = _tensor_field(torch.int64)
     token_ids_T: torch.Tensor = _tensor_field(torch.int32)  # half the bytes of int64 on the wire; ids < 2**31
     logprobs_T: torch.Tensor = _tensor_field(torch.float32)
-    weight_updates_T: torch.Tensor = _tensor_field(torch.int16)  # a call spans few updates (rollout.max_staleness)
+    weight_updates_T: torch.Tensor = _tensor_field(torch.int32)  # gloo broadcasts no int16
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -100,7 +100,7 @@ class Responses:
                      lengths_R=torch.tensor([len(r.token_ids) for r in flat], dtype=torch.int64),
                      finish_R=torch.tensor([FINISH_REASONS.index(r.finish_reason) for r in flat], dtype=torch.int64),
                      token_ids_T=_from_array(tokens, torch.int32), logprobs_T=_from_array(logprobs, torch.float32),
-                     weight_updates_T=torch.zeros(len(tokens), dtype=torch.int16))
+                     weight_updates_T=torch.zeros(len(tokens), dtype=torch.int32))
         return record.to(device) if device is not None else record
 
     # -- sizes and moves --------------------------------------------------------------------------------------

@@ -354,6 +354,45 @@ def _error_text(fn) -> tuple[str, float]:
     return "no error", time.monotonic() - start
 
 
+LONG_NEW_TOKENS = 200  # a generation of about a second on this machine: the weight update lands inside it
+
+
+def _flip_mlp_outputs(chunks) -> None:
+    with torch.no_grad():
+        for name, p in chunks[0].named_parameters():
+            if name.endswith("mlp.linear_fc2.weight"):
+                p.mul_(-1.0)
+
+
+def _sync_during_generation(engine, builtin, chunks, groups, out: dict) -> None:
+    """A long greedy generation is asked for (weights W2: fc2 flipped), then the weights go back to W1 and are
+    synced while vLLM generates (vLLM's pause, reload, re-prefill, resume); then W2 is synced again. Records each
+    response's tokens, log-probs and stamps, and the built-in engine's W1 greedy continuation of each response's
+    tokens sampled before the update."""
+    from megatron_gtpo.rollout import SamplingParams
+
+    long = SamplingParams(temperature=0.0, max_new_tokens=LONG_NEW_TOKENS)
+    out["builtin_long_w2"] = _generate(builtin, long, groups)
+    pending = engine.submit(PROMPTS, long)
+    _flip_mlp_outputs(chunks)
+    engine.sync_weights(chunks, groups)
+    record = pending().responses
+    responses, stamps, start = record.to_lists(), [], 0
+    for (r,) in responses:
+        stamps.append(record.weight_updates_T[start:start + len(r.token_ids)].tolist())
+        start += len(r.token_ids)
+    out["mid_sync"] = (responses, stamps, engine.policy_version)
+    out["builtin_w1_continued"] = []
+    for prompt, (r,), row in zip(PROMPTS, responses, stamps):
+        before = r.token_ids[:row.count(0)]
+        if len(before) < LONG_NEW_TOKENS:
+            rest = SamplingParams(temperature=0.0, max_new_tokens=LONG_NEW_TOKENS - len(before))
+            out["builtin_w1_continued"].append(builtin.generate([prompt + before], rest).to_lists()[0][0])
+    _flip_mlp_outputs(chunks)
+    engine.sync_weights(chunks, groups)
+    out["version_after_mid_sync"] = engine.policy_version
+
+
 def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_port):
     import os
     import signal
@@ -373,8 +412,9 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     out = {}
 
-    def connect(addr, timeout_s=300.0):
-        return RemoteEngine.connect(addr, groups, shape, bucket_bytes=BUCKET_BYTES, connect_timeout_s=timeout_s)
+    def connect(addr, timeout_s=300.0):  # a session that sends weight updates during generation too
+        return RemoteEngine.connect(addr, groups, shape, bucket_bytes=BUCKET_BYTES, connect_timeout_s=timeout_s,
+                                    update_during_generation=True)
 
     out["unreachable"] = _error_text(lambda: connect(f"127.0.0.1:{unused_port}", timeout_s=2.0))
     if rank == 0:  # a newer session pre-empts an older one's generation (a restarted trainer need not wait for it)
@@ -397,6 +437,7 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     out["builtin_greedy"] = _generate(builtin, greedy, groups)
 
     _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out)
+    _sync_during_generation(engine, builtin, chunks, groups, out)
 
     # Corrupt the final norm weight on the wire (after its checksum was taken): the server must refuse the sync.
     honest_load = RemoteClient.load_bucket
@@ -447,7 +488,8 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     ref, other = per_rank
-    for key in ("before_sync", "vllm_greedy", "vllm_greedy_changed", "session_2_greedy", "version_3", "corrupt"):
+    for key in ("before_sync", "vllm_greedy", "vllm_greedy_changed", "session_2_greedy", "version_3", "corrupt",
+                "mid_sync"):
         assert other[key] == ref[key], f"ranks disagree on {key}"
 
     unreachable, seconds = ref["unreachable"]
@@ -465,9 +507,23 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
     assert _tokens(ref["vllm_greedy_changed"]) == _tokens(ref["builtin_greedy_changed"])
     assert _tokens(ref["vllm_greedy_changed"]) != _tokens(ref["vllm_greedy"])
     assert _max_logprob_error(ref["vllm_greedy_changed"], ref["builtin_greedy_changed"]) < LOGPROB_ATOL
+    # A weight update during a generation: taken between vLLM's steps (the generation did not drain first); each
+    # response's tokens before it are W2's greedy ones, those after it W1's greedy continuation of them, log-probs
+    # included (vLLM prefilled the requests in flight again under W1), each stamped with the updates before it.
+    responses, stamps, version_mid = ref["mid_sync"]
+    assert version_mid == 3 and any(1 in row for row in stamps), stamps
+    continued = iter(ref["builtin_w1_continued"])
+    for (r,), row, (w2,) in zip(responses, stamps, ref["builtin_long_w2"]):
+        n_before = row.count(0)
+        assert row == [0] * n_before + [1] * (len(row) - n_before) and len(row) == LONG_NEW_TOKENS, row
+        assert r.token_ids[:n_before] == w2.token_ids[:n_before]
+        if n_before < LONG_NEW_TOKENS:
+            after = next(continued)
+            assert r.token_ids[n_before:] == after.token_ids
+            assert max(abs(a - b) for a, b in zip(r.logprobs[n_before:], after.logprobs)) < LOGPROB_ATOL
     # Policy versions: counted by the server, verified per sync; a refused sync does not count.
-    assert [ref[k] for k in ("version_0", "version_1", "version_2", "version_after_corrupt", "version_3",
-                             "session_2_version")] == [0, 1, 2, 2, 3, 3]
+    assert [ref[k] for k in ("version_0", "version_1", "version_2", "version_after_mid_sync",
+                             "version_after_corrupt", "version_3", "session_2_version")] == [0, 1, 2, 4, 4, 5, 5]
     assert "hold other values than were sent" in ref["corrupt"] and "model.norm.weight" in ref["corrupt"], \
         ref["corrupt"]
     assert _tokens(ref["session_2_greedy"]) == _tokens(ref["vllm_greedy_changed"])
@@ -484,6 +540,7 @@ class _RecordingLLM:
     def __init__(self, workers=1, bad_worker=None):
         self.calls = []
         self.workers, self.bad_worker = workers, bad_worker  # bad_worker reports other checksums than were sent
+        self.llm_engine = _RecordingEngine([])
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -495,9 +552,10 @@ class _RecordingLLM:
         from types import SimpleNamespace
 
         self.calls.append(("generate", len(prompts)))
-        sample = SimpleNamespace(token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}], finish_reason="length")
-        self.llm_engine = _RecordingEngine([SimpleNamespace(request_id=str(i), finished=True, outputs=[sample])
-                                            for i in range(len(prompts))])
+        sample = SimpleNamespace(token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}], finish_reason="length",
+                                 weight_versions=[_span(self.llm_engine.weight_version, 0, 1)])
+        self.llm_engine.outputs = [SimpleNamespace(request_id=str(i), finished=True, outputs=[sample])
+                                   for i in range(len(prompts))]
         return [str(i) for i in range(len(prompts))]
 
     def reset_prefix_cache(self):
@@ -517,6 +575,10 @@ class _RecordingEngine:
 
     def __init__(self, outputs):
         self.outputs = outputs
+        self.weight_version = "0"
+
+    def set_weight_version(self, version):
+        self.weight_version = version
 
     def has_unfinished_requests(self):
         return bool(self.outputs)
@@ -526,12 +588,18 @@ class _RecordingEngine:
         return outputs
 
 
+def _span(version, start, end):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(version=version, start=start, end=end)
+
+
 def _sleeping_server():
     from megatron_gtpo.rollout.vllm_engine import VLLMServer
 
     server = VLLMServer.__new__(VLLMServer)  # everything __init__ sets, without starting vLLM
     server.llm, server.sleep_supported = _RecordingLLM(), True
-    server.policy_version, server._asleep, server.interrupt = 0, set(), None
+    server.policy_version, server._asleep, server.between_steps = 0, set(), lambda: 0
     return server
 
 
@@ -559,6 +627,25 @@ def test_sleep_wake_bookkeeping():
     with pytest.raises(RuntimeError, match="hold other values than were sent"):
         server.finish_weight_update({"model.norm.weight": (1.0, 2.5)})
     assert server.policy_version == 1
+
+
+def test_vllm_weight_version_spans_become_each_tokens_updates():
+    """`_record`: vLLM's weight version spans of each output, less the version the call was made with, per token;
+    a token without a label is an error."""
+    from types import SimpleNamespace
+
+    from megatron_gtpo.rollout.vllm_engine import _record
+
+    def output(spans, n):
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n)), finish_reason="length",
+                                                        logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in range(n)],
+                                                        weight_versions=spans)])
+
+    record = _record([output([_span("3", 0, 2), _span("4", 2, 5)], 5), output([_span("5", 0, 1)], 1),
+                      output(None, 0)], made_with=3)
+    assert record.weight_updates_T.tolist() == [0, 0, 1, 1, 1, 2] and record.lengths_R.tolist() == [5, 1, 0]
+    with pytest.raises(RuntimeError, match="weight versions"):
+        _record([output([_span("3", 0, 2)], 3)], made_with=3)
 
 
 def test_checksums_are_checked_on_every_worker():
@@ -642,11 +729,11 @@ def test_generate_routed_gives_each_response_its_fed_positions():
             from types import SimpleNamespace
 
             self.calls.append(("generate", len(prompts)))
-            self.llm_engine = _RecordingEngine([SimpleNamespace(request_id=str(i), finished=True, outputs=[
+            self.llm_engine.outputs = [SimpleNamespace(request_id=str(i), finished=True, outputs=[
                 SimpleNamespace(token_ids=[7] * (j + 1), logprobs=[{7: SimpleNamespace(logprob=-0.5)}] * (j + 1),
-                                finish_reason="length",
+                                finish_reason="length", weight_versions=[_span("0", 0, j + 1)],
                                 routed_experts=self.routing(len(p["prompt_token_ids"]), j, i)) for j in range(2)])
-                for i, p in reversed(list(enumerate(prompts)))])  # finished out of order: the server sorts them
+                for i, p in reversed(list(enumerate(prompts)))]  # finished out of order: the server sorts them
             return [str(i) for i in range(len(prompts))]
 
         def routing(self, prompt_length, j, i):

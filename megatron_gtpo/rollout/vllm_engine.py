@@ -8,6 +8,12 @@
   engine and raises on every rank unless each vLLM worker's RMSNorm checksums equal those of the weights sent.
 - Responses keep rollout/engine.py's contract, except that under top-k or top-p vLLM reports the log-probs of the
   truncated, renormalised distribution.
+- Weight updates during generation (a remote server's session with rollout.update_during_generation,
+  remote_server.py): `pause_generation` stops vLLM's scheduler with the requests in flight kept (pause mode "keep"),
+  the update loads, and `resume_generation` sends those requests back to the waiting queue with their KV cache
+  dropped (vLLM's reset_prefix_cache(reset_running_requests=True)), so they are prefilled again under the new
+  weights before they sample on. vLLM labels every output token with the engine's weight version (set to the policy
+  version after each update: `CompletionOutput.weight_versions`), which becomes `Responses.weight_updates_T`.
 - Routing replay (`return_routed_experts`): the engine is built with vLLM's enable_return_routed_experts, which in
   vLLM 0.32 needs its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, set here) and so Triton on a GPU;
   `generate_routed` adds every response's experts at every layer (`routed_experts_unavailable` says why not here).
@@ -18,12 +24,14 @@ what is tested where.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import pickle
 import re
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -178,14 +186,18 @@ class VLLMServer:
         self.num_layers = model_config.get_total_num_hidden_layers()
         self.topk = model_config.get_num_experts_per_tok() if return_routed_experts else 0
         self.policy_version = 0
-        self.interrupt = None  # a remote server's pre-emption check (remote_channel.NewerSession), between steps
+        self.llm.llm_engine.set_weight_version(str(self.policy_version))  # the label of the tokens it samples
+        # A remote server's pre-emption check (remote_channel.NewerSession), and what runs before every engine step:
+        # by default the check; a session that takes weight updates during generation sets its own (remote_server).
+        self.interrupt: Callable[[], None] = lambda: None
+        self.between_steps: Callable[[], int] = lambda: self.interrupt() or 0
         self._asleep: set[str] = set()  # tags currently asleep
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:
         """The record (responses.py) of params.n responses per prompt, on the host; `first_prompt` is the index of
         prompts[0] among the replica's prompts (seeds). ValueError for a finish reason other than stop / length."""
-        return Responses.from_lists([[_response(sample) for sample in out.outputs]
-                                     for out in self._generate(prompts, params, first_prompt)])
+        made_with = self.policy_version
+        return _record(self._generate(prompts, params, first_prompt), made_with)
 
     def generate_routed(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) \
             -> tuple[Responses, torch.Tensor]:
@@ -195,12 +207,13 @@ class VLLMServer:
         checks each response's rows)."""
         if not self.return_routed_experts:
             raise ValueError("this vLLM engine was not built to return routed experts (return_routed_experts)")
+        made_with = self.policy_version
         outputs = self._generate(prompts, params, first_prompt)
         layers = tuple(range(1, self.num_layers + 1))
         routed = [record_from_vllm(sample.routed_experts, prompt_length=len(prompt),
                                    response_length=len(sample.token_ids), layers=layers, topk=self.topk)
                   for prompt, out in zip(prompts, outputs) for sample in out.outputs]
-        record = Responses.from_lists([[_response(sample) for sample in out.outputs] for out in outputs])
+        record = _record(outputs, made_with)
         if not routed:
             return record, torch.empty(0, self.num_layers, self.topk, dtype=EXPERT_INDEX_DTYPE)
         return record, torch.cat(routed)
@@ -220,18 +233,34 @@ class VLLMServer:
 
     def _run(self, prompts: list, requests: list) -> list:
         """`LLM.generate`'s loop (enqueue, then engine steps until every request finished; outputs in request order),
-        with `interrupt` called before every step: what it raises aborts the requests."""
+        with `between_steps` called before every step: what it raises aborts the requests."""
         request_ids = self.llm.enqueue(prompts, requests, use_tqdm=False)
         engine, outputs = self.llm.llm_engine, []
         try:
             while engine.has_unfinished_requests():
-                if self.interrupt is not None:
-                    self.interrupt()
+                self.between_steps()
                 outputs += [out for out in engine.step() if out.finished]
         except BaseException:
             engine.abort_request(request_ids, internal=True)
             raise
         return sorted(outputs, key=lambda out: int(out.request_id))
+
+    def pause_generation(self) -> None:
+        """No engine step until `resume_generation`; the requests in flight keep their place (module doc)."""
+        self._engine_core_call("pause_scheduler", "keep", False)
+
+    def resume_generation(self) -> None:
+        """The requests in flight are prefilled again under the weights loaded meanwhile, then the engine steps on."""
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self._engine_core_call("resume_scheduler")
+
+    def _engine_core_call(self, method: str, *args):
+        """A method of vLLM's engine core: through its utility call when the core runs in a process of its own
+        (the default), directly when it runs in this one."""
+        client = self.llm.llm_engine.engine_core
+        if hasattr(client, "call_utility"):
+            return client.call_utility(method, *args)
+        return getattr(client.engine_core, method)(*args)
 
     def begin_weight_update(self) -> None:
         self._wake(["weights"])
@@ -262,6 +291,7 @@ class VLLMServer:
                                    f"were sent (checksums {[sums[n] for n in bad[:3]]} vs "
                                    f"{[expected_checksums[n] for n in bad[:3]]})")
         self.policy_version = version
+        self.llm.llm_engine.set_weight_version(str(version))
         return version
 
     def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
@@ -293,6 +323,21 @@ class VLLMServer:
         if tags:
             self.llm.wake_up(tags=tags)
             self._asleep -= set(tags)
+
+
+def _record(outputs: list, made_with: int) -> Responses:
+    """The record of vLLM's request outputs (in prompt order) of a call made with the weights of policy version
+    `made_with`, each token stamped with the updates after those that sampled it (its output's weight version
+    spans). RuntimeError for a token without a version label."""
+    record = Responses.from_lists([[_response(sample) for sample in out.outputs] for out in outputs])
+    stamps = []
+    for sample in (sample for out in outputs for sample in out.outputs):
+        spans = sample.weight_versions or []
+        if sum(span.end - span.start for span in spans) != len(sample.token_ids):
+            raise RuntimeError(f"vLLM labelled {spans} of a response's {len(sample.token_ids)} tokens with weight "
+                               f"versions")
+        stamps += [int(span.version) - made_with for span in spans for _ in range(span.start, span.end)]
+    return dataclasses.replace(record, weight_updates_T=torch.tensor(stamps, dtype=torch.int32))
 
 
 def _response(sample) -> Response:

@@ -62,7 +62,8 @@ class RolloutQueue:
         (version `step`): the engine generates those while this one trains. Waiting first lets the asked batches
         continue the responses this one left unfinished (partial rollouts) N versions after it, not N + 1; at
         N >= 1 it costs no time, since the batch was generated before the weight update that ended the last step
-        (the update drains the engine)."""
+        (the update drains the engine; with rollout.update_during_generation it need not, and the wait is for the
+        rest of the batch, sampled by the newer weights)."""
         if step not in self.asked:
             self._ask(step, step)
         groups = self.groups(self.asked.pop(step))

@@ -86,6 +86,16 @@ def peek_request(store, key: str) -> str | None:
     return store.get(f"{key}/op").decode() if store.check([f"{key}/req"]) else None
 
 
+def wait_for_request(store, key: str, timeout_s: float) -> bool:
+    """Whether the request under `key` is complete, waited for at most `timeout_s` (it is seen as soon as it is
+    written: a server that polled instead would add its polling interval to every request)."""
+    try:
+        store.wait([f"{key}/req"], timedelta(seconds=timeout_s))
+    except dist.DistStoreError:  # the timeout
+        return False
+    return True
+
+
 def take_request(store, key: str, timeout_s: float):
     """(op, payload) of the request under `key`, waited for, its keys deleted."""
     message = take_message(store, f"{key}/req", timeout_s)

@@ -44,11 +44,11 @@ from .remote_channel import (
     post_message,
     session_key,
     take_request,
+    wait_for_request,
 )
 from .server_engine import attempt
 
-_POLL_S = 0.05
-_UPDATE_POLL_S = 0.002  # between the requests of a weight update taken during a generation (the engine waits)
+_POLL_S = 0.05  # how often an idle server, or one waiting inside a weight update, looks for a newer session
 _UPDATE_OPS = ("begin", "bucket", "finish")
 _GENERATE_OPS = ("generate", "generate_routed")
 _SHAPE_FIELDS_IGNORED = ("init_std",)  # not used by inference
@@ -152,12 +152,11 @@ class _Session:
 
     def _wait_for_request(self, key: str) -> str:
         deadline = time.monotonic() + self.request_timeout_s
-        while (op := peek_request(self.store, key)) is None:
+        while not wait_for_request(self.store, key, _POLL_S):
             self.server.interrupt()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no request of the weight update in {self.request_timeout_s:g} s")
-            time.sleep(_UPDATE_POLL_S)
-        return op
+        return peek_request(self.store, key)
 
     def hello(self, payload: dict) -> dict:
         if payload.get("protocol") != PROTOCOL:
@@ -220,8 +219,10 @@ def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
                 server.between_steps = session.between_steps
                 active = newest > 0
             key = session.next_request()
-            if not active or peek_request(store, key) is None:
+            if not active:
                 time.sleep(_POLL_S)
+                continue
+            if not wait_for_request(store, key, _POLL_S):
                 continue
             current = session.session
             op, payload = take_request(store, key, 60.0)

@@ -34,8 +34,10 @@ def _broadcast(rank, world_size, src):
     device = torch.device("cpu")
     bad_code = dataclasses.replace(Responses.from_lists([[Response([1], [-0.5], FINISH_STOP)]]),
                                    finish_R=torch.tensor([7]))
-    results = []
-    for outcome in [("ok", Responses.from_lists(_responses(1))),  # ragged
+    results, stamps = [], None
+    ragged = Responses.from_lists(_responses(1))
+    ragged = dataclasses.replace(ragged, weight_updates_T=_stamps(ragged.num_tokens))  # a server's, mid-generation
+    for outcome in [("ok", ragged),
                     ("ok", Responses.from_lists([[Response([], [], FINISH_LENGTH)],
                                                  [Response([7], [-1 / 3], FINISH_STOP)]])),
                     ("ok", Responses.empty()),  # an engine host without prompts
@@ -45,15 +47,21 @@ def _broadcast(rank, world_size, src):
         status, payload = broadcast_responses(outcome if rank == src else None, src, dist.group.WORLD, device)
         results.append((status, payload.to_lists() if status == "ok" else payload,
                         [str(t.dtype) for t in payload.tensors()] if status == "ok" else None))
-    return results
+        stamps = payload.weight_updates_T.tolist() if stamps is None else stamps  # the ragged record's
+    return results, stamps
+
+
+def _stamps(num_tokens: int) -> torch.Tensor:
+    return torch.arange(num_tokens, dtype=torch.int32) * 3 // max(num_tokens, 1)
 
 
 def test_broadcast_reaches_every_rank_exactly_and_errors_stay_errors():
     per_rank = run_distributed(_broadcast, 3, args=(1,), timeout_s=120)
-    dtypes = ["torch.int64"] * 3 + ["torch.int32", "torch.float32"]
-    for results in per_rank:
+    dtypes = ["torch.int64"] * 3 + ["torch.int32", "torch.float32", "torch.int32"]
+    for results, stamps in per_rank:
         ragged, tiny, empty, error, bad_code, no_record = results
         assert ragged == ("ok", _responses(1), dtypes)
+        assert stamps == _stamps(len(stamps)).tolist() and max(stamps) == 2
         # -1/3 is not a float32: every rank, the source included, holds the same float32-rounded value.
         assert tiny == ("ok", [[Response([], [], FINISH_LENGTH)],
                                [Response([7], [float(torch.tensor(-1 / 3, dtype=torch.float32))], FINISH_STOP)]],

@@ -27,7 +27,8 @@ mean staleness and the fraction of responses continued; per task the response le
 With --learn-steps, learning runs of the demo's task (disaggregated, staleness 0, staleness 1 with partial rollouts
 off and on) for each of --seeds (the config's `seed`: the model's initialisation and the sampling seeds): the
 reward rise (the mean reward of the last 10 RL steps minus that of the first 10; the demo requires >= 0.3 over its
-250 steps) and the mean step wall time. Appends a dated section to --out.
+250 steps) and, averaged over the seeds, the figures of the runs above (step time, phases, rounds...).
+Appends a dated section to --out.
 """
 from __future__ import annotations
 
@@ -199,22 +200,30 @@ def args_text(task: str) -> str:
         f", partial rollouts of {segment}-token segments"
 
 
-def _learning_table(learned: dict[Run, dict[int, tuple[float, float]]], steps: int) -> list[str]:
+def _learning_table(learned: dict[Run, dict[int, tuple[float, dict]]], steps: int) -> list[str]:
     seeds = sorted(next(iter(learned.values())))
+
+    def mean(per_seed, key):
+        return statistics.mean(v[1][key] for v in per_seed.values())
+
     lines = [f"\nLearning, task `demo`, {steps} steps, disaggregated (reward rise: mean reward of the last 10 RL "
              f"steps minus the first 10; the demo requires +0.30 over 250 steps):\n",
-             "| run | " + " | ".join(f"rise, seed {s}" for s in seeds) + " | mean rise | step s (mean over seeds) |",
-             "|:---|" + "---:|" * (len(seeds) + 2)]
+             "| run | " + " | ".join(f"rise, seed {s}" for s in seeds) + " | mean rise | step s | tokens/s | rounds | "
+             "from carry | dropped stale | wait for rollouts s | sync s | update s | old_logprob s |",
+             "|:---|" + "---:|" * (len(seeds) + 10)]
     for spec, per_seed in learned.items():
         lines.append(f"| {spec.label} | " + " | ".join(f"{per_seed[s][0]:+.3f}" for s in seeds)
                      + f" | {statistics.mean(v[0] for v in per_seed.values()):+.3f} | "
-                     f"{statistics.mean(v[1] for v in per_seed.values()):.3f} |")
+                     + " | ".join(f"{mean(per_seed, key):{form}}" for key, form in (
+                         ("step_s", ".3f"), ("tokens_per_s", ".0f"), ("sampling_rounds", ".2f"),
+                         ("groups_from_carry", ".2f"), ("groups_dropped_stale", ".2f"), ("generate", ".3f"),
+                         ("sync", ".3f"), ("update", ".3f"), ("old_logprob", ".3f"))) + " |")
     base = statistics.mean(v[0] for v in learned[Run(0)].values())
-    base_s = statistics.mean(v[1] for v in learned[Run(0)].values())
+    base_s = mean(learned[Run(0)], "step_s")
     for spec, per_seed in learned.items():
         if spec.staleness:
             rise = statistics.mean(v[0] for v in per_seed.values())
-            step_s = statistics.mean(v[1] for v in per_seed.values())
+            step_s = mean(per_seed, "step_s")
             lines.append(f"\n{spec.label}: mean rise {rise:+.3f} against staleness 0's {base:+.3f}: learning "
                          f"{'no worse' if rise >= base - TOLERANCE else 'worse'} (tolerance {TOLERANCE}); step time "
                          f"{step_s / base_s:.2f}x staleness 0's.")
@@ -232,7 +241,7 @@ def main() -> None:
     args = p.parse_args()
     specs = TIMED + (TIMED_NO_DRAIN if args.no_drain else ())
     timed: dict[str, dict[Run, dict]] = {}
-    learned: dict[Run, dict[int, tuple[float, float]]] = {}
+    learned: dict[Run, dict[int, tuple[float, dict]]] = {}
     with tempfile.TemporaryDirectory() as root:
         model_dir = _server_model(root)
         for task in args.tasks:
@@ -246,8 +255,8 @@ def main() -> None:
             for spec in LEARNING:
                 rows = train(root, model_dir, spec, args.learn_steps,
                              [f"seed={seed}", *spec.overrides(TASKS["demo"][1])])
-                learned.setdefault(spec, {})[seed] = (reward_rise(rows), summary(rows)["step_s"])
-                print("learning", seed, spec.label, learned[spec][seed], flush=True)
+                learned.setdefault(spec, {})[seed] = (reward_rise(rows), summary(rows))
+                print("learning", seed, spec.label, json.dumps(learned[spec][seed]), flush=True)
     command = " ".join(["python benchmarks/async_bench.py", *sys.argv[1:]])
     lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n", f"Command: `{command}`\n",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores. Disaggregated: trainer pinned to core 0, the "

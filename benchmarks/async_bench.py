@@ -2,7 +2,8 @@
 generation, on two tasks, and the learning they give.
 
     python benchmarks/async_bench.py [--steps 16] [--tasks demo long] [--no-drain] [--learn-steps 250]
-                                     [--seeds 7 8 9] [--out benchmarks/results/async.md]
+                                     [--seeds 7 8 9] [--learn NAME ...]
+                                     [--out benchmarks/results/async.md]
 
 The runs (every one of examples/cpu_demo.yaml at TP = 1, its warm start included, with the token-level rollout
 correction `algorithm.rollout_is: token`, which staleness and partial rollouts need, so that the runs differ in the
@@ -24,11 +25,11 @@ tokens/s (`tokens_generated`, every token of the step's engine answers, over the
 `groups_dropped_stale`, the trainer's phases (medians of `time_*_s`; the wait for rollouts is `time_generate_s`), the
 mean staleness and the fraction of responses continued; per task the response lengths (`response_length_mean`,
 `response_length_max`, `response_clip_ratio`).
-With --learn-steps, learning runs of the demo's task (disaggregated, staleness 0, staleness 1 with partial rollouts
-off and on) for each of --seeds (the config's `seed`: the model's initialisation and the sampling seeds): the
-reward rise (the mean reward of the last 10 RL steps minus that of the first 10; the demo requires >= 0.3 over its
-250 steps) and, averaged over the seeds, the figures of the runs above (step time, phases, rounds...).
-Appends a dated section to --out.
+With --learn-steps, learning runs of the demo's task (disaggregated; --learn: by default staleness 0, staleness 1
+with partial rollouts off and on; also staleness 1 with `rollout.oversample_batches: 1`) for each of --seeds (the
+config's `seed`: the model's initialisation and the sampling seeds): the reward rise (the mean reward of the last 10
+RL steps minus that of the first 10; the demo requires >= 0.3 over its 250 steps) and, averaged over the seeds, the
+figures of the runs above (step time, phases, rounds...). Appends a dated section to --out.
 """
 from __future__ import annotations
 
@@ -82,7 +83,10 @@ class Run:
 
 TIMED = (Run(0, colocated=True), Run(0), Run(1), Run(0, partial=True), Run(1, partial=True), Run(1, oversample=1))
 TIMED_NO_DRAIN = (Run(1, no_drain=True), Run(1, partial=True, no_drain=True))
-LEARNING = (Run(0), Run(1), Run(1, partial=True))
+# The learning runs (--learn), by name; the first three by default. A run's rewards do not depend on the machine's
+# speed (the schedule is fixed), so the rises of separate invocations compare; their step times do not.
+LEARNING = {"staleness0": Run(0), "staleness1": Run(1), "staleness1_partial": Run(1, partial=True),
+            "staleness1_oversample": Run(1, oversample=1)}
 
 
 def _free_port() -> int:
@@ -218,6 +222,8 @@ def _learning_table(learned: dict[Run, dict[int, tuple[float, dict]]], steps: in
                          ("step_s", ".3f"), ("tokens_per_s", ".0f"), ("sampling_rounds", ".2f"),
                          ("groups_from_carry", ".2f"), ("groups_dropped_stale", ".2f"), ("generate", ".3f"),
                          ("sync", ".3f"), ("update", ".3f"), ("old_logprob", ".3f"))) + " |")
+    if Run(0) not in learned:
+        return lines
     base = statistics.mean(v[0] for v in learned[Run(0)].values())
     base_s = mean(learned[Run(0)], "step_s")
     for spec, per_seed in learned.items():
@@ -237,6 +243,7 @@ def main() -> None:
     p.add_argument("--no-drain", action="store_true", help="also the runs with rollout.update_during_generation")
     p.add_argument("--learn-steps", type=int, default=0)
     p.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9])
+    p.add_argument("--learn", nargs="+", choices=list(LEARNING), default=list(LEARNING)[:3])
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "async.md"))
     args = p.parse_args()
     specs = TIMED + (TIMED_NO_DRAIN if args.no_drain else ())
@@ -252,7 +259,7 @@ def main() -> None:
                                                   [*overrides, *spec.overrides(segment)]))
                 print(task, spec.label, json.dumps(timed[task][spec]), flush=True)
         for seed in args.seeds if args.learn_steps else ():  # seed by seed: the runs of a seed side by side
-            for spec in LEARNING:
+            for spec in (LEARNING[name] for name in args.learn):
                 rows = train(root, model_dir, spec, args.learn_steps,
                              [f"seed={seed}", *spec.overrides(TASKS["demo"][1])])
                 learned.setdefault(spec, {})[seed] = (reward_rise(rows), summary(rows))

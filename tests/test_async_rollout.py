@@ -27,7 +27,7 @@ COMPARED = ("reward_mean", "accuracy", "response_length_mean", "groups_kept", "s
             "stale_token_fraction", "continued_fraction", "groups_unfinished", "trained_prompt_ids",
             "rollout_is_capped_fraction", "log_ratio_mean/staleness_0", "log_ratio_mean/staleness_1",
             "rollout_logprob_mismatch_current", "mismatch_kl_current", "groups_from_carry", "groups_carried",
-            "groups_dropped_stale")
+            "groups_dropped_stale", "tokens_generated")
 
 
 @pytest.fixture(scope="module")

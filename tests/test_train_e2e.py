@@ -24,7 +24,7 @@ REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip
             "rollout_logprob_mismatch", "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s",
             "time_sync_s", "padding_fraction", "lr", "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max",
             "update_successful", "optimizer_steps", "empty_mini_batches", "mismatch_kl", "token_mult_prob_error",
-            "rollout_is_weight_mean", "rollout_is_capped_fraction", "rollout_rs_masked_fraction")
+            "rollout_is_weight_mean", "rollout_is_capped_fraction", "rollout_rs_masked_fraction", "tokens_generated")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 

@@ -191,3 +191,34 @@ def test_a_saved_queue_keeps_the_routing_of_its_batches_in_flight():
     groups = resumed.take(1)
     assert [r[0, 0, 0].item() for r in groups.routed_experts] == [10 + j for j in range(G)]
     assert all(r.device.type == "cpu" and r.dtype == torch.int16 for r in groups.routed_experts)
+
+
+def test_a_step_counts_every_token_of_its_engine_answers_once():
+    """RolloutQueue.tokens_generated (the `tokens_generated` metric) at N = 1 with partial rollouts of 2-token
+    segments of a 4-token budget: a step counts the answers it waits for (its batch and its further rounds), with the
+    unfinished responses and the groups it will not train on; the batch asked for ahead counts in the step that waits
+    for it, once, even when a checkpoint waited for it first."""
+    from megatron_gtpo.training.metrics import PhaseTimer
+    from megatron_gtpo.training.rollout_queue import AskedBatch, RolloutQueue
+
+    answers = {  # (step, round) -> the engine's answer, one response per row
+        (0, 0): [Response([1, 2], [-0.1, -0.2], "length"), Response([9], [-0.9], "stop")],  # A: 3 tokens, unfinished
+        (1, 0): [Response([5, 9], [-0.5, -0.9], "stop"),  # A's first response continued: 2 tokens
+                 Response([9], [-0.9], "stop"), Response([3, 9], [-0.3, -0.9], "stop")],  # B: 3 tokens
+        (0, 1): [Response([7, 9], [-0.7, -0.9], "stop"), Response([9], [-0.9], "stop")],  # C (round 1): 3 tokens
+    }
+
+    def ask(step, version, continued, round_index=0):
+        prompts = [_prompt(1000 + 10 * step + round_index)]
+        rows, _ = PARTIAL.request(continued, prompts, SamplingParams(n=G))
+        answer = answers[(step, round_index)]
+        assert len(rows) == len(answer)
+        return AskedBatch(step, version, prompts, lambda: Responses.from_lists([[r] for r in answer]), continued)
+
+    queue = RolloutQueue(1, ask, steps=2, partial=PARTIAL)
+    sample_round = queue.rounds(0, PhaseTimer())
+    assert sample_round(0)().num_groups == 0 and queue.tokens_generated == 3  # A left unfinished
+    assert [p.id for p in sample_round(1)().prompts] == [1001] and queue.tokens_generated == 3 + 3
+    queue.state_dict()  # waits for batch 1 (asked for at step 0) without counting it
+    assert queue.tokens_generated == 6
+    assert [p.id for p in queue.take(1).prompts] == [1000, 1010] and queue.tokens_generated == 2 + 3

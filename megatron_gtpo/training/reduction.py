@@ -106,7 +106,10 @@ METRICS: dict[str, Metric] = {
     # Wall time of the step's phases (training/metrics.PhaseTimer): the slowest rank's, of all ranks.
     **{f"time_{phase}_s": Metric(Reduce.MAX, over_world=True)
        for phase in ("generate", "reward", "old_logprob", "advantages", "update", "sync")},
-    "tokens_per_s": SUM,  # each replica's generated response tokens per second of its step: the run's throughput
+    # Every token the engines generated in the step's answers (partial segments, groups later dropped or carried
+    # over included; rollout_queue.py), and per second of the step: each replica's, summed (the run's throughput).
+    "tokens_generated": Metric(Reduce.SUM, kind=int),
+    "tokens_per_s": SUM,
 }
 def moe_metrics(num_layers: int) -> dict[str, Metric]:
     """A mixture-of-experts model's routing metrics (of the old-policy pass, `moe_layer_values`) per layer 1..

@@ -55,6 +55,9 @@ class RolloutQueue:
         self.asked: dict[int, AskedBatch] = {}
         self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
         self.carried: RewardedGroups | None = None  # complete groups kept for the next step
+        # Every token of the engine answers folded in since this step's `take` (the step's answers): continued
+        # segments and groups later dropped, carried over or left unfinished included, each counted once.
+        self.tokens_generated = 0
 
     def take(self, step: int) -> SampledGroups:
         """The groups of batch `step`, waited for (asked for now if it was not: N = 0, or the first step); then every
@@ -63,7 +66,8 @@ class RolloutQueue:
         continue the responses this one left unfinished (partial rollouts) N versions after it, not N + 1; at
         N >= 1 it costs no time, since the batch was generated before the weight update that ended the last step
         (the update drains the engine; with rollout.update_during_generation it need not, and the wait is for the
-        rest of the batch, sampled by the newer weights)."""
+        rest of the batch, sampled by the newer weights). Starts the step's count of `tokens_generated`."""
+        self.tokens_generated = 0
         if step not in self.asked:
             self._ask(step, step)
         groups = self.groups(self.asked.pop(step))
@@ -95,9 +99,11 @@ class RolloutQueue:
         self.asked[step] = self.ask(step, version, continued)
 
     def groups(self, asked: AskedBatch) -> SampledGroups:
-        """The complete groups of a round, waited for; groups with an unfinished response (partial rollouts) wait
-        for the next batch asked for."""
-        complete, unfinished = self.requests.merge(asked.continued, asked.prompts, asked.wait(), asked.version)
+        """The complete groups of a round, waited for (its tokens counted in `tokens_generated`); groups with an
+        unfinished response (partial rollouts) wait for the next batch asked for."""
+        rollout = as_rollout(asked.wait())
+        self.tokens_generated += rollout.responses.num_tokens
+        complete, unfinished = self.requests.merge(asked.continued, asked.prompts, rollout, asked.version)
         if unfinished is not None:
             self.unfinished = unfinished if self.unfinished is None else SampledGroups.cat([self.unfinished,
                                                                                              unfinished])

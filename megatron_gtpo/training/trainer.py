@@ -226,8 +226,8 @@ class Trainer:
         if batch.entropy_ST is not None:  # the last pipeline stage
             metrics.add_totals(*_token_totals(batch))
         step_time = sum(timer.seconds.values())
-        generated_tokens = exp.stats["response_length_mean"] * exp.stats["groups_generated"] * exp.group_size
-        metrics.add({"lr": self.policy.optimizer.param_groups[0]["lr"],
+        generated_tokens = self.rollouts.tokens_generated  # the step's engine answers (rollout_queue.py)
+        metrics.add({"lr": self.policy.optimizer.param_groups[0]["lr"], "tokens_generated": generated_tokens,
                      "tokens_per_s": generated_tokens / step_time if step_time else float("nan"),
                      **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()}})
         reduced = metrics.reduce(self.parallel.dp_group)

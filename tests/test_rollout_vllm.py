@@ -459,24 +459,34 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     return out
 
 
-def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
-    import os
-    import signal
+def _start_remote_server(vllm_dir, log_path, *, vllm_tp: int, max_model_len: int):
+    """(process, its address): a vLLM rollout server on the CPU serving `vllm_dir` in fp32, in a session of its own
+    (killed with its process group), logging to `log_path`."""
     import subprocess
     import sys
 
     from distributed_harness import free_port
 
-    vllm_dir, megatron_dir = checkpoints
     address = f"127.0.0.1:{free_port()}"
-    log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "megatron_gtpo.rollout.remote_server", "--hf-dir", str(vllm_dir), "--listen",
-             address, "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "256",
-             "--enforce-eager", "--tensor-parallel-size", str(REMOTE_VLLM_TP)],
-            env={**os.environ, **_vllm_cpu_env(REMOTE_VLLM_TP)}, stdout=log, stderr=subprocess.STDOUT,
+             address, "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len",
+             str(max_model_len), "--enforce-eager", "--tensor-parallel-size", str(vllm_tp)],
+            env={**os.environ, **_vllm_cpu_env(vllm_tp)}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
+    return server, address
+
+
+def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
+    import os
+    import signal
+
+    from distributed_harness import free_port
+
+    vllm_dir, megatron_dir = checkpoints
+    log_path = tmp_path / "server.log"
+    server, address = _start_remote_server(vllm_dir, log_path, vllm_tp=REMOTE_VLLM_TP, max_model_len=256)
     try:
         per_rank = run_distributed(_remote_checks, 2, args=(address, str(megatron_dir), server.pid, free_port()),
                                    timeout_s=600)
@@ -552,19 +562,12 @@ def test_gtpo_on_a_moe_model_at_ep2_with_vllm_rollouts(moe_checkpoints, tmp_path
     import json
     import signal
     import subprocess
-    import sys
 
-    from distributed_harness import free_port
     from trainer_runs import read_metrics, train_command
 
     vllm_dir, megatron_dir, _ = moe_checkpoints
-    address = f"127.0.0.1:{free_port()}"
     log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "megatron_gtpo.rollout.remote_server", "--hf-dir", str(vllm_dir), "--listen",
-             address, "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "64",
-             "--enforce-eager"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server, address = _start_remote_server(vllm_dir, log_path, vllm_tp=1, max_model_len=64)
     out = tmp_path / "run"
     try:
         run = subprocess.run(train_command(out, 2, [*MOE_RUN, f"model.hf_dir={megatron_dir}",

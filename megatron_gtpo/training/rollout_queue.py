@@ -2,16 +2,16 @@
 the complete groups carried over from one step to the next.
 
 Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked
-for at step max(0, k - N), once that step's own batch and further rounds have arrived (`ask_ahead`), so it is
-generated with the policy of version max(0, k - N) (the weights after that many steps) while the trainer trains the
-steps in between, and no batch is trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
+for at step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version
+max(0, k - N) (the weights after that many steps) while the trainer trains the steps in between, and no batch is
+trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
 whatever the engines' speed. N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
 Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot, with the weights of now.
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
-batches and rounds waited for until then. A step waits for its batch and rounds before it asks for the next, so
-the unfinished responses of batch k and of step k's rounds continue in batch k + N, sampled N versions later
-(N = 0: in batch k + 1, one version later): a response of s segments is trained at most (s - 1) x max(N, 1) + N versions after its first token
+batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the
+unfinished responses of batch k continue in batch k + N, sampled N versions later (N = 0: in batch k + 1, one
+version later): a response of s segments is trained at most (s - 1) x max(N, 1) + N versions after its first token
 was sampled (s x N at N >= 1).
 
 Complete informative groups that a step's dynamic sampling did not need (experience.py's surplus) are carried over
@@ -60,24 +60,21 @@ class RolloutQueue:
         self.tokens_generated = 0
 
     def take(self, step: int) -> SampledGroups:
-        """The groups of batch `step`, waited for (asked for now if it was not: N = 0, or the first step). At N >= 1
-        the wait costs no time when the batch was generated before the weight update that ended the last step (the
-        update drains the engine; with rollout.update_during_generation it need not, and the wait is for the rest of
-        the batch, sampled by the newer weights). Starts the step's count of `tokens_generated`."""
+        """The groups of batch `step`, waited for (asked for now if it was not: N = 0, or the first step); then every
+        batch up to step + N (and before the run's end) not asked for yet is asked for, with the weights of now
+        (version `step`): the engine generates those while this one trains. Waiting first lets the asked batches
+        continue the responses this one left unfinished (partial rollouts) N versions after it, not N + 1; at
+        N >= 1 it costs no time, since the batch was generated before the weight update that ended the last step
+        (the update drains the engine; with rollout.update_during_generation it need not, and the wait is for the
+        rest of the batch, sampled by the newer weights). Starts the step's count of `tokens_generated`."""
         self.tokens_generated = 0
         if step not in self.asked:
             self._ask(step, step)
-        return self.groups(self.asked.pop(step))
-
-    def ask_ahead(self, step: int) -> None:
-        """Once step `step`'s rounds are waited for: every batch up to step + N (and before the run's end) not asked
-        for yet is asked for, with the weights of now (version `step`); the engine generates those while this step
-        trains. After the rounds, not with the first: a round asked for on the spot would otherwise queue behind
-        them on a rollout server (which answers in order), and so the asked batches continue the responses the
-        step's batch and rounds left unfinished (partial rollouts) N versions after them, not N + 1."""
+        groups = self.groups(self.asked.pop(step))
         for later in range(step + 1, min(step + self.max_staleness + 1, self.steps)):
             if later not in self.asked:
                 self._ask(later, step)
+        return groups
 
     def rounds(self, step: int, timer: PhaseTimer) -> Callable[[int], Callable[[], SampledGroups]]:
         """Step `step`'s sampling rounds for experience.collect_experience: round 0 is batch `step` (`take`, waited

@@ -180,7 +180,6 @@ class Trainer:
         if exp.num_prompt_groups:
             metrics.add({"staleness_max": int((step - exp.start_versions_R).max())})
         metrics.add(self.rollouts.carry(exp.surplus, step))  # carried, dropped as too old, unfinished
-        self.rollouts.ask_ahead(step)  # the next batches (rollout.max_staleness), generated while this step trains
         return exp
 
     def build_step_batch(self, exp: Experience, step: int) -> StepBatch:

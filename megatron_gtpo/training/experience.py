@@ -65,7 +65,7 @@ class Experience:
     # engine's on the device, vLLM's on the host until the step batch). Rank-local: each pipeline stage keeps its own
     # layers, so it never goes through the transport with the record.
     routed_experts: list[torch.Tensor] | None = None
-    continued_R: torch.Tensor | None = None  # bool: the response spans more than one engine call (partial rollouts)
+    continued_R: torch.Tensor | None = None  # bool: sampled by more than one version (SampledGroups.continued_R)
     surplus: RewardedGroups | None = None  # informative groups beyond the step's need, in the order sampled
 
     @property

@@ -332,17 +332,15 @@ def test_a_run_whose_server_takes_updates_during_generation_weighs_each_token_by
     the step that trains them, and on those the rollout log-probs are the old policy's to float noise."""
     server = _start_server(server_model, tmp_path / "server.log", "--max-batch-rows", "4")
     try:
-        _train(tmp_path, "no_drain", server_model, 4, 1, "rollout.update_during_generation=true",
+        _train(tmp_path, "no_drain", server_model, 3, 1, "rollout.update_during_generation=true",
                "rollout.max_new_tokens=32", "checkpoint.save_every=0", "algorithm.dynamic_sampling=false",
                server=server)
     finally:
         os.killpg(server[0].pid, signal.SIGKILL)
         server[0].wait()
     rows = _rows(tmp_path / "no_drain")
-    assert sorted(rows) == [0, 1, 2, 3] and max(rows[k]["staleness_max"] for k in rows) == 1
-    fresh = [k for k in (1, 2, 3) if rows[k]["stale_token_fraction"] < 1]  # batch k was asked for at step k - 1
+    assert sorted(rows) == [0, 1, 2] and max(rows[k]["staleness_max"] for k in rows) == 1
+    fresh = [k for k in (1, 2) if rows[k]["stale_token_fraction"] < 1]  # batch k was asked for at step k - 1
     assert fresh, "no update reached a generation in flight"
     for k in fresh:
         assert rows[k]["rollout_logprob_mismatch_current"] < 1e-4, rows[k]
-    print({k: {m: rows[k][m] for m in ("stale_token_fraction", "continued_fraction", "rollout_logprob_mismatch",
-                                       "rollout_logprob_mismatch_current")} for k in rows})

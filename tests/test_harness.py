@@ -36,7 +36,7 @@ def test_error_on_one_rank_is_reported_with_traceback():
 @pytest.mark.slow
 def test_hang_is_a_timeout_naming_ranks():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
-        run_distributed(_hang, 2, timeout_s=5, init_process_group=False)
+        run_distributed(_hang, 2, timeout_s=2, init_process_group=False)
 
 
 

@@ -202,29 +202,27 @@ def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
     server, shape = start_server(engine, model_dir, **server_kwargs)
     shape = dataclasses.asdict(shape)
     log.info("%s ready (%d worker(s) on %s)", engine, server.num_workers, server.device_type)
-    session, active = None, False
+    session, active = _Session(server, shape, store, host, port, 0), False  # no trainer yet
     try:
         while True:
             newest = store.add(f"{ROOT}/sessions", 0)
-            if session is None or newest > session.session:  # a newer trainer connected: it replaces the current one
+            if newest > session.session:  # a newer trainer connected: it replaces the current one
                 if active:
                     key = session.next_request()
                     store.delete_key(f"{key}/req")  # a request it may have left unread
                     post_message(store, f"{key}/rep", ("error", "a newer trainer session replaced it"))
                     server.leave_weight_group(abandoned=True)  # a broadcast of it may still be pending
-                if newest:
-                    log.info("serving trainer session %d", newest)
+                log.info("serving trainer session %d", newest)
                 server.interrupt = NewerSession(store, newest)
                 session = _Session(server, shape, store, host, port, newest)
                 server.between_steps = session.between_steps
-                active = newest > 0
+                active = True
             key = session.next_request()
             if not active:
                 time.sleep(_POLL_S)
                 continue
             if not wait_for_request(store, key, _POLL_S):
                 continue
-            current = session.session
             op, payload = take_request(store, key, 60.0)
             if op in ("close", "shutdown"):
                 server.leave_weight_group()
@@ -233,12 +231,12 @@ def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
             else:
                 outcome = attempt(lambda: session.handle(op, payload))
                 if outcome[0] == "error":
-                    log.warning("session %d, %r failed: %s", current, op, outcome[1])
+                    log.warning("session %d, %r failed: %s", session.session, op, outcome[1])
             reply_key = f"{key}/rep"
             post_message(store, reply_key, outcome)
             session.seq += 1
             if op == "shutdown":
-                log.info("shutdown requested by session %d", current)
+                log.info("shutdown requested by session %d", session.session)
                 deadline = time.monotonic() + 10.0  # the store dies with this process: let the trainer read first
                 while store.check([reply_key]) and time.monotonic() < deadline:
                     time.sleep(_POLL_S)

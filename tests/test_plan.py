@@ -349,6 +349,17 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
         assert result.fits, (path, gpus, result.reasons)
 
 
+def test_the_local_profile_refuses_the_unfused_attention():
+    from megatron_gtpo.config import TrainConfig
+
+    cfg = TrainConfig()
+    assert settings_from_config(cfg, kernels="local").kernels == "local"
+    cfg.model.core_attention = "unfused"
+    with pytest.raises(ValueError, match="model.core_attention=unfused keeps every head's"):
+        settings_from_config(cfg, kernels="local")
+    assert settings_from_config(cfg).kernels == "te"  # Transformer Engine's attention ignores the setting
+
+
 def test_routing_replay_record_is_counted_on_every_rank_of_its_stage():
     """algorithm.routing_replay: rollout keeps the record on the GPU from generation (the built-in engine) or from the
     step batch (vLLM's, on the host while vLLM generates) to the end of the update: per rank, its replica's sequences

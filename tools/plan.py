@@ -132,7 +132,7 @@ def build_inputs(args, moe: bool = False) -> tuple[ParallelLayout, Workload, Set
 
         cfg = load_config(args.config)
         workload = workload_from_config(cfg)
-        settings = settings_from_config(cfg)
+        settings = settings_from_config(cfg, kernels=args.kernels)
         layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                                 virtual_pipeline=cfg.parallel.virtual_pipeline,
                                 sequence_parallel=cfg.parallel.sequence_parallel, expert=cfg.parallel.expert,

@@ -1,10 +1,11 @@
-"""The SDPA core attention (models/sdpa_attention.py) against megatron-core's unfused DotProductAttention and a
-float64 softmax written out here, on every mask the project gives the local spec's attention: none (padded rows,
-causal), a packed row's block-causal mask, a left-padded prefill (pad queries that see no key), a decode step
-against a KV cache with and without padding, and several new queries at the end of a cache without a mask
-(bottom-right causal). GQA: 4 heads over 2 query groups. Forward outputs and gradients, in float64, in-process (the
-whole model at TP / PP / CP 2 is compared in test_models_parity, test_parallel_invariance, test_context_parallel and
-test_rollout_builtin)."""
+"""The SDPA core attention (models/sdpa_attention.py) against a float64 softmax written out here, on every mask the
+project gives the local spec's attention: none (padded rows, causal), a packed row's block-causal mask, a
+left-padded prefill (pad queries that see no key), a decode step against a KV cache with and without padding, and
+several new queries at the end of a cache without a mask (bottom-right causal). GQA: 4 heads over 2 query groups.
+Forward outputs and gradients, in float64, in-process on host tensors (megatron's unfused attention needs CUDA, or
+the CPU platform layer, which a test process must not install: it is compared with it, and with transformers, in
+float64 at TP 2 x PP 2 and CP 2 in test_models_parity and test_context_parallel; the built-in engine's greedy tokens
+in test_rollout_builtin)."""
 import types
 
 import pytest
@@ -14,42 +15,30 @@ HEADS, GROUPS, HEAD_DIM = 4, 2, 16
 
 
 @pytest.fixture(scope="module")
-def attentions():
-    """(SdpaAttention, megatron's DotProductAttention), float64, one TP rank, on the CPU platform."""
-    from megatron_gtpo.distributed.platform import activate_cpu_platform
-
-    activate_cpu_platform()
-    from megatron.core import parallel_state, tensor_parallel
+def sdpa():
+    """SdpaAttention, float64, one TP rank."""
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_gtpo.models.sdpa_attention import SdpaAttention
 
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # the unfused attention's score buffer
-        parallel_state._set_global_memory_buffer()
-    tracker = tensor_parallel.get_cuda_rng_tracker()  # forked around its (zero) dropout
-    if "model-parallel-rng" not in tracker.get_states():
-        tracker.add("model-parallel-rng", 1)
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, kv_channels=HEAD_DIM, attention_dropout=0.0,
-                               hidden_dropout=0.0, params_dtype=torch.float64, masked_softmax_fusion=False,
-                               use_cpu_initialization=True)
+                               hidden_dropout=0.0, params_dtype=torch.float64, use_cpu_initialization=True)
     one_rank = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1, rank=lambda: 0))
-    return tuple(cls(config, 1, AttnMaskType.causal, "self", pg_collection=one_rank)
-                 for cls in (SdpaAttention, DotProductAttention))
+    return SdpaAttention(config, 1, AttnMaskType.causal, "self", pg_collection=one_rank)
 
 
 def _qkv(sq, sk, batch, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(sq, batch, HEADS, HEAD_DIM, dtype=torch.float64, generator=g)
     k, v = (torch.randn(sk, batch, GROUPS, HEAD_DIM, dtype=torch.float64, generator=g) for _ in range(2))
-    return [t.to("cuda").requires_grad_() for t in (q, k, v)]  # "cuda": the CPU platform's training device
+    return [t.requires_grad_() for t in (q, k, v)]
 
 
 def _reference(q, k, v, masked_BHQK):
-    """Written-out attention: every head's group's keys, scores / sqrt(d), masked scores at -1e30 (exp gives 0; a
-    query that sees no key gets the mean of all values, finite, never compared), softmax."""
+    """Written-out attention: every head's group's keys, scores / sqrt(d), masked scores at -1e30 (exp gives 0),
+    softmax."""
     rep = HEADS // GROUPS
     k_BNKD, v_BNKD = (t.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3) for t in (k, v))
     scores_BNQK = q.permute(1, 2, 0, 3) @ k_BNKD.transpose(-1, -2) / HEAD_DIM ** 0.5
@@ -79,42 +68,33 @@ def _seeing_all_keys_if_none(masked_BHQK):
     return masked_BHQK & masked_BHQK.logical_not().any(dim=-1, keepdim=True)
 
 
-# Masks on the host, moved to the training device in the test. name: (sq, sk, batch, the mask given to the attention
-# (None: causal), the mask it means, the queries megatron's unfused attention is compared on [sq, b] (None: all; a
-# query that sees no key gets its mean of all values), whether it takes the case (it asserts sq == sk without a mask))
+# name: (sq, sk, batch, the mask given to the attention (None: causal), the mask it means)
 LEFT_PADDED = _left_pad_mask([0, 3, 6], 7, 7)
 CASES = {
-    "padded-causal": (9, 9, 3, None, _causal(9, 9), None, True),
-    "packed": (12, 12, 1, _packed_mask([5, 4, 3], 12), _packed_mask([5, 4, 3], 12), None, True),
-    "left-padded-prefill": (7, 7, 3, LEFT_PADDED, _seeing_all_keys_if_none(LEFT_PADDED),
-                            torch.arange(7)[:, None] >= torch.tensor([0, 3, 6])[None, :], True),
-    "decode-left-padded": (1, 9, 3, _left_pad_mask([0, 3, 6], 1, 9), _left_pad_mask([0, 3, 6], 1, 9), None, True),
-    "decode": (1, 9, 2, None, _causal(1, 9), None, True),
-    "queries-after-cache": (3, 9, 2, None, _causal(3, 9), None, False),
+    "padded-causal": (9, 9, 3, None, _causal(9, 9)),
+    "packed": (12, 12, 1, _packed_mask([5, 4, 3], 12), _packed_mask([5, 4, 3], 12)),
+    "left-padded-prefill": (7, 7, 3, LEFT_PADDED, _seeing_all_keys_if_none(LEFT_PADDED)),
+    "decode-left-padded": (1, 9, 3, _left_pad_mask([0, 3, 6], 1, 9), _left_pad_mask([0, 3, 6], 1, 9)),
+    "decode": (1, 9, 2, None, _causal(1, 9)),
+    "queries-after-cache": (3, 9, 2, None, _causal(3, 9)),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_sdpa_equals_unfused_and_reference(attentions, case):
-    sdpa, unfused = attentions
-    sq, sk, batch, given, meant, unfused_QB, unfused_takes_it = CASES[case]
+def test_sdpa_equals_written_out_attention(sdpa, case):
+    sq, sk, batch, given, meant = CASES[case]
     q, k, v = _qkv(sq, sk, batch)
-    out = sdpa(q, k, v, None if given is None else given.to("cuda"))
+    out = sdpa(q, k, v, given)
     assert out.shape == (sq, batch, HEADS * HEAD_DIM) and torch.isfinite(out).all()
-    everywhere_QB = torch.ones(sq, batch, dtype=torch.bool, device="cuda")
-    references = [(_reference(q, k, v, meant.to("cuda")), everywhere_QB)]
-    if unfused_takes_it:
-        references.append((unfused(q, k, v, meant.to("cuda")),
-                           everywhere_QB if unfused_QB is None else unfused_QB.to("cuda")))
-    for ref, compared_QB in references:
-        weights = torch.randn(out.shape, dtype=torch.float64).to("cuda") * compared_QB[..., None]
-        assert torch.allclose(out[compared_QB], ref[compared_QB], rtol=0, atol=1e-12), case
-        for ours, theirs in zip(torch.autograd.grad((out * weights).sum(), (q, k, v), retain_graph=True),
-                                torch.autograd.grad((ref * weights).sum(), (q, k, v), retain_graph=True)):
-            assert torch.allclose(ours, theirs, rtol=0, atol=1e-12), case
+    ref = _reference(q, k, v, meant)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12), case
+    weights = torch.randn(out.shape, dtype=torch.float64)
+    for ours, theirs in zip(torch.autograd.grad((out * weights).sum(), (q, k, v)),
+                            torch.autograd.grad((ref * weights).sum(), (q, k, v))):
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-12), case
 
 
-def test_sdpa_refuses_what_it_does_not_compute(attentions):
+def test_sdpa_refuses_what_it_does_not_compute(sdpa):
     import dataclasses
 
     from megatron.core.transformer.enums import AttnMaskType
@@ -122,7 +102,6 @@ def test_sdpa_refuses_what_it_does_not_compute(attentions):
     from megatron_gtpo.models.qwen import layer_spec
     from megatron_gtpo.models.sdpa_attention import SdpaAttention
 
-    sdpa, _ = attentions
     with pytest.raises(ValueError, match="attention_dropout"):
         SdpaAttention(dataclasses.replace(sdpa.config, attention_dropout=0.1), 1, AttnMaskType.causal, "self",
                       pg_collection=sdpa.pg_collection)

@@ -40,7 +40,7 @@ def global_token_selection(select_tokens: Callable[..., TokenSelection], batch: 
     keep_ST = torch.ones_like(mask_ST)
     penalise_ST = torch.zeros_like(mask_ST)
     for k, planned in enumerate(batch.plan):
-        rows = torch.tensor(sorted(i for mb in planned for i in mb.rows), dtype=torch.long, device=mask_ST.device)
+        rows = torch.tensor([i for mb in planned for i in mb.rows], dtype=torch.long, device=mask_ST.device)
         where_ST = torch.zeros_like(mask_ST)
         where_ST[rows] = mask_ST[rows]  # this mini-batch's valid tokens, flattened row-major below
         own_K3 = torch.stack([advantages_ST[where_ST], batch.old_logprobs_ST[where_ST], batch.entropy_ST[where_ST]],

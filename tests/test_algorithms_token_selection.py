@@ -28,9 +28,9 @@ def _tokens(seed, K=300):
     return advantages, logprobs, entropy, keys
 
 
-def _ref_covariance(a, l):
-    mean_a, mean_l = sum(a) / len(a), sum(l) / len(l)
-    return [(x - mean_a) * (y - mean_l) for x, y in zip(a, l)]
+def _ref_covariance(a, lp):
+    mean_a, mean_lp = sum(a) / len(a), sum(lp) / len(lp)
+    return [(x - mean_a) * (y - mean_lp) for x, y in zip(a, lp)]
 
 
 def _ref_top(values, fraction):
@@ -42,10 +42,10 @@ def _ref_top(values, fraction):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("ratio", [0.002, 0.05, 0.3])
 def test_kl_cov_and_entropy_fraction_match_a_sorted_loop(seed, ratio):
-    a, l, h, keys = _tokens(seed)
-    cov = _ref_covariance(a.tolist(), l.tolist())
-    torch.testing.assert_close(token_covariance(a, l), torch.tensor(cov, dtype=torch.float64), atol=1e-12, rtol=0)
-    selection = select_tokens(a, l, h, keys, kl_cov_ratio=ratio, entropy_token_fraction=ratio)
+    a, lp, h, keys = _tokens(seed)
+    cov = _ref_covariance(a.tolist(), lp.tolist())
+    torch.testing.assert_close(token_covariance(a, lp), torch.tensor(cov, dtype=torch.float64), atol=1e-12, rtol=0)
+    selection = select_tokens(a, lp, h, keys, kl_cov_ratio=ratio, entropy_token_fraction=ratio)
     assert selection.penalise_K.tolist() == _ref_top(cov, ratio)
     assert selection.keep_K.tolist() == _ref_top(h.tolist(), ratio)
     n = max(1, math.floor(ratio * 300))
@@ -56,14 +56,14 @@ def test_kl_cov_and_entropy_fraction_match_a_sorted_loop(seed, ratio):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("ratio,lb,ub", [(0.0002, 1.0, 5.0), (0.05, 0.5, 3.0), (0.9, -1.0, 1.0)])
 def test_clip_cov_picks_the_candidates_with_the_smallest_keys(seed, ratio, lb, ub):
-    a, l, h, keys = _tokens(seed)
-    cov = _ref_covariance(a.tolist(), l.tolist())
+    a, lp, h, keys = _tokens(seed)
+    cov = _ref_covariance(a.tolist(), lp.tolist())
     candidates = [k for k in range(300) if lb < cov[k] < ub]
     n = max(1, math.floor(ratio * 300))
     picked = sorted(candidates, key=lambda k: keys[k].item())[:n]
-    got = clip_cov_tokens(token_covariance(a, l), keys, ratio=ratio, lb=lb, ub=ub)
+    got = clip_cov_tokens(token_covariance(a, lp), keys, ratio=ratio, lb=lb, ub=ub)
     assert got.nonzero().flatten().tolist() == sorted(picked) and len(picked) == min(n, len(candidates)) > 0
-    selection = select_tokens(a, l, h, keys, clip_cov=(ratio, lb, ub))
+    selection = select_tokens(a, lp, h, keys, clip_cov=(ratio, lb, ub))
     assert selection.keep_K.tolist() == (~got).tolist() and not selection.penalise_K.any()
     assert selection.metrics["clip_cov_fraction"].item() == len(picked) / 300
 

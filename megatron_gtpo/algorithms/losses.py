@@ -1,4 +1,5 @@
-"""Policy losses: the clipped surrogate per token (GRPO, DAPO, GTPO) and per sequence (GRPO-S, GSPO).
+"""Policy losses: the clipped surrogate per token (GRPO, DAPO, GTPO, Clip-Cov; KL-Cov's unclipped) and per sequence
+(GRPO-S, GSPO).
 
 Shapes: B sequences (the N x G responses of the batch, flattened) x T positions. logprobs_BT are the current
 policy's log-probs of the sampled tokens (differentiable), old_logprobs_BT the old policy's (detached),

@@ -1,4 +1,4 @@
-"""The four algorithms as data: each name maps to one registry entry, resolved once against the run's config.
+"""The algorithms as data: each name maps to one registry entry, resolved once against the run's config.
 
 The registry is the only place an algorithm's name is read: the config's choices (config.py) are its names, and the
 trainer resolves its algorithm once (`configure_algorithm`) into a `ConfiguredAlgorithm`, whose two functions have

@@ -126,9 +126,11 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "algorithm.entropy_token_fraction: needs a token-level loss; {algorithm.name}'s surrogate is one term per "
          "sequence"),
     Rule("KL-Cov has no PPO clip",
-         lambda f: f.entry.covariance_selection == "kl" and (f.algorithm.eps_low, f.algorithm.eps_high) != (None, None),
+         lambda f: f.entry.covariance_selection == "kl"
+         and (f.algorithm.eps_low, f.algorithm.eps_high, f.algorithm.dual_clip) != (None, None, None),
          "KL-Cov's surrogate is unclipped (arXiv 2505.22617); its penalty on the selected tokens replaces the clip",
-         "algorithm.eps_low / eps_high: {algorithm.name} has no PPO clip (its KL penalty replaces it); unset them"),
+         "algorithm.eps_low / eps_high / dual_clip: {algorithm.name} has no PPO clip (its KL penalty replaces it); "
+         "unset them"),
     Rule("the tiny model needs the synthetic task",
          lambda f: f.model.tiny_synthetic and f.data.source != "synthetic",
          "the tiny model's vocabulary is the synthetic task's characters",

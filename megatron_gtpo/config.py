@@ -253,7 +253,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: str = "jsonl"  # jsonl | synthetic
-    task: str = "addition"  # the synthetic task (data/synthetic_tasks.py): addition | scratchpad_addition
+    task: str = "addition"  # the synthetic task (data/synthetic_tasks.py): addition | scratchpad_addition |
+    # arithmetic_target
     path: str | None = None
     prompt_field: str = "problem"
     answer_field: str = "answer"

@@ -36,7 +36,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["data.prompts_per_step=6", "data.mini_batches_per_step=4"], "must be divisible by"),
     ("data: {source: synthetic}\n", [], "set exactly one of model.hf_dir"),
     (BASE, ["algorithm.entropy_clip=[3, 1]"], "low must be <= high"),
-    (BASE, ["data.task=subtraction"], "data.task: 'subtraction' is not one of addition, scratchpad_addition"),
+    (BASE, ["data.task=subtraction"], "data.task: 'subtraction' is not one of addition, scratchpad_addition, arithmetic_target"),
     (BASE, ["parallel.sequence_parallel=true"], "needs parallel.tensor > 1"),
     (BASE, ["optim.lr"], "expected key=value"),
     (BASE, ["algorithm.kl_coef=-0.1"], "algorithm.kl_coef: must be >= 0"),

@@ -175,9 +175,9 @@ class AlgorithmConfig:
     sequence_ratio: str = "arithmetic"  # arithmetic | geometric (GRPO-S)
     kl_coef: float = 0.0
     entropy_coef: float = 0.0  # the entropy bonus: loss -= entropy_coef * entropy of the current policy
-    # Clip-Cov / KL-Cov (arXiv 2505.22617; defaults verl's and the paper's recipes): Clip-Cov removes the gradient of
-    # a random clip_cov_ratio of the tokens whose covariance is in (lb, ub); KL-Cov penalises the top kl_cov_ratio by
-    # covariance with kl_cov_coef * |log-ratio|.
+    # Clip-Cov / KL-Cov (arXiv 2505.22617; defaults: the paper's recipes in verl, recipe/entropy): Clip-Cov removes
+    # the gradient of a random clip_cov_ratio of the tokens whose covariance is in (lb, ub); KL-Cov penalises the top
+    # kl_cov_ratio by covariance with kl_cov_coef * |log-ratio| (docs/algorithms.md, "The entropy methods").
     clip_cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0

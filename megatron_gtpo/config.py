@@ -174,7 +174,18 @@ class AlgorithmConfig:
     dual_clip: float | None = None
     sequence_ratio: str = "arithmetic"  # arithmetic | geometric (GRPO-S)
     kl_coef: float = 0.0
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # the entropy bonus: loss -= entropy_coef * entropy of the current policy
+    # Clip-Cov / KL-Cov (arXiv 2505.22617; defaults: the paper's recipes in verl, recipe/entropy): Clip-Cov removes
+    # the gradient of a random clip_cov_ratio of the tokens whose covariance is in (lb, ub); KL-Cov penalises the top
+    # kl_cov_ratio by covariance with kl_cov_coef * |log-ratio| (docs/algorithms.md, "The entropy methods").
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
+    # Keep the policy gradient on this top fraction of the mini-batch's response tokens by old-policy entropy only
+    # (arXiv 2506.01939: 0.2); None: every token.
+    entropy_token_fraction: float | None = None
     dynamic_sampling: bool | None = None  # None: on for DAPO/GTPO/GRPO-S, off for GRPO
     max_resample_rounds: int = 3
     length_penalty: str | None = None  # None: the algorithm's default | none | overlong | group_relative
@@ -203,6 +214,13 @@ class AlgorithmConfig:
         _need(self.entropy_clip is None or self.entropy_clip[0] <= self.entropy_clip[1],
               f"algorithm.entropy_clip: low must be <= high, got {self.entropy_clip}")
         _need(self.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {self.kl_coef}")
+        for key in ("clip_cov_ratio", "kl_cov_ratio", "entropy_token_fraction"):
+            value = getattr(self, key)
+            _need(value is None and key == "entropy_token_fraction" or value is not None and 0 < value <= 1,
+                  f"algorithm.{key}: must be in (0, 1], got {value}")
+        _need(self.clip_cov_lb < self.clip_cov_ub,
+              f"algorithm.clip_cov_lb: must be < clip_cov_ub ({self.clip_cov_ub}), got {self.clip_cov_lb}")
+        _need(self.kl_cov_coef >= 0, f"algorithm.kl_cov_coef: must be >= 0, got {self.kl_cov_coef}")
         _need(self.rollout_is_cap > 0, f"algorithm.rollout_is_cap: must be > 0, got {self.rollout_is_cap}")
         _need(0 <= self.rollout_rs_bounds[0] <= self.rollout_rs_bounds[1],
               f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got "
@@ -235,7 +253,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: str = "jsonl"  # jsonl | synthetic
-    task: str = "addition"  # the synthetic task (data/synthetic_tasks.py): addition | scratchpad_addition
+    task: str = "addition"  # the synthetic task (data/synthetic_tasks.py): addition | scratchpad_addition |
+    # arithmetic_target
     path: str | None = None
     prompt_field: str = "problem"
     answer_field: str = "answer"

@@ -36,6 +36,7 @@ from .rollout_queue import RolloutQueue
 from .rollout_source import RolloutSource
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task, check_prompt_lengths
+from .token_selection import global_token_selection
 from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
 from .update import record_optimizer_step, update_policy
 
@@ -112,7 +113,7 @@ class Trainer:
                 batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
                 self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
             with timer("advantages"):
-                self.compute_advantages(batch)  # the configured algorithm's, over the global batch
+                self.compute_advantages(batch, step, metrics)  # over the global batch; the token selection
             with timer("update"):
                 self.update(batch, metrics)
             with timer("sync"):
@@ -206,9 +207,14 @@ class Trainer:
         correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
                         rollout_rs_bounds=tuple(a.rollout_rs_bounds))
 
-    def compute_advantages(self, batch: StepBatch) -> None:
+    def compute_advantages(self, batch: StepBatch, step: int, metrics: MetricReducer) -> None:
+        """The configured algorithm's advantages over the global batch, then its token selection (if any) over each
+        whole mini-batch (training/token_selection.py), on the last pipeline stage."""
         if self.parallel.is_last_stage:
             global_advantages(self.algorithm.advantages, self.algorithm.uses_entropy, batch, self.parallel)
+            if self.algorithm.select_tokens is not None:
+                global_token_selection(self.algorithm.select_tokens, batch, self.parallel, metrics,
+                                       seed=self.cfg.seed, step=step)
 
     def update(self, batch: StepBatch, metrics: MetricReducer) -> None:
         update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,

@@ -40,6 +40,7 @@ _SIGNATURE_BYTES = 32
 _CHUNK_BYTES = 4 * 2**20  # the libuv TCPStore refuses values over 8 MiB
 _CHECK_EVERY_S = 0.05  # how often work for a session looks for a newer one
 _WAIT_STEP_S = 0.001
+_POLL_CAP_S = 0.005  # the longest pause between two looks for a message
 
 
 class Preempted(RuntimeError):
@@ -126,31 +127,35 @@ class Channel:
         self.store.set(key, str(len(chunks)))
 
     def arrived(self, key: str, timeout_s: float) -> bool:
-        """Whether the message under `key` is complete, waited for at most `timeout_s` (seen as soon as it is
-        written: a reader that polled instead would add its polling interval to every message)."""
-        try:
-            self.store.wait([key], timedelta(seconds=timeout_s))
-        except dist.DistStoreError:  # the timeout
-            return False
+        """Whether the message under `key` is complete, waited for at most `timeout_s`. Polled, at first every
+        0.5 ms and then at most every `_POLL_CAP_S` (a message is seen soon after it is written), not waited for
+        with the store's own timed wait, which logs a warning each time it times out."""
+        deadline, pause = time.monotonic() + timeout_s, _WAIT_STEP_S / 2
+        while not self.store.check([key]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_CAP_S)
         return True
 
     def take(self, key: str, max_bytes: int | None = None):
         """The message under `key` (complete: `arrived`), its keys deleted. `MalformedMessage` for one that is
         truncated, over `max_bytes`, unsigned or not of the declared format; its keys are deleted all the same."""
         header = self.store.get(key)
+        self.store.delete_key(key)
         count = int(header) if header.isdigit() and len(header) < 12 else None
-        chunk_keys = [f"{key}/{i}" for i in range(count or 0)]
+        if count is None:
+            raise MalformedMessage(f"the header under {key} is not a chunk count: {header[:40]!r}")
+        if max_bytes is not None and count > -(-max_bytes // _CHUNK_BYTES):
+            raise MalformedMessage(f"a message of {count} chunks of up to {_CHUNK_BYTES} bytes exceeds the "
+                                   f"{max_bytes} bytes a request may have")
+        chunk_keys = [f"{key}/{i}" for i in range(count)]
         try:
-            if count is None:
-                raise MalformedMessage(f"the header under {key} is not a chunk count: {header[:40]!r}")
-            if max_bytes is not None and count > -(-max_bytes // _CHUNK_BYTES):
-                raise MalformedMessage(f"a message of {count} chunks of up to {_CHUNK_BYTES} bytes exceeds the "
-                                       f"{max_bytes} bytes a request may have")
             if count and not self.store.check(chunk_keys):
                 raise MalformedMessage(f"the message under {key} is truncated (a chunk of {count} is missing)")
             data = b"".join(self.store.get(k) for k in chunk_keys)
         finally:
-            for k in [key] + chunk_keys:
+            for k in chunk_keys:
                 self.store.delete_key(k)
         signature, body = data[:_SIGNATURE_BYTES], data[_SIGNATURE_BYTES:]
         if not hmac.compare_digest(signature, self._signature(key, body)):

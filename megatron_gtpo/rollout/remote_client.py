@@ -41,7 +41,7 @@ from .responses import Responses
 from .server_engine import ServerEngine, attempt, share_outcome, unwrap
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
 
-_ENDED_CHECK_S = 1.0  # how often a client waiting for a reply looks whether the server gave its session away
+_ENDED_CHECK_S = 0.5  # how often a client waiting for a reply looks whether the server gave its session away
 
 
 class RemoteClient:
@@ -165,7 +165,7 @@ class RemoteClient:
         or the reply did not come."""
         deadline, ended = time.monotonic() + timeout_s, None
         try:
-            while not self.channel.arrived(reply_key, min(_ENDED_CHECK_S, max(deadline - time.monotonic(), 0.0))):
+            while not self.channel.arrived(reply_key, _ENDED_CHECK_S):
                 if self.store.check([ended_key(self.session)]):
                     ended = self.channel.take(ended_key(self.session))
                     break

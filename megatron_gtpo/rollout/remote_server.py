@@ -9,9 +9,11 @@
 `--engine builtin` (`rollout.engine: builtin_remote`) the built-in Megatron engine (builtin_server.BuiltinServer),
 which needs no vLLM. `--return-routed-experts` (vLLM on GPUs): the server also answers each response's experts, for
 a trainer's routing replay (algorithm.routing_replay: rollout). The server hosts the rendezvous TCPStore at
-HOST:PORT, answers the requests of the newest trainer session (a newer session replaces an older one and pre-empts
-its generation or weight update), and runs until a trainer asks it to shut down. The trainer's side is
-remote_client.py.
+HOST:PORT, answers the requests of the newest admitted trainer session (a newer session whose hello checks out
+replaces an older one and pre-empts its generation or weight update; `_Admission`), and runs until a trainer asks it
+to shut down. The trainer's side is remote_client.py. The messages are signed with the token in GTPO_REMOTE_TOKEN or
+in the file GTPO_REMOTE_TOKEN_FILE names, the trainer's the same (remote_channel.py); nothing from the network is
+unpickled (remote_messages.py), and a request that is not one of the protocol is answered with an error.
 
 Requests are answered in order, but for a session whose trainer sends weight updates during generation (hello's
 `update_during_generation`, rollout.update_during_generation): before every decode step of a generation the session

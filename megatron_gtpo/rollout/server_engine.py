@@ -21,7 +21,7 @@ differ across engines), and takes buckets by CUDA IPC where colocated on CUDA:
         and every response's experts at every layer)
     load_ipc_bucket(names, dtype_names, shapes, {gpu_uuid: rebuild args}) -> None (cuda_ipc.py)
 
-A `RemoteClient` asks now and answers later (its server generates meanwhile):
+A `RemoteClient` asks now and answers later (its server generates meanwhile; its `generate` does both at once):
 
     submit(prompts, SamplingParams, first_prompt=0) -> (() -> Responses)
     submit_routed(prompts, SamplingParams, first_prompt=0) -> (() -> (Responses, experts))

@@ -98,7 +98,7 @@ def weights_prefix(session: int) -> str:
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = str(address).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"a vLLM server address must be HOST:PORT, got {address!r}")
+        raise ValueError(f"a rollout server address must be HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -169,8 +169,10 @@ class Channel:
         self.post(f"{key}/req", {"op": op, "payload": payload})
 
     def peek_request(self, key: str) -> str | None:
-        """The op of the request under `key` once it is complete (None before), leaving it to be taken."""
-        return self.store.get(f"{key}/op").decode(errors="replace") if self.store.check([f"{key}/req"]) else None
+        """The op of the request under `key` once it is complete (None before, and for a request without its op),
+        leaving it to be taken."""
+        complete = self.store.check([f"{key}/req", f"{key}/op"])
+        return self.store.get(f"{key}/op").decode(errors="replace") if complete else None
 
     def take_request(self, key: str, max_bytes: int | None = MAX_REQUEST_BYTES) -> tuple[str, object]:
         """(op, payload) of the complete request under `key`, its keys deleted; MalformedMessage for anything

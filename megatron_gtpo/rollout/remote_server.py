@@ -370,18 +370,18 @@ def serve_sessions(server, shape: dict, channel: Channel, host: str, port: int) 
 
 
 def _next_session(session: _Session, admitted: queue.SimpleQueue, store) -> _Session:
-    """The newest session admitted since `session` (which then ends: its trainer is told, its weight group
-    abandoned), or `session`."""
-    newest = None
+    """The newest session admitted since `session`, or `session`. The sessions it replaces end (`session`, and any
+    admitted in between): their trainers are told, and `session`'s weight group is abandoned."""
+    newer = []
     while not admitted.empty():
-        newest = admitted.get()
-    if newest is None:
+        newer.append(admitted.get())
+    if not newer:
         return session
-    number, hello = newest
-    server = session.server
+    (number, hello), server = newer[-1], session.server
+    reason = f"a newer trainer (session {number}) took this rollout server"
+    for ended in [n for n, _ in newer[:-1]] + ([session.session] if session.active else []):
+        session.channel.post(ended_key(ended), reason)
     if session.active:
-        reason = f"a newer trainer (session {number}) took this rollout server"
-        session.channel.post(ended_key(session.session), reason)
         server.leave_weight_group(abandoned=True)  # a broadcast of it may still be pending
     log.info("serving trainer session %d", number)
     server.interrupt = NewerSession(store, number)

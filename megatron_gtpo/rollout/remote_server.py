@@ -227,30 +227,29 @@ def _check_payload(op: str, payload) -> None:
     def strings(x):
         return isinstance(x, list) and all(isinstance(v, str) for v in x)
 
-    declared = {
-        "hello": ("a dict", isinstance(payload, dict)),
-        "join": ("a timeout in seconds", isinstance(payload, (int, float)) and not isinstance(payload, bool)
-                 and payload > 0),
-        "generate": ("(prompts: [[int]], SamplingParams, first_prompt: int)", isinstance(payload, tuple)
-                     and len(payload) == 3 and int_lists(payload[0]) and isinstance(payload[1], SamplingParams)
-                     and is_int(payload[2]) and payload[2] >= 0),
-        "begin": ("null", payload is None),
+    p = payload
+    declared = {  # op: (what its payload is, whether this one is)
+        "hello": ("a dict", lambda: isinstance(p, dict)),
+        "join": ("a timeout in seconds", lambda: isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0),
+        "generate": ("(prompts: [[int]], SamplingParams, first_prompt: int)", lambda: isinstance(p, tuple)
+                     and len(p) == 3 and int_lists(p[0]) and isinstance(p[1], SamplingParams) and is_int(p[2])
+                     and p[2] >= 0),
+        "begin": ("null", lambda: p is None),
         "bucket": ("(names: [str], dtypes: [str], shapes: [[int]]) of equal lengths, torch dtypes, sizes >= 0",
-                   isinstance(payload, tuple) and len(payload) == 3 and strings(payload[0])
-                   and strings(payload[1]) and int_lists(payload[2])
-                   and len(payload[0]) == len(payload[1]) == len(payload[2])
-                   and all(isinstance(getattr(torch, d, None), torch.dtype) for d in payload[1])
-                   and all(n >= 0 for s in payload[2] for n in s)),
-        "finish": ("{name: (sum, sum of squares)}", isinstance(payload, dict) and all(
-            isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, float) for x in v) for v in payload.values())),
-        "close": ("null", payload is None),
-        "shutdown": ("null", payload is None),
+                   lambda: isinstance(p, tuple) and len(p) == 3 and strings(p[0]) and strings(p[1])
+                   and int_lists(p[2]) and len(p[0]) == len(p[1]) == len(p[2])
+                   and all(isinstance(getattr(torch, d, None), torch.dtype) for d in p[1])
+                   and all(n >= 0 for shape in p[2] for n in shape)),
+        "finish": ("{name: (sum, sum of squares)}", lambda: isinstance(p, dict) and all(
+            isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, float) for x in v) for v in p.values())),
+        "close": ("null", lambda: p is None),
+        "shutdown": ("null", lambda: p is None),
     }
     declared["generate_routed"] = declared["generate"]
     if op not in declared:
         raise ValueError(f"unknown request {op[:40]!r}; this server answers {sorted(declared)}")
-    expected, ok = declared[op]
-    if not ok:
+    expected, holds = declared[op]
+    if not holds():
         raise TypeError(f"{op!r} takes {expected}, got {str(payload)[:80]}")
 
 

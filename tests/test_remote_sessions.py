@@ -4,6 +4,7 @@ generation is a hand-computed record: each token says which policy version sampl
 which decode step a request must have arrived. Covers the orderings of generations, look-ahead and weight updates
 (rollout.update_during_generation), pre-emption by a newer session, refused hellos, malformed requests, and
 abandoned weight groups reaped each on its own."""
+import dataclasses
 import threading
 import time
 from datetime import timedelta
@@ -109,20 +110,14 @@ def served(monkeypatch):
     channel = Channel(store, b"t", publish_nonce(store))
     server = FakeServer()
     address = f"127.0.0.1:{store.port}"
-    thread = threading.Thread(target=serve_sessions, args=(server, _shape_dict(), channel, "127.0.0.1", store.port),
-                              daemon=True)
+    thread = threading.Thread(target=serve_sessions, daemon=True,
+                              args=(server, dataclasses.asdict(SHAPE), channel, "127.0.0.1", store.port))
     thread.start()
     yield server, address, store
     shutdown = RemoteClient(address, SHAPE, CPU, connect_timeout_s=20)
     shutdown.close(shutdown_server=True)
     thread.join(20)
     assert not thread.is_alive()
-
-
-def _shape_dict():
-    import dataclasses
-
-    return dataclasses.asdict(SHAPE)
 
 
 def _client(address, **kwargs):

@@ -265,3 +265,10 @@ def test_each_abandoned_weight_group_is_released_on_its_own():
         assert released.wait(5), "the second abandoned group waited for the first"
     finally:
         stuck.set()
+
+
+def test_a_store_without_a_servers_nonce_is_named_as_no_server_of_this_protocol():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # an older server's, say
+    with pytest.raises(ConnectionError, match=r"holds no rollout server's nonce after 1 s: not a server of protocol "
+                                              r"6 \(an older one\? update both\)"):
+        RemoteClient(f"127.0.0.1:{store.port}", SHAPE, CPU, connect_timeout_s=1)

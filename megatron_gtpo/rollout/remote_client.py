@@ -42,6 +42,7 @@ from .server_engine import ServerEngine, attempt, share_outcome, unwrap
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
 
 _ENDED_CHECK_S = 0.5  # how often a client waiting for a reply looks whether the server gave its session away
+_NONCE_WAIT_S = 30.0  # a store that holds no nonce this long after it answered is no server of this protocol
 
 
 class RemoteClient:
@@ -65,11 +66,16 @@ class RemoteClient:
         token = read_token()
         try:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_timeout_s))
-            self.channel = Channel.connect(self.store, token, connect_timeout_s)
-            self.session = self.store.add(f"{ROOT}/sessions", 1)
         except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError or DistStoreError, by version
             raise ConnectionError(f"no rollout server answered at {address} within {connect_timeout_s:g} s "
                                   f"({type(e).__name__}: {_first_line(e)})") from None
+        try:  # a server publishes its nonce as soon as its store listens, before its engine starts
+            self.channel = Channel.connect(self.store, token, min(connect_timeout_s, _NONCE_WAIT_S))
+        except Exception:  # noqa: BLE001
+            raise ConnectionError(f"the store at {address} holds no rollout server's nonce after "
+                                  f"{min(connect_timeout_s, _NONCE_WAIT_S):g} s: not a server of protocol {PROTOCOL} "
+                                  f"(an older one? update both)") from None
+        self.session = self.store.add(f"{ROOT}/sessions", 1)
         self._seq = 0
         hello = dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape), device_type=device.type,
                      update_during_generation=update_during_generation)

@@ -14,7 +14,9 @@ message's values in this grammar, and nothing else:
                                               (`Responses.check`) when read
     {"sampling": {"field": v, ...}}           engine.SamplingParams, validated by its constructor
 
-Anything else in a body is refused (`MalformedMessage`); so is a body or a file that does not parse.
+Anything else in a body is refused (`MalformedMessage`); so is a body or a file that does not parse. A request is
+{"op": str, "payload": ...}, its payload of the types `check_request` declares for its op; a reply is ("ok",
+value) or ("error", text).
 Floats cross as Python's shortest round-tripping repr, so values are equal after the trip, bit for bit.
 """
 from __future__ import annotations
@@ -112,3 +114,41 @@ def loads(data: bytes):
         raise
     except Exception as e:  # noqa: BLE001 - a record or sampling parameters that do not check out
         raise MalformedMessage(f"a message's value does not check out ({type(e).__name__}: {e})") from None
+
+
+def check_request(op: str, payload) -> None:
+    """TypeError, naming the op, unless `payload` has the types the protocol declares for request `op`; ValueError
+    for an unknown op. (What the values mean, and whether they fit the server, its handlers check.)"""
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def int_lists(x):
+        return isinstance(x, list) and all(isinstance(v, list) and all(is_int(i) for i in v) for v in x)
+
+    def strings(x):
+        return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+    p = payload
+    declared = {  # op: (what its payload is, whether this one is)
+        "hello": ("a dict", lambda: isinstance(p, dict)),
+        "join": ("a timeout in seconds", lambda: isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0),
+        "generate": ("(prompts: [[int]], SamplingParams, first_prompt: int)", lambda: isinstance(p, tuple)
+                     and len(p) == 3 and int_lists(p[0]) and isinstance(p[1], SamplingParams) and is_int(p[2])
+                     and p[2] >= 0),
+        "begin": ("null", lambda: p is None),
+        "bucket": ("(names: [str], dtypes: [str], shapes: [[int]]) of equal lengths, torch dtypes, sizes >= 0",
+                   lambda: isinstance(p, tuple) and len(p) == 3 and strings(p[0]) and strings(p[1])
+                   and int_lists(p[2]) and len(p[0]) == len(p[1]) == len(p[2])
+                   and all(isinstance(getattr(torch, d, None), torch.dtype) for d in p[1])
+                   and all(n >= 0 for shape in p[2] for n in shape)),
+        "finish": ("{name: (sum, sum of squares)}", lambda: isinstance(p, dict) and all(
+            isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, float) for x in v) for v in p.values())),
+        "close": ("null", lambda: p is None),
+        "shutdown": ("null", lambda: p is None),
+    }
+    declared["generate_routed"] = declared["generate"]
+    if op not in declared:
+        raise ValueError(f"unknown request {op[:40]!r}; this server answers {sorted(declared)}")
+    expected, holds = declared[op]
+    if not holds():
+        raise TypeError(f"{op!r} takes {expected}, got {str(payload)[:80]}")

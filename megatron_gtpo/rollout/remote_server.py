@@ -35,12 +35,11 @@ import threading
 import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from megatron_gtpo.distributed import set_nccl_environment
 
-from .engine import SamplingParams, check_prompts
+from .engine import check_prompts
 from .remote_channel import (
     PROTOCOL,
     ROOT,
@@ -55,6 +54,7 @@ from .remote_channel import (
     read_token,
     session_key,
 )
+from .remote_messages import check_request
 
 _POLL_S = 0.05  # how often an idle server, or one waiting inside a weight update, looks for a newer session
 _HELLO_WAIT_S = 60.0  # how long a session number taken without a hello is watched for one
@@ -115,7 +115,7 @@ class _Session:
 
     def handle(self, op: str, payload):
         server = self.server
-        _check_payload(op, payload)
+        check_request(op, payload)
         if op == "hello":
             raise ValueError("hello is only a session's first request")
         if op == "join":
@@ -140,7 +140,7 @@ class _Session:
             server.leave_weight_group()
             self.active = False
             return None
-        raise AssertionError(op)  # _check_payload knows every op
+        raise AssertionError(op)  # check_request knows every op
 
     def generate(self, payload):
         """(the record, the policy version the request was made with): the current one, less the updates taken
@@ -213,44 +213,6 @@ def check_hello(payload, shape: dict, device_type: str) -> None:
     if payload.get("device_type") != device_type:
         raise ValueError(f"the trainer sends weights from {payload.get('device_type')!r} tensors, the server's "
                          f"workers are on {device_type}: both must be cpu (gloo) or cuda (NCCL)")
-
-
-def _check_payload(op: str, payload) -> None:
-    """TypeError, naming the op, unless `payload` has the types the protocol declares for it (docs/remote_rollout.md);
-    ValueError for an unknown op."""
-    def is_int(x):
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    def int_lists(x):
-        return isinstance(x, list) and all(isinstance(v, list) and all(is_int(i) for i in v) for v in x)
-
-    def strings(x):
-        return isinstance(x, list) and all(isinstance(v, str) for v in x)
-
-    p = payload
-    declared = {  # op: (what its payload is, whether this one is)
-        "hello": ("a dict", lambda: isinstance(p, dict)),
-        "join": ("a timeout in seconds", lambda: isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0),
-        "generate": ("(prompts: [[int]], SamplingParams, first_prompt: int)", lambda: isinstance(p, tuple)
-                     and len(p) == 3 and int_lists(p[0]) and isinstance(p[1], SamplingParams) and is_int(p[2])
-                     and p[2] >= 0),
-        "begin": ("null", lambda: p is None),
-        "bucket": ("(names: [str], dtypes: [str], shapes: [[int]]) of equal lengths, torch dtypes, sizes >= 0",
-                   lambda: isinstance(p, tuple) and len(p) == 3 and strings(p[0]) and strings(p[1])
-                   and int_lists(p[2]) and len(p[0]) == len(p[1]) == len(p[2])
-                   and all(isinstance(getattr(torch, d, None), torch.dtype) for d in p[1])
-                   and all(n >= 0 for shape in p[2] for n in shape)),
-        "finish": ("{name: (sum, sum of squares)}", lambda: isinstance(p, dict) and all(
-            isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, float) for x in v) for v in p.values())),
-        "close": ("null", lambda: p is None),
-        "shutdown": ("null", lambda: p is None),
-    }
-    declared["generate_routed"] = declared["generate"]
-    if op not in declared:
-        raise ValueError(f"unknown request {op[:40]!r}; this server answers {sorted(declared)}")
-    expected, holds = declared[op]
-    if not holds():
-        raise TypeError(f"{op!r} takes {expected}, got {str(payload)[:80]}")
 
 
 class _Admission(threading.Thread):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_gtpo.cli import run_cli
+from megatron_gtpo.cli import run_cli, say_once
 from megatron_gtpo.config import load_config
 
 
@@ -19,7 +19,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     from megatron_gtpo.distributed import destroy_parallel
+    from megatron_gtpo.training.checkpointing import relaunch_check
     from megatron_gtpo.training.trainer import Trainer
+
+    finished = relaunch_check(cfg)  # a relaunch that changes what the run trains fails here, before any build
+    if finished is not None:
+        say_once(finished)
+        return 0
 
     try:
         Trainer(cfg).train()

@@ -15,7 +15,6 @@ since (a truncated or corrupted shard) is named and passed over for the newest i
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -29,10 +28,11 @@ import torch.distributed as dist
 
 from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
 from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR, LATEST, save_checkpoint, series_members
-from megatron_gtpo.config import RolloutConfig, TrainConfig, config_text, save_config, to_dict
+from megatron_gtpo.config import TrainConfig, config_text, save_config, to_dict
 from megatron_gtpo.distributed import ParallelGroups
 
 from .model_setup import PolicyModel
+from .resume_check import check_resume, check_rollout_schedule
 
 STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.json"
@@ -158,32 +158,6 @@ def save(state: TrainerState, step: int) -> str:
     return directory
 
 
-def holds_rollouts(rollout: RolloutConfig) -> bool:
-    """Whether a run with these rollout settings has rollouts in flight to checkpoint (bounded staleness, partial
-    rollouts)."""
-    return bool(rollout.max_staleness or rollout.partial_rollouts)
-
-
-ROLLOUT_SCHEDULE_KEYS = ("max_staleness", "partial_rollouts", "partial_segment_tokens")
-
-
-def check_rollout_schedule(saved_config: dict, cfg, directory: str) -> None:
-    """ValueError naming the settings when the checkpoint `directory` (its config `saved_config`) holds rollouts in
-    flight (bounded staleness, partial rollouts) and this run schedules them otherwise: its batches asked for ahead
-    and its unfinished groups were made for the saved settings, and would be dropped or trained beyond the new
-    staleness bound."""
-    defaults = dataclasses.asdict(RolloutConfig())  # for a checkpoint older than a setting
-    saved = RolloutConfig(**{key: saved_config["rollout"].get(key, defaults[key]) for key in ROLLOUT_SCHEDULE_KEYS})
-    if not holds_rollouts(saved):
-        return
-    changed = [f"rollout.{key} {getattr(saved, key)} -> {getattr(cfg.rollout, key)}" for key in ROLLOUT_SCHEDULE_KEYS
-               if getattr(saved, key) != getattr(cfg.rollout, key)]
-    if changed:
-        raise ValueError(f"checkpoint {directory} holds rollouts generated and not yet trained on under other rollout "
-                         f"settings than this run's ({', '.join(changed)}): resume it with the checkpoint's, or start "
-                         f"a new run from it (model.load, in a new output directory)")
-
-
 def resume_candidates(root: str) -> list[str]:
     """The checkpoint `latest` names, then the older ones beside it, newest first ([] when there is no `latest`)."""
     path = os.path.join(root, LATEST)
@@ -193,6 +167,27 @@ def resume_candidates(root: str) -> list[str]:
         named = f.read().strip()
     older = [d for d in reversed(series_members(root, STEP_PREFIX)) if d < named]
     return [os.path.join(root, d) for d in (named, *older)]
+
+
+def relaunch_check(cfg: TrainConfig) -> str | None:
+    """Before anything is built (every rank reads the same files, no collective): ValueError when the checkpoint
+    `latest` names was trained with settings this run may not change (resume_check.check_resume); a message when it
+    has nothing left to do (its step is this run's `steps`); None otherwise, also when there is no checkpoint or its
+    state does not read (`restore` then passes over a damaged one)."""
+    candidates = resume_candidates(cfg.checkpoint_dir) if cfg.checkpoint.resume else []
+    if not candidates:
+        return None
+    try:
+        with open(os.path.join(candidates[0], TRAINER_STATE), encoding="utf-8") as f:
+            saved = json.load(f)
+        step, saved_config = int(saved["step"]), saved["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    check_resume(saved_config, cfg, candidates[0])
+    if step < cfg.steps:
+        return None
+    return (f"nothing left to do: {candidates[0]} is at step {step} of this run's steps = {cfg.steps}. To train on, "
+            f"raise steps (--set steps=N); to start a new run, give it another logging.output_dir")
 
 
 def _damage(directory: str) -> str | None:
@@ -241,6 +236,7 @@ def restore(state: TrainerState) -> int:
     if (saved["vocab_size"] != state.vocab_size
             or saved["hf_config"]["hidden_size"] != state.hf_config["hidden_size"]):
         raise ValueError(f"checkpoint {directory} is of a different model than the configured one")
+    check_resume(saved["config"], cfg, directory)
     check_rollout_schedule(saved["config"], cfg, directory)
     loaded = dist_checkpointing.load(state.policy.sharded_state_dict(loading_from=directory), directory)
     state.policy.load_sharded_state_dict(loaded, directory)

@@ -32,6 +32,7 @@ from .old_policy import correct_rollout, old_policy_pass
 from .partial_rollouts import PartialRollouts, WholeResponses
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
+from .resume_check import holds_rollouts
 from .rollout_queue import RolloutQueue
 from .rollout_source import RolloutSource
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
@@ -253,7 +254,7 @@ class Trainer:
         bounded staleness or partial rollouts also the rollouts asked for and not yet trained on."""
         return TrainerState(self.cfg, self.parallel, self.policy, self.task.hf_config, self.vocab_size,
                             shared={"loader": self.loader, "scheduler": self.policy.scheduler},
-                            per_rank={"rollouts": self.rollouts} if checkpointing.holds_rollouts(self.cfg.rollout)
+                            per_rank={"rollouts": self.rollouts} if holds_rollouts(self.cfg.rollout)
                             else {})
 
     def sampling_params(self, step: int, round_index: int) -> SamplingParams:

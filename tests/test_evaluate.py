@@ -158,6 +158,7 @@ class CannedEngine:
 
 def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
     tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tokenizer"))
+    (tmp_path / "tokenizer" / "config.json").write_text("{}")  # a model directory (the test engine reads no weights)
     tokenizer = load_tokenizer(tokenizer_dir)
     custom_path = tmp_path / "custom.jsonl"
     custom_path.write_text("".join(json.dumps({"id": f"c{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)})

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
-from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR, LATEST, save_checkpoint, series_members
+from megatron_gtpo.checkpoint.megatron_checkpoint import LATEST, save_checkpoint, series_members
 from megatron_gtpo.config import TrainConfig, config_text, save_config, to_dict
 from megatron_gtpo.distributed import ParallelGroups
 
 from .model_setup import PolicyModel
 from .resume_check import check_resume, check_rollout_schedule
+from .task import model_source
 
 STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.json"
@@ -144,7 +145,7 @@ def save(state: TrainerState, step: int) -> str:
                      "layout": _layout(parallel), "hf_config": state.hf_config, "vocab_size": state.vocab_size,
                      "config": to_dict(cfg)}
     per_rank = {RNG: RngStates(), **state.per_rank}
-    hf_files = cfg.model.hf_dir or (os.path.join(cfg.model.load, HF_FILES_DIR) if cfg.model.load else None)
+    hf_files = model_source(cfg).tokenizer_dir if cfg.model.hf_dir or cfg.model.load else None
     save_checkpoint(directory, state.policy.chunks, hf_config=state.hf_config,
                     model_state={k: v for k, v in sharded.items() if k != "optimizer"},
                     extra_sharded_state={"optimizer": sharded["optimizer"]}, extra_metadata={"step": step},

@@ -13,6 +13,8 @@
   is printed once per node, by the first local rank that meets it; a message of a rank's own (its own file, its own
   rank number) is still printed by that rank.
 
+`check_conversion_paths` is what the converters (tools/convert_*) check before their slow imports (torch, megatron).
+
 `say_once(text)` is that de-duplicated printing; `run_cli` routes Python warnings and log records (WARNING and up)
 through it too, so that what every rank warns alike reaches the console once.
 """
@@ -93,3 +95,14 @@ def run_cli(prog: str, main: Callable[[], int | None]) -> None:
         status = 1
     sys.stdout.flush()
     sys.exit(status)
+
+
+def check_conversion_paths(source_flag: str, source: str, output_dir: str, *, force: bool) -> None:
+    """A converter's paths, checked in a second rather than after its imports: its input directory exists, its
+    output does not unless `force` (--force); the output's parent folder is created."""
+    if not os.path.isdir(source):
+        problem = "is not a directory" if os.path.exists(source) else "does not exist"
+        raise FileNotFoundError(f"{source_flag}: {source!r} {problem}")
+    if os.path.exists(output_dir) and not force:
+        raise FileExistsError(f"--output-dir: {output_dir!r} already exists; use --force to replace it")
+    os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)

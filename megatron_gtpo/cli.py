@@ -9,6 +9,8 @@
   alone does not tell where the input went wrong) re-raises it instead: Python prints the traceback, on every rank
   that meets it (not once per node), and the process ends with status 1.
 - Any other exception is unexpected: its traceback is printed, and the process ends with status 1.
+- Ctrl-C (KeyboardInterrupt) ends it with one line `PROG: interrupted` and status 130 (the trainer takes a first
+  Ctrl-C as "checkpoint after this step and exit": training/checkpointing.StopSignal).
 - Under a launcher every rank usually meets the same error at the same line. Each distinct message (or traceback)
   is printed once per node, by the first local rank that meets it; a message of a rank's own (its own file, its own
   rank number) is still printed by that rank.
@@ -90,6 +92,9 @@ def run_cli(prog: str, main: Callable[[], int | None]) -> None:
             raise
         say_once(f"{prog}: error: {_message(e)}")
         status = 2
+    except KeyboardInterrupt:  # Ctrl-C (the trainer's second one): every rank stops, with one line and no traceback
+        say_once(f"{prog}: interrupted")
+        status = 130
     except Exception:
         say_once(traceback.format_exc().rstrip())
         status = 1

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
 from megatron_gtpo.checkpoint.megatron_checkpoint import LATEST, save_checkpoint, series_members
+from megatron_gtpo.cli import say_once
 from megatron_gtpo.config import TrainConfig, config_text, save_config, to_dict
 from megatron_gtpo.distributed import ParallelGroups
 
@@ -70,7 +71,9 @@ class TrainerState:
 
 
 class StopSignal:
-    """Remembers SIGTERM / SIGUSR1; the loop checkpoints and exits after the step in progress."""
+    """Remembers SIGTERM / SIGUSR1 (SLURM pre-emption) and a first SIGINT (Ctrl-C, which torchrun passes on to every
+    rank): the loop checkpoints and exits after the step in progress, so no step is lost. A second Ctrl-C aborts
+    (KeyboardInterrupt: cli.run_cli ends the process with one line)."""
 
     def __init__(self):
         self.requested = False
@@ -80,10 +83,13 @@ class StopSignal:
         stop = cls()
 
         def handler(signum, frame):
+            if signum == signal.SIGINT and stop.requested:
+                raise KeyboardInterrupt
             stop.requested = True
-            print(f"received signal {signum}: will checkpoint after this step and exit", file=sys.stderr)
+            again = "; Ctrl-C again to abort" if signum == signal.SIGINT else ""
+            say_once(f"received {signal.Signals(signum).name}: will checkpoint after this step and exit{again}")
 
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, handler)
         return stop
 

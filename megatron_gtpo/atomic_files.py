@@ -2,8 +2,8 @@
 
 The content goes to a temporary file in the target's directory (the same file system, so the rename is atomic),
 is flushed to disk, and is renamed over the target, with the permissions the umask gives a new file: a reader, or a
-run resumed after a crash, sees the old file or the new one, never a part. A failure removes the temporary file and re-raises. Directories (checkpoints) are
-written the same way by checkpoint/atomic_dir.py.
+run resumed after a crash, sees the old file or the new one, never a part. A failure removes the temporary file
+and re-raises. Directories (checkpoints) are written the same way by checkpoint/atomic_dir.py.
 """
 from __future__ import annotations
 

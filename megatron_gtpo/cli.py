@@ -11,6 +11,10 @@
 - Any other exception is unexpected: its traceback is printed, and the process ends with status 1.
 - Ctrl-C (KeyboardInterrupt) ends it with one line `PROG: interrupted` and status 130 (the trainer takes a first
   Ctrl-C as "checkpoint after this step and exit": training/checkpointing.StopSignal).
+- Argument errors (`ArgumentParser`, argparse's with errors raised as `UsageError`) are user errors: the usage line
+  and the error, once, status 2.
+- Under torchrun the line (or traceback) also goes to the rank's $TORCHELASTIC_ERROR_FILE, so that torchrun's
+  failure summary ends with it.
 - Under a launcher every rank usually meets the same error at the same line. Each distinct message (or traceback)
   is printed once per node, by the first local rank that meets it; a message of a rank's own (its own file, its own
   rank number) is still printed by that rank.
@@ -22,11 +26,14 @@ through it too, so that what every rank warns alike reaches the console once.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from typing import Callable
@@ -90,16 +97,45 @@ def run_cli(prog: str, main: Callable[[], int | None]) -> None:
     except USER_ERRORS as e:
         if os.environ.get("MEGATRON_GTPO_TRACEBACK", "") not in ("", "0"):
             raise
-        say_once(f"{prog}: error: {_message(e)}")
+        _report((e.usage if isinstance(e, UsageError) else "") + f"{prog}: error: {_message(e)}")
         status = 2
     except KeyboardInterrupt:  # Ctrl-C (the trainer's second one): every rank stops, with one line and no traceback
-        say_once(f"{prog}: interrupted")
+        _report(f"{prog}: interrupted")
         status = 130
     except Exception:
-        say_once(traceback.format_exc().rstrip())
+        _report(traceback.format_exc().rstrip())
         status = 1
     sys.stdout.flush()
     sys.exit(status)
+
+
+def _report(text: str) -> None:
+    """Print how the process ends (once, say_once) and, under torchrun, leave it in this rank's error file: torchrun's
+    failure summary then ends with it, the root cause, instead of a link to its docs."""
+    say_once(text)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        from megatron_gtpo.atomic_files import write_atomically
+
+        # torchrun takes the failure of the earliest timestamp as the root cause, in whole seconds, and stamps a rank
+        # it stopped (no error file) with the second it noticed: one second back keeps this one first in a tie.
+        write_atomically(path, json.dumps({"message": text, "timestamp": int(time.time()) - 1}))
+
+
+class UsageError(ValueError):
+    """A command-line argument error (`ArgumentParser.error`), with the usage line to print before it."""
+
+    def __init__(self, message: str, usage: str):
+        super().__init__(message)
+        self.usage = usage
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors end the process through run_cli (printed once however many ranks meet them,
+    status 2) rather than by printing and exiting in every rank."""
+
+    def error(self, message: str):
+        raise UsageError(message, self.format_usage())
 
 
 def check_conversion_paths(source_flag: str, source: str, output_dir: str, *, force: bool) -> None:

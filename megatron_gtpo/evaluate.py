@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Sequence
 
-from megatron_gtpo.cli import run_cli
+from megatron_gtpo.cli import ArgumentParser, run_cli
 from megatron_gtpo.data import EVAL_SET_NAMES, PROMPT_STYLES, load_dataset, load_tokenizer
 from megatron_gtpo.evaluation.replicas import build_replica
 from megatron_gtpo.evaluation.report import RESPONSES_JSONL, RESULTS_CSV, RESULTS_JSON, format_summary, write_report
@@ -49,7 +49,7 @@ def _dataset_source(spec: str) -> tuple[str, str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_gtpo.evaluate", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m megatron_gtpo.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
                         help="Hugging Face directory or megatron_gtpo checkpoint directory to evaluate (a trainer's "
                              "checkpoints folder or its `latest`: the newest checkpoint)")

@@ -11,12 +11,11 @@ Data-parallel replicas (world / (TP*PP*CP) of them) score disjoint slices. The o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 from megatron_gtpo.atomic_files import write_atomically
-from megatron_gtpo.cli import run_cli
+from megatron_gtpo.cli import ArgumentParser, run_cli
 
 
 def read_token_ids(path: str, *, vocab_size: int, max_positions: int) -> list[list[int]]:
@@ -50,7 +49,7 @@ def write_jsonl_atomically(path: str, rows: list[dict]) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megatron_gtpo.score", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m megatron_gtpo.score", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="Hugging Face Qwen2 / Qwen3 model directory (safetensors)")
     src.add_argument("--load", help="megatron_gtpo distributed checkpoint directory (converter or trainer output)")

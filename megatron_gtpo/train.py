@@ -5,14 +5,13 @@ Writes <logging.output_dir>/metrics.jsonl (one JSON object per step), TensorBoar
 """
 from __future__ import annotations
 
-import argparse
 
-from megatron_gtpo.cli import run_cli, say_once
+from megatron_gtpo.cli import ArgumentParser, run_cli, say_once
 from megatron_gtpo.config import load_config
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_gtpo.train", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m megatron_gtpo.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="YAML config file (see examples/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set optim.lr=1e-6 (repeatable)")

@@ -1,0 +1,55 @@
+"""How a command ends, in process (cli.run_cli): an argument error as usage + one line, status 2; and the line
+left in torchrun's per-rank error file, read back by torchrun's own reader as the failure's message."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_gtpo.cli import ArgumentParser, run_cli
+
+
+def _ended(main) -> int:
+    with pytest.raises(SystemExit) as exited:
+        run_cli("prog", main)
+    return exited.value.code
+
+
+def test_an_argument_error_is_the_usage_and_one_line(capsys):
+    parser = ArgumentParser(prog="prog")
+    parser.add_argument("--model", required=True)
+    assert _ended(lambda: parser.parse_args([])) == 2
+    assert capsys.readouterr().err == "usage: prog [-h] --model MODEL\nprog: error: the following arguments are " \
+                                      "required: --model\n"
+
+
+@pytest.mark.parametrize("error,status,message", [
+    (ValueError("model.load: 'x' does not exist"), 2, "prog: error: model.load: 'x' does not exist"),
+    (KeyboardInterrupt(), 130, "prog: interrupted"),
+])
+def test_under_torchrun_the_line_goes_to_the_rank_error_file(tmp_path, monkeypatch, capsys, error, status, message):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def main():
+        raise error
+
+    assert _ended(main) == status
+    assert capsys.readouterr().err == message + "\n"
+    # What torchrun's ChildFailedError summary shows for this rank: the message instead of a link to its docs.
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=status, error_file=str(error_file)).message == message
+
+
+def test_an_unexpected_error_leaves_its_traceback_there(tmp_path, monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+
+    def main():
+        raise RuntimeError("an internal error")
+
+    assert _ended(main) == 1
+    traceback = capsys.readouterr().err.rstrip()
+    assert traceback.startswith("Traceback") and traceback.endswith("RuntimeError: an internal error")
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "error.json")).message == \
+        traceback

@@ -2,6 +2,8 @@
 left in torchrun's per-rank error file, read back by torchrun's own reader as the failure's message."""
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from megatron_gtpo.cli import ArgumentParser, run_cli
@@ -13,10 +15,14 @@ def _ended(main) -> int:
     return exited.value.code
 
 
-def test_an_argument_error_is_the_usage_and_one_line(capsys):
+def test_an_argument_error_is_the_usage_and_one_line_once_per_launch(capsys, monkeypatch):
+    """Two ranks of one launch on this node (the same launcher process and run id) meet the same error: one prints."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{uuid.uuid4().hex}")
     parser = ArgumentParser(prog="prog")
     parser.add_argument("--model", required=True)
     assert _ended(lambda: parser.parse_args([])) == 2
+    assert _ended(lambda: parser.parse_args([])) == 2  # the second rank
     assert capsys.readouterr().err == "usage: prog [-h] --model MODEL\nprog: error: the following arguments are " \
                                       "required: --model\n"
 

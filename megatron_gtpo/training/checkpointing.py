@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
-from megatron_gtpo.checkpoint.megatron_checkpoint import LATEST, save_checkpoint, series_members
+from megatron_gtpo.checkpoint.megatron_checkpoint import LATEST, load_sharded, save_checkpoint, series_members
 from megatron_gtpo.cli import say_once
 from megatron_gtpo.config import TrainConfig, config_text, save_config, to_dict
 from megatron_gtpo.distributed import ParallelGroups
@@ -227,8 +227,6 @@ def newest_intact_checkpoint(root: str, *, say) -> str | None:
 
 def restore(state: TrainerState) -> int:
     """Resume from the newest intact checkpoint (any TP/PP/EP). Returns the step to continue from (0 if none)."""
-    from megatron.core import dist_checkpointing
-
     cfg, parallel = state.cfg, state.parallel
 
     def say(text: str) -> None:
@@ -245,7 +243,7 @@ def restore(state: TrainerState) -> int:
         raise ValueError(f"checkpoint {directory} is of a different model than the configured one")
     check_resume(saved["config"], cfg, directory)
     check_rollout_schedule(saved["config"], cfg, directory)
-    loaded = dist_checkpointing.load(state.policy.sharded_state_dict(loading_from=directory), directory)
+    loaded = load_sharded(state.policy.sharded_state_dict(loading_from=directory), directory)
     state.policy.load_sharded_state_dict(loaded, directory)
     for name, component in state.shared.items():
         component.load_state_dict(saved[name])

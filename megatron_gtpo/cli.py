@@ -38,6 +38,8 @@ import traceback
 import warnings
 from typing import Callable
 
+from megatron_gtpo.notices import ignore_optional_kernel_notices
+
 USER_ERRORS = (ValueError, OSError, KeyError)
 
 
@@ -89,6 +91,7 @@ def _show_warning_once(message, category, filename, lineno, file=None, line=None
 def run_cli(prog: str, main: Callable[[], int | None]) -> None:
     """Run `main()` and exit with its status (None: 0), or as described above when it raises."""
     warnings.showwarning = _show_warning_once
+    ignore_optional_kernel_notices()
     handler = _SaidOnce()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])

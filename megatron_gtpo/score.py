@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.cli import ArgumentParser, run_cli
@@ -123,6 +124,8 @@ def main(argv=None) -> int:
         if parallel.dp_rank == 0:
             by_index = dict(pair for part in gathered for pair in part)
             write_jsonl_atomically(args.output, [by_index[i] for i in range(len(sequences))])
+            print(f"wrote {args.output}: per-token log-probs and entropies of {len(sequences)} sequences",
+                  file=sys.stderr)
     dist.barrier()
     destroy_parallel()
     return 0

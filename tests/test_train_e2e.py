@@ -180,7 +180,8 @@ def test_sigterm_checkpoints_then_exits(tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("optim.learning_rate=1", "unknown config key optim.learning_rate"),
     # Layout errors too name their keys, before any process group exists (this runs as one process).
-    ("parallel.tensor=2", "parallel: world size 1 is not divisible by tensor x pipeline x context = 2 x 1 x 1"),
+    ("parallel.tensor=2", "parallel: tensor x pipeline x context = 2 x 1 x 1 needs 2 processes (or a multiple), and "
+                          "this is one: launch it with torchrun --nproc_per_node 2 -m megatron_gtpo.train --config"),
 ])
 def test_bad_config_exits_with_named_key(tmp_path, override, message):
     res = subprocess.run([sys.executable, "-m", "megatron_gtpo.train", "--config", DEMO_CONFIG, "--set",

@@ -98,6 +98,8 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     res = run_train(part, 2, [*common, "steps=4", "checkpoint.keep_last=1"])
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr
+    assert res.stderr.count(f"wrote metrics {part}/metrics.jsonl, checkpoints in {part}/checkpoints (the newest: "
+                            f"{part}/checkpoints/step_00000004)") == 1  # the closing summary, from one rank
     # Only the newest checkpoint is kept, no temporary directory is left, and the resolved config sits beside them.
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["config.yaml", "latest", "reference",
                                                                          "step_00000004"]

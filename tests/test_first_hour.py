@@ -68,3 +68,17 @@ def test_notices_of_kernels_the_package_does_not_use_stay_off_the_console(capsys
         run_cli("prog", main)
     err = capsys.readouterr().err
     assert "not installed" not in err and "UserWarning: something else" in err
+
+
+def test_the_warm_start_has_a_progress_bar_on_the_logging_rank(tmp_path, capsys):
+    from megatron_gtpo.training.metrics import MetricsLogger
+
+    def logger(enabled, progress_bar):
+        return MetricsLogger(str(tmp_path), enabled=enabled, start_step=0, total_steps=5, tensorboard=False,
+                             wandb_project=None, progress_bar=progress_bar, run_config={})
+
+    capsys.readouterr()
+    assert list(logger(True, True).progress(range(3), "warm start steps")) == [0, 1, 2]
+    assert "warm start steps:   0%|          | 0/3" in capsys.readouterr().err
+    for enabled, progress_bar in ((False, True), (True, False)):
+        assert logger(enabled, progress_bar).progress(range(3), "warm start steps") == range(3)

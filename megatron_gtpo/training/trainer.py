@@ -130,7 +130,7 @@ class Trainer:
         prompt with its reference as a group of one response, through the step batch and its micro-batch plan."""
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
-        for _ in range(cfg.warm_start.steps):
+        for _ in self.logger.progress(range(cfg.warm_start.steps), "warm start steps"):
             prompts = self.loader.next_batch().items
             targets = [self.task.demonstration(p) for p in prompts]
             answers = Responses.from_lists([[Response(target, [0.0] * len(target), "stop")] for target in targets])

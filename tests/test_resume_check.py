@@ -69,9 +69,14 @@ def _finished_run(output_dir, step: int) -> str:
 
 @pytest.fixture
 def built(monkeypatch):
-    """The Trainers train.main builds (none, if it stops before)."""
+    """The Trainers train.main builds (none, if it stops before), in a process that sees itself as rank 0 of the
+    demo's 2 under torchrun."""
+    import uuid
+
     import megatron_gtpo.training.trainer as trainer
 
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", uuid.uuid4().hex)):
+        monkeypatch.setenv(name, value)
     built = []
     monkeypatch.setattr(trainer, "Trainer", lambda cfg: built.append(cfg) or pytest.fail("a Trainer was built"))
     return built

@@ -120,9 +120,12 @@ def _report(text: str) -> None:
     if path:
         from megatron_gtpo.atomic_files import write_atomically
 
-        # torchrun takes the failure of the earliest timestamp as the root cause, in whole seconds, and stamps a rank
-        # it stopped (no error file) with the second it noticed: one second back keeps this one first in a tie.
-        write_atomically(path, json.dumps({"message": text, "timestamp": int(time.time()) - 1}))
+        # torch's ErrorHandler format, whose py_callstack torchrun shows. It takes the failure of the earliest
+        # timestamp as the root cause, in whole seconds, and stamps a rank it stopped (no error file) with the second
+        # it noticed: one second back keeps this one first in a tie.
+        stamp = str(int(time.time()) - 1)
+        write_atomically(path, json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                                                       "timestamp": stamp}}}))
 
 
 class UsageError(ValueError):

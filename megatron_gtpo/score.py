@@ -74,7 +74,7 @@ def _model_source(args):
         from megatron_gtpo.models.qwen import load_hf_config
 
         load_hf_config(args.hf)  # names a missing config.json before anything else
-    source = ModelSource.detect(args.hf or args.load)
+    source = ModelSource.detect(args.hf or args.load, what="--hf" if args.hf else "--load")
     if source.is_megatron_checkpoint != bool(args.load):
         flag = "--load" if source.is_megatron_checkpoint else "--hf"
         raise ValueError(f"{source.path!r} is a {'megatron_gtpo checkpoint' if args.hf else 'Hugging Face directory'}"

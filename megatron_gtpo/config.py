@@ -6,6 +6,7 @@ configuration is written next to the checkpoints (`save_config`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -416,7 +417,8 @@ def _build(cls, data: dict, prefix: str):
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(prefix + k for k in unknown)}; valid keys here: {', '.join(sorted(names))}")
+                          f"{', '.join(prefix + k + _did_you_mean(k, names, prefix) for k in unknown)}; valid keys "
+                          f"here: {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in data.items():
         annotation = hints[name]
@@ -428,6 +430,11 @@ def _build(cls, data: dict, prefix: str):
             if key in _CHOICES and kwargs[name] is not None and kwargs[name] not in _CHOICES[key]:
                 raise ConfigError(f"{key}: {kwargs[name]!r} is not one of {', '.join(_CHOICES[key])}")
     return cls(**kwargs)
+
+
+def _did_you_mean(key, names: set[str], prefix: str) -> str:
+    close = difflib.get_close_matches(str(key), sorted(names), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _parse_override(item: str) -> tuple[list[str], object]:

@@ -111,6 +111,8 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     res = run_train(part, 2, [*common, "steps=4", "checkpoint.keep_last=1"])
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr
+    assert res.stderr.count(f"wrote metrics {part}/metrics.jsonl, checkpoints in {part}/checkpoints (the newest: "
+                            f"{part}/checkpoints/step_00000004)") == 1  # the closing summary, from one rank
     # Only the newest checkpoint is kept, no temporary directory is left, and the resolved config sits beside them.
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["config.yaml", "latest", "reference",
                                                                          "step_00000004"]
@@ -193,7 +195,8 @@ def test_sigterm_checkpoints_then_exits(tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("optim.learning_rate=1", "unknown config key optim.learning_rate"),
     # Layout errors too name their keys, before any process group exists (this runs as one process).
-    ("parallel.tensor=2", "parallel: world size 1 is not divisible by tensor x pipeline x context = 2 x 1 x 1"),
+    ("parallel.tensor=2", "parallel: tensor x pipeline x context = 2 x 1 x 1 needs 2 processes (or a multiple), and "
+                          "this is one: launch it with torchrun --nproc_per_node 2 -m megatron_gtpo.train --config"),
 ])
 def test_bad_config_exits_with_named_key(tmp_path, override, message):
     res = subprocess.run([sys.executable, "-m", "megatron_gtpo.train", "--config", DEMO_CONFIG, "--set",

@@ -162,7 +162,7 @@ def test_a_resume_under_other_rollout_settings_than_the_in_flight_work_is_refuse
     """A checkpoint of bounded staleness or partial rollouts holds batches asked for ahead and unfinished groups;
     resuming it with another schedule would skip them (max_staleness 0) or train them beyond the new bound."""
     from megatron_gtpo.config import RolloutConfig
-    from megatron_gtpo.training.checkpointing import check_rollout_schedule
+    from megatron_gtpo.training.resume_check import check_rollout_schedule
 
     saved_config = {"rollout": dict(engine="builtin_remote", **saved)}  # an older checkpoint may lack keys
     cfg = SimpleNamespace(rollout=RolloutConfig(**now))

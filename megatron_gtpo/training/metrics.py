@@ -47,8 +47,15 @@ class MetricsLogger:
             import wandb  # optional: only when configured, and then its absence is an error
 
             self._wandb = wandb.init(project=wandb_project, config=run_config, dir=output_dir)
+        self._progress_bar = progress_bar
         if progress_bar:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", dynamic_ncols=True)
+
+    def progress(self, steps: range, desc: str):
+        """`steps` with a progress bar of their own on the logging rank (the warm start's), gone when done."""
+        if not (self.enabled and self._progress_bar):
+            return steps
+        return tqdm(steps, desc=desc, dynamic_ncols=True, leave=False)
 
     def _truncate_after(self, start_step: int) -> None:
         """A resumed run rewrites the steps it is about to redo (those logged after its checkpoint)."""

@@ -32,6 +32,7 @@ from .old_policy import correct_rollout, old_policy_pass
 from .partial_rollouts import PartialRollouts, WholeResponses
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
+from .resume_check import holds_rollouts
 from .rollout_queue import RolloutQueue
 from .rollout_source import RolloutSource
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
@@ -130,7 +131,7 @@ class Trainer:
         prompt with its reference as a group of one response, through the step batch and its micro-batch plan."""
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
-        for _ in range(cfg.warm_start.steps):
+        for _ in self.logger.progress(range(cfg.warm_start.steps), "warm start steps"):
             prompts = self.loader.next_batch().items
             targets = [self.task.demonstration(p) for p in prompts]
             answers = Responses.from_lists([[Response(target, [0.0] * len(target), "stop")] for target in targets])
@@ -259,7 +260,7 @@ class Trainer:
         bounded staleness or partial rollouts also the rollouts asked for and not yet trained on."""
         return TrainerState(self.cfg, self.parallel, self.policy, self.task.hf_config, self.vocab_size,
                             shared={"loader": self.loader, "scheduler": self.policy.scheduler},
-                            per_rank={"rollouts": self.rollouts} if checkpointing.holds_rollouts(self.cfg.rollout)
+                            per_rank={"rollouts": self.rollouts} if holds_rollouts(self.cfg.rollout)
                             else {})
 
     def sampling_params(self, step: int, round_index: int) -> SamplingParams:

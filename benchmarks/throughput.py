@@ -206,7 +206,7 @@ def run_algorithm(args, algorithm: str, work_dir: str, extra: list[str], repeat:
     record_dir = os.path.join(work_dir, f"{algorithm}-{repeat}-records")
     os.makedirs(record_dir, exist_ok=True)
     sets = [f"algorithm.name={algorithm}", f"steps={args.steps}", f"logging.output_dir={out_dir}",
-            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=0",
+            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=-1",
             "checkpoint.resume=false", *([] if args.keep_dynamic_sampling else ["algorithm.dynamic_sampling=false"]),
             *extra, *args.overrides]
     train_argv = ["--config", args.config, *sum((["--set", s] for s in sets), [])]

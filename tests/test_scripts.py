@@ -76,3 +76,23 @@ def test_throughput_benchmark_times_the_fused_op(tmp_path):
         assert float(row[4]) > 0 and float(row[5]) > 0, row
     records = list((tmp_path / "runs" / "gtpo-0-records").glob("rank_*.json"))
     assert len(records) == 1 and json.loads(records[0].read_text())["steps"][0]["tokens"] > 0
+
+
+def test_gpu_probe_runs_every_item_in_order_and_none_past_its_deadline(tmp_path):
+    """The probe's --tiny shapes on this CPU: one JSON line per item, in the documented order, each ok; then a run
+    whose deadline has passed starts no item (each gets a 'skipped' line)."""
+    order = ["preflight", "anchors", "decode", "hf_generate", "attention", "update_1.5b", "logprob_7b"]
+    for deadline, out in (("600", tmp_path / "full"), ("0", tmp_path / "late")):
+        res = subprocess.run([sys.executable, "benchmarks/gpu_probe.py", "--output-dir", str(out), "--tiny",
+                              "--deadline-s", deadline], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-4000:]
+        records = [json.loads(line) for line in (out / "probe.jsonl").read_text().splitlines()]
+        assert [r["item"] for r in records] == order
+        if deadline == "0":
+            assert all("skipped" in r for r in records)
+            continue
+        assert all(r["ok"] for r in records), [r.get("error") for r in records]
+        decode, peer = records[2], records[3]
+        assert set(decode["rows"]) == set(peer["rows"]) and all(v["tokens_per_s"] > 0 for v in decode["rows"].values())
+        assert records[5]["plan_memory_gib"]["training_peak"] > 0 and records[6]["pass_s"] > 0

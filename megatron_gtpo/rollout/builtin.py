@@ -40,10 +40,10 @@ states [s, b, h] of the previous one from its pipeline peer (torch.distributed s
 sends its own output to the next one, each stage keeping the KV cache of its own layers. The last stage samples; the
 sampled tokens and log-probs go to every rank of the model-parallel group (a broadcast from TP rank 0 within the last
 stage's TP group, then from the last stage along each pipeline group), so all ranks follow the same control flow and
-return the same responses. The decode loop's state (which rows are in the cache, their tokens, log-probs, lengths and whether they still
-generate) lives on the device (decode_rows.py): a decode step copies no host list to the device, samples all rows in
-a fixed number of kernels, and reads back one number, the count of rows still generating (for the early exit and the
-compaction).
+return the same responses. The decode loop's state (which rows are in the cache, their tokens, log-probs, lengths
+and whether they still generate) lives on the device (decode_rows.py): a decode step copies no host list to the
+device, samples all rows in a fixed number of kernels, and reads back one number, the count of rows still
+generating (for the early exit and the compaction).
 
 Mixture-of-experts models with expert parallelism: the ranks of an expert-parallel group exchange tokens inside every
 MoE layer, so they must take every forward step together, whatever their own prompts (their replicas generate

@@ -70,12 +70,15 @@ class HostTrafficCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        result = func(*args, **kwargs)
         if self.dispatch.counting:
-            if func in HOST_READS:
+            if func in HOST_READS and not getattr(args[0], "_read_to_host", False):  # t.cpu().tolist() reads once
                 self.dispatch.counts["host_reads"] += 1
+                if isinstance(result, torch.Tensor):
+                    result._read_to_host = True
             elif func is torch.tensor and isinstance(args[0], (list, tuple)) and kwargs.get("device") is not None:
                 self.dispatch.counts["list_to_device"] += 1
-        return func(*args, **kwargs)
+        return result
 
 
 def parse_args(argv=None):

@@ -112,9 +112,10 @@ class Probe:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def timed(self, fn, repeats: int = 1) -> float:
-        """Seconds per call of `fn`, after one untimed call."""
-        fn()
+    def timed(self, fn, repeats: int = 1, warmup=None) -> float:
+        """Seconds per call of `fn`, after one untimed call of `warmup` (default: `fn`; False: none)."""
+        if warmup is not False:
+            (warmup or fn)()
         self.sync()
         start = time.perf_counter()
         for _ in range(repeats):
@@ -236,7 +237,8 @@ def decode(probe: Probe) -> dict:
     for rows in probe.sizes["rows"]:
         prompts = _prompts(rows, probe.sizes["prompt"], shape["vocab_size"])
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
-        seconds = probe.timed(lambda: engine.generate(prompts, params))
+        warmup = SamplingParams(temperature=0.0, max_new_tokens=probe.sizes["window_tokens"])
+        seconds = probe.timed(lambda: engine.generate(prompts, params), warmup=lambda: engine.generate(prompts, warmup))
         record["rows"][rows] = {"ms_per_step": round(1e3 * seconds / new_tokens, 2),
                                 "tokens_per_s": round(rows * new_tokens / seconds, 1)}
     record["profile"] = _profile_decode(probe, engine, shape["vocab_size"])
@@ -261,7 +263,7 @@ def _profile_decode(probe: Probe, engine, vocab: int) -> dict:
         probe.sync()
         wall_s = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernel_s = sum(e.device_time_total for e in kernels) / 1e6  # one stream: kernels do not overlap
+    kernel_s = sum(e.time_range.elapsed_us() for e in kernels) / 1e6  # one stream: kernels do not overlap
     return {"rows": rows, "forward_steps": tokens, "wall_ms": round(1e3 * wall_s, 1),
             "kernels_per_step": round(len(kernels) / tokens, 1) if probe.cuda else None,
             "host_bound_fraction": round(1 - kernel_s / wall_s, 3) if probe.cuda else None}
@@ -280,14 +282,17 @@ def hf_generate(probe: Probe) -> dict:
                               eos_token_id=None, pad_token_id=0)
     record = {"model": probe.sizes["model"], "attention": model.config._attn_implementation,
               "dtype": str(probe.dtype), "rows": {}}
+    warmup = GenerationConfig(do_sample=False, max_new_tokens=probe.sizes["window_tokens"], eos_token_id=None,
+                              pad_token_id=0)
     for rows in probe.sizes["rows"]:
         input_ids = torch.tensor(_prompts(rows, probe.sizes["prompt"], shape["vocab_size"]), device=device)
 
-        def generate():
+        def generate(generation_config=config):
             with torch.no_grad():
-                model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+                model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                               generation_config=generation_config)
 
-        seconds = probe.timed(generate)
+        seconds = probe.timed(generate, warmup=lambda: generate(warmup))
         record["rows"][rows] = {"ms_per_step": round(1e3 * seconds / new_tokens, 2),
                                 "tokens_per_s": round(rows * new_tokens / seconds, 1)}
     return record
@@ -377,9 +382,9 @@ def update_step(probe: Probe) -> dict:
         run_pipeline(policy.ddp_chunks, micro_batches, loss, forward_only=False)
         assert policy.optimizer.step()[0], "the optimizer skipped its step"
 
-    step()
+    step()  # the warm-up: the timed step and its peak are those of a step after the first
     probe.reset_peak()
-    seconds = probe.timed(step)
+    seconds = probe.timed(step, warmup=False)
     planned = _planned(probe, name)
     measured = probe.peak_mib()
     planned_gib = planned["training_peak"] - planned["framework_overhead"]

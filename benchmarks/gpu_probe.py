@@ -209,7 +209,7 @@ def anchors(probe: Probe) -> dict:
 
     launch_s = probe.timed(launches)
     return {"gemm_n": n, "dtype": str(probe.dtype), "gemm_tflops": _significant(probe.gemm_tflops),
-            "copy_gb_per_s": _significant(2 * source.numel() / copy_s / 1e9),  # read + write
+            "copy_read_write_gb_per_s": _significant(2 * source.numel() / copy_s / 1e9),
             "launch_us": _significant(1e6 * launch_s / probe.sizes["launches"])}
 
 

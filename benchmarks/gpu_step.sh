@@ -22,7 +22,7 @@ export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 
 install_wheels() {  # once per command: the parts of `all` inherit GPU_STEP_WHEELS_INSTALLED
     if [ -z "${GPU_STEP_WHEELS_INSTALLED:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
-        timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        timeout 30 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl
     fi
     export GPU_STEP_WHEELS_INSTALLED=1
@@ -34,14 +34,14 @@ all)
     mkdir -p "$out"
     install_wheels
     # Nothing else is worth its minutes if megatron-core or CUDA is missing: stop at once, saying which.
-    if ! timeout 30 python3 -c "import torch, megatron.core; assert torch.cuda.is_available(), 'no CUDA device'" \
+    if ! timeout 20 python3 -c "import torch, megatron.core; assert torch.cuda.is_available(), 'no CUDA device'" \
             >"$out/preflight.txt" 2>&1; then
         echo "ABORT: the preflight failed (megatron-core import or CUDA):" | tee -a "$out/summary.txt"
         tail -5 "$out/preflight.txt" | tee -a "$out/summary.txt"
         exit 3
     fi
     # A part that fails or runs out of its time is recorded in summary.txt and the next one still runs: a failure on
-    # a real GPU is a result too. Limits: 60 (wheels, above) + 30 (preflight) + 150 + 150 + 90 = 480 s.
+    # a real GPU is a result too. Limits: 30 (wheels, above) + 20 (preflight) + 150 + 150 + 130 = 480 s.
     failed=0
     part() {
         local name=$1 limit=$2 start=$SECONDS rc=0
@@ -59,7 +59,7 @@ all)
         part throughput 150 bash "$0" throughput 0.5b "$out"
     # Only the GPU tests that have not passed on a GPU yet (tests/gpu/README.md says which passed where).
     not_yet_passed="-k 'test_resume_matches_uninterrupted_run or test_rl_step_peak_memory_is_within_the_plan'"
-    TESTS=${TESTS:-$not_yet_passed} part tests 90 bash "$0" tests "$out"
+    TESTS=${TESTS:-$not_yet_passed} part tests 130 bash "$0" tests "$out"
     exit "$failed"
     ;;
 probe)

@@ -121,3 +121,15 @@ def test_gpu_step_aborts_at_once_without_a_gpu(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert res.returncode == 3, res.stdout + res.stderr
     assert "ABORT" in summary and "no CUDA device" in summary and "== probe" not in summary, summary
+
+
+def test_throughput_sees_the_first_rl_step_only_once_its_line_is_complete(tmp_path):
+    spec = importlib.util.spec_from_file_location("throughput", REPO / "benchmarks" / "throughput.py")
+    throughput = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(throughput)
+    metrics = tmp_path / "metrics.jsonl"
+    assert not throughput._rl_steps_logged(str(metrics))  # not written yet
+    metrics.write_text('{"step": -1, "loss": 1.0}\n{"step": 0, "lo')  # a warm-up line, a step line being written
+    assert not throughput._rl_steps_logged(str(metrics))
+    metrics.write_text('{"step": -1, "loss": 1.0}\n{"step": 0, "loss": 2.0}\n')
+    assert throughput._rl_steps_logged(str(metrics))

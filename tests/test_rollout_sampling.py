@@ -7,7 +7,7 @@ import torch
 
 from megatron_gtpo.rollout import SamplingParams, filter_top_k_top_p, sample_next_tokens
 from megatron_gtpo.rollout.engine import check_prompts
-from megatron_gtpo.rollout.sampling import counter_uniform
+from megatron_gtpo.rollout.sampling import counter_uniform, stream_keys
 
 
 def _kept_reference(logits_row, *, temperature, top_k, top_p):
@@ -49,8 +49,8 @@ def test_sampling_frequencies_match_filtered_distribution(temperature, top_k, to
     seeds_B = torch.cat([torch.arange(draws // 2) + 7, torch.full((draws // 2,), 7)])
     draws_B = torch.cat([torch.zeros(draws // 2, dtype=torch.long), torch.arange(draws // 2) + 1])
     tokens_B, logprobs_B = sample_next_tokens(logits_V.expand(draws, padded), vocab_size=vocab_size,
-                                              temperature=temperature, top_k=top_k, top_p=top_p, seeds_B=seeds_B,
-                                              draws_B=draws_B)
+                                              temperature=temperature, top_k=top_k, top_p=top_p,
+                                              stream_keys_B=stream_keys(seeds_B), draws_B=draws_B)
     counts = torch.bincount(tokens_B, minlength=padded).double() / draws
     for token in range(padded):
         want = expected.get(token, 0.0)
@@ -79,7 +79,7 @@ def test_sampling_is_deterministic_for_a_seed_and_bf16_is_computed_in_fp32():
 
     def draw(seed, logits_BV=logits_BV, draws_B=torch.arange(16)):
         return sample_next_tokens(logits_BV, vocab_size=290, temperature=0.9, top_p=0.95,
-                                  seeds_B=torch.full((len(logits_BV),), seed), draws_B=draws_B)
+                                  stream_keys_B=stream_keys(torch.full((len(logits_BV),), seed)), draws_B=draws_B)
 
     (a, lp_a), (b, lp_b), (c, _) = draw(3), draw(3), draw(4)
     assert torch.equal(a, b) and torch.equal(lp_a, lp_b)
@@ -130,14 +130,14 @@ def _counter_uniform_reference(seed: int, draw: int, column: int) -> float:
 def test_counter_uniform_is_its_definition_and_uniform():
     seeds_B = torch.tensor([0, 1, 2**40 + 5, -3, 123456789])
     draws_B = torch.tensor([0, 7, 1, 2, 2**31])
-    u_BV = counter_uniform(seeds_B, draws_B, 50, dtype=torch.float64)
+    u_BV = counter_uniform(stream_keys(seeds_B), draws_B, 50, dtype=torch.float64)
     for b in range(5):
         for v in (0, 1, 31, 49):
             assert u_BV[b, v].item() == _counter_uniform_reference(seeds_B[b].item(), draws_B[b].item(), v)
     # 1024 streams x 2 draws x 512 columns: every 1/32 bin holds 1/32 of the values (chi-square, 31 degrees of
     # freedom: 99.99% quantile ~ 70), and neighbours in seed, draw and column are uncorrelated.
     seeds = torch.arange(1024).repeat_interleave(2)
-    u_BV = counter_uniform(seeds, torch.arange(2).repeat(1024), 512)
+    u_BV = counter_uniform(stream_keys(seeds), torch.arange(2).repeat(1024), 512)
     assert u_BV.dtype == torch.float32 and 0 < u_BV.min() and u_BV.max() < 1
     counts = torch.bincount((u_BV * 32).long().flatten(), minlength=32).double()
     expected = u_BV.numel() / 32
@@ -153,5 +153,6 @@ def test_sample_next_tokens_rejects_bad_input():
         sample_next_tokens(torch.zeros(3), vocab_size=3, temperature=1.0)
     with pytest.raises(ValueError, match="vocab_size"):
         sample_next_tokens(torch.zeros(2, 3), vocab_size=4, temperature=1.0)
-    with pytest.raises(ValueError, match="seeds_B and draws_B"):
-        sample_next_tokens(torch.zeros(2, 3), vocab_size=3, temperature=1.0, seeds_B=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="stream_keys_B and draws_B"):
+        sample_next_tokens(torch.zeros(2, 3), vocab_size=3, temperature=1.0,
+                           stream_keys_B=torch.zeros(2, dtype=torch.long))

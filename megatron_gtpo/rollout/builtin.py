@@ -320,7 +320,7 @@ class BuiltinEngine:
         if parallel.is_last_stage:
             tokens_B, logprobs_B = sample_next_tokens(
                 logits_BV, vocab_size=self.vocab_size, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, seeds_B=state.seeds_B, draws_B=state.draws_B())
+                top_p=params.top_p, stream_keys_B=state.stream_keys_B, draws_B=state.draws_B())
             # float64 carries token ids exactly (< 2**53) and the float32 log-probs unchanged: one message.
             shared_2B = torch.stack([tokens_B.double(), logprobs_B.double()])
             if parallel.tp_size > 1:

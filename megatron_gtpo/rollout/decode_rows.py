@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .responses import FINISH_LENGTH_CODE, FINISH_STOP_CODE
+from .sampling import stream_keys
 
 
 class DecodeRows:
@@ -35,7 +36,7 @@ class DecodeRows:
                               torch.tensor(self.pads, device=device)[:, None]) if left_pad else None
         self.row_B = torch.arange(len(rows), device=device)
         self.live_B = torch.ones(len(rows), dtype=torch.bool, device=device)
-        self.seeds_B = torch.tensor(seeds, dtype=torch.long, device=device)
+        self.stream_keys_B = stream_keys(torch.tensor(seeds, dtype=torch.long, device=device))  # sampling's
         self.stop_ids_S = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=device)
         # Row r's k-th token, its log-prob and the weight updates before it at [r, k]; column N takes the writes of
         # rows that draw nothing at a step (no branch on the host).
@@ -94,7 +95,7 @@ class DecodeRows:
     def compact(self) -> torch.Tensor:
         """Keep the live rows only, in their order; returns their batch indices (for the KV cache)."""
         keep_B = torch.sort((~self.live_B).to(torch.uint8), stable=True).indices[:self.live]
-        for name in ("prompts_BW", "prompt_end_B", "row_B", "live_B", "seeds_B", "key_is_pad_BK"):
+        for name in ("prompts_BW", "prompt_end_B", "row_B", "live_B", "stream_keys_B", "key_is_pad_BK"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).index_select(0, keep_B))
         self.batch_rows = self.live

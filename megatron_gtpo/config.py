@@ -299,12 +299,15 @@ class WarmStartConfig:
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # default: <output_dir>/checkpoints
-    save_every: int = 0  # 0: only at the end and on SIGTERM/SIGUSR1
+    # N > 0: every N steps, at the end and on SIGTERM/SIGUSR1; 0: only at the end and on those signals; -1: never
+    # (no checkpoint at all: benchmarks, throwaway runs)
+    save_every: int = 0
     keep_last: int = 2
     resume: bool = True
 
     def check(self) -> None:
         _need(self.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
+        _need(self.save_every >= -1, f"checkpoint.save_every: must be >= -1 (-1: never), got {self.save_every}")
 
 
 @dataclass

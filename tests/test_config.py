@@ -67,6 +67,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["rollout.vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization: must be in (0, 1]"),
     (BASE, ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: must be in [0, optim.lr = 0.1]"),
     (BASE, ["optim.warmup_steps=-1"], "optim.warmup_steps: must be >= 0"),
+    (BASE, ["checkpoint.save_every=-2"], "checkpoint.save_every: must be >= -1"),
     (BASE, ["parallel.tensor=0"], "parallel.tensor / parallel.pipeline: must be >= 1"),
     (BASE, ["parallel.virtual_pipeline=2"], "parallel.virtual_pipeline: needs parallel.pipeline >= 2"),
     (BASE, ["model.reference=/nonexistent/ref"], "model.reference: '/nonexistent/ref' is not a directory"),

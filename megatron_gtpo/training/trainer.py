@@ -245,11 +245,11 @@ class Trainer:
         self.logger.log(step, reduced)
 
     def checkpoint_if_due(self, step: int) -> bool:
-        """Checkpoint after `step` steps when due (every checkpoint.save_every, the last step, a stop signal);
-        returns whether to stop."""
+        """Checkpoint after `step` steps when due (every checkpoint.save_every, the last step, a stop signal; never
+        with save_every -1); returns whether to stop."""
         stopping = self.stop.agreed(self.parallel.device)  # signals reach ranks at slightly different times
         every = self.cfg.checkpoint.save_every
-        if stopping or step == self.cfg.steps or (every and step % every == 0):
+        if every >= 0 and (stopping or step == self.cfg.steps or (every and step % every == 0)):
             checkpointing.save(self.checkpoint_state(), step)
         return stopping
 

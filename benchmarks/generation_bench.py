@@ -1,5 +1,5 @@
 """Built-in Megatron generation throughput against transformers' `generate` (and vLLM's), same tiny Qwen2 or
-Qwen3-MoE model, same CPU, one run.
+Qwen3-MoE model, same machine, one run: on the CPU in fp32, on a GPU in bf16 (transformers with its SDPA attention).
 
     .venv/bin/python benchmarks/generation_bench.py [--prompts 16] [--n 4] [--max-new-tokens 64] [--rounds 5]
         [--hidden 256 --layers 4 --vocab 8192] [--moe] [--vllm] [--output benchmarks/results/generation.md]
@@ -80,13 +80,18 @@ def build_checkpoint(path: str, args) -> None:
 
 
 def transformers_worker(conn, model_dir: str, rows: list[list[int]], max_new_tokens: int) -> None:
-    """Times one left-padded batched `generate` per request received on `conn` (True = run, False = stop)."""
+    """Times one left-padded batched `generate` per request received on `conn` (True = run, False = stop); on a GPU
+    in bf16 with SDPA attention (the tokens' read-back synchronises)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    if torch.cuda.is_available():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                     attn_implementation="sdpa").cuda().eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     width = max(len(r) for r in rows)
-    input_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
-    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    input_ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
     conn.send("ready")
     while conn.recv():
@@ -142,9 +147,11 @@ def main(argv=None):
         from megatron_gtpo.models.qwen import build_model
         from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
 
+        gpu = torch.cuda.is_available()  # asked before initialize_parallel (on a CPU it starts the platform layer)
         groups = initialize_parallel(1, 1)
         with HFCheckpoint(model_dir) as ckpt:
-            chunks = build_model(ckpt.config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0)
+            chunks = build_model(ckpt.config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0,
+                                 params_dtype=torch.bfloat16 if gpu else torch.float32)
             load_hf_weights(chunks, ckpt, tp_rank=0, tp_size=1)
         for name, conn in conns.items():  # vLLM reads the model directory while it starts
             if not conn.poll(600):
@@ -195,7 +202,8 @@ def main(argv=None):
              f"Qwen2 hidden {args.hidden}")
     header = (f"Workload: {args.prompts} prompts (16-64 tokens) x n={args.n}, {args.max_new_tokens} new tokens each "
               f"({generated_tokens} tokens), greedy; {model}, {args.layers} layers, 4 heads / 2 KV "
-              f"heads, vocab {args.vocab}, fp32; {args.rounds} timed rounds.\n"
+              f"heads, vocab {args.vocab}, {'bf16 on ' + torch.cuda.get_device_name() if gpu else 'fp32'}; "
+              f"{args.rounds} timed rounds.\n"
               f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs), torch "
               f"{torch.__version__}, {torch.get_num_threads()} threads; 1-minute load average {load_before:.1f} "
               f"before, {load_after:.1f} after.")

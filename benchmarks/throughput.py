@@ -14,9 +14,11 @@ with --worker-record-dir) that only observes: it wraps the run's old-policy scor
 lengths (the same sequences the update trains on) and times the fused vocab-parallel log-prob + entropy op inside
 that pass (with CUDA synchronisation around it on GPUs); unless --no-logprob-reference, it also times megatron-core's
 log-prob-only vocab_parallel_cross_entropy on the same logits, and takes that added time out of the phase again.
-Per-phase times come from the trainer's own metrics.jsonl (time_generate_s, time_old_logprob_s, time_advantages_s,
-time_update_s, time_sync_s). The first --skip steps of each run are warm-up and not counted; the tables give
-medians over the remaining steps.
+Each run writes its log (stdout and stderr, as they come) and its metrics.jsonl into --log-dir (default: the work
+directory) as it goes, and saves no checkpoint (checkpoint.save_every=-1); the report gives each run's time to its
+first RL step. Per-phase times come from the trainer's own metrics.jsonl (time_generate_s, time_old_logprob_s,
+time_advantages_s, time_update_s, time_sync_s). The first --skip steps of each run are warm-up and not counted;
+the tables give medians over the remaining steps.
 
 Derived figures:
 - tokens/s/GPU: prompt + response tokens of the step's scored sequences / step time / GPUs; response tokens/s/GPU
@@ -167,6 +169,8 @@ def parse_args(argv=None):
                                           "--work-dir with transformers) on the config's task")
     p.add_argument("--peak-tflops", type=float, help="peak FLOPs per GPU in TFLOPs (default: detected on GPUs)")
     p.add_argument("--work-dir", help="run directories (default: a temporary directory, removed afterwards)")
+    p.add_argument("--log-dir", help="each run's log and metrics.jsonl, written as the run goes (default: the work "
+                                     "directory)")
     p.add_argument("--output", help="write the results as markdown here (also printed)")
     p.add_argument("--note", action="append", default=[], help="a line for the results file's notes (repeatable)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per algorithm run")
@@ -186,7 +190,8 @@ def detect_peak_tflops() -> tuple[float | None, str]:
 
 
 def make_random_model(name: str, directory: str) -> str:
-    """A Hugging Face directory with random weights of a published Qwen2.5 shape (bf16 safetensors)."""
+    """A Hugging Face directory with random weights of a published Qwen2.5 shape (bf16 safetensors), initialised on
+    the GPU in bf16 where there is one (a 7B shape in fp32 on the host takes minutes)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -196,37 +201,73 @@ def make_random_model(name: str, directory: str) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     config = {k: v for k, v in hf_config(name).items() if k not in ("architectures", "model_type")}
-    model = Qwen2ForCausalLM(Qwen2Config(**config, architectures=["Qwen2ForCausalLM"])).to(torch.bfloat16)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Qwen2ForCausalLM(Qwen2Config(**config, architectures=["Qwen2ForCausalLM"]))
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
 
 def run_algorithm(args, algorithm: str, work_dir: str, extra: list[str], repeat: int) -> dict:
-    out_dir = os.path.join(work_dir, f"{algorithm}-{repeat}")
+    """One trainer run. Its output goes to `<log dir>/<algorithm>-<repeat>.log` as it is written, and its metrics to
+    `<log dir>/<algorithm>-<repeat>/metrics.jsonl` (the trainer's own file, a line per step), so a run cut short by
+    a time limit leaves both behind (log dir: --log-dir, else the work dir). Also returns the seconds from the
+    launch to the first RL step's metrics line."""
+    out_dir = os.path.join(args.log_dir or work_dir, f"{algorithm}-{repeat}")
+    os.makedirs(out_dir, exist_ok=True)
     record_dir = os.path.join(work_dir, f"{algorithm}-{repeat}-records")
     os.makedirs(record_dir, exist_ok=True)
     sets = [f"algorithm.name={algorithm}", f"steps={args.steps}", f"logging.output_dir={out_dir}",
-            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=0",
+            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=-1",
             "checkpoint.resume=false", *([] if args.keep_dynamic_sampling else ["algorithm.dynamic_sampling=false"]),
             *extra, *args.overrides]
     train_argv = ["--config", args.config, *sum((["--set", s] for s in sets), [])]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            os.path.abspath(__file__), WORKER_FLAG, record_dir, "0" if args.no_logprob_reference else "1", *train_argv]
     env = dict(os.environ, PYTHONPATH=REPO + (os.pathsep + os.environ["PYTHONPATH"] if "PYTHONPATH" in os.environ
-                                               else ""))
+                                               else ""), PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if res.returncode != 0:
-        first_error = max(res.stderr.find("Traceback"), 0)  # the failing rank's, before torchrun's summary
-        raise RuntimeError(f"{algorithm}: the trainer failed ({res.returncode}):\n"
-                           f"{res.stderr[first_error:first_error + 6000]}")
+    log_path, metrics_path = f"{out_dir}.log", os.path.join(out_dir, "metrics.jsonl")
+    started, first_step_s = time.monotonic(), None
+    with open(log_path, "w", encoding="utf-8") as log:
+        process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            while process.poll() is None:
+                if first_step_s is None and _rl_steps_logged(metrics_path):
+                    first_step_s = time.monotonic() - started
+                if time.monotonic() - started > args.timeout:
+                    raise RuntimeError(f"{algorithm}: the trainer ran past --timeout {args.timeout:g} s ({log_path})")
+                time.sleep(0.25)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    if process.returncode != 0:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        first_error = max(text.find("Traceback"), 0)  # the failing rank's, before torchrun's summary
+        raise RuntimeError(f"{algorithm}: the trainer failed ({process.returncode}; log {log_path}):\n"
+                           f"{text[first_error:first_error + 6000]}")
     records = []
     for name in sorted(os.listdir(record_dir)):
         with open(os.path.join(record_dir, name), encoding="utf-8") as f:
             records.append(json.load(f))
-    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+    with open(metrics_path, encoding="utf-8") as f:
         metrics = [json.loads(line) for line in f if line.strip()]
-    return {"records": records, "metrics": [m for m in metrics if m["step"] >= 0]}
+    return {"records": records, "metrics": [m for m in metrics if m["step"] >= 0],
+            "first_step_s": first_step_s if first_step_s is not None else time.monotonic() - started}
+
+
+def _rl_steps_logged(metrics_path: str) -> bool:
+    """Whether the trainer's metrics file holds an RL step's line yet (warm-up lines have negative steps)."""
+    if not os.path.exists(metrics_path):
+        return False
+    with open(metrics_path, encoding="utf-8") as f:
+        return any(line.endswith("\n") and json.loads(line)["step"] >= 0 for line in f)
 
 
 def step_rows(run: dict, skip: int, peak_tflops: float | None) -> list[dict]:
@@ -327,7 +368,7 @@ def memory_lines(records_by_algorithm: dict) -> list[str]:
 
 
 def format_report(args, summaries: dict, peak: float | None, device: str, command: str, model: str,
-                  records_by_algorithm: dict, runs_left: int = 0) -> str:
+                  records_by_algorithm: dict, first_step_s: dict, runs_left: int = 0) -> str:
     base_name = args.algorithms[0]
     base = summaries[base_name]
     fmt_ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
@@ -342,7 +383,10 @@ def format_report(args, summaries: dict, peak: float | None, device: str, comman
              f"{' '.join(args.overrides) or 'no overrides'}"
              f"{'' if args.keep_dynamic_sampling else ', dynamic sampling off for every algorithm'}"
              f"{f', random-weight {args.random_model} model' if args.random_model else ''}.", "",
-             f"Model: {model}.", ""]
+             f"Model: {model}.", "",
+             "Time to the first step (launch to its metrics line; model build, weight load, first generation and "
+             "update): " + ", ".join(f"{a} {', '.join(f'{t:.1f}' for t in ts)} s" for a, ts in first_step_s.items()
+                                     if ts) + ".", ""]
     lines += ["## Per-phase time (ms, median per step)", "",
               "| algorithm | step | generate | old log-prob | (in it: fused log-prob+entropy op) | (reference: "
               "log-prob-only op) | advantages | update | weight sync | step min-max |",
@@ -417,6 +461,7 @@ def main(argv=None) -> int:
             extra = [f"model.hf_dir={make_random_model(args.random_model, work_dir)}", "model.tiny_synthetic=false"]
         rows = {algorithm: [] for algorithm in args.algorithms}
         records = {algorithm: [] for algorithm in args.algorithms}
+        first_step_s = {algorithm: [] for algorithm in args.algorithms}
         runs_left = args.repeats * len(args.algorithms)
         for repeat in range(args.repeats):
             k = repeat % len(args.algorithms)
@@ -428,6 +473,7 @@ def main(argv=None) -> int:
                       file=sys.stderr, flush=True)
                 rows[algorithm] += step_rows(run, args.skip, peak)
                 records[algorithm] += run["records"]
+                first_step_s[algorithm].append(run["first_step_s"])
                 runs_left -= 1
                 # Rewritten after every run: a run cut short by a time limit (a GPU lease) keeps what finished.
                 finished = [a for a in args.algorithms if rows[a]]
@@ -435,9 +481,10 @@ def main(argv=None) -> int:
                     summaries = {a: summarize(rows[a]) for a in finished}
                     write_atomically(args.output, format_report(
                         args, summaries, peak, device, command, model_description(run["records"][0]), records,
-                        runs_left=runs_left))
+                        first_step_s, runs_left=runs_left))
         summaries = {algorithm: summarize(rows[algorithm]) for algorithm in args.algorithms}
-    report = format_report(args, summaries, peak, device, command, model_description(run["records"][0]), records)
+    report = format_report(args, summaries, peak, device, command, model_description(run["records"][0]), records,
+                           first_step_s)
     print(report)
     if args.output:
         write_atomically(args.output, report)

@@ -9,23 +9,36 @@
   alone does not tell where the input went wrong) re-raises it instead: Python prints the traceback, on every rank
   that meets it (not once per node), and the process ends with status 1.
 - Any other exception is unexpected: its traceback is printed, and the process ends with status 1.
+- Ctrl-C (KeyboardInterrupt) ends it with one line `PROG: interrupted` and status 130 (the trainer takes a first
+  Ctrl-C as "checkpoint after this step and exit": training/checkpointing.StopSignal).
+- Argument errors (`ArgumentParser`, argparse's with errors raised as `UsageError`) are user errors: the usage line
+  and the error, once, status 2.
+- Under torchrun the line (or traceback) also goes to the rank's $TORCHELASTIC_ERROR_FILE, so that torchrun's
+  failure summary ends with it.
 - Under a launcher every rank usually meets the same error at the same line. Each distinct message (or traceback)
   is printed once per node, by the first local rank that meets it; a message of a rank's own (its own file, its own
   rank number) is still printed by that rank.
+
+`check_conversion_paths` is what the converters (tools/convert_*) check before their slow imports (torch, megatron).
 
 `say_once(text)` is that de-duplicated printing; `run_cli` routes Python warnings and log records (WARNING and up)
 through it too, so that what every rank warns alike reaches the console once.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from typing import Callable
+
+from megatron_gtpo.notices import ignore_optional_kernel_notices
 
 USER_ERRORS = (ValueError, OSError, KeyError)
 
@@ -78,6 +91,7 @@ def _show_warning_once(message, category, filename, lineno, file=None, line=None
 def run_cli(prog: str, main: Callable[[], int | None]) -> None:
     """Run `main()` and exit with its status (None: 0), or as described above when it raises."""
     warnings.showwarning = _show_warning_once
+    ignore_optional_kernel_notices()
     handler = _SaidOnce()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
@@ -86,10 +100,56 @@ def run_cli(prog: str, main: Callable[[], int | None]) -> None:
     except USER_ERRORS as e:
         if os.environ.get("MEGATRON_GTPO_TRACEBACK", "") not in ("", "0"):
             raise
-        say_once(f"{prog}: error: {_message(e)}")
+        _report((e.usage if isinstance(e, UsageError) else "") + f"{prog}: error: {_message(e)}")
         status = 2
+    except KeyboardInterrupt:  # Ctrl-C (the trainer's second one): every rank stops, with one line and no traceback
+        _report(f"{prog}: interrupted")
+        status = 130
     except Exception:
-        say_once(traceback.format_exc().rstrip())
+        _report(traceback.format_exc().rstrip())
         status = 1
     sys.stdout.flush()
     sys.exit(status)
+
+
+def _report(text: str) -> None:
+    """Print how the process ends (once, say_once) and, under torchrun, leave it in this rank's error file: torchrun's
+    failure summary then ends with it, the root cause, instead of a link to its docs."""
+    say_once(text)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        from megatron_gtpo.atomic_files import write_atomically
+
+        # torch's ErrorHandler format, whose py_callstack torchrun shows. It takes the failure of the earliest
+        # timestamp as the root cause, in whole seconds, and stamps a rank it stopped (no error file) with the second
+        # it noticed: one second back keeps this one first in a tie.
+        stamp = str(int(time.time()) - 1)
+        write_atomically(path, json.dumps({"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                                                       "timestamp": stamp}}}))
+
+
+class UsageError(ValueError):
+    """A command-line argument error (`ArgumentParser.error`), with the usage line to print before it."""
+
+    def __init__(self, message: str, usage: str):
+        super().__init__(message)
+        self.usage = usage
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors end the process through run_cli (printed once however many ranks meet them,
+    status 2) rather than by printing and exiting in every rank."""
+
+    def error(self, message: str):
+        raise UsageError(message, self.format_usage())
+
+
+def check_conversion_paths(source_flag: str, source: str, output_dir: str, *, force: bool) -> None:
+    """A converter's paths, checked in a second rather than after its imports: its input directory exists, its
+    output does not unless `force` (--force); the output's parent folder is created."""
+    if not os.path.isdir(source):
+        problem = "is not a directory" if os.path.exists(source) else "does not exist"
+        raise FileNotFoundError(f"{source_flag}: {source!r} {problem}")
+    if os.path.exists(output_dir) and not force:
+        raise FileExistsError(f"--output-dir: {output_dir!r} already exists; use --force to replace it")
+    os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)

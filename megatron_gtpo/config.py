@@ -6,6 +6,7 @@ configuration is written next to the checkpoints (`save_config`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import types
 import typing
@@ -181,7 +182,18 @@ class AlgorithmConfig:
     dual_clip: float | None = None
     sequence_ratio: str = "arithmetic"  # arithmetic | geometric (GRPO-S)
     kl_coef: float = 0.0
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # the entropy bonus: loss -= entropy_coef * entropy of the current policy
+    # Clip-Cov / KL-Cov (arXiv 2505.22617; defaults: the paper's recipes in verl, recipe/entropy): Clip-Cov removes
+    # the gradient of a random clip_cov_ratio of the tokens whose covariance is in (lb, ub); KL-Cov penalises the top
+    # kl_cov_ratio by covariance with kl_cov_coef * |log-ratio| (docs/algorithms.md, "The entropy methods").
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
+    # Keep the policy gradient on this top fraction of the mini-batch's response tokens by old-policy entropy only
+    # (arXiv 2506.01939: 0.2); None: every token.
+    entropy_token_fraction: float | None = None
     dynamic_sampling: bool | None = None  # None: on for DAPO/GTPO/GRPO-S, off for GRPO
     max_resample_rounds: int = 3
     length_penalty: str | None = None  # None: the algorithm's default | none | overlong | group_relative
@@ -210,6 +222,13 @@ class AlgorithmConfig:
         _need(self.entropy_clip is None or self.entropy_clip[0] <= self.entropy_clip[1],
               f"algorithm.entropy_clip: low must be <= high, got {self.entropy_clip}")
         _need(self.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {self.kl_coef}")
+        for key in ("clip_cov_ratio", "kl_cov_ratio", "entropy_token_fraction"):
+            value = getattr(self, key)
+            _need(value is None and key == "entropy_token_fraction" or value is not None and 0 < value <= 1,
+                  f"algorithm.{key}: must be in (0, 1], got {value}")
+        _need(self.clip_cov_lb < self.clip_cov_ub,
+              f"algorithm.clip_cov_lb: must be < clip_cov_ub ({self.clip_cov_ub}), got {self.clip_cov_lb}")
+        _need(self.kl_cov_coef >= 0, f"algorithm.kl_cov_coef: must be >= 0, got {self.kl_cov_coef}")
         _need(self.rollout_is_cap > 0, f"algorithm.rollout_is_cap: must be > 0, got {self.rollout_is_cap}")
         _need(0 <= self.rollout_rs_bounds[0] <= self.rollout_rs_bounds[1],
               f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got "
@@ -242,7 +261,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     source: str = "jsonl"  # jsonl | synthetic
-    task: str = "addition"  # the synthetic task (data/synthetic_tasks.py): addition | scratchpad_addition
+    task: str = "addition"  # the synthetic task (data/synthetic_tasks.py): addition | scratchpad_addition |
+    # arithmetic_target
     path: str | None = None
     prompt_field: str = "problem"
     answer_field: str = "answer"
@@ -286,12 +306,15 @@ class WarmStartConfig:
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # default: <output_dir>/checkpoints
-    save_every: int = 0  # 0: only at the end and on SIGTERM/SIGUSR1
+    # N > 0: every N steps, at the end and on SIGTERM/SIGUSR1; 0: only at the end and on those signals; -1: never
+    # (no checkpoint at all: benchmarks, throwaway runs)
+    save_every: int = 0
     keep_last: int = 2
     resume: bool = True
 
     def check(self) -> None:
         _need(self.keep_last >= 1, f"checkpoint.keep_last: must be >= 1, got {self.keep_last}")
+        _need(self.save_every >= -1, f"checkpoint.save_every: must be >= -1 (-1: never), got {self.save_every}")
 
 
 @dataclass
@@ -404,7 +427,8 @@ def _build(cls, data: dict, prefix: str):
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(prefix + k for k in unknown)}; valid keys here: {', '.join(sorted(names))}")
+                          f"{', '.join(prefix + k + _did_you_mean(k, names, prefix) for k in unknown)}; valid keys "
+                          f"here: {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in data.items():
         annotation = hints[name]
@@ -416,6 +440,11 @@ def _build(cls, data: dict, prefix: str):
             if key in _CHOICES and kwargs[name] is not None and kwargs[name] not in _CHOICES[key]:
                 raise ConfigError(f"{key}: {kwargs[name]!r} is not one of {', '.join(_CHOICES[key])}")
     return cls(**kwargs)
+
+
+def _did_you_mean(key, names: set[str], prefix: str) -> str:
+    close = difflib.get_close_matches(str(key), sorted(names), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def _parse_override(item: str) -> tuple[list[str], object]:

@@ -1,6 +1,6 @@
 """The rules between features of a run configuration, in one table (`CROSS_FEATURE_RULES`): the rollout engine,
-mixture-of-experts routing replay, bounded staleness, partial rollouts, context parallelism, the data source and the
-warm start. Each row
+mixture-of-experts routing replay, bounded staleness, partial rollouts, context parallelism, the algorithms' token
+selections, the data source and the warm start. Each row
 has a name, when the configuration is refused, why, and the one message it gets (which starts with the key it is
 about). config.validate applies them after each section's own checks (the `check` methods beside the sections in
 config.py) and before the layout's rules.
@@ -120,6 +120,17 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "rollout.engine: builtin does not generate in the trainer's processes at parallel.context "
          "{parallel.context} (they split every sequence over the context-parallel ranks); generate on vLLM (vllm) or "
          "on rollout servers ({remote_engines}: docs/remote_rollout.md)"),
+    Rule("the high-entropy fraction needs a token-level loss",
+         lambda f: f.algorithm.entropy_token_fraction is not None and f.entry.sequence_level_loss,
+         "it keeps the policy gradient of single tokens; a sequence-level surrogate has no per-token term",
+         "algorithm.entropy_token_fraction: needs a token-level loss; {algorithm.name}'s surrogate is one term per "
+         "sequence"),
+    Rule("KL-Cov has no PPO clip",
+         lambda f: f.entry.covariance_selection == "kl"
+         and (f.algorithm.eps_low, f.algorithm.eps_high, f.algorithm.dual_clip) != (None, None, None),
+         "KL-Cov's surrogate is unclipped (arXiv 2505.22617); its penalty on the selected tokens replaces the clip",
+         "algorithm.eps_low / eps_high / dual_clip: {algorithm.name} has no PPO clip (its KL penalty replaces it); "
+         "unset them"),
     Rule("the tiny model needs the synthetic task",
          lambda f: f.model.tiny_synthetic and f.data.source != "synthetic",
          "the tiny model's vocabulary is the synthetic task's characters",

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Sequence
 
-from megatron_gtpo.cli import run_cli
+from megatron_gtpo.cli import ArgumentParser, run_cli
 from megatron_gtpo.data import EVAL_SET_NAMES, PROMPT_STYLES, load_dataset, load_tokenizer
 from megatron_gtpo.evaluation.replicas import build_replica
 from megatron_gtpo.evaluation.report import RESPONSES_JSONL, RESULTS_CSV, RESULTS_JSON, format_summary, write_report
@@ -31,13 +31,6 @@ ENGINES = ("builtin", "vllm")
 DTYPES = ("bfloat16", "float32")
 DEFAULT_DTYPE = {"builtin": "float32", "vllm": "bfloat16"}
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # evaluation has each GPU to itself
-
-
-def _default_tokenizer(model: str) -> str:
-    """--model's tokenizer: the Hugging Face files a checkpoint copied along, else the model directory itself."""
-    from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR, METADATA_FILE
-
-    return os.path.join(model, HF_FILES_DIR) if os.path.isfile(os.path.join(model, METADATA_FILE)) else model
 
 
 def _default_ks(num_samples: int) -> list[int]:
@@ -56,9 +49,10 @@ def _dataset_source(spec: str) -> tuple[str, str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_gtpo.evaluate", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m megatron_gtpo.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
-                        help="Hugging Face directory or megatron_gtpo checkpoint directory to evaluate")
+                        help="Hugging Face directory or megatron_gtpo checkpoint directory to evaluate (a trainer's "
+                             "checkpoints folder or its `latest`: the newest checkpoint)")
     parser.add_argument("--engine", choices=ENGINES, default="builtin",
                         help="builtin: megatron generation (CPU, small models); vllm: vLLM replicas (GPU)")
     parser.add_argument("--dtype", choices=DTYPES,
@@ -136,6 +130,10 @@ def main(argv: Sequence[str] | None = None, *, replica_factory=build_replica) ->
     """Run the evaluation CLI; returns the summary it wrote (on rank 0; None on the others).
     `replica_factory(args, tokenizer)` builds this rank's engine (evaluation/replicas.py)."""
     args = parse_args(argv)
+    from megatron_gtpo.checkpoint.sources import ModelSource
+
+    source = ModelSource.detect(args.model, what="--model")  # first: a wrong path is named as such
+    args.model = source.path  # a checkpoints folder or `latest`: the checkpoint it names
     template = PROMPT_STYLES[args.prompt_style]
     template = dataclasses.replace(
         template,
@@ -145,7 +143,7 @@ def main(argv: Sequence[str] | None = None, *, replica_factory=build_replica) ->
     )
     sampling = SamplingSettings(args.num_samples, args.temperature, args.top_p, args.max_new_tokens, args.seed)
     datasets = {name: load_dataset(source) for name, source in map(_dataset_source, args.datasets)}
-    tokenizer = load_tokenizer(args.tokenizer or _default_tokenizer(args.model))
+    tokenizer = load_tokenizer(args.tokenizer or source.tokenizer_dir)
     replica = replica_factory(args, tokenizer)
     import torch.distributed as dist
 

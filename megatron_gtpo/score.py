@@ -11,12 +11,12 @@ Data-parallel replicas (world / (TP*PP*CP) of them) score disjoint slices. The o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 
 from megatron_gtpo.atomic_files import write_atomically
-from megatron_gtpo.cli import run_cli
+from megatron_gtpo.cli import ArgumentParser, run_cli
 
 
 def read_token_ids(path: str, *, vocab_size: int, max_positions: int) -> list[list[int]]:
@@ -50,7 +50,7 @@ def write_jsonl_atomically(path: str, rows: list[dict]) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m megatron_gtpo.score", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m megatron_gtpo.score", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="Hugging Face Qwen2 / Qwen3 model directory (safetensors)")
     src.add_argument("--load", help="megatron_gtpo distributed checkpoint directory (converter or trainer output)")
@@ -74,7 +74,7 @@ def _model_source(args):
         from megatron_gtpo.models.qwen import load_hf_config
 
         load_hf_config(args.hf)  # names a missing config.json before anything else
-    source = ModelSource.detect(args.hf or args.load)
+    source = ModelSource.detect(args.hf or args.load, what="--hf" if args.hf else "--load")
     if source.is_megatron_checkpoint != bool(args.load):
         flag = "--load" if source.is_megatron_checkpoint else "--hf"
         raise ValueError(f"{source.path!r} is a {'megatron_gtpo checkpoint' if args.hf else 'Hugging Face directory'}"
@@ -124,6 +124,8 @@ def main(argv=None) -> int:
         if parallel.dp_rank == 0:
             by_index = dict(pair for part in gathered for pair in part)
             write_jsonl_atomically(args.output, [by_index[i] for i in range(len(sequences))])
+            print(f"wrote {args.output}: per-token log-probs and entropies of {len(sequences)} sequences",
+                  file=sys.stderr)
     dist.barrier()
     destroy_parallel()
     return 0

@@ -5,27 +5,64 @@ Writes <logging.output_dir>/metrics.jsonl (one JSON object per step), TensorBoar
 """
 from __future__ import annotations
 
-import argparse
+import os
+import sys
 
-from megatron_gtpo.cli import run_cli
+from megatron_gtpo.cli import ArgumentParser, run_cli, say_once
 from megatron_gtpo.config import load_config
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_gtpo.train", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m megatron_gtpo.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="YAML config file (see examples/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set optim.lr=1e-6 (repeatable)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     from megatron_gtpo.distributed import destroy_parallel
+    from megatron_gtpo.training.checkpointing import relaunch_check
     from megatron_gtpo.training.trainer import Trainer
 
+    check_launch(cfg, argv if argv is not None else sys.argv[1:])
+    finished = relaunch_check(cfg)  # a relaunch that changes what the run trains fails here, before any build
+    if finished is not None:
+        say_once(finished)
+        return 0
     try:
-        Trainer(cfg).train()
+        trainer = Trainer(cfg)
+        trainer.train()
+        if trainer.is_logging_rank:
+            print(run_summary(cfg), file=sys.stderr)
     finally:
         destroy_parallel()
     return 0
+
+
+def check_launch(cfg, argv: list[str]) -> None:
+    """ConfigError saying how to launch a layout of several processes started as one (no torchrun, no srun)."""
+    from megatron_gtpo.config import ConfigError
+    from megatron_gtpo.distributed import read_launch_env
+
+    p = cfg.parallel
+    needed = p.tensor * p.pipeline * p.context
+    if needed > 1 and read_launch_env().launcher == "single":
+        raise ConfigError(f"parallel: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} needs "
+                          f"{needed} processes (or a multiple), and this is one: launch it with torchrun "
+                          f"--nproc_per_node {needed} -m megatron_gtpo.train {' '.join(argv)}")
+
+
+def run_summary(cfg) -> str:
+    """What a finished (or stopped) run wrote, and where."""
+    from megatron_gtpo.training.checkpointing import resume_candidates
+
+    out = cfg.logging.output_dir
+    written = [f"metrics {os.path.join(out, 'metrics.jsonl')}"]
+    if cfg.logging.tensorboard:
+        written.append(f"TensorBoard logs {os.path.join(out, 'tensorboard')}")
+    latest = resume_candidates(cfg.checkpoint_dir)
+    if latest:
+        written.append(f"checkpoints in {cfg.checkpoint_dir} (the newest: {latest[0]})")
+    return "wrote " + ", ".join(written)
 
 
 if __name__ == "__main__":

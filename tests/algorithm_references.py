@@ -108,3 +108,67 @@ def dense_from_dict(values, shape):
     for (n, g, t), v in values.items():
         out[n, g, t] = v
     return out
+
+
+# ------------------------------------------------------------------------------------------------- verl (0.5 - 0.9)
+# Transcriptions of verl's verl/trainer/ppo/core_algos.py compute_policy_loss_clip_cov and compute_policy_loss_kl_cov
+# (themselves from PRIME-RL/Entropy-Mechanism-of-RL), with verl_F.masked_mean and agg_loss("token-mean") written out
+# and the config read replaced by keywords: the scope is ONE micro-batch and the covariance uses the CURRENT log-probs.
+
+
+def _masked_mean(values, mask):
+    return (values * mask).sum() / mask.sum()
+
+
+def verl_clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, *, cliprange_low, cliprange_high,
+                       clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0):
+    """(pg_loss, pg_clipfrac, ppo_kl); token-mean. Draws torch.randperm from the global generator, as verl does."""
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = _masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -advantages * ratio
+    corr = torch.ones_like(advantages)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_by_origin = (pg_losses2 > pg_losses1) & (response_mask > 0)
+    cov_all = (advantages - _masked_mean(advantages, response_mask)) * (
+        log_prob - _masked_mean(log_prob.detach(), response_mask))
+    cov_all[response_mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(clip_cov_ratio * response_mask.sum().item()), 1)
+    top_k_idx = (cov_all < clip_cov_ub) & (cov_all > clip_cov_lb) & (response_mask > 0)
+    top_k_idx = torch.nonzero(top_k_idx)
+    if len(top_k_idx) > 0:
+        perm = torch.randperm(len(top_k_idx))
+        top_k_idx = top_k_idx[perm[: min(clip_num, len(top_k_idx))]]
+    else:
+        top_k_idx = torch.empty((0, 2), device=cov_all.device, dtype=torch.long)
+    corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+    pg_clipfrac = _masked_mean((corr == 0).float(), response_mask)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+    return _masked_mean(pg_losses, response_mask), pg_clipfrac, ppo_kl
+
+
+def verl_kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, *, kl_cov_ratio=0.0002, ppo_kl_coef=1.0):
+    """(pg_loss, ppo_kl_abs); token-mean. verl's `k = min(kl_cov_ratio, len(...))` is kept: it only skips the
+    selection of an empty micro-batch."""
+    negative_approx_kl = log_prob - old_log_prob
+    abs_kl = negative_approx_kl.abs()
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl_abs = _masked_mean(negative_approx_kl.abs(), response_mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses_kl = -advantages * ratio + ppo_kl_coef * abs_kl
+    pg_losses = pg_losses1
+    all_valid = response_mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    all_valid_adv = advantages[all_valid].detach().reshape(-1).cpu()
+    all_valid_logp = log_prob[all_valid].detach().reshape(-1).cpu()
+    k = min(kl_cov_ratio, len(all_valid_adv))
+    if k != 0:
+        cov_lst_all = (all_valid_adv - all_valid_adv.mean()) * (all_valid_logp - all_valid_logp.mean())
+        k_percent_nums = max(1, int(len(cov_lst_all) * kl_cov_ratio))
+        large_cov_idxs = torch.topk(cov_lst_all, k_percent_nums, largest=True).indices
+        if len(large_cov_idxs) != 0:
+            large_cov_idxs = all_valid_idx[large_cov_idxs]
+            rows, cols = large_cov_idxs // advantages.shape[1], large_cov_idxs % advantages.shape[1]
+            pg_losses[rows, cols] = pg_losses_kl[rows, cols]
+    return _masked_mean(pg_losses, response_mask), ppo_kl_abs

@@ -6,6 +6,13 @@ import torch
 
 NUM_GROUPS, G = 4, 2
 LOSS_LEVELS = ("token", "sequence")
+# The token selections (Clip-Cov, KL-Cov, the high-entropy fraction) on the token-level loss, with settings that make
+# them act on this small batch: their statistics span the whole mini-batch, so the split must not change them.
+SELECTIONS = {
+    "clip_cov": dict(name="clip_cov", clip_cov_ratio=0.3, clip_cov_lb=0.05),
+    "kl_cov": dict(name="kl_cov", kl_cov_ratio=0.3),
+    "entropy_fraction": dict(name="dapo", entropy_token_fraction=0.5),
+}
 # Micro-batch plans: (sequences, max tokens, packed)
 BY_COUNT, ONE_BY_ONE = (4, None, False), (1, None, False)
 BUDGETS = [(8, 12, False), (8, 21, False)]  # max tokens per micro-batch (padded): 1 to 3 sequences each
@@ -78,11 +85,14 @@ def _replayed_routes(exp, shape, first_sequence: int):
 
 
 def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=False, sp=False, recompute=False,
-             cp=1):
+             cp=1, selection_plans=()):
     """One update per (loss level, plan), plan = (max sequences, max tokens per micro-batch, pack), through the
     trainer's own step batch and update_policy, with sequence parallelism if `sp`, full activation recompute
     (model.recompute_activations) if `recompute` and context parallel size `cp`; a mixture-of-experts model's experts
-    at EP `ep` and ETP `etp`, with `replay` routing every token to arbitrary recorded experts (`_replayed_routes`)."""
+    at EP `ep` and ETP `etp`, with `replay` routing every token to arbitrary recorded experts (`_replayed_routes`).
+    Also one per (SELECTIONS level, plan of `selection_plans`), through the trainer's token-selection phase on fixed
+    old-policy entropies."""
+    import dataclasses
 
     from megatron_gtpo.algorithms import configure_algorithm
     from megatron_gtpo.config import load_config
@@ -97,6 +107,7 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
     from megatron_gtpo.training.reduction import MetricReducer
     from megatron_gtpo.training.update import update_policy
     from megatron_gtpo.training.step_batch import build_step_batch
+    from megatron_gtpo.training.token_selection import global_token_selection
 
     groups = initialize_parallel(tp, pp, sequence_parallel=sp, expert_parallel=ep, expert_tensor_parallel=etp,
                                  context_parallel=cp)
@@ -111,7 +122,9 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
     exp = Experience(exp.prompt_token_ids[mine], exp.responses.select_prompts(range(mine.start, mine.stop)),
                      exp.correct_NG[mine], exp.rewards_NG[mine])
     results = {}
-    for level, plan in ((level, plan) for level in LOSS_LEVELS for plan in plans):
+    runs = [(level, plan) for level in LOSS_LEVELS for plan in plans]
+    runs += [(level, plan) for level in SELECTIONS for plan in selection_plans]
+    for level, plan in runs:
         sequence_level = level == "sequence"
         with HFCheckpoint(model_dir) as ckpt:
             chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
@@ -129,10 +142,15 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
             T = batch.mask_ST.shape[1]
             batch.old_logprobs_ST = old_ST[rows, :T].to(groups.device)
             batch.advantages = (sequence_adv_S[rows] if sequence_level else token_adv_ST[rows, :T]).to(groups.device)
-        cfg.algorithm.name = "grpo_s" if sequence_level else "dapo"  # eps 0.2 / 0.28, token-mean for dapo
-        algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
+        settings = SELECTIONS.get(level, {"name": "grpo_s" if sequence_level else "dapo"})  # dapo: 0.2 / 0.28
+        algorithm = configure_algorithm(dataclasses.replace(cfg.algorithm, **settings),
+                                        max_new_tokens=cfg.rollout.max_new_tokens)
         syncs = device_audit().host_syncs
         metrics = MetricReducer(groups.device)
+        if level in SELECTIONS and groups.is_last_stage:
+            # fixed per token (whatever the layout), spread over [0, 3), no ties
+            batch.entropy_ST = (3 * torch.frac(37 * old_ST[rows, :T]).abs()).to(groups.device)
+            global_token_selection(algorithm.select_tokens, batch, groups, metrics, seed=0, step=0)
         update_policy(policy, batch, groups, algorithm, metrics, epochs=1, vocab_size=shape.vocab_size,
                       temperature=0.9, chunk_tokens=None)
         update = metrics.reduce(groups.dp_group)
@@ -144,6 +162,8 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
                                 "weights": weights if groups.tp_rank == 0 and groups.dp_rank == 0 else {},
                                 "clipped": update["clip_frac_low"] + update["clip_frac_high"] > 0
                                 if groups.is_last_stage else None,
+                                "selected": {k: update[k] for k in ("clip_cov_fraction", "kl_cov_fraction",
+                                                                    "entropy_kept_fraction") if k in update},
                                 "micro_batches": len(batch.plan[0]),
                                 "largest": max(mb.inputs.tokens_BL.numel() for mb in batch.plan[0]),
                                 "most_per_row": max(len(mb.rows) // mb.inputs.tokens_BL.shape[0]

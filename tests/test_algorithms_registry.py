@@ -41,6 +41,60 @@ def test_entries_follow_the_papers():
     assert gtpo.advantages is gtpo_advantages and gtpo.uses_entropy and not gtpo.sequence_level_loss
     assert grpo_s.sequence_level_loss and grpo_s.advantages is grpo_s_advantages
     assert grpo.advantages is dapo.advantages is grpo_advantages and not grpo.uses_entropy
+    clip_cov, kl_cov = ALGORITHMS[Algorithm.CLIP_COV], ALGORITHMS[Algorithm.KL_COV]
+    assert clip_cov.advantages is kl_cov.advantages is grpo_advantages  # DAPO's, with dynamic sampling
+    assert clip_cov.dynamic_sampling and kl_cov.dynamic_sampling
+    assert clip_cov.loss_defaults == dapo.loss_defaults and clip_cov.covariance_selection == "clip"
+    assert kl_cov.loss_defaults == dict(ppo_clip=False, loss_agg_mode="token-mean")
+    assert kl_cov.covariance_selection == "kl" and "kl_cov_coef" in kl_cov.loss_fields
+
+
+def test_the_covariance_and_entropy_selections_are_bound_from_the_config():
+    from megatron_gtpo.config import AlgorithmConfig
+
+    defaults = AlgorithmConfig()  # the paper's recipes (verl recipe/entropy): 2e-4 in (1, 5); 2e-3 with coef 1
+    assert (defaults.clip_cov_ratio, defaults.clip_cov_lb, defaults.clip_cov_ub) == (2e-4, 1.0, 5.0)
+    assert (defaults.kl_cov_ratio, defaults.kl_cov_coef, defaults.entropy_token_fraction) == (2e-3, 1.0, None)
+    assert _configured("dapo").select_tokens is None and _configured("gtpo").select_tokens is None
+    K = 400
+    gen = torch.Generator().manual_seed(0)
+    a, lp, h, keys = torch.randn(K, generator=gen), -torch.rand(K, generator=gen), torch.rand(K, generator=gen), \
+        torch.rand(K, generator=gen, dtype=torch.float64)
+    from megatron_gtpo.algorithms.token_selection import select_tokens
+
+    def same(got, expected):
+        assert got.keep_K.tolist() == expected.keep_K.tolist()
+        assert got.penalise_K.tolist() == expected.penalise_K.tolist() and got.metrics.keys() == expected.metrics.keys()
+
+    same(_configured("clip_cov", "algorithm.clip_cov_lb=0.1").select_tokens(a, lp, h, keys),
+         select_tokens(a, lp, h, keys, clip_cov=(2e-4, 0.1, 5.0)))
+    same(_configured("kl_cov", "algorithm.kl_cov_ratio=0.1", "algorithm.entropy_token_fraction=0.2").select_tokens(
+        a, lp, h, keys), select_tokens(a, lp, h, keys, kl_cov_ratio=0.1, entropy_token_fraction=0.2))
+    same(_configured("gtpo", "algorithm.entropy_token_fraction=0.5").select_tokens(a, lp, h, keys),
+         select_tokens(a, lp, h, keys, entropy_token_fraction=0.5))
+
+
+@pytest.mark.parametrize("name", ["gtpo", "grpo_s"])
+@pytest.mark.parametrize("scope", ["batch", "group"])
+def test_a_group_without_both_outcomes_gets_no_entropy_noise(name, scope):
+    """Dynamic sampling off: the paper's formulas shape an all-correct (all-failed) group into the z-score of its
+    entropies alone, at full advantage scale. The project gives its tokens 0 (as GRPO's z-score does) and shapes the
+    other groups as if it were not there (as if dynamic sampling had dropped it)."""
+    rewards, entropy, mask = _batch(5, N=4)
+    rewards[0], rewards[1, :2], rewards[1, 2:], rewards[2] = 1.0, 1.0, 0.0, 0.0  # 0 all correct, 2 all failed
+    rewards[3, 0], rewards[3, 1:] = 1.0, 0.0
+    configured = _configured(name, f"algorithm.norm_scope={scope}", "algorithm.dynamic_sampling=false")
+    assert configured.dynamic_sampling is False
+    got = configured.advantages(rewards, entropy, mask)
+    kept = torch.tensor([1, 3])
+    fn = gtpo_advantages if name == "gtpo" else grpo_s_advantages
+    paper = fn(rewards, entropy, mask, **({"norm_scope": scope} if name == "gtpo" else {}))
+    assert paper[0].abs().max() > 0.5 and paper[2].abs().max() > 0.5  # the formula's entropy noise, at unit scale
+    assert (got[0] == 0).all() and (got[2] == 0).all()
+    torch.testing.assert_close(got[kept], fn(rewards[kept], entropy[kept], mask[kept],
+                                             **({"norm_scope": scope} if name == "gtpo" else {})))
+    none_informative = configured.advantages(rewards[[0, 2]], entropy[[0, 2]], mask[[0, 2]])
+    assert none_informative.shape == paper[[0, 2]].shape and (none_informative == 0).all()
 
 
 @pytest.mark.parametrize("name, expected", [("grpo", Algorithm.GRPO), ("DAPO", Algorithm.DAPO),
@@ -58,7 +112,7 @@ def test_resolve_unknown_algorithm_raises():
 def test_config_choices_are_the_registry_names():
     from megatron_gtpo.config import _CHOICES
 
-    assert _CHOICES["algorithm.name"] == ALGORITHM_NAMES == ("gtpo", "grpo_s", "grpo", "dapo")
+    assert _CHOICES["algorithm.name"] == ALGORITHM_NAMES == ("gtpo", "grpo_s", "grpo", "dapo", "clip_cov", "kl_cov")
 
 
 def _configured(name, *overrides):

@@ -7,6 +7,7 @@ serving the relaunched one at once (a newer session pre-empts the dead one's gen
 server starts with the variables srun gives one on the second of two rollout nodes (SRUN_ENV)."""
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -246,6 +247,7 @@ def test_a_new_trainer_session_preempts_the_generation_and_weight_update_of_the_
     from megatron_gtpo.data.synthetic import tiny_model_hf_config
     from megatron_gtpo.models.qwen import ModelShape
     from megatron_gtpo.rollout.engine import SamplingParams
+    from megatron_gtpo.rollout.remote_channel import session_key
     from megatron_gtpo.rollout.remote_client import RemoteClient
 
     shape, cpu = ModelShape.from_hf(tiny_model_hf_config()), torch.device("cpu")
@@ -255,6 +257,12 @@ def test_a_new_trainer_session_preempts_the_generation_and_weight_update_of_the_
     try:
         first = RemoteClient(address, shape, cpu, connect_timeout_s=120)
         expected, version = first.generate(prompts, params), first.policy_version  # its session is left open
+        key = session_key(first.session, first._seq)  # a request in the old wire format: refused, not unpickled
+        first._seq += 1
+        first.store.set(f"{key}/req/0", pickle.dumps(("shutdown", None)))
+        first.store.set(f"{key}/req", "1")
+        with pytest.raises(RuntimeError, match="not signed with"):
+            first._reply(f"{key}/rep", "shutdown", 60)
         for work in ("generation", "weight_update"):
             old = subprocess.Popen([sys.executable, "-c", _LEFT_BEHIND, address, work], stdout=subprocess.PIPE,
                                    text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
@@ -273,7 +281,7 @@ def test_a_new_trainer_session_preempts_the_generation_and_weight_update_of_the_
         client.close(shutdown_server=True)
         assert server.wait(timeout=60) == 0
         log = (tmp_path / "server.log").read_text()
-        assert log.count("Preempted: trainer session") == 2, log[-3000:]
+        assert log.count("Preempted: a newer trainer") == 2, log[-3000:]
     finally:
         for process in processes:
             if process.poll() is None:

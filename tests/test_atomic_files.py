@@ -31,3 +31,15 @@ def test_a_failing_writer_leaves_the_old_file_and_no_temporary(tmp_path):
         write_atomically(path, half_then_crash)
     assert open(path).read() == "old"
     assert os.listdir(tmp_path) == ["out.txt"]
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_the_file_has_the_permissions_the_umask_gives(tmp_path, umask, mode):
+    """As open() would create it: readable by the group on a shared cluster under the usual umask."""
+    previous = os.umask(umask)
+    try:
+        write_atomically(str(tmp_path / "text"), "x")
+        write_atomically(str(tmp_path / "written"), lambda tmp: open(tmp, "w").write("y"))
+    finally:
+        os.umask(previous)
+    assert [os.stat(tmp_path / name).st_mode & 0o777 for name in ("text", "written")] == [mode, mode]

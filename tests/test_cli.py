@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cli_runs import assert_one_clean_error, worker_frames
+from cli_runs import ROOT_CAUSE, assert_one_clean_error, worker_frames
 from tiny_models import make_tiny_qwen2
 from trainer_runs import train_command
 
@@ -60,8 +60,11 @@ def test_an_unexpected_error_keeps_one_traceback(tmp_path):
     res = _torchrun([str(script)])
     output = res.stdout + res.stderr
     assert res.returncode != 0
-    assert output.count("UserWarning: the same on every rank") == 1, output[-3000:]
-    assert output.count("WARNING demo: logged by every rank") == 1, output[-3000:]
-    assert output.count("RuntimeError: an internal error") == 1, output[-3000:]
-    assert len(worker_frames(output)) == 1 and "megatron_gtpo/cli.py" in worker_frames(output)[0], output[-3000:]
-    assert output.count(f'File "{script}", line 14, in main') == 1, output[-3000:]
+    # What the ranks printed, then torchrun's summary, whose root cause ends with the traceback (the error file).
+    ranks, summary = output.split("torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+    assert ranks.count("UserWarning: the same on every rank") == 1, output[-3000:]
+    assert ranks.count("WARNING demo: logged by every rank") == 1, output[-3000:]
+    assert ranks.count("RuntimeError: an internal error") == 1, output[-3000:]
+    assert len(worker_frames(ranks)) == 1 and "megatron_gtpo/cli.py" in worker_frames(ranks)[0], output[-3000:]
+    assert ranks.count(f'File "{script}", line 14, in main') == 1, output[-3000:]
+    assert summary.split(ROOT_CAUSE)[1].rstrip(" =\n").endswith("RuntimeError: an internal error"), output[-3000:]

@@ -43,6 +43,10 @@ EXAMPLES = {
     "the tiny model needs the synthetic task": (TINY + ["data.source=jsonl", "data.path=p.jsonl"],
                                                 ["model.tiny_synthetic=false", "model.hf_dir=/hf"]),
     "the warm start needs the synthetic task": (JSONL + ["warm_start.steps=5"], ["warm_start.steps=0"]),
+    "the high-entropy fraction needs a token-level loss": (
+        TINY + ["algorithm.name=grpo_s", "algorithm.entropy_token_fraction=0.2"], ["algorithm.name=gtpo"]),
+    "KL-Cov has no PPO clip": (TINY + ["algorithm.name=kl_cov", "algorithm.eps_high=0.28"],
+                               ["algorithm.name=clip_cov"]),
 }
 
 

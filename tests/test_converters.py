@@ -282,4 +282,39 @@ def test_command_line_tools(models, tmp_path):
     expected = {k: t.to(torch.bfloat16) for k, t in read_safetensors_dir(models["tied"]).items()}
     assert_bit_exact(expected, read_safetensors_dir(hf2))
     res = _tool("convert_hf_to_megatron.py", "--hf-dir", str(models["tied"]), "--output-dir", mg, "--quiet")
-    assert res.returncode == 2 and "already exists; use force (--force)" in res.stderr
+    assert res.returncode == 2 and "already exists; use --force to replace it" in res.stderr
+
+
+def _tool_main(name):
+    """A tools/ script's main, imported in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_converter_checks_paths_first_creates_the_parent_and_says_what_it_wrote(models, tmp_path, capsys):
+    """Paths are checked before the conversion starts; a model without tokenizer files gets a warning; the summary
+    names the family and the --tp / --pp given."""
+    to_megatron, to_hf = _tool_main("convert_hf_to_megatron"), _tool_main("convert_megatron_to_hf")
+    with pytest.raises(FileNotFoundError, match=f"^--hf-dir: '{tmp_path}/nope' does not exist$"):
+        to_megatron(["--hf-dir", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "mg")])
+    with pytest.raises(FileNotFoundError, match=f"^--megatron-dir: '{tmp_path}/nope' does not exist$"):
+        to_hf(["--megatron-dir", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "hf")])
+    with pytest.raises(FileExistsError, match=f"^--output-dir: '{tmp_path}' already exists; use --force to replace"):
+        to_megatron(["--hf-dir", str(models["tied"]), "--output-dir", str(tmp_path)])
+    bare = _copy_model(models["tied"], tmp_path / "bare")
+    for name in SIDE_FILES:
+        os.remove(bare / name)
+    out = tmp_path / "new" / "folder" / "mg"  # its parent does not exist yet
+    assert to_megatron(["--hf-dir", str(bare), "--output-dir", str(out), "--tp", "2", "--pp", "2", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"warning: {bare} has no tokenizer files (tokenizer.json, vocab.json, "
+                                   f"tokenizer.model, vocab.txt, spiece.model), so neither has {out}: copy the "
+                                   f"model's tokenizer files into {out}/hf_files")
+    assert captured.out == (f"wrote {out}: qwen2, 4 layers, vocab 1000 (padded 1024), float32, checked and chunked "
+                            "for --tp 2 --pp 2 (it loads at any TP/PP)\n")
+    assert to_megatron(["--hf-dir", str(models["tied"]), "--output-dir", str(tmp_path / "mg2"), "--quiet"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -58,6 +58,22 @@ def test_jsonl_with_default_and_custom_field_mappings(tmp_path):
     ]
 
 
+def test_rows_without_ids_as_the_readme_documents_them_are_numbered(tmp_path):
+    """The README's training data is one {"problem", "answer"} object per line: without ids, each row's id is the
+    file's stem and its index; a file must give every row an id or none."""
+    path = _write_lines(tmp_path / "dapo_math.jsonl", [json.dumps({"problem": "1+1?", "answer": "2"}), "",
+                                                       json.dumps({"problem": "2+2?", "answer": 4})])
+    assert load_prompt_records(path) == [PromptRecord("dapo_math-0", "1+1?", "2"),
+                                         PromptRecord("dapo_math-1", "2+2?", "4")]
+    for rows, which in ((({"id": "a"}, {}), "no field 'id', though the first row has one"),
+                        (({}, {"id": "b"}), "a field 'id', though the first row has none")):
+        path = _write_lines(tmp_path / "mixed.jsonl", [json.dumps({"problem": "p", "answer": "1", **row})
+                                                       for row in rows])
+        with pytest.raises(ValueError, match=rf"mixed.jsonl:2: {which}: give every row an id, or none \(then each "
+                                             r"row's id is mixed-<row index>\)$"):
+            load_prompt_records(path)
+
+
 @pytest.mark.parametrize(
     "lines, message",
     [
@@ -80,8 +96,12 @@ def test_bad_jsonl_is_reported_with_file_and_line(tmp_path, lines, message):
 
 def test_nested_field_missing_names_the_step(tmp_path):
     path = _write_lines(tmp_path / "bad.jsonl", [json.dumps({"problem": "p", "reward_model": {}})])
-    with pytest.raises(ValueError, match=r"missing field 'reward_model.ground_truth' \(step 'ground_truth'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: missing field 'reward_model.ground_truth' \('reward_model' "
+                                         r"has no 'ground_truth'; the row's fields: problem, reward_model\)$"):
         load_prompt_records(path, FieldMapping(answer="reward_model.ground_truth", id=None))
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: missing field 'answer' \(the row's fields: problem, "
+                                         r"reward_model\)$"):
+        load_prompt_records(path)
     with pytest.raises(ValueError, match="must end in .jsonl or .parquet"):
         load_prompt_records(str(tmp_path / "set.csv"))
 

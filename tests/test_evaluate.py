@@ -5,11 +5,13 @@ import csv
 import json
 import math
 import os
+import re
 from fractions import Fraction
 
 import pytest
 
 from megatron_gtpo import evaluate
+from megatron_gtpo.cli import UsageError
 from megatron_gtpo.data import BOXED_SUFFIX, load_dataset, load_tokenizer
 from megatron_gtpo.evaluation import replicas
 from megatron_gtpo.evaluation.passk import ProblemResult, mean_at_k, pass_at_k
@@ -158,6 +160,7 @@ class CannedEngine:
 
 def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
     tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tokenizer"))
+    (tmp_path / "tokenizer" / "config.json").write_text("{}")  # a model directory (the test engine reads no weights)
     tokenizer = load_tokenizer(tokenizer_dir)
     custom_path = tmp_path / "custom.jsonl"
     custom_path.write_text("".join(json.dumps({"id": f"c{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)})
@@ -211,9 +214,9 @@ def test_cli_generates_scores_and_reports_with_a_test_engine(tmp_path):
 
 
 def test_cli_argument_errors_and_model_that_is_not_one(tmp_path, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match=re.escape("every k in --ks must be in [1, --num-samples=4]")) as error:
         evaluate.parse_args(["--model", "m", "--output-dir", "o", "--num-samples", "4", "--ks", "1,8"])
-    assert "every k in --ks must be in [1, --num-samples=4]" in capsys.readouterr().err
+    assert error.value.usage.startswith("usage: python -m megatron_gtpo.evaluate [-h] --model MODEL")
     assert evaluate.parse_args(["--model", "m", "--output-dir", "o", "--num-samples", "6"]).ks == [1, 2, 4, 6]
     tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tokenizer"))
     with pytest.raises(FileNotFoundError, match="neither a Hugging Face model directory"):
@@ -415,10 +418,9 @@ def test_batch_ranges_hand_cases():
      "--vllm-kv-cache-bytes, --enforce-eager belong to --engine vllm"),
     (["--engine", "vllm", "--temperature", "0", "--num-samples", "2"], "only with --num-samples 1, got 2"),
 ])
-def test_engine_flag_errors(flags, message, capsys):
-    with pytest.raises(SystemExit):
+def test_engine_flag_errors(flags, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
         evaluate.parse_args(["--model", "m", "--output-dir", "o", *flags])
-    assert message in capsys.readouterr().err
     assert evaluate.parse_args(["--model", "m", "--output-dir", "o"]).dtype == "float32"
     assert evaluate.parse_args(["--model", "m", "--output-dir", "o", "--engine", "vllm"]).dtype == "bfloat16"
 

@@ -91,13 +91,19 @@ def _load_at_layouts(rank, world_size, cases, layouts, saved_dir):
 
 
 def _load_saved_at_ep1(rank, world_size, hf_dir, saved_dir):
+    """The parameters that differ from the HF directory's, and the warnings the load gave (none: megatron-core's
+    reader warns of torch deprecations a user does not act on)."""
+    import warnings
+
     from megatron_gtpo.checkpoint import load_model_only
     from megatron_gtpo.distributed import initialize_parallel
 
     groups = initialize_parallel(1, 1)
     loaded = model_at_layout(read_checkpoint_metadata(saved_dir).hf_config, groups)
-    load_model_only(saved_dir, loaded)
-    return unequal_parameters(model_from_hf(hf_dir, groups), loaded)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_model_only(saved_dir, loaded)
+    return unequal_parameters(model_from_hf(hf_dir, groups), loaded), [str(w.message) for w in caught]
 
 
 def _family_keys(family, stored: dict) -> None:
@@ -136,6 +142,6 @@ def test_converted_checkpoint_is_megatrons_layout_and_loads_at_other_layouts(mod
     if saved_dir is not None:
         hf_dir = cases[0][0]
         assert read_checkpoint_metadata(saved_dir).expert_parallel == 2
-        assert run_distributed(_load_saved_at_ep1, 1, args=(hf_dir, saved_dir), timeout_s=300) == [[]]
+        assert run_distributed(_load_saved_at_ep1, 1, args=(hf_dir, saved_dir), timeout_s=300) == [([], [])]
         convert_megatron_to_hf(saved_dir, str(tmp_path / "hf2"), progress=False)
         assert_bit_exact(read_safetensors_dir(hf_dir), read_safetensors_dir(tmp_path / "hf2"))

@@ -121,7 +121,8 @@ def test_recorded_replayed_and_measured_routing_is_transformers(moe):
 def _builtin_route_log(true_routes, prompt_lengths, response_lengths, layers):
     """What the built-in engine records (rollout/builtin.py's _RouteLog, at the rank's MoE `layers`) for the same
     routing `true_routes` (per row [P + R - 1, all layers, k]) in one left-padded batch: a prefill over the padded
-    prompts (the pads' experts are garbage, 99), then one decode column per step while a row still feeds tokens."""
+    prompts (the pads' experts are garbage, 99), then one decode column per step, of which a row's own while it
+    still feeds tokens."""
     from megatron_gtpo.rollout.builtin import _RouteLog
 
     width = max(prompt_lengths)
@@ -134,12 +135,16 @@ def _builtin_route_log(true_routes, prompt_lengths, response_lengths, layers):
             true_routes[row][0][index], 99)
 
     rows = list(range(len(true_routes)))
-    log.add(0, rows, torch.stack([column(b, c) for c in range(width) for b in rows]).to(torch.int16))
+    every_row = torch.tensor(rows)
+    log.add(0, every_row, torch.ones(len(rows), dtype=torch.bool),
+            torch.stack([column(b, c) for c in range(width) for b in rows]).to(torch.int16))
     for step in range(1, max(response_lengths)):
-        active = [b for b in rows if step <= response_lengths[b] - 1]
-        if active:
-            log.add(width + step - 1, active,
-                    torch.stack([column(b, width + step - 1) for b in active]).to(torch.int16))
+        # Every row stays in the batch (the engine keeps finished rows until a compaction pays); a finished row is
+        # fed a token of no sequence (its experts garbage, 99), which the log must leave out.
+        fed = torch.tensor([step <= response_lengths[b] - 1 for b in rows])
+        experts = [column(b, width + step - 1) if fed[b] else torch.full_like(true_routes[b][0][index], 99)
+                   for b in rows]
+        log.add(width + step - 1, every_row, fed, torch.stack(experts).to(torch.int16))
     return log.per_row()
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from distributed_harness import run_distributed
-from invariance_runs import (BUDGETS, BY_COUNT, G, LOSS_LEVELS, NUM_GROUPS, ONE_BY_ONE, PACKED, assert_same, merge,
-                             one_step)
+from invariance_runs import (BUDGETS, BY_COUNT, G, LOSS_LEVELS, NUM_GROUPS, ONE_BY_ONE, PACKED, SELECTIONS, assert_same,
+                             merge, one_step)
 from tiny_models import make_tiny_qwen2
 
 
@@ -17,8 +17,20 @@ def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("inv")
     make_tiny_qwen2(path, tie=False, vocab_size=1000, num_layers=4, num_heads=4, num_kv_heads=2)
     results = run_distributed(one_step, 1, args=(str(path), 1, 1, [BY_COUNT, ONE_BY_ONE, *BUDGETS, *PACKED]),
-                              timeout_s=300)
+                              kwargs={"selection_plans": [BY_COUNT, ONE_BY_ONE, PACKED[1]]}, timeout_s=300)
     return path, results
+
+
+@pytest.mark.parametrize("level", SELECTIONS)
+def test_token_selections_do_not_depend_on_the_split(reference, level):
+    """Clip-Cov, KL-Cov and the high-entropy fraction select over the whole mini-batch: micro-batches of 4 or 1
+    sequences, or packed rows, select the same tokens and give the same update."""
+    _, results = reference
+    selected = results[0][level, BY_COUNT]["selected"]
+    assert len(selected) == 1 and 0 < next(iter(selected.values())) < 1
+    for plan in (ONE_BY_ONE, PACKED[1]):
+        assert results[0][level, plan]["selected"] == selected
+        assert_same(merge(results, (level, BY_COUNT)), merge(results, (level, plan)), f"{level}, plan {plan}")
 
 
 @pytest.mark.slow
@@ -66,8 +78,9 @@ def test_layouts_match_single_process(reference, tp, pp, sp, cp):
     path, base = reference
     world = max(2, tp * pp * cp)  # (1, 1) on two processes is DP=2
     plans = [(2, None, False), BUDGETS[1], PACKED[1]]
-    results = run_distributed(one_step, world, args=(str(path), tp, pp, plans), kwargs={"sp": sp, "cp": cp},
-                              timeout_s=300)
+    selection_plans = [] if sp else plans[:1]  # the token selections over the DP ranks, the last stage
+    results = run_distributed(one_step, world, args=(str(path), tp, pp, plans),
+                              kwargs={"sp": sp, "cp": cp, "selection_plans": selection_plans}, timeout_s=300)
     where = f"TP={tp} PP={pp} CP={cp} DP={world // (tp * pp * cp)} SP={sp}"
     for plan in plans:  # the old-policy pass
         assert torch.allclose(_scored(results, ("token", plan)), _scored(base, ("token", BY_COUNT)), rtol=0,
@@ -76,3 +89,5 @@ def test_layouts_match_single_process(reference, tp, pp, sp, cp):
         for plan in plans:
             assert_same(merge(base, (level, BY_COUNT)), merge(results, (level, plan)),
                          f"{level} loss, {where}, plan {plan}")
+    for level in SELECTIONS if selection_plans else ():
+        assert_same(merge(base, (level, BY_COUNT)), merge(results, (level, plans[0])), f"{level}, {where}")

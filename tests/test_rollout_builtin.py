@@ -17,12 +17,12 @@ GREEDY_NEW_TOKENS = 10
 SAMPLE_TEMPERATURE = 0.7
 
 
-def _rollout_checks_all_layouts(rank, world_size, model_dir, layouts, stop_token):
+def _rollout_checks_all_layouts(rank, world_size, model_dir, layouts, stop_prompt, stop_token):
     """Every layout in one spawn: initialize_parallel rebuilds megatron's groups for each (TP=1 runs as DP=2)."""
-    return [_rollout_checks(model_dir, *layout, stop_token) for layout in layouts]
+    return [_rollout_checks(model_dir, *layout, stop_prompt, stop_token) for layout in layouts]
 
 
-def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_token):
+def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_prompt, stop_token):
     import torch.distributed as dist
 
     from megatron_gtpo.distributed import initialize_parallel
@@ -60,11 +60,19 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_token):
     engine._forward = lambda tokens_BS, *a: rows_per_forward.append(tokens_BS.shape[0]) or forward(tokens_BS, *a)
     out["stop"] = generate(engine, SamplingParams(temperature=0.0, max_new_tokens=GREEDY_NEW_TOKENS,
                                                   stop_token_ids=(stop_token, 999)))
+    out["stop_rows_per_forward"], rows_per_forward[:] = list(rows_per_forward), []
+    # 7 rows (the prompts, then all but the stopping one again): a row that stops while the finished rows are fewer
+    # than a quarter of the rows stays in the KV cache, fed and ignored (DecodeRows.compaction_pays).
+    others = [p for i, p in enumerate(PROMPTS) if i != stop_prompt]
+    out["stop_kept"] = engine.generate(PROMPTS + others, SamplingParams(
+        temperature=0.0, max_new_tokens=GREEDY_NEW_TOKENS, stop_token_ids=(stop_token, 999))).to_lists()
+    out["stop_kept_rows_per_forward"] = rows_per_forward
     engine._forward = forward
-    out["stop_rows_per_forward"] = rows_per_forward
     sampling = SamplingParams(n=3, temperature=SAMPLE_TEMPERATURE, max_new_tokens=8, seed=123)
     out["sampled"] = generate(engine, sampling)
     out["sampled_again"] = generate(engine, sampling)
+    # Counter-based noise: the other prompt scheme in batches of 3 rows samples the same tokens.
+    out["sampled_small_batches"] = generate(engine_small_batches, sampling)
     out["sampled_other_seed"] = generate(engine, SamplingParams(n=3, temperature=SAMPLE_TEMPERATURE,
                                                                 max_new_tokens=8, seed=124))
     filtered = SamplingParams(n=2, temperature=1.3, top_k=20, top_p=0.9, max_new_tokens=6, seed=5)
@@ -176,7 +184,8 @@ def test_builtin_generation(tiny_model):
     # A stop token whose first occurrence is in the middle of some prompt's greedy continuation.
     stop_prompt, stop_token = next((i, t) for i, g in enumerate(hf_greedy) for k, t in enumerate(g)
                                    if 2 <= k < GREEDY_NEW_TOKENS - 1 and t not in g[:k])
-    per_rank = run_distributed(_rollout_checks_all_layouts, 2, args=(str(path), LAYOUTS, stop_token), timeout_s=600)
+    per_rank = run_distributed(_rollout_checks_all_layouts, 2, args=(str(path), LAYOUTS, stop_prompt, stop_token),
+                               timeout_s=600)
     for layout, results in zip(LAYOUTS, zip(*per_rank)):
         _check_layout(results, hf_greedy, stop_prompt, stop_token, "TP={} PP={} VPP={} SP={} {}".format(*layout))
 
@@ -217,10 +226,17 @@ def _check_layout(results, hf_greedy, stop_prompt, stop_token, layout):
     rows = ref["stop_rows_per_forward"]
     assert rows == sorted(rows, reverse=True) and rows[0] == len(PROMPTS) and rows[-1] < len(PROMPTS), (layout, rows)
     assert sum(rows) == sum(len(r.token_ids) for (r,) in ref["stop"]) < len(PROMPTS) * GREEDY_NEW_TOKENS, layout
+    others = [i for i in range(len(PROMPTS)) if i != stop_prompt]
+    assert _tokens(ref["stop_kept"]) == _tokens(ref["stop"]) + [_tokens(ref["stop"])[i] for i in others], layout
+    kept_rows = ref["stop_kept_rows_per_forward"]
+    # Some finished row rode along (fed, its output ignored) in a later forward step; the batch never grew.
+    assert sum(kept_rows) > sum(len(r.token_ids) for rs in ref["stop_kept"] for r in rs), (layout, kept_rows)
+    assert kept_rows == sorted(kept_rows, reverse=True) and kept_rows[0] == len(PROMPTS) + len(others), layout
 
     # Sampling: n responses per prompt, deterministic for a seed, log-probs = the scoring path's at T.
     assert all(len(rs) == 3 for rs in ref["sampled"])
     assert ref["sampled_again"] == ref["sampled"], layout
+    assert _tokens(ref["sampled_small_batches"]) == _tokens(ref["sampled"]), layout
     assert _tokens(ref["sampled_other_seed"]) != _tokens(ref["sampled"])
     assert len({tuple(r.token_ids) for rs in ref["sampled"] for r in rs}) > len(PROMPTS)  # the n samples differ
     for rs in ref["sampled"] + ref["filtered"]:

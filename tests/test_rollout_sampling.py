@@ -7,6 +7,7 @@ import torch
 
 from megatron_gtpo.rollout import SamplingParams, filter_top_k_top_p, sample_next_tokens
 from megatron_gtpo.rollout.engine import check_prompts
+from megatron_gtpo.rollout.sampling import counter_uniform, stream_keys
 
 
 def _kept_reference(logits_row, *, temperature, top_k, top_p):
@@ -44,9 +45,12 @@ def test_sampling_frequencies_match_filtered_distribution(temperature, top_k, to
     logits_V = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.7, -1.0, 1.4, 0.0, 50.0, 50.0])  # 2 padding columns, huge
     kept, expected = _kept_reference(logits_V[:vocab_size].tolist(), temperature=temperature, top_k=top_k,
                                      top_p=top_p)
-    generator = torch.Generator().manual_seed(7)
+    # Half the rows: one seed each (the rows' first draws); half: one seed, one draw index each.
+    seeds_B = torch.cat([torch.arange(draws // 2) + 7, torch.full((draws // 2,), 7)])
+    draws_B = torch.cat([torch.zeros(draws // 2, dtype=torch.long), torch.arange(draws // 2) + 1])
     tokens_B, logprobs_B = sample_next_tokens(logits_V.expand(draws, padded), vocab_size=vocab_size,
-                                              temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+                                              temperature=temperature, top_k=top_k, top_p=top_p,
+                                              stream_keys_B=stream_keys(seeds_B), draws_B=draws_B)
     counts = torch.bincount(tokens_B, minlength=padded).double() / draws
     for token in range(padded):
         want = expected.get(token, 0.0)
@@ -69,17 +73,21 @@ def test_greedy_is_argmax_with_untempered_logprobs():
     assert math.isclose(logprobs_B[2].item(), math.log(0.25), rel_tol=1e-6)
 
 
-def test_sampling_is_deterministic_for_a_generator_seed_and_bf16_is_computed_in_fp32():
+def test_sampling_is_deterministic_for_a_seed_and_bf16_is_computed_in_fp32():
     torch.manual_seed(1)
     logits_BV = torch.randn(16, 300).to(torch.bfloat16)
 
-    def draw(seed):
+    def draw(seed, logits_BV=logits_BV, draws_B=torch.arange(16)):
         return sample_next_tokens(logits_BV, vocab_size=290, temperature=0.9, top_p=0.95,
-                                  generator=torch.Generator().manual_seed(seed))
+                                  stream_keys_B=stream_keys(torch.full((len(logits_BV),), seed)), draws_B=draws_B)
 
     (a, lp_a), (b, lp_b), (c, _) = draw(3), draw(3), draw(4)
     assert torch.equal(a, b) and torch.equal(lp_a, lp_b)
     assert not torch.equal(a, c)
+    # A row's token depends on its logits, seed and draw index only: not on the rows beside it or their order.
+    order = torch.randperm(16)
+    assert torch.equal(draw(3, logits_BV[order], torch.arange(16)[order])[0], a[order])
+    assert all(draw(3, logits_BV[i:i + 1], torch.tensor([i]))[0].item() == a[i] for i in range(16))
     assert lp_a.dtype == torch.float32
     ref = torch.log_softmax(logits_BV[:, :290].double() / 0.9, dim=-1)[torch.arange(16), a]
     assert torch.allclose(lp_a.double(), ref, atol=1e-6)
@@ -105,8 +113,46 @@ def test_check_prompts_rejects_bad_prompts(prompts, message):
         check_prompts(prompts, vocab_size=1000, max_positions=64, max_new_tokens=8)
 
 
+def _counter_uniform_reference(seed: int, draw: int, column: int) -> float:
+    """counter_uniform's definition in plain Python integers: 32-bit hashes of seed, draw and column."""
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x21F0AAAD) % 2**32
+        x ^= x >> 15
+        x = (x * 0x735A2D97) % 2**32
+        return x ^ (x >> 15)
+
+    seed %= 2**64
+    row_key = mix(mix(mix(seed % 2**32) ^ (seed >> 32)) ^ draw)
+    return ((mix(row_key ^ mix(column)) >> 8) + 0.5) / 2**24
+
+
+def test_counter_uniform_is_its_definition_and_uniform():
+    seeds_B = torch.tensor([0, 1, 2**40 + 5, -3, 123456789])
+    draws_B = torch.tensor([0, 7, 1, 2, 2**31])
+    u_BV = counter_uniform(stream_keys(seeds_B), draws_B, 50, dtype=torch.float64)
+    for b in range(5):
+        for v in (0, 1, 31, 49):
+            assert u_BV[b, v].item() == _counter_uniform_reference(seeds_B[b].item(), draws_B[b].item(), v)
+    # 1024 streams x 2 draws x 512 columns: every 1/32 bin holds 1/32 of the values (chi-square, 31 degrees of
+    # freedom: 99.99% quantile ~ 70), and neighbours in seed, draw and column are uncorrelated.
+    seeds = torch.arange(1024).repeat_interleave(2)
+    u_BV = counter_uniform(stream_keys(seeds), torch.arange(2).repeat(1024), 512)
+    assert u_BV.dtype == torch.float32 and 0 < u_BV.min() and u_BV.max() < 1
+    counts = torch.bincount((u_BV * 32).long().flatten(), minlength=32).double()
+    expected = u_BV.numel() / 32
+    assert ((counts - expected) ** 2 / expected).sum() < 70
+    centred = u_BV.double() - 0.5
+    for a, b in ((centred[0::2], centred[1::2]), (centred[:-2:2], centred[2::2]), (centred[:, :-1], centred[:, 1:])):
+        correlation = (a * b).mean() / (centred ** 2).mean()
+        assert abs(correlation) < 0.01, correlation  # 500k pairs: the standard error is ~0.0015
+
+
 def test_sample_next_tokens_rejects_bad_input():
     with pytest.raises(ValueError, match="logits_BV"):
         sample_next_tokens(torch.zeros(3), vocab_size=3, temperature=1.0)
     with pytest.raises(ValueError, match="vocab_size"):
         sample_next_tokens(torch.zeros(2, 3), vocab_size=4, temperature=1.0)
+    with pytest.raises(ValueError, match="stream_keys_B and draws_B"):
+        sample_next_tokens(torch.zeros(2, 3), vocab_size=3, temperature=1.0,
+                           stream_keys_B=torch.zeros(2, dtype=torch.long))

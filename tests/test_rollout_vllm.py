@@ -506,7 +506,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
     assert "no rollout server answered at 127.0.0.1:" in unreachable and seconds < REMOTE_TIMEOUT_S, (unreachable,
                                                                                                   seconds)
     assert other["unreachable"][0] == unreachable
-    assert "failed in 'generate': Preempted: trainer session" in ref["replaced"], ref["replaced"]
+    assert "failed in 'generate': Preempted: a newer trainer" in ref["replaced"], ref["replaced"]
     assert ref["newer_served_s"][0] == "no error" and ref["newer_served_s"][1] < REMOTE_TIMEOUT_S, ref["newer_served_s"]
     assert "does not return routed experts" in ref["not_routed"] and "--return-routed-experts" in ref["not_routed"]
     assert (ref["weight_group_size"], other["weight_group_size"]) == (1 + REMOTE_VLLM_TP, None)

@@ -58,6 +58,8 @@ def test_score_matches_float64_reference(tmp_path, tie, convert_tp, flags):
     res = _run_score([*source, "--input", str(inp), "--output", str(out), "--temperature", "0.7",
                       "--micro-batch-size", "3", *flags], nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
+    # The closing summary, once: what it wrote and where.
+    assert res.stderr.count(f"wrote {out}: per-token log-probs and entropies of {len(SEQUENCES)} sequences\n") == 1
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == len(SEQUENCES)
     for seq, row in zip(SEQUENCES, rows):

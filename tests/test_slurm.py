@@ -91,6 +91,28 @@ def test_per_model_scripts_pick_the_recipe_and_pass_the_knobs(tmp_path, script, 
     assert not (tmp_path / "scontrol.log").exists()  # no stop was requested: no requeue
 
 
+@pytest.mark.parametrize("env,status,expected", [
+    ({}, 0, ["dry run of examples/slurm/qwen2.5-32b.sbatch without SLURM: 4 node(s) x 8 GPUs, config "
+             "examples/qwen2.5-32b-gtpo.yaml", "qwen2.5-32b: TP=8 PP=2 DP=2 (VPP=None, SP=False), 32 GPUs of 80 GiB",
+             "\nFITS"]),
+    ({"NODES": "8", "ALGORITHM": "dapo", "EXTRA_ARGS": "--set algorithm.nme=grpo"}, 2,
+     ["8 node(s) x 8 GPUs, config examples/qwen2.5-32b-dapo.yaml",
+      "plan: error: unknown config key algorithm.nme (did you mean algorithm.name?)"]),
+    ({"NODES": "3"}, 2, ["plan: error: 3 nodes x 8 GPUs are not divisible by TP x PP x CP = 8 x 2 x 1"]),
+])
+def test_a_dry_run_without_slurm_checks_the_config_and_plans_the_jobs_nodes(env, status, expected):
+    """On a laptop: no SLURM variables, no srun; the job's settings (its recipe, EXTRA_ARGS, its #SBATCH --nodes or
+    NODES) go through the config checks and the planner."""
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PYTHON": sys.executable,
+            "DRY_RUN": "1"}
+    res = subprocess.run(["bash", "examples/slurm/qwen2.5-32b.sbatch"], env={**base, **env}, capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    output = res.stdout + res.stderr
+    assert res.returncode == status, output[-3000:]
+    for part in expected:
+        assert part in output, (part, output[-3000:])
+
+
 def _wait_for_metrics(path, rows: int, proc=None, timeout_s: float = 300.0, log_path=None) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

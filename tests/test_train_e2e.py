@@ -31,20 +31,23 @@ SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoin
 # Options the update must carry at every layout, spread over the cases: several epochs over one rollout batch,
 # the entropy bonus, the dual clip, a token budget per micro-batch, packed sequences, the rollout mismatch corrections.
 PACKED = ["data.pack_sequences=true", "data.max_tokens_per_micro_batch=64"]
+# Clip-Cov with a band and a ratio that pick tokens in the demo's small batches (its defaults pick 1 in (1, 5)).
+CLIP_COV_ACTS = ["algorithm.clip_cov_lb=0.0", "algorithm.clip_cov_ratio=0.05"]
 
 
 @pytest.mark.parametrize("layout,algorithm,options", [
     ("parallel.tensor=2", "gtpo", PACKED),
     ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=geometric"]),
-    ("parallel.tensor=2", "grpo", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
+    ("parallel.tensor=2", "kl_cov", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
     ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01",
                                      "data.max_tokens_per_micro_batch=40"]),
     ("parallel.pipeline=2", "grpo_s", PACKED),
     ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0", "algorithm.rollout_is=token",
                                      "algorithm.rollout_rs=geometric"]),
-    ("parallel.pipeline=2", "dapo", []),
-    # Data parallel: 2 replicas at TP=1 x PP=1, batch-scope GTPO statistics over both ranks' groups.
-    ("parallel.tensor=1", "gtpo", ["data.epochs_per_step=2"]),
+    ("parallel.pipeline=2", "clip_cov", CLIP_COV_ACTS),
+    # Data parallel: 2 replicas at TP=1 x PP=1, batch-scope GTPO statistics over both ranks' groups, and the
+    # high-entropy fraction's over both ranks' tokens.
+    ("parallel.tensor=1", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_token_fraction=0.5"]),
 ])
 def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, options):
     tensorboard = (layout, algorithm) == ("parallel.tensor=2", "gtpo")  # once is enough
@@ -75,15 +78,25 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and row["rollout_rs_masked_fraction"] == 0
         assert row["rollout_is_capped_fraction"] == 0
         assert 0.0 <= row["padding_fraction"] < 0.5
+        for key in _selection_metrics(algorithm, options):
+            assert 0 < row[key] and (key == "entropy_kept_threshold" or row[key] <= 1), (key, row[key])
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
 
 
+def _selection_metrics(algorithm: str, options: list[str]) -> list[str]:
+    by_algorithm = {"clip_cov": ["clip_cov_fraction"], "kl_cov": ["kl_cov_fraction"]}.get(algorithm, [])
+    fraction = any(o.startswith("algorithm.entropy_token_fraction=") for o in options)
+    return by_algorithm + (["entropy_kept_fraction", "entropy_kept_threshold"] if fraction else [])
+
+
 def test_resume_matches_uninterrupted_run(tmp_path):
-    # With a KL term: the reference policy (the policy as RL started) must come back unchanged on resume.
+    # With a KL term: the reference policy (the policy as RL started) must come back unchanged on resume. Clip-Cov
+    # and the high-entropy fraction: the random pick of a resumed step is the uninterrupted one's.
     # Warm-up of 2 RL steps = 4 optimizer steps (2 mini-batches per step).
     common = ["parallel.tensor=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=2",
               "data.mini_batches_per_step=2", "algorithm.kl_coef=0.05", "optim.warmup_steps=2",
-              "optim.lr_decay_style=constant"]
+              "optim.lr_decay_style=constant", "algorithm.name=clip_cov", *CLIP_COV_ACTS,
+              "algorithm.entropy_token_fraction=0.5"]
     full, part = tmp_path / "full", tmp_path / "part"
     res = run_train(full, 2, [*common, "steps=4"])
     assert res.returncode == 0, res.stderr[-4000:]
@@ -98,6 +111,8 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     res = run_train(part, 2, [*common, "steps=4", "checkpoint.keep_last=1"])
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr
+    assert res.stderr.count(f"wrote metrics {part}/metrics.jsonl, checkpoints in {part}/checkpoints (the newest: "
+                            f"{part}/checkpoints/step_00000004)") == 1  # the closing summary, from one rank
     # Only the newest checkpoint is kept, no temporary directory is left, and the resolved config sits beside them.
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["config.yaml", "latest", "reference",
                                                                          "step_00000004"]
@@ -180,7 +195,8 @@ def test_sigterm_checkpoints_then_exits(tmp_path):
 @pytest.mark.parametrize("override,message", [
     ("optim.learning_rate=1", "unknown config key optim.learning_rate"),
     # Layout errors too name their keys, before any process group exists (this runs as one process).
-    ("parallel.tensor=2", "parallel: world size 1 is not divisible by tensor x pipeline x context = 2 x 1 x 1"),
+    ("parallel.tensor=2", "parallel: tensor x pipeline x context = 2 x 1 x 1 needs 2 processes (or a multiple), and "
+                          "this is one: launch it with torchrun --nproc_per_node 2 -m megatron_gtpo.train --config"),
 ])
 def test_bad_config_exits_with_named_key(tmp_path, override, message):
     res = subprocess.run([sys.executable, "-m", "megatron_gtpo.train", "--config", DEMO_CONFIG, "--set",

@@ -139,8 +139,9 @@ GLOBAL_BATCHES = {
 }
 
 
-def _step_batch(kept, seed, groups):
-    """A rank's step batch with the entropies the old-policy pass would add (random; none without groups)."""
+def _step_batch(kept, seed, groups, max_sequences=8):
+    """A rank's step batch with the old log-probs and entropies the old-policy pass would add (random; zeros of the
+    mask's shape without groups), micro-batches of at most `max_sequences` sequences."""
     from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.step_batch import build_step_batch
@@ -149,25 +150,48 @@ def _step_batch(kept, seed, groups):
     responses = Responses.from_lists([[Response([7] * n, [-0.5] * n, "stop") for n in lengths] for _, lengths in kept])
     correct_NG = torch.tensor([r for r, _ in kept], dtype=torch.float32) if kept else torch.zeros(0, 3)
     exp = Experience([(1, 2)] * len(kept), responses, correct_NG, correct_NG.clone())
-    batch = build_step_batch(exp, groups, mini_batches=[list(range(len(kept)))], max_sequences=8, max_tokens=None)
-    if kept:
-        batch.entropy_ST = torch.rand(batch.mask_ST.shape, generator=generator) * 2
+    batch = build_step_batch(exp, groups, mini_batches=[list(range(len(kept)))], max_sequences=max_sequences,
+                             max_tokens=None)
+    batch.entropy_ST = torch.rand(batch.mask_ST.shape, generator=generator) * 2
+    batch.old_logprobs_ST = -3 * torch.rand(batch.mask_ST.shape, generator=generator)
     return batch
+
+
+# The token selections' settings (acting on these few tokens), by algorithm: gtpo with the high-entropy fraction.
+SELECTION_SETTINGS = {"clip_cov": ["algorithm.clip_cov_lb=0.0", "algorithm.clip_cov_ratio=0.3"],
+                      "kl_cov": ["algorithm.kl_cov_ratio=0.3"], "gtpo": ["algorithm.entropy_token_fraction=0.4"]}
 
 
 def _global_advantages(rank, world_size, scenario, algorithm):
     import torch.distributed as dist
     from types import SimpleNamespace
 
-    from megatron_gtpo.algorithms.registry import ALGORITHMS, resolve_algorithm
+    from megatron_gtpo.algorithms.registry import ALGORITHMS, configure_algorithm, resolve_algorithm
+    from megatron_gtpo.config import load_config
     from megatron_gtpo.training.advantages import global_advantages
+    from megatron_gtpo.training.reduction import MetricReducer
+    from megatron_gtpo.training.token_selection import global_token_selection
 
     entry = ALGORITHMS[resolve_algorithm(algorithm)]
     parallel = SimpleNamespace(dp_group=dist.group.WORLD, dp_rank=rank, device=torch.device("cpu"),
                                sequence_multiple=1)
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", f"algorithm.name={algorithm}",
+                             *SELECTION_SETTINGS.get(algorithm, [])])
+    configured = configure_algorithm(cfg.algorithm, max_new_tokens=8)
     batches = {r: _step_batch(GLOBAL_BATCHES[scenario][r], r, parallel) for r in range(world_size)}
-    global_advantages(entry.advantages, entry.uses_entropy, batches[rank], parallel)
-    mine = batches[rank].advantages
+    selected = {}
+    for max_sequences in (8, 1):  # the advantages and the selection, whatever the micro-batch size
+        batch = _step_batch(GLOBAL_BATCHES[scenario][rank], rank, parallel, max_sequences)
+        global_advantages(entry.advantages, entry.uses_entropy, batch, parallel)
+        if configured.select_tokens is not None:
+            global_token_selection(configured.select_tokens, batch, parallel, MetricReducer(parallel.device),
+                                   seed=cfg.seed, step=3)
+            selected[max_sequences] = (batch.pg_weights.tolist(), batch.kl_penalty_ST.tolist(),
+                                       batch.advantages.tolist())
+        else:
+            selected[max_sequences] = batch.advantages.tolist()
+    assert selected[8] == selected[1], "the micro-batch size changed the advantages or the selection"
+    mine = batch.advantages
     # Reference: the whole batch in one process (every rank's batch is rebuilt here from the same seeds), its
     # group-major rows reshaped to [n, G, T] (independently of the group index the trainer reads them through).
     kept = [b for b in batches.values() if b.num_prompt_groups]
@@ -189,11 +213,22 @@ def _global_advantages(rank, world_size, scenario, algorithm):
     if expected.ndim == 3:
         expected = expected[..., :own.mask_ST.shape[-1]]
     expected = expected.reshape(own.num_sequences, *expected.shape[2:])
-    return {"mine": None if mine is None else mine.tolist(), "expected": expected.tolist(),
-            "shape": None if mine is None else list(mine.shape)}
+    out = {"mine": None if mine is None else mine.tolist(), "expected": expected.tolist(),
+           "shape": None if mine is None else list(mine.shape)}
+    if configured.select_tokens is not None:  # each rank's valid tokens in sequence order, for the reference
+        pg_weights_ST, kl_penalty_ST, _ = (torch.tensor(v) for v in selected[8])
+
+        def flat(values):
+            return (values if values.ndim == 2 else values[:, None].expand(own.mask_ST.shape))[own.mask_ST]
+
+        out["tokens"] = {"advantages": flat(mine).tolist(), "old_logprobs": flat(own.old_logprobs_ST).tolist(),
+                         "entropy": flat(own.entropy_ST).tolist(), "keep": flat(pg_weights_ST > 0).tolist(),
+                         "penalise": flat(kl_penalty_ST).tolist()}
+    return out
 
 
-ADVANTAGE_CASES = [(scenario, algorithm) for scenario in GLOBAL_BATCHES for algorithm in ("gtpo", "grpo_s", "dapo")]
+ADVANTAGE_CASES = [(scenario, algorithm) for scenario in GLOBAL_BATCHES
+                   for algorithm in ("gtpo", "grpo_s", "dapo", "clip_cov", "kl_cov")]
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +246,25 @@ def test_global_advantages_span_every_data_parallel_rank(advantages, scenario, a
         assert torch.allclose(torch.tensor(out["mine"]).reshape(out["shape"]),
                               torch.tensor(out["expected"]).reshape(out["shape"]), atol=1e-6)
     assert any(abs(v) > 0.1 for v in torch.tensor(results[0]["mine"]).flatten().tolist())
+
+
+@pytest.mark.parametrize("scenario", GLOBAL_BATCHES)
+@pytest.mark.parametrize("algorithm", SELECTION_SETTINGS)
+def test_token_selection_spans_every_data_parallel_rank(advantages, scenario, algorithm):
+    """Each rank's selection (micro-batches of 8 or 1 sequences alike, checked in the ranks) is the selection over
+    the whole batch's tokens in rank order, with the step's keys, cut back to the rank's tokens."""
+    from megatron_gtpo.algorithms import configure_algorithm
+    from megatron_gtpo.config import load_config
+    from megatron_gtpo.training.token_selection import selection_seed
+
+    cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", f"algorithm.name={algorithm}",
+                             *SELECTION_SETTINGS[algorithm]])
+    select = configure_algorithm(cfg.algorithm, max_new_tokens=8).select_tokens
+    ranks = [out["tokens"] for out in advantages[scenario, algorithm]]
+    inputs = [torch.tensor(sum((r[name] for r in ranks), [])) for name in ("advantages", "old_logprobs", "entropy")]
+    K = len(inputs[0])
+    keys = torch.rand(K, generator=torch.Generator().manual_seed(selection_seed(cfg.seed, 3, 0)), dtype=torch.float64)
+    whole = select(*inputs, keys)
+    assert 0 < int((~whole.keep_K).sum() + whole.penalise_K.sum()) < K  # the selection acts on this batch
+    assert sum((r["keep"] for r in ranks), []) == whole.keep_K.tolist()
+    assert sum((r["penalise"] for r in ranks), []) == whole.penalise_K.tolist()

@@ -4,9 +4,11 @@ for the wandb module: the real one drops history rows below step 0, so the warm 
 import json
 import math
 import sys
+import time
 from types import SimpleNamespace
 
-from megatron_gtpo.training.metrics import MetricsLogger
+from megatron_gtpo.training.metrics import MetricsLogger, PhaseTimer
+from megatron_gtpo.training.trainer import Trainer
 
 WARM_START = {"warm_start_steps": 5, "sft_loss": 1.5}
 
@@ -88,3 +90,35 @@ def test_weights_and_biases_gets_rl_steps_as_history_and_the_warm_start_in_the_s
     assert wandb.history == [(0, {"reward_mean": 0.5})]  # numbers only, steps >= 0
     assert wandb.summary == {"warm_start/warm_start_steps": 5, "warm_start/sft_loss": 1.5}
     assert wandb.finished
+
+
+def test_a_phase_ends_with_one_device_synchronisation_and_its_time_counts_in_it():
+    waits = []
+
+    def synchronize():  # stands for a GPU finishing the kernels the phase queued: 50 ms of device time
+        waits.append(None)
+        time.sleep(0.05)
+
+    timer = PhaseTimer(synchronize)
+    with timer("generate"):
+        pass
+    with timer("update"):
+        pass
+    assert len(waits) == 2 and timer.seconds["generate"] >= 0.05 and timer.seconds["update"] >= 0.05
+
+
+def test_checkpoints_are_due_by_save_every(monkeypatch):
+    """save_every N: every N steps and at the end; 0: at the end; -1: never; a stop signal saves unless -1."""
+    import megatron_gtpo.training.trainer as trainer_module
+
+    saved = []
+    monkeypatch.setattr(trainer_module.checkpointing, "save", lambda state, step: saved.append(step))
+    for every, stopping, expected in ((2, False, [2, 4, 5]), (0, False, [5]), (-1, False, []), (0, True, [1, 2]),
+                                      (-1, True, [])):
+        saved.clear()
+        trainer = SimpleNamespace(cfg=SimpleNamespace(steps=5, checkpoint=SimpleNamespace(save_every=every)),
+                                  stop=SimpleNamespace(agreed=lambda device: stopping),
+                                  parallel=SimpleNamespace(device="cpu"), checkpoint_state=lambda: None)
+        for step in range(1, 6 if not stopping else 3):
+            assert Trainer.checkpoint_if_due(trainer, step) == stopping
+        assert saved == expected, (every, stopping, saved)

@@ -162,7 +162,7 @@ def test_a_resume_under_other_rollout_settings_than_the_in_flight_work_is_refuse
     """A checkpoint of bounded staleness or partial rollouts holds batches asked for ahead and unfinished groups;
     resuming it with another schedule would skip them (max_staleness 0) or train them beyond the new bound."""
     from megatron_gtpo.config import RolloutConfig
-    from megatron_gtpo.training.checkpointing import check_rollout_schedule
+    from megatron_gtpo.training.resume_check import check_rollout_schedule
 
     saved_config = {"rollout": dict(engine="builtin_remote", **saved)}  # an older checkpoint may lack keys
     cfg = SimpleNamespace(rollout=RolloutConfig(**now))
@@ -222,3 +222,16 @@ def test_a_step_counts_every_token_of_its_engine_answers_once():
     queue.state_dict()  # waits for batch 1 (asked for at step 0) without counting it
     assert queue.tokens_generated == 6
     assert [p.id for p in queue.take(1).prompts] == [1000, 1010] and queue.tokens_generated == 2 + 3
+
+
+def test_continued_counts_the_responses_sampled_by_more_than_one_version():
+    """A server's record under rollout.update_during_generation, asked for at version 5: a response that an update
+    reached mid-way was sampled by two versions; one that started after the update (every token counts it), one
+    before it, an empty one and a one-token one by one version each."""
+    lengths, updates = [4, 3, 2, 0, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0, 2]
+    record = Responses(responses_per_prompt_P=torch.tensor([1] * 5), lengths_R=torch.tensor(lengths),
+                       finish_R=torch.zeros(5, dtype=torch.int64), token_ids_T=torch.arange(10, dtype=torch.int32),
+                       logprobs_T=torch.zeros(10), weight_updates_T=torch.tensor(updates, dtype=torch.int32))
+    groups = SampledGroups.sampled([_prompt(i) for i in range(5)], record, 5)
+    assert groups.continued_R().tolist() == [True, False, False, False, False]
+    assert groups.last_versions_R().tolist() == [6, 6, 5, 5, 7]

@@ -1,5 +1,5 @@
 """megatron_gtpo checkpoint (converter or trainer output, any TP/PP, with or without optimizer state) -> Hugging Face
-Qwen2 directory.
+Qwen2 / Qwen3 / Qwen3-MoE directory.
 
     python tools/convert_megatron_to_hf.py --megatron-dir MG --output-dir HF2 [--max-shard-size 5GB --dtype ...
                                            --force]
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_gtpo.checkpoint.megatron_checkpoint import WEIGHT_DTYPES
-from megatron_gtpo.cli import run_cli
+from megatron_gtpo.cli import check_conversion_paths, run_cli
+
+DTYPES = ("bfloat16", "float16", "float32")  # checkpoint.megatron_checkpoint.WEIGHT_DTYPES, named before torch loads
 
 
 def parse_args(argv=None):
@@ -22,7 +23,7 @@ def parse_args(argv=None):
     p.add_argument("--megatron-dir", required=True, help="megatron_gtpo checkpoint directory")
     p.add_argument("--output-dir", required=True, help="Hugging Face model directory to create")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB; default 5GB)")
-    p.add_argument("--dtype", choices=sorted(WEIGHT_DTYPES), default=None,
+    p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="cast the weights (default: keep the stored dtype)")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -31,6 +32,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_conversion_paths("--megatron-dir", args.megatron_dir, args.output_dir, force=args.force)
+    from megatron_gtpo.checkpoint.megatron_checkpoint import WEIGHT_DTYPES
     from megatron_gtpo.checkpoint.hf_export import convert_megatron_to_hf, parse_size
 
     files = convert_megatron_to_hf(args.megatron_dir, args.output_dir, max_shard_bytes=parse_size(args.max_shard_size),

@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--model", required=True,
                    help="qwen2.5-<size>, qwen3-<size>, a config.json, or a HF model directory")
     p.add_argument("--config", help="a megatron_gtpo trainer config (YAML): layout, workload and settings from it")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a value of --config, as the trainer's --set (repeatable)")
     layout = p.add_argument_group("layout")
     layout.add_argument("--tp", type=int, help="tensor parallel size (default 1, or the config's)")
     layout.add_argument("--pp", type=int, help="pipeline parallel size (default 1, or the config's)")
@@ -127,10 +129,12 @@ def build_inputs(args, moe: bool = False) -> tuple[ParallelLayout, Workload, Set
     """The layout, workload and settings of the flags and --config; `moe`: the model has experts, so it plans the
     built-in engine unless asked otherwise."""
     workload, settings, layout = Workload(), Settings(), ParallelLayout()
+    if args.overrides and not args.config:
+        raise ValueError("--set overrides a value of --config: give the config")
     if args.config:
         from megatron_gtpo.config import load_config
 
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, args.overrides)
         workload = workload_from_config(cfg)
         settings = settings_from_config(cfg, kernels=args.kernels)
         layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,

@@ -6,6 +6,11 @@
 #   CONFIG=examples/qwen2.5-7b-gtpo.yaml sbatch --nodes=1 --gpus-per-node=8 examples/slurm/launch.sh
 #   NPROC_PER_NODE=2 CONFIG=examples/cpu_demo.yaml EXTRA_ARGS="--set steps=2" sbatch examples/slurm/launch.sh
 #
+# A dry run without SLURM (a laptop): DRY_RUN=1 bash examples/slurm/qwen2.5-32b.sbatch loads and checks the config
+# with every setting the job would pass, and plans it (tools/plan.py) for the job's nodes (NODES, default the
+# script's #SBATCH --nodes) x NPROC_PER_NODE GPUs and the model PLAN_MODEL (the per-model scripts set it): the
+# layout, memory per GPU, FITS or why not. Inside an allocation DRY_RUN=1 prints node.sh's torchrun commands.
+#
 # The per-model scripts (qwen2.5-7b.sbatch, qwen2.5-32b.sbatch) set the resources and exec this file. Every knob is
 # an environment variable, read at run time; examples/slurm/README.md explains each one.
 #SBATCH --job-name=megatron-gtpo
@@ -17,7 +22,11 @@
 #SBATCH --output=logs/%x-%j.out
 set -euo pipefail
 
-: "${SLURM_JOB_ID:?launch.sh runs inside a SLURM allocation: submit it with sbatch}"
+laptop_dry_run=0
+if [[ "${DRY_RUN:-0}" == 1 && -z "${SLURM_JOB_ID:-}" ]]; then laptop_dry_run=1; fi
+if [[ "$laptop_dry_run" == 0 ]]; then
+    : "${SLURM_JOB_ID:?launch.sh runs inside a SLURM allocation: submit it with sbatch (or DRY_RUN=1 to check it)}"
+fi
 REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 cd "$REPO_DIR"
 : "${CONFIG:?set CONFIG to a trainer config, e.g. CONFIG=examples/qwen2.5-7b-gtpo.yaml}"
@@ -25,8 +34,8 @@ export PYTHON=${PYTHON:-python}
 export PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
 export NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 # One port per job, so that two jobs sharing a node do not collide.
-export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
-export TORCHRUN_LOG_DIR=${TORCHRUN_LOG_DIR-logs/${SLURM_JOB_NAME:-megatron-gtpo}-$SLURM_JOB_ID}
+export MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+export TORCHRUN_LOG_DIR=${TORCHRUN_LOG_DIR-logs/${SLURM_JOB_NAME:-megatron-gtpo}-${SLURM_JOB_ID:-0}}
 # Network and NCCL: defaults that are safe everywhere; interfaces and HCAs are cluster-specific (README).
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
@@ -44,6 +53,14 @@ if [[ -n "${DATA_PATH:-}" ]]; then train_args+=(--set "data.path=$DATA_PATH"); f
 read -r -a extra_args <<< "${EXTRA_ARGS:-}"
 train_args+=("${extra_args[@]}")
 
+if [[ "$laptop_dry_run" == 1 ]]; then
+    job_script=${JOB_SCRIPT:-$0}
+    nodes=${NODES:-$(sed -n 's/^#SBATCH --nodes=\([0-9][0-9]*\).*/\1/p' "$job_script" | head -n 1)}
+    : "${PLAN_MODEL:?a dry run plans for a model: set PLAN_MODEL to a preset (tools/plan.py --model) or a HF directory}"
+    echo "dry run of $job_script without SLURM: ${nodes:-1} node(s) x $NPROC_PER_NODE GPUs, config $CONFIG"
+    exec "$PYTHON" "$REPO_DIR/tools/plan.py" --model "$PLAN_MODEL" --nodes "${nodes:-1}" \
+        --gpus-per-node "$NPROC_PER_NODE" "${train_args[@]}"
+fi
 nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $nodes node(s) x $NPROC_PER_NODE ranks, config $CONFIG"
 echo "trainer arguments: ${train_args[*]}"

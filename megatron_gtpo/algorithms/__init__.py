@@ -1,5 +1,6 @@
-"""Pure tensor functions of the RL algorithms (GRPO, DAPO, GTPO, GRPO-S); their formulas are in
-the docstrings of advantages.py and losses.py, their defaults in registry.py.
+"""Pure tensor functions of the RL algorithms (GRPO, DAPO, GTPO, GRPO-S, Clip-Cov, KL-Cov, the high-entropy-token
+fraction); their formulas are in the docstrings of advantages.py, losses.py and token_selection.py, their defaults
+in registry.py.
 
 Imports no torch.distributed, megatron, vllm or config objects: tensors in, tensors out, scalars as keywords.
 """
@@ -12,6 +13,7 @@ from megatron_gtpo.algorithms.advantages import (
 from megatron_gtpo.algorithms.dynamic_sampling import informative_groups
 from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
 from megatron_gtpo.algorithms.losses import local_loss_normalizer, sequence_policy_loss, token_policy_loss
+from megatron_gtpo.algorithms.token_selection import TokenSelection, select_tokens
 from megatron_gtpo.algorithms.registry import (
     ALGORITHM_NAMES,
     ALGORITHMS,
@@ -38,6 +40,8 @@ __all__ = [
     "local_loss_normalizer",
     "overlong_penalty",
     "resolve_algorithm",
+    "select_tokens",
     "sequence_policy_loss",
+    "TokenSelection",
     "token_policy_loss",
 ]

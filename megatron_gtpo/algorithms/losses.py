@@ -1,4 +1,5 @@
-"""Policy losses: the clipped surrogate per token (GRPO, DAPO, GTPO) and per sequence (GRPO-S, GSPO).
+"""Policy losses: the clipped surrogate per token (GRPO, DAPO, GTPO, Clip-Cov; KL-Cov's unclipped) and per sequence
+(GRPO-S, GSPO).
 
 Shapes: B sequences (the N x G responses of the batch, flattened) x T positions. logprobs_BT are the current
 policy's log-probs of the sampled tokens (differentiable), old_logprobs_BT the old policy's (detached),
@@ -159,8 +160,11 @@ def token_policy_loss(
     entropy_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     pg_weights: torch.Tensor | None = None,
+    ppo_clip: bool = True,
+    kl_penalty_BT: torch.Tensor | None = None,
+    kl_cov_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level clipped surrogate (PPO/GRPO/DAPO/GTPO) of one micro-batch; see THE LOSS CONTRACT.
+    """Token-level clipped surrogate (PPO/GRPO/DAPO/GTPO/Clip-Cov/KL-Cov) of one micro-batch; see THE LOSS CONTRACT.
 
     advantages: [B, T] per-token advantages (GTPO) or [B] per-sequence ones broadcast to every token
     (GRPO, DAPO). Per token, with w = exp(logprobs - old_logprobs):
@@ -169,7 +173,9 @@ def token_policy_loss(
     entropy_BT is the CURRENT policy's entropy (differentiable) for the bonus; ref_logprobs_BT the reference
     policy's log-probs. Either may be given with a zero coefficient to get its metric only. pg_weights ([B, T] or
     [B], like advantages; detached) multiply the surrogate term per token: the rollout-mismatch importance weights
-    (rollout_correction.py); None means 1.
+    (rollout_correction.py), times 0 where a token selection removes the policy gradient (Clip-Cov, the
+    high-entropy fraction: token_selection.py); None means 1. KL-Cov (arXiv 2505.22617): ppo_clip=False makes the
+    surrogate -w A (no clip), and the tokens of kl_penalty_BT (bool [B, T]) add kl_cov_coef * |log w| to it.
     Returns (loss_mb, metrics): pg_loss (the surrogate part of loss_mb), clip_frac_low (A < 0 and
     w < 1 - eps_low), clip_frac_high (A > 0 and w > 1 + eps_high), dual_clip_frac (A < 0 and w > dual_clip),
     approx_kl, ratio_mean/max/min, num_tokens, and ref_kl / entropy when those inputs are given.
@@ -186,8 +192,15 @@ def token_policy_loss(
 
     log_ratio_BT = _masked_log_ratio(logprobs_BT, old_logprobs_BT, mask_BT)
     ratio_BT = torch.exp(log_ratio_BT)  # exactly 1 at padding, where the advantage is 0
-    surrogate_BT, low_BT, high_BT, dual_BT = _clipped_surrogate(
-        ratio_BT, advantages_BT, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    if ppo_clip:
+        surrogate_BT, low_BT, high_BT, dual_BT = _clipped_surrogate(
+            ratio_BT, advantages_BT, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    else:
+        surrogate_BT = -advantages_BT * ratio_BT
+        low_BT = high_BT = dual_BT = torch.zeros_like(mask_BT)
+    if kl_penalty_BT is not None:
+        check_bool_mask("kl_penalty_BT", kl_penalty_BT, logprobs_BT.shape)
+        surrogate_BT = surrogate_BT + kl_cov_coef * torch.where(kl_penalty_BT & mask_BT, log_ratio_BT.abs(), 0.0)
     if pg_weights is not None:
         if pg_weights.shape not in (logprobs_BT.shape, logprobs_BT.shape[:1]):
             raise ValueError(f"pg_weights must have shape [B, T] = {tuple(logprobs_BT.shape)} or [B] = "

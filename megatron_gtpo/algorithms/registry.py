@@ -1,4 +1,4 @@
-"""The four algorithms as data: each name maps to one registry entry, resolved once against the run's config.
+"""The algorithms as data: each name maps to one registry entry, resolved once against the run's config.
 
 The registry is the only place an algorithm's name is read: the config's choices (config.py) are its names, and the
 trainer resolves its algorithm once (`configure_algorithm`) into a `ConfiguredAlgorithm`, whose two functions have
@@ -18,9 +18,18 @@ arXiv 2508.04349):
     DAPO       grpo_advantages [N, G]     token, token-mean            0.2, 0.28         yes            overlong
     GTPO       gtpo_advantages [N, G, T]  token, token-mean            0.2, 0.28         yes            none
     GRPO_S     grpo_s_advantages [N, G]   sequence (arithmetic ratio)  0.2, 0.28         yes            none
+    CLIP_COV   grpo_advantages [N, G]     token, token-mean, Clip-Cov  0.2, 0.28         yes            none
+    KL_COV     grpo_advantages [N, G]     token, token-mean, KL-Cov    no clip           yes            none
 
 GTPO and GRPO-S are built on DAPO (clip-higher, dynamic sampling: groups without both outcomes carry no
-signal); their rewards must stay binary correctness, so no length penalty is added to them.
+signal); their rewards must stay binary correctness, so no length penalty is added to them. A group without both
+outcomes (dynamic sampling off) gets advantage 0 from them, as from GRPO, instead of the pure entropy noise their
+formulas give it (docs/algorithms.md); the groups with both are shaped as if it had been dropped.
+
+Clip-Cov and KL-Cov (arXiv 2505.22617) are DAPO's advantages and dynamic sampling with a token selection by the
+covariance of log-prob and advantage (token_selection.py); the paper's recipes add no overlong penalty. KL-Cov's
+surrogate has no PPO clip (the paper's and verl's): its penalty on the selected tokens takes the clip's place.
+`algorithm.entropy_token_fraction` adds the high-entropy-token selection to any token-level loss.
 """
 from __future__ import annotations
 
@@ -32,8 +41,10 @@ from typing import Callable
 import torch
 
 from megatron_gtpo.algorithms.advantages import gtpo_advantages, grpo_advantages, grpo_s_advantages
+from megatron_gtpo.algorithms.dynamic_sampling import informative_groups
 from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
 from megatron_gtpo.algorithms.losses import sequence_policy_loss, token_policy_loss
+from megatron_gtpo.algorithms.token_selection import TokenSelection, select_tokens
 
 
 class Algorithm(str, enum.Enum):  # in the order the config lists them: the entropy-shaped ones first
@@ -41,6 +52,8 @@ class Algorithm(str, enum.Enum):  # in the order the config lists them: the entr
     GRPO_S = "grpo_s"
     GRPO = "grpo"
     DAPO = "dapo"
+    CLIP_COV = "clip_cov"
+    KL_COV = "kl_cov"
 
 
 _TOKEN_LOSS_FIELDS = ("dual_clip", "kl_coef", "entropy_coef")  # the config fields every loss takes
@@ -52,7 +65,7 @@ class AlgorithmEntry:
     """One algorithm: `advantages(rewards_NG[, entropy_NGT, mask_NGT], **settings)` with `advantage_fields` the
     config fields passed as settings (the entropy arguments iff `uses_entropy`); `policy_loss` with `loss_defaults`
     and the config fields `loss_fields`; the defaults of dynamic sampling and of the length penalty ("none" |
-    "overlong")."""
+    "overlong"); `covariance_selection`: "clip" (Clip-Cov), "kl" (KL-Cov) or None."""
 
     advantages: Callable[..., torch.Tensor]
     advantage_fields: tuple[str, ...]
@@ -62,6 +75,7 @@ class AlgorithmEntry:
     loss_fields: tuple[str, ...] = _TOKEN_LOSS_FIELDS
     dynamic_sampling: bool = True
     length_penalty: str = "none"
+    covariance_selection: str | None = None
 
     @property
     def sequence_level_loss(self) -> bool:
@@ -81,12 +95,18 @@ ALGORITHMS: dict[Algorithm, AlgorithmEntry] = {
     Algorithm.GRPO_S: AlgorithmEntry(grpo_s_advantages, ("beta1", "beta2", "entropy_clip"), True,
                                      sequence_policy_loss, dict(eps_low=0.2, eps_high=0.28),
                                      loss_fields=_TOKEN_LOSS_FIELDS + ("sequence_ratio",)),
+    Algorithm.CLIP_COV: AlgorithmEntry(grpo_advantages, (), False, token_policy_loss,
+                                       dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean"),
+                                       covariance_selection="clip"),
+    Algorithm.KL_COV: AlgorithmEntry(grpo_advantages, (), False, token_policy_loss,
+                                     dict(ppo_clip=False, loss_agg_mode="token-mean"),
+                                     loss_fields=_TOKEN_LOSS_FIELDS + ("kl_cov_coef",), covariance_selection="kl"),
 }
 
 
 def resolve_algorithm(name: str | Algorithm) -> Algorithm:
-    """The algorithm an enum or a name names ("grpo", "dapo", "gtpo", "grpo_s"; case-insensitive, "grpo-s"
-    accepted); ValueError for any other name."""
+    """The algorithm an enum or a name names ("grpo", "dapo", "gtpo", "grpo_s", "clip_cov", "kl_cov";
+    case-insensitive, "-" for "_" accepted); ValueError for any other name."""
     if isinstance(name, Algorithm):
         return name
     try:
@@ -102,7 +122,9 @@ ALGORITHM_NAMES: tuple[str, ...] = tuple(a.value for a in Algorithm)  # the conf
 class ConfiguredAlgorithm:
     """An algorithm resolved against the run's config: what the trainer calls (module doc: the two signatures).
     `loss_agg_mode` is the token loss's aggregation ("seq-mean-token-mean" for the sequence-level loss), from which
-    the update computes its loss normalisers; `length_penalty(lengths_NG, correct_NG) -> penalty_NG` or None."""
+    the update computes its loss normalisers; `length_penalty(lengths_NG, correct_NG) -> penalty_NG` or None;
+    `select_tokens(advantages_K, old_logprobs_K, entropy_K, keys_K) -> TokenSelection` over one mini-batch's valid
+    tokens (token_selection.py), or None where no selection is configured."""
 
     algorithm: Algorithm
     uses_entropy: bool
@@ -111,14 +133,25 @@ class ConfiguredAlgorithm:
     length_penalty: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     _advantages: Callable[..., torch.Tensor]
     _policy_loss: Callable[..., tuple]
+    select_tokens: Callable[..., TokenSelection] | None = None
 
     def advantages(self, rewards_NG: torch.Tensor, entropy_NGT: torch.Tensor | None = None,
                    mask_NGT: torch.Tensor | None = None) -> torch.Tensor:
+        """The algorithm's advantages; the entropy-shaped ones give 0 to every token of a group whose rewards are
+        all equal and shape the other groups as if it were not there."""
         if not self.uses_entropy:
             return self._advantages(rewards_NG)
         if entropy_NGT is None or mask_NGT is None:
             raise ValueError(f"{self.algorithm.value} advantages need entropy_NGT and mask_NGT")
-        return self._advantages(rewards_NG, entropy_NGT, mask_NGT)
+        informative_N = informative_groups(rewards_NG)
+        if bool(informative_N.all()):  # one host read per step
+            return self._advantages(rewards_NG, entropy_NGT, mask_NGT)
+        if not bool(informative_N.any()):
+            return torch.zeros_like(self._advantages(rewards_NG, entropy_NGT, mask_NGT))
+        shaped = self._advantages(rewards_NG[informative_N], entropy_NGT[informative_N], mask_NGT[informative_N])
+        advantages = shaped.new_zeros(rewards_NG.shape + shaped.shape[2:])
+        advantages[informative_N] = shaped
+        return advantages
 
     def policy_loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, loss_normalizer, **tensors):
         """loss_mb, metrics of one micro-batch under THE LOSS CONTRACT (losses.py); `advantages` flattened to
@@ -142,7 +175,20 @@ def configure_algorithm(config, *, max_new_tokens: int) -> ConfiguredAlgorithm:
         loss_agg_mode=entry.loss_defaults.get("loss_agg_mode", "seq-mean-token-mean"),
         length_penalty=_length_penalty(config.length_penalty or entry.length_penalty, config, max_new_tokens),
         _advantages=partial(entry.advantages, **{k: getattr(config, k) for k in entry.advantage_fields}),
-        _policy_loss=partial(entry.policy_loss, **loss_settings))
+        _policy_loss=partial(entry.policy_loss, **loss_settings),
+        select_tokens=_token_selection(entry.covariance_selection, config))
+
+
+def _token_selection(covariance_selection: str | None, config):
+    """select_tokens bound to the run's covariance selection and high-entropy fraction, or None when neither is on."""
+    settings = {}
+    if covariance_selection == "clip":
+        settings["clip_cov"] = (config.clip_cov_ratio, config.clip_cov_lb, config.clip_cov_ub)
+    elif covariance_selection == "kl":
+        settings["kl_cov_ratio"] = config.kl_cov_ratio
+    if config.entropy_token_fraction is not None:
+        settings["entropy_token_fraction"] = config.entropy_token_fraction
+    return partial(select_tokens, **settings) if settings else None
 
 
 def _length_penalty(name: str, config, max_new_tokens: int):

@@ -315,15 +315,33 @@ def load_checkpoint(directory: str, model_chunks: list, *, extra_sharded_state: 
     (sharded state dicts shaped like the ones saved); returns the loaded extra state. Collective. Keys of the
     checkpoint that are not asked for (optimizer state, when loading the model alone) are not read."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     check_intact(directory, group=dist.group.WORLD)  # a damaged file is named, not met as a reader's EOFError
     read_checkpoint_metadata(directory)
     state = model_state_to_load(directory, model_chunks)
     extra = dict(extra_sharded_state or {})
-    loaded = dist_checkpointing.load({**state, **extra}, directory)
+    loaded = load_sharded({**state, **extra}, directory)
     load_model_state(directory, model_chunks, loaded)
     return {key: loaded[key] for key in extra}
+
+
+# What megatron-core 0.16's torch_dist reader calls in torch 2.13, deprecated there: three FutureWarnings per load
+# that name torch APIs a user of this package does not call.
+_READER_DEPRECATIONS = ("`load_state_dict` is deprecated and will be removed in future versions",
+                        "Please use DTensor instead and we are deprecating ShardedTensor")
+
+
+def load_sharded(sharded_state: dict, directory: str) -> dict:
+    """megatron.core.dist_checkpointing.load of `sharded_state` from `directory` (collective), without the
+    deprecation warnings of megatron-core's reader."""
+    import warnings
+
+    from megatron.core import dist_checkpointing
+
+    with warnings.catch_warnings():
+        for message in _READER_DEPRECATIONS:
+            warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        return dist_checkpointing.load(sharded_state, directory)
 
 
 def model_state_to_load(directory: str, model_chunks: list) -> dict:

@@ -8,21 +8,38 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelSource:
-    path: str
+    path: str  # the model's own directory (a checkpoints folder or `latest` resolved to the checkpoint it names)
     is_megatron_checkpoint: bool
 
     @classmethod
-    def detect(cls, path: str) -> "ModelSource":
-        from .megatron_checkpoint import METADATA_FILE
+    def detect(cls, path: str, what: str = "model") -> "ModelSource":
+        """The model at `path`: a Hugging Face directory, a checkpoint, a trainer's checkpoints folder or its
+        `latest` file (the checkpoint `latest` names). FileNotFoundError naming `what` (the flag or config key that
+        gave the path) and what was found instead."""
+        from .megatron_checkpoint import LATEST, METADATA_FILE
 
+        latest = path if os.path.basename(os.path.normpath(path)) == LATEST else os.path.join(path, LATEST)
+        if os.path.isfile(latest):
+            with open(latest, encoding="utf-8") as f:
+                path = os.path.join(os.path.dirname(latest), f.read().strip())
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{what}: {path!r} does not exist")
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"model directory {path!r} does not exist")
+            raise FileNotFoundError(f"{what}: {path!r} is a file, not a model directory (a Hugging Face directory "
+                                    f"or a megatron_gtpo checkpoint)")
         if os.path.isfile(os.path.join(path, METADATA_FILE)):
             return cls(path, True)
         if os.path.isfile(os.path.join(path, "config.json")):
             return cls(path, False)
-        raise FileNotFoundError(f"{path!r} is neither a Hugging Face model directory (no config.json) nor a "
+        raise FileNotFoundError(f"{what}: {path!r} is neither a Hugging Face model directory (no config.json) nor a "
                                 f"megatron_gtpo checkpoint (no {METADATA_FILE})")
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """Where its tokenizer files are: a HF directory's own, or the ones a checkpoint copied along."""
+        from .megatron_checkpoint import HF_FILES_DIR
+
+        return os.path.join(self.path, HF_FILES_DIR) if self.is_megatron_checkpoint else self.path
 
     def hf_config(self) -> dict:
         if self.is_megatron_checkpoint:

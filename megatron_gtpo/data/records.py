@@ -34,8 +34,9 @@ class PromptSample:
 @dataclasses.dataclass(frozen=True)
 class FieldMapping:
     """Where the problem, answer and id live in a row. A dotted path reaches into nested values:
-    "reward_model.ground_truth", "prompt.0.content" (an integer indexes a list). `id=None` makes the id
-    "<file stem>-<row index>"."""
+    "reward_model.ground_truth", "prompt.0.content" (an integer indexes a list). A file whose rows have no `id`
+    field (the README's {"problem", "answer"} rows) takes "<file stem>-<row index>" as each row's id, as does
+    `id=None` for any file; the first row decides, and every other row must then have an id too, or none."""
 
     problem: str = "problem"
     answer: str = "answer"
@@ -43,24 +44,35 @@ class FieldMapping:
 
 
 def _lookup(row: Any, path: str) -> Any:
-    """Value at a dotted path, or raise KeyError naming the first missing step."""
+    """Value at a dotted path, or raise KeyError(the part of the path that exists, the step it lacks)."""
     value = row
-    for step in path.split("."):
+    steps = path.split(".")
+    for i, step in enumerate(steps):
         if isinstance(value, dict) and step in value:
             value = value[step]
         elif isinstance(value, list) and step.isdigit() and int(step) < len(value):
             value = value[int(step)]
         else:
-            raise KeyError(step)
+            raise KeyError(".".join(steps[:i]), step)
     return value
+
+
+def _has_field(row: dict, path: str) -> bool:
+    try:
+        _lookup(row, path)
+    except KeyError:
+        return False
+    return True
 
 
 def _text_field(row: Any, path: str, where: str, *, allow_number: bool) -> str:
     try:
         value = _lookup(row, path)
     except KeyError as err:
-        present = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise ValueError(f"{where}: missing field {path!r} (step {err.args[0]!r}; fields present: {present})") from None
+        found, lacking = err.args
+        inside = f"{found!r} has no {lacking!r}; " if found else ""
+        raise ValueError(f"{where}: missing field {path!r} ({inside}the row's fields: {', '.join(sorted(row))})") \
+            from None
     if allow_number and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
@@ -92,9 +104,11 @@ def _iter_parquet_rows(path: str) -> Iterator[tuple[str, Any]]:
 
 
 def load_prompt_records(path: str, fields: FieldMapping = FieldMapping()) -> list[PromptRecord]:
-    """Records of a .jsonl or .parquet file, in file order. Numeric answers become strings ("17").
+    """Records of a .jsonl or .parquet file, in file order. Numeric answers become strings ("17"); rows without ids
+    are numbered (FieldMapping).
 
-    Raises ValueError for malformed lines, missing/empty/non-string fields, duplicate ids and empty files.
+    Raises ValueError for malformed lines, missing/empty/non-string fields, duplicate ids, ids in some rows only
+    and empty files.
     """
     if path.endswith(".jsonl"):
         rows = _iter_jsonl_rows(path)
@@ -105,13 +119,18 @@ def load_prompt_records(path: str, fields: FieldMapping = FieldMapping()) -> lis
     stem = os.path.splitext(os.path.basename(path))[0]
     records: list[PromptRecord] = []
     seen_ids: dict[str, str] = {}
+    ids_in_rows = None  # whether the rows carry their ids: the first row decides (FieldMapping)
     for row_index, (where, row) in enumerate(rows):
         if not isinstance(row, dict):
             raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-        if fields.id is None:
-            record_id = f"{stem}-{row_index}"
-        else:
-            record_id = _text_field(row, fields.id, where, allow_number=True)
+        has_id = fields.id is not None and _has_field(row, fields.id)
+        ids_in_rows = has_id if ids_in_rows is None else ids_in_rows
+        if has_id != ids_in_rows:
+            which = "no field {!r}, though the first row has one" if ids_in_rows else \
+                "a field {!r}, though the first row has none"
+            raise ValueError(f"{where}: {which.format(fields.id)}: give every row an id, or none (then each row's "
+                             f"id is {stem}-<row index>)")
+        record_id = _text_field(row, fields.id, where, allow_number=True) if has_id else f"{stem}-{row_index}"
         if record_id in seen_ids:
             raise ValueError(f"{where}: duplicate id {record_id!r} (first at {seen_ids[record_id]})")
         seen_ids[record_id] = where

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import scratchpad_addition, synthetic
+from . import arithmetic_target, scratchpad_addition, synthetic
 from .records import PromptSample
 
 
@@ -27,4 +27,7 @@ SYNTHETIC_TASKS = {
     "scratchpad_addition": SyntheticTask(
         scratchpad_addition.train_problems, scratchpad_addition.heldout_problems, scratchpad_addition.tokenizer,
         scratchpad_addition.reward, scratchpad_addition.demonstration, scratchpad_addition.tiny_model_hf_config),
+    "arithmetic_target": SyntheticTask(
+        arithmetic_target.train_problems, arithmetic_target.heldout_problems, arithmetic_target.tokenizer,
+        arithmetic_target.reward, arithmetic_target.demonstration, arithmetic_target.tiny_model_hf_config),
 }

@@ -28,6 +28,11 @@ class Tokenizer(Protocol):
     ) -> str: ...
 
 
+# One of these makes a directory a Hugging Face tokenizer's (transformers otherwise asks for sentencepiece or
+# tiktoken, the formats it would fall back to).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never from the Hub).
 
@@ -35,8 +40,9 @@ class HFTokenizer:
     """
 
     def __init__(self, model_dir: str):
-        if not os.path.isdir(model_dir):
-            raise ValueError(f"model_dir must be a local directory with tokenizer files, got {model_dir!r}")
+        if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+            raise ValueError(f"no tokenizer in {model_dir} (none of {', '.join(TOKENIZER_FILES)}): copy the "
+                             f"tokenizer files of the Hugging Face model it comes from into it")
         from transformers import AutoTokenizer  # heavy import, only for HF tokenizers
 
         self._tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -104,9 +110,11 @@ class SentencePieceTokenizer:
 
 
 def load_tokenizer(path: str) -> HFTokenizer | SentencePieceTokenizer:
-    """A directory loads as a Hugging Face tokenizer, a *.model file as SentencePiece."""
-    if os.path.isdir(path):
-        return HFTokenizer(path)
+    """A *.model file loads as SentencePiece, a directory as a Hugging Face tokenizer (ValueError "no tokenizer in
+    PATH" when it holds none)."""
     if path.endswith(".model") and os.path.isfile(path):
         return SentencePieceTokenizer(path)
-    raise ValueError(f"tokenizer path must be a model directory or a SentencePiece .model file, got {path!r}")
+    if not os.path.isdir(path):
+        raise ValueError(f"no tokenizer in {path}: no such directory (a tokenizer is a Hugging Face model directory "
+                         f"or a SentencePiece .model file)")
+    return HFTokenizer(path)

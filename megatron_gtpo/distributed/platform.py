@@ -42,6 +42,8 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_gtpo.notices import ignore_optional_kernel_notices
+
 from .device_audit import DeviceAudit, wrap_collectives, wrap_parameter_new
 
 _CPU = torch.device("cpu")
@@ -202,8 +204,8 @@ def activate_cpu_platform(dev: str = "/dev") -> bool:
     check_gpus_are_usable(dev)
 
     # Expected on a CPU machine, and printed by every rank on every step otherwise.
-    for message in (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*",
-                    ".*all_gather_into_tensor` is deprecated.*", ".*reduce_scatter_tensor` is deprecated.*",
+    ignore_optional_kernel_notices()
+    for message in (".*all_gather_into_tensor` is deprecated.*", ".*reduce_scatter_tensor` is deprecated.*",
                     ".*full scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=message)
 

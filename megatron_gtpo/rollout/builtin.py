@@ -6,10 +6,12 @@ How a batch is generated:
   `max_batch_size` rows and at most `max_batch_tokens` KV-cache token slots (`batch_ranges`); the KV cache is a
   `megatron.core.inference.contexts.StaticInferenceContext` (one cache offset for all rows) of rows x (longest
   prompt of the batch + max_new_tokens) slots per layer, so `max_batch_tokens` bounds its memory;
-- each row samples from a torch.Generator of its own, seeded by `engine.response_seed` (the call's seed, its
-  prompt index and sample index) and drawn from only at the positions where the row generates: a response depends
-  on its prompt and that seed, not on which rows share its batch, so the batch caps change no sampled token (greedy
-  decoding: no token either, up to the float rounding of other batch shapes);
+- each row samples with counter-based noise (sampling.counter_uniform): the random numbers of its k-th token are a
+  hash of its seed, `engine.response_seed` (the call's seed, its prompt index and sample index), and k. A response
+  depends on its prompt and that seed, not on which rows share its batch, nor on the prompt scheme below, so the
+  batch caps change no sampled token (greedy decoding: no token either, up to the float rounding of other batch
+  shapes). (Until 2026-11-27 each row drew from a torch.Generator of its own, one kernel per row and step: the same
+  seeds now give other, equally distributed, samples.);
 - prompts of different lengths, two schemes (`prompt_alignment`):
   "left_pad" (the default where it is exact, see below): prompts are left-padded to the longest and prefilled in one
   forward pass with an explicit boolean attention mask (causal, and padding keys masked out) that is also passed at
@@ -23,8 +25,10 @@ How a batch is generated:
   prefilled with the plain causal mask, then all rows advance one position per step; rows still inside their prompt
   are fed their next prompt token (the model's prediction is discarded). No padding and no masks, at the price of
   (longest - shortest prompt) extra decode steps;
-- a row that samples a stop token, or reaches max_new_tokens, leaves the batch: its KV-cache rows are dropped (the
-  cache is compacted), so finished sequences cost nothing more. The loop ends when no row is left;
+- a row that samples a stop token, or reaches max_new_tokens, stops generating; its KV-cache rows are dropped (the
+  cache compacted) once the finished rows are a quarter of the batch's rows (decode_rows.DecodeRows.compaction_pays:
+  a compaction copies the cache, a finished row kept costs its share of every later step; with 4 rows or fewer a
+  finished row leaves at once). The loop ends when no row is left;
 - `between_steps` is called before every forward step. It may change the model's weights (a rollout server taking a
   weight update while it generates: remote_server.py); it then returns how many updates it took, and the rows in
   flight are prefilled again under the new weights (their KV cache is computed afresh from their tokens so far), so
@@ -36,9 +40,10 @@ states [s, b, h] of the previous one from its pipeline peer (torch.distributed s
 sends its own output to the next one, each stage keeping the KV cache of its own layers. The last stage samples; the
 sampled tokens and log-probs go to every rank of the model-parallel group (a broadcast from TP rank 0 within the last
 stage's TP group, then from the last stage along each pipeline group), so all ranks follow the same control flow and
-return the same responses. The tokens and log-probs stay on the device: each step writes them into [rows,
-max_new_tokens] tensors, which become the rollout record (responses.py) of the call. Host synchronisation: one
-small [b] read of the sampled token ids per decoded position (needed for the per-sequence early exit).
+return the same responses. The decode loop's state (which rows are in the cache, their tokens, log-probs, lengths
+and whether they still generate) lives on the device (decode_rows.py): a decode step copies no host list to the
+device, samples all rows in a fixed number of kernels, and reads back one number, the count of rows still
+generating (for the early exit and the compaction).
 
 Mixture-of-experts models with expert parallelism: the ranks of an expert-parallel group exchange tokens inside every
 MoE layer, so they must take every forward step together, whatever their own prompts (their replicas generate
@@ -64,7 +69,8 @@ from tqdm import tqdm
 from megatron_gtpo.models.moe_routing import recording
 
 from .engine import Rollout, SamplingParams, check_prompts, response_seed
-from .responses import FINISH_LENGTH_CODE, FINISH_STOP_CODE, Responses
+from .decode_rows import DecodeRows
+from .responses import Responses
 from .sampling import sample_next_tokens
 
 
@@ -164,31 +170,25 @@ class BuiltinEngine:
         seeds = [response_seed(params.seed, i, j, params.n) for i in range(len(prompts)) for j in range(params.n)]
         batches = batch_ranges([len(r) for r in rows], max_new_tokens=params.max_new_tokens,
                                max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
-        tokens, logprobs, updates, lengths, finish = [], [], [], [], []  # per batch: flat device tensors; per row: ints
+        parts: list[tuple[torch.Tensor, ...]] = []  # per batch: (tokens_T, logprobs_T, updates_T, lengths_R, finish_R)
         routed: list[torch.Tensor] | None = [] if self.record_routing else None
         self._updates_taken = 0  # between_steps' weight updates during this call
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
                 tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
             for batch in batches:
-                tokens_T, logprobs_T, updates_T, batch_lengths, batch_finish, batch_routes = self._generate_batch(
+                *batch_parts, batch_routes = self._generate_batch(
                     [rows[r] for r in batch], [seeds[r] for r in batch], params, recorder)
-                tokens.append(tokens_T)
-                logprobs.append(logprobs_T)
-                updates.append(updates_T)
-                lengths += batch_lengths
-                finish += batch_finish
+                parts.append(batch_parts)
                 if routed is not None:
                     routed += batch_routes if batch_routes is not None else [None] * len(batch)
                 bar.update(len(batch))
             self._stand_by()
         if routed is not None and any(r is None for r in routed):
             routed = None  # a model without experts records nothing
-        device = self.parallel.device
-        record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=device),
-                           lengths_R=torch.tensor(lengths, device=device),
-                           finish_R=torch.tensor(finish, device=device),
-                           token_ids_T=torch.cat(tokens), logprobs_T=torch.cat(logprobs),
-                           weight_updates_T=torch.cat(updates))
+        tokens_T, logprobs_T, updates_T, lengths_R, finish_R = (torch.cat(p) for p in zip(*parts))
+        record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=self.parallel.device),
+                           lengths_R=lengths_R, finish_R=finish_R, token_ids_T=tokens_T, logprobs_T=logprobs_T,
+                           weight_updates_T=updates_T)
         return record, routed
 
     @torch.no_grad()
@@ -237,87 +237,41 @@ class BuiltinEngine:
                     model.set_input_tensor(None)
 
     def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams, recorder=None):
-        """One batch of rows: (token_ids_T, logprobs_T, weight_updates_T) on the device, the rows' tokens back to
-        back, the rows' lengths and finish codes as host lists, and with a `recorder` each row's recorded experts
-        (else None)."""
+        """One batch of rows: (token_ids_T, logprobs_T, weight_updates_T, lengths_R, finish_R) on the device, the
+        rows' tokens back to back, and with a `recorder` each row's recorded experts (else None)."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        device = self.parallel.device
-        generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds] \
-            if self.parallel.is_last_stage and not params.greedy else None
-        width = max(len(r) for r in rows)
-        context = StaticInferenceContext(max_batch_size=len(rows), max_sequence_length=width + params.max_new_tokens)
-        stop_ids = set(params.stop_token_ids)
-        # Row r's k-th token and its log-prob land at [r, k] (on the device, as they are sampled).
-        tokens_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int32, device=device)
-        logprobs_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.float32, device=device)
-        updates_RN = torch.zeros(len(rows), params.max_new_tokens, dtype=torch.int32, device=device)
-        lengths = [0] * len(rows)
-        finish: list[int | None] = [None] * len(rows)
-
-        if self.left_pad:
-            # Prompts right-aligned at `width`; key_is_pad_BK marks the pads (generated positions are never pads).
-            position = width  # the position the next logits predict
-            prompt_end = [width] * len(rows)
-            feed_BS = torch.tensor([[0] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
-            key_is_pad_BK = torch.zeros(len(rows), context.max_sequence_length, dtype=torch.bool, device=device)
-            for b, r in enumerate(rows):
-                key_is_pad_BK[b, :width - len(r)] = True
-        else:
-            position = min(len(r) for r in rows)
-            prompt_end = [len(r) for r in rows]
-            feed_BS = torch.tensor([r[:position] for r in rows], dtype=torch.long, device=device)
-            key_is_pad_BK = None
-        active = list(range(len(rows)))  # original row of each batch row, in KV-cache order
-        pads = [width - len(r) if self.left_pad else 0 for r in rows]
-        routes = _RouteLog(len(rows), pads) if recorder is not None else None
-        while active:
+        # The position the next logits predict: after the longest prompt (left padding), else after the shortest.
+        position = max(len(r) for r in rows) if self.left_pad else min(len(r) for r in rows)
+        context = StaticInferenceContext(max_batch_size=len(rows),
+                                         max_sequence_length=max(len(r) for r in rows) + params.max_new_tokens)
+        state = DecodeRows(rows, seeds, left_pad=self.left_pad, max_new_tokens=params.max_new_tokens,
+                           stop_token_ids=params.stop_token_ids, cache_len=context.max_sequence_length,
+                           device=self.parallel.device)
+        feed_BS = state.prefill_tokens(position)
+        routes = _RouteLog(len(rows), state.pads) if recorder is not None else None
+        while True:
             if self._take_updates():  # new weights: the rows in flight are prefilled again under them
-                feed_BS = torch.tensor([([0] * pads[row] + rows[row] + generated)[:position] for row, generated in
-                                        zip(active, tokens_RN[active].tolist())], dtype=torch.long, device=device)
-                context = StaticInferenceContext(max_batch_size=len(active),
+                feed_BS = state.prefill_tokens(position)
+                context = StaticInferenceContext(max_batch_size=state.batch_rows,
                                                  max_sequence_length=context.max_sequence_length)
             self._peers_forward(True)
-            logits_BV = self._forward(feed_BS, context, _attention_mask(key_is_pad_BK, feed_BS.shape[1], position))
-            if routes is not None:  # the fed columns [position - S, position) of the active rows
-                routes.add(position - feed_BS.shape[1], active, recorder.take())
+            logits_BV = self._forward(feed_BS, context, _attention_mask(state.key_is_pad_BK, feed_BS.shape[1],
+                                                                        position))
+            if routes is not None:  # the fed columns [position - S, position) of the batch's rows
+                routes.add(position - feed_BS.shape[1], state.row_B, state.live_B.clone(), recorder.take())
             context.enable_decode_mode()
-            # Rows still inside their prompt (teacher forcing) draw nothing: their prediction is discarded.
-            drawing = generators and [generators[row] if position >= prompt_end[row] else None for row in active]
-            tokens, shared_2B = self._sample_and_share(logits_BV, len(active), params, drawing)
-            keep, next_tokens, written = [], [], []  # written: (batch row, row, token index) of each new token
-            for b, row in enumerate(active):
-                if position < prompt_end[row]:  # teacher forcing: still inside its prompt, feed the prompt token
-                    keep.append(b)
-                    next_tokens.append(rows[row][position])
-                    continue
-                token = tokens[b]
-                written.append((b, row, lengths[row]))
-                lengths[row] += 1
-                if token in stop_ids:
-                    finish[row] = FINISH_STOP_CODE
-                elif lengths[row] == params.max_new_tokens:
-                    finish[row] = FINISH_LENGTH_CODE
-                else:
-                    keep.append(b)
-                    next_tokens.append(token)
-            if written:
-                b_W, row_W, k_W = torch.tensor(written, dtype=torch.long, device=device).unbind(1)
-                tokens_RN[row_W, k_W] = shared_2B[0, b_W].to(torch.int32)
-                logprobs_RN[row_W, k_W] = shared_2B[1, b_W].float()
-                if self._updates_taken:
-                    updates_RN[row_W, k_W] = self._updates_taken
-            if len(keep) < len(active):
-                keep_B = torch.tensor(keep, dtype=torch.long, device=device)
-                _keep_cache_rows(context, keep_B)
-                if key_is_pad_BK is not None:
-                    key_is_pad_BK = key_is_pad_BK.index_select(0, keep_B)
-                active = [active[b] for b in keep]
-            feed_BS = torch.tensor(next_tokens, dtype=torch.long, device=device).unsqueeze(1)
+            tokens_B, logprobs_B = self._sample_and_share(logits_BV, state, params)
+            feed_BS = state.record(tokens_B, logprobs_B, position, self._updates_taken)
             position += 1
-        valid_RN = torch.arange(params.max_new_tokens, device=device) < torch.tensor(lengths, device=device)[:, None]
+            if state.live_rows() == 0:
+                break
+            if state.compaction_pays():
+                keep_B = state.compact()
+                _keep_cache_rows(context, keep_B)
+                feed_BS = feed_BS.index_select(0, keep_B)
         experts = routes.per_row() if routes is not None else None
-        return tokens_RN[valid_RN], logprobs_RN[valid_RN], updates_RN[valid_RN], lengths, finish, experts
+        return (*state.results(), experts)
 
     def _take_updates(self) -> int:
         """`between_steps`, counting the weight updates it took in this call; refuses them while recording routing
@@ -359,46 +313,47 @@ class BuiltinEngine:
         context.increment_sequence_len_offset(seq)
         return logits_BV
 
-    def _sample_and_share(self, logits_BV, batch: int, params: SamplingParams, generators):
-        """Sample on the last stage (one generator, or None, per row: sample_next_tokens); every rank of the
-        model-parallel group gets the token ids as a host list (the early exit reads them) and shared_2B, float64
-        [2, batch] on the device: the token ids and their float32 log-probs."""
+    def _sample_and_share(self, logits_BV, state: DecodeRows, params: SamplingParams):
+        """Sample on the last stage (each row from its seed and draw index: sample_next_tokens); every rank of the
+        model-parallel group gets the token ids (int64 [B]) and their float32 log-probs, on the device."""
         parallel = self.parallel
         if parallel.is_last_stage:
             tokens_B, logprobs_B = sample_next_tokens(
                 logits_BV, vocab_size=self.vocab_size, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, generator=generators)
+                top_p=params.top_p, stream_keys_B=state.stream_keys_B, draws_B=state.draws_B())
             # float64 carries token ids exactly (< 2**53) and the float32 log-probs unchanged: one message.
             shared_2B = torch.stack([tokens_B.double(), logprobs_B.double()])
             if parallel.tp_size > 1:
                 dist.broadcast(shared_2B, src=dist.get_global_rank(parallel.tp_group, 0), group=parallel.tp_group)
         else:
-            shared_2B = torch.empty(2, batch, dtype=torch.float64, device=parallel.device)
+            shared_2B = torch.empty(2, state.batch_rows, dtype=torch.float64, device=parallel.device)
         if parallel.pp_size > 1:
             dist.broadcast(shared_2B, src=parallel.last_stage_global_rank, group=parallel.pp_group)
-        return [int(t) for t in shared_2B[0].cpu().tolist()], shared_2B
+        return shared_2B[0].long(), shared_2B[1].float()
 
 
 class _RouteLog:
     """The experts recorded at each forward step of one batch, sorted out per row at the end: row r's fed tokens,
-    its pads (left padding) left out, in position order."""
+    its pads (left padding) and the steps after it finished left out, in position order."""
 
     def __init__(self, num_rows: int, pads: list[int]):
         self.pads = pads
-        self.steps: list[tuple[int, list[int], torch.Tensor]] = []
+        self.steps: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.num_rows = num_rows
 
-    def add(self, first_column: int, active: list[int], experts_TMK: torch.Tensor) -> None:
-        """A forward step over columns first_column.. of the rows `active` (in batch order); `experts_TMK`: the
+    def add(self, first_column: int, row_B: torch.Tensor, fed_B: torch.Tensor, experts_TMK: torch.Tensor) -> None:
+        """A forward step over columns first_column.. of the batch rows `row_B` (the rows given, in KV-cache order),
+        of which those with `fed_B` were fed tokens of their own (the others had finished); `experts_TMK`: the
         recorder's [S * B, M, k] (position major)."""
-        self.steps.append((first_column, list(active), experts_TMK.view(-1, len(active), *experts_TMK.shape[1:])))
+        self.steps.append((first_column, row_B, fed_B, experts_TMK.view(-1, len(row_B), *experts_TMK.shape[1:])))
 
     def per_row(self) -> list[torch.Tensor]:
         parts: list[list[torch.Tensor]] = [[] for _ in range(self.num_rows)]
-        for first_column, active, experts_SBMK in self.steps:
-            for b, row in enumerate(active):
-                skip = max(0, self.pads[row] - first_column)  # left pads are no tokens of the row
-                parts[row].append(experts_SBMK[skip:, b])
+        for first_column, row_B, fed_B, experts_SBMK in self.steps:
+            for b, (row, fed) in enumerate(zip(row_B.tolist(), fed_B.tolist())):
+                if fed:
+                    skip = max(0, self.pads[row] - first_column)  # left pads are no tokens of the row
+                    parts[row].append(experts_SBMK[skip:, b])
         return [torch.cat(p) for p in parts]
 
 

@@ -33,7 +33,7 @@ def response_seed(seed: int, prompt_index: int, sample_index: int, n: int) -> in
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. `seed`: sample j of prompt i draws from its own random stream, seeded `response_seed(seed, i,
-    j, n)` (the built-in engine's torch.Generator per row; vLLM's per-request seed): a fixed seed, the same prompts
+    j, n)` (the built-in engine's counter-based noise per row; vLLM's per-request seed): a fixed seed, the same prompts
     and the same TP/PP give the same responses. Callers that want different samples per step or per data-parallel
     replica vary it.
 

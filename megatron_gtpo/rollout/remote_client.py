@@ -14,6 +14,7 @@ it (`Responses.weight_updates_T`, counted from the weights the request was made 
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import timedelta
 from typing import Callable
 
@@ -24,18 +25,24 @@ from .engine import SamplingParams
 from .remote_channel import (
     PROTOCOL,
     ROOT,
+    TOKEN_SETTINGS,
+    Channel,
+    Unsigned,
     broadcast_from_trainer,
     close_weight_group,
+    ended_key,
     parse_address,
-    post_request,
+    read_token,
     session_key,
-    take_message,
     weight_group,
     weights_prefix,
 )
 from .responses import Responses
 from .server_engine import ServerEngine, attempt, share_outcome, unwrap
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
+
+_ENDED_CHECK_S = 0.5  # how often a client waiting for a reply looks whether the server gave its session away
+_NONCE_WAIT_S = 30.0  # a store that holds no nonce this long after it answered is no server of this protocol
 
 
 class RemoteClient:
@@ -56,15 +63,23 @@ class RemoteClient:
         self.device = device
         self._broken: str | None = None
         self.group = None
+        token = read_token()
         try:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=connect_timeout_s))
-            self.session = self.store.add(f"{ROOT}/sessions", 1)
         except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError or DistStoreError, by version
             raise ConnectionError(f"no rollout server answered at {address} within {connect_timeout_s:g} s "
-                                  f"({type(e).__name__}: {e})") from None
+                                  f"({type(e).__name__}: {_first_line(e)})") from None
+        try:  # a server publishes its nonce as soon as its store listens, before its engine starts
+            self.channel = Channel.connect(self.store, token, min(connect_timeout_s, _NONCE_WAIT_S))
+        except Exception:  # noqa: BLE001
+            raise ConnectionError(f"the store at {address} holds no rollout server's nonce after "
+                                  f"{min(connect_timeout_s, _NONCE_WAIT_S):g} s: not a server of protocol {PROTOCOL} "
+                                  f"(an older one? update both)") from None
+        self.session = self.store.add(f"{ROOT}/sessions", 1)
         self._seq = 0
-        info = self._call("hello", dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape), device_type=device.type,
-                                        update_during_generation=update_during_generation), connect_timeout_s)
+        hello = dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape), device_type=device.type,
+                     update_during_generation=update_during_generation)
+        info = self._call("hello", hello, connect_timeout_s)
         if routed and not info["routed_experts"]:
             raise ConnectionError(f"the rollout server at {address} does not return routed experts, which "
                                   f"algorithm.routing_replay: rollout takes over: start it with "
@@ -81,7 +96,8 @@ class RemoteClient:
         self._reply(reply_key, "join", connect_timeout_s)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0) -> Responses:
-        """The server's record (responses.py), on the host: its tensors cross the channel pickled."""
+        """The server's record (responses.py), on the host: its tensors cross the channel as their bytes
+        (remote_messages.py)."""
         return self.submit(prompts, params, first_prompt=first_prompt)()
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0,
@@ -144,16 +160,30 @@ class RemoteClient:
         key = session_key(self.session, self._seq)
         self._seq += 1
         try:
-            post_request(self.store, key, op, payload)
+            self.channel.post_request(key, op, payload)
         except Exception as e:  # noqa: BLE001
             raise self._broke(f"sending {op!r}", e) from None
         return f"{key}/rep"
 
     def _reply(self, reply_key: str, op: str, timeout_s: float):
+        """The payload of the reply under `reply_key`, waited for at most `timeout_s`; RuntimeError with the
+        server's error, or, marking the connection unusable, when the server gave this session to a newer trainer
+        or the reply did not come."""
+        deadline, ended = time.monotonic() + timeout_s, None
         try:
-            status, payload = take_message(self.store, reply_key, timeout_s)
+            while not self.channel.arrived(reply_key, _ENDED_CHECK_S):
+                if self.store.check([ended_key(self.session)]):
+                    ended = self.channel.take(ended_key(self.session))
+                    break
+                if time.monotonic() > deadline:
+                    raise dist.DistStoreError(f"no reply in {timeout_s:g} s")
+            else:
+                status, payload = self.channel.take(reply_key)
         except Exception as e:  # noqa: BLE001
             raise self._broke(f"waiting for the reply to {op!r}", e) from None
+        if ended is not None:
+            self._broken = f"{ended}; this trainer's session {self.session} ended"
+            raise RuntimeError(f"rollout server at {self.address}: {self._broken}")
         if status != "ok":
             raise RuntimeError(f"the rollout server at {self.address} failed in {op!r}: {payload}")
         return payload
@@ -164,16 +194,24 @@ class RemoteClient:
             cause = "lost the connection (did the server die?)"
         elif isinstance(error, dist.DistStoreError):
             cause = "no answer in time (is the server hung, busy, or serving another trainer?)"
+        elif isinstance(error, Unsigned):
+            cause = f"not signed with this trainer's token (set {TOKEN_SETTINGS} to the server's)"
         else:
             cause = "failed"
-        self._broken = f"{what}: {cause}: {type(error).__name__}: {error}"
+        self._broken = f"{what}: {cause}: {type(error).__name__}: {_first_line(error)}"
         if reply_key is not None and not isinstance(error, dist.DistNetworkError):
             try:
                 if self.store.check([reply_key]):
-                    self._broken += f"; the server reported: {take_message(self.store, reply_key, 1.0)[1]}"
+                    self._broken += f"; the server reported: {self.channel.take(reply_key)[1]}"
             except Exception:  # noqa: BLE001 - the original failure is what gets reported
                 pass
         return RuntimeError(f"rollout server at {self.address}, {self._broken}")
+
+
+def _first_line(error: Exception) -> str:
+    """An error's own line, without the C++ stack torch's errors append to it."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class RemoteEngine(ServerEngine):

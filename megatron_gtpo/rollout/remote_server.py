@@ -9,9 +9,11 @@
 `--engine builtin` (`rollout.engine: builtin_remote`) the built-in Megatron engine (builtin_server.BuiltinServer),
 which needs no vLLM. `--return-routed-experts` (vLLM on GPUs): the server also answers each response's experts, for
 a trainer's routing replay (algorithm.routing_replay: rollout). The server hosts the rendezvous TCPStore at
-HOST:PORT, answers the requests of the newest trainer session (a newer session replaces an older one and pre-empts
-its generation or weight update), and runs until a trainer asks it to shut down. The trainer's side is
-remote_client.py.
+HOST:PORT, answers the requests of the newest admitted trainer session (a newer session whose hello checks out
+replaces an older one and pre-empts its generation or weight update; `_Admission`), and runs until a trainer asks it
+to shut down. The trainer's side is remote_client.py. The messages are signed with the token in GTPO_REMOTE_TOKEN or
+in the file GTPO_REMOTE_TOKEN_FILE names, the trainer's the same (remote_channel.py); nothing from the network is
+unpickled (remote_messages.py), and a request that is not one of the protocol is answered with an error.
 
 Requests are answered in order, but for a session whose trainer sends weight updates during generation (hello's
 `update_during_generation`, rollout.update_during_generation): before every decode step of a generation the session
@@ -27,7 +29,9 @@ import argparse
 import dataclasses
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -35,20 +39,26 @@ import torch.distributed as dist
 
 from megatron_gtpo.distributed import set_nccl_environment
 
+from .engine import check_prompts
 from .remote_channel import (
     PROTOCOL,
     ROOT,
+    TOKEN_SETTINGS,
+    Channel,
     NewerSession,
+    Unsigned,
+    admit,
+    ended_key,
     parse_address,
-    peek_request,
-    post_message,
+    publish_nonce,
+    read_token,
     session_key,
-    take_request,
-    wait_for_request,
 )
-from .server_engine import attempt
+from .remote_messages import check_request
 
 _POLL_S = 0.05  # how often an idle server, or one waiting inside a weight update, looks for a newer session
+_HELLO_WAIT_S = 60.0  # how long a session number taken without a hello is watched for one
+_MAX_WATCHED = 64  # session numbers watched for a hello at most (the newest)
 _UPDATE_OPS = ("begin", "bucket", "finish")
 _GENERATE_OPS = ("generate", "generate_routed")
 _SHAPE_FIELDS_IGNORED = ("init_std",)  # not used by inference
@@ -57,14 +67,16 @@ log = logging.getLogger(__name__)
 
 class _Session:
     """Server side of one trainer session: the request handlers, and the weight updates taken during a generation
-    (module doc). `seq` is the next request to read in order; `answered` the later ones already answered."""
+    (module doc). `seq` is the next request to read in order; `answered` the later ones already answered. Session 0
+    is no trainer's (the server before its first one)."""
 
-    def __init__(self, server, shape: dict, store, store_host: str, store_port: int, session: int,
+    def __init__(self, server, shape: dict, channel: Channel, store_host: str, store_port: int, session: int,
                  request_timeout_s: float = 600.0):
-        self.server, self.shape, self.store = server, shape, store
+        self.server, self.shape, self.channel = server, shape, channel
         self.store_host, self.store_port, self.session = store_host, store_port, session
         self.request_timeout_s = request_timeout_s
         self.seq = 0
+        self.active = session > 0
         self.answered: set[int] = set()
         self.finished_ahead: list[int] = []  # the seqs of the weight updates' finishes taken ahead of order
         self.update_during_generation = False
@@ -77,18 +89,46 @@ class _Session:
             self.seq += 1
         return session_key(self.session, self.seq)
 
+    def start(self, hello: dict) -> None:
+        """Answer the session's hello (request 0, checked at admission: `check_hello`)."""
+        self.update_during_generation = hello["update_during_generation"]
+        self.channel.post(f"{session_key(self.session, 0)}/rep", ("ok", dict(
+            version=self.server.policy_version, dtype=str(self.server.dtype).removeprefix("torch."),
+            num_workers=self.server.num_workers, routed_experts=getattr(self.server, "return_routed_experts", False))))
+        self.seq = 1
+
+    def answer(self, key: str) -> str | None:
+        """Take the complete request under `key`, handle it and post the reply (an error for anything that is not a
+        request, or that fails); the request's op (None when it was none)."""
+        op = None
+        try:
+            op, payload = self.channel.take_request(key)
+            outcome = "ok", self.handle(op, payload)
+        except Exception as e:  # noqa: BLE001 - whatever a request does, the trainer is told and the server serves on
+            outcome = "error", f"{type(e).__name__}: {e}"
+            log.warning("session %d, %r failed: %s", self.session, op, outcome[1])
+        try:
+            self.channel.post(f"{key}/rep", outcome)
+        except TypeError as e:  # a handler answered what a message cannot hold: a bug, reported, not fatal
+            self.channel.post(f"{key}/rep", ("error", f"the server's answer to {op!r} cannot be sent: {e}"))
+        return op
+
     def handle(self, op: str, payload):
         server = self.server
+        check_request(op, payload)
         if op == "hello":
-            return self.hello(payload)
+            raise ValueError("hello is only a session's first request")
         if op == "join":
             probes = server.join_weight_group(self.store_host, self.store_port, self.session, timeout_s=payload)
             if any(p != self.session for p in probes):
                 raise RuntimeError(f"the weight group probe reached the workers as {probes}, sent {self.session}")
             return None
-        if op == "generate":
-            return self.generate(payload)
-        if op == "generate_routed":
+        if op in _GENERATE_OPS:
+            check_prompts(payload[0], vocab_size=self.shape["vocab_size"],
+                          max_positions=self.shape["max_position_embeddings"],
+                          max_new_tokens=payload[1].max_new_tokens)
+            if op == "generate":
+                return self.generate(payload)
             return server.generate_routed(*payload), server.policy_version
         if op == "begin":
             return server.begin_weight_update()
@@ -96,7 +136,11 @@ class _Session:
             return server.receive_bucket(*payload)
         if op == "finish":
             return server.finish_weight_update(payload)
-        raise ValueError(f"unknown request {op!r}")
+        if op in ("close", "shutdown"):
+            server.leave_weight_group()
+            self.active = False
+            return None
+        raise AssertionError(op)  # check_request knows every op
 
     def generate(self, payload):
         """(the record, the policy version the request was made with): the current one, less the updates taken
@@ -121,7 +165,7 @@ class _Session:
             return 0
         seq = self.generating + 1
         while True:  # past the generations asked for after this one, to the first update
-            op = None if seq in self.answered else peek_request(self.store, session_key(self.session, seq))
+            op = None if seq in self.answered else self.channel.peek_request(session_key(self.session, seq))
             if op in _UPDATE_OPS:
                 return self._take_update(seq)
             if op not in _GENERATE_OPS and seq not in self.answered:
@@ -134,15 +178,11 @@ class _Session:
         try:
             while True:
                 key = session_key(self.session, seq)
-                op = self._wait_for_request(key)
+                self._wait_for_request(key)
+                op = self.answer(key)
+                self.answered.add(seq)
                 if op not in _UPDATE_OPS:
                     raise RuntimeError(f"the trainer left a weight update unfinished (sent {op!r} before its finish)")
-                _, payload = take_request(self.store, key, self.request_timeout_s)
-                outcome = attempt(lambda: self.handle(op, payload))
-                post_message(self.store, f"{key}/rep", outcome)
-                self.answered.add(seq)
-                if outcome[0] == "error":
-                    raise RuntimeError(f"a weight update during generation failed in {op!r}: {outcome[1]}")
                 if op == "finish":
                     self.finished_ahead.append(seq)
                     return 1
@@ -150,28 +190,78 @@ class _Session:
         finally:
             self.server.resume_generation()
 
-    def _wait_for_request(self, key: str) -> str:
+    def _wait_for_request(self, key: str) -> None:
         deadline = time.monotonic() + self.request_timeout_s
-        while not wait_for_request(self.store, key, _POLL_S):
+        while not self.channel.arrived(f"{key}/req", _POLL_S):
             self.server.interrupt()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no request of the weight update in {self.request_timeout_s:g} s")
-        return peek_request(self.store, key)
 
-    def hello(self, payload: dict) -> dict:
-        if payload.get("protocol") != PROTOCOL:
-            raise ValueError(f"protocol {payload.get('protocol')!r} is not this server's {PROTOCOL}: update both")
-        diff = {k: (payload["shape"].get(k), v) for k, v in self.shape.items()
-                if k not in _SHAPE_FIELDS_IGNORED and payload["shape"].get(k) != v}
-        if diff:
-            raise ValueError(f"the trainer's model differs from the server's in {{field: (trainer, server)}} {diff}")
-        if payload["device_type"] != self.server.device_type:
-            raise ValueError(f"the trainer sends weights from {payload['device_type']} tensors, the vLLM workers "
-                             f"are on {self.server.device_type}: both must be cpu (gloo) or cuda (NCCL)")
-        self.update_during_generation = bool(payload["update_during_generation"])
-        return dict(version=self.server.policy_version, dtype=str(self.server.dtype).removeprefix("torch."),
-                    num_workers=self.server.num_workers,
-                    routed_experts=getattr(self.server, "return_routed_experts", False))
+
+def check_hello(payload, shape: dict, device_type: str) -> None:
+    """ValueError, in one line, unless a trainer's hello fits this server (protocol, model, weight device)."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("shape"), dict) \
+            or not isinstance(payload.get("update_during_generation"), bool):
+        raise ValueError(f"a hello must be a dict with protocol, shape, device_type and update_during_generation; "
+                         f"got {str(payload)[:80]}")
+    if payload.get("protocol") != PROTOCOL:
+        raise ValueError(f"protocol {payload.get('protocol')!r} is not this server's {PROTOCOL}: update both")
+    diff = {k: (payload["shape"].get(k), v) for k, v in shape.items()
+            if k not in _SHAPE_FIELDS_IGNORED and payload["shape"].get(k) != v}
+    if diff:
+        raise ValueError(f"the trainer's model differs from the server's in {{field: (trainer, server)}} {diff}")
+    if payload.get("device_type") != device_type:
+        raise ValueError(f"the trainer sends weights from {payload.get('device_type')!r} tensors, the server's "
+                         f"workers are on {device_type}: both must be cpu (gloo) or cuda (NCCL)")
+
+
+class _Admission(threading.Thread):
+    """Watches for trainer sessions (a session number taken from the store's counter, then a hello) on a connection
+    of its own to the store, and admits a session whose hello checks out (signed with the server's token:
+    `Channel`, `check_hello`) and is newer than the last admitted: `admit` stops the older session's work, and the
+    serving loop takes the session from `admitted`. A refused hello is answered here and touches no session."""
+
+    def __init__(self, channel: Channel, shape: dict, device_type: str):
+        super().__init__(name="session admission", daemon=True)
+        self.channel, self.shape, self.device_type = channel, shape, device_type
+        self.admitted: queue.SimpleQueue = queue.SimpleQueue()  # (session, hello), in admission order
+        self.newest = 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        seen, watched = 0, {}  # the newest number seen; {number: until when its hello is waited for}
+        while not self.stopped.wait(_POLL_S):
+            numbers = self.channel.store.add(f"{ROOT}/sessions", 0)
+            now = time.monotonic()
+            for number in range(max(seen, numbers - _MAX_WATCHED) + 1, numbers + 1):
+                watched[number] = now + _HELLO_WAIT_S
+            seen = max(seen, numbers)
+            for number, until in sorted(watched.items()):
+                key = session_key(number, 0)
+                if self.channel.store.check([f"{key}/req"]):
+                    del watched[number]
+                    self.consider(number, key)
+                elif now > until:
+                    del watched[number]
+
+    def consider(self, number: int, key: str) -> None:
+        """Admit session `number` or answer its hello (under `key`) with why not."""
+        try:
+            op, hello = self.channel.take_request(key)
+            if op != "hello":
+                raise ValueError(f"a session starts with hello, not {op[:40]!r}")
+            check_hello(hello, self.shape, self.device_type)
+            if number <= self.newest:
+                raise ValueError(f"a newer trainer (session {self.newest}) took this server")
+        except Exception as e:  # noqa: BLE001 - refused: the trainer is told, the active session untouched
+            reason = f"this trainer's token is not the server's: set {TOKEN_SETTINGS} to the server's" \
+                if isinstance(e, Unsigned) else str(e)
+            log.warning("refused trainer session %d: %s", number, reason)
+            self.channel.post(f"{key}/rep", ("error", f"refused: {reason}"))
+            return
+        self.newest = number
+        admit(self.channel.store, number)
+        self.admitted.put((number, hello))
 
 
 ENGINES = ("vllm", "builtin")
@@ -197,52 +287,69 @@ def start_server(engine: str, model_dir: str, **server_kwargs):
 def serve(listen: str, engine: str, model_dir: str, **server_kwargs) -> None:
     """Run a rollout server until a trainer asks it to shut down (docs/remote_rollout.md: protocol)."""
     host, port = parse_address(listen)
+    token = read_token()  # a bad setting fails before the engine starts
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    channel = Channel(store, token, publish_nonce(store))
+    if not token:
+        log.warning("no token (%s): anyone who reaches %s can use this server", TOKEN_SETTINGS, listen)
     log.info("listening on %s; starting the %s engine from %s", listen, engine, model_dir)
     server, shape = start_server(engine, model_dir, **server_kwargs)
-    shape = dataclasses.asdict(shape)
     log.info("%s ready (%d worker(s) on %s)", engine, server.num_workers, server.device_type)
-    session, active = _Session(server, shape, store, host, port, 0), False  # no trainer yet
+    try:
+        serve_sessions(server, dataclasses.asdict(shape), channel, host, port)
+    finally:
+        server.close()
+
+
+def serve_sessions(server, shape: dict, channel: Channel, host: str, port: int) -> None:
+    """The serving loop: answer the requests of the newest admitted trainer session (module doc) until one asks the
+    server to shut down. `channel`: over the master store at HOST:PORT."""
+    store = channel.store
+    admission = _Admission(Channel(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60)),
+                                   channel.token, channel.nonce), shape, server.device_type)
+    admission.start()
+    session = _Session(server, shape, channel, host, port, 0)
     try:
         while True:
-            newest = store.add(f"{ROOT}/sessions", 0)
-            if newest > session.session:  # a newer trainer connected: it replaces the current one
-                if active:
-                    key = session.next_request()
-                    store.delete_key(f"{key}/req")  # a request it may have left unread
-                    post_message(store, f"{key}/rep", ("error", "a newer trainer session replaced it"))
-                    server.leave_weight_group(abandoned=True)  # a broadcast of it may still be pending
-                log.info("serving trainer session %d", newest)
-                server.interrupt = NewerSession(store, newest)
-                session = _Session(server, shape, store, host, port, newest)
-                server.between_steps = session.between_steps
-                active = True
-            key = session.next_request()
-            if not active:
+            session = _next_session(session, admission.admitted, store)
+            if not session.active:
                 time.sleep(_POLL_S)
                 continue
-            if not wait_for_request(store, key, _POLL_S):
+            key = session.next_request()
+            if not channel.arrived(f"{key}/req", _POLL_S):
                 continue
-            op, payload = take_request(store, key, 60.0)
-            if op in ("close", "shutdown"):
-                server.leave_weight_group()
-                active = False
-                outcome = ("ok", None)
-            else:
-                outcome = attempt(lambda: session.handle(op, payload))
-                if outcome[0] == "error":
-                    log.warning("session %d, %r failed: %s", session.session, op, outcome[1])
-            reply_key = f"{key}/rep"
-            post_message(store, reply_key, outcome)
+            op = session.answer(key)
             session.seq += 1
             if op == "shutdown":
                 log.info("shutdown requested by session %d", session.session)
                 deadline = time.monotonic() + 10.0  # the store dies with this process: let the trainer read first
-                while store.check([reply_key]) and time.monotonic() < deadline:
+                while store.check([f"{key}/rep"]) and time.monotonic() < deadline:
                     time.sleep(_POLL_S)
                 return
     finally:
-        server.close()
+        admission.stopped.set()
+
+
+def _next_session(session: _Session, admitted: queue.SimpleQueue, store) -> _Session:
+    """The newest session admitted since `session`, or `session`. The sessions it replaces end (`session`, and any
+    admitted in between): their trainers are told, and `session`'s weight group is abandoned."""
+    newer = []
+    while not admitted.empty():
+        newer.append(admitted.get())
+    if not newer:
+        return session
+    (number, hello), server = newer[-1], session.server
+    reason = f"a newer trainer (session {number}) took this rollout server"
+    for ended in [n for n, _ in newer[:-1]] + ([session.session] if session.active else []):
+        session.channel.post(ended_key(ended), reason)
+    if session.active:
+        server.leave_weight_group(abandoned=True)  # a broadcast of it may still be pending
+    log.info("serving trainer session %d", number)
+    server.interrupt = NewerSession(store, number)
+    successor = _Session(server, session.shape, session.channel, session.store_host, session.store_port, number)
+    server.between_steps = successor.between_steps
+    successor.start(hello)
+    return successor
 
 
 def main(argv: list[str] | None = None) -> None:

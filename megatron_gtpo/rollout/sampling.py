@@ -12,6 +12,8 @@ disagree (e.g. on how a sort breaks ties).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -41,7 +43,8 @@ def filter_top_k_top_p(scaled_logits_BV: torch.Tensor, *, top_k: int, top_p: flo
 
 
 def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
-                       top_p: float = 1.0, generator: torch.Generator | list[torch.Generator | None] | None = None):
+                       top_p: float = 1.0, stream_keys_B: torch.Tensor | None = None,
+                       draws_B: torch.Tensor | None = None):
     """Sample one token per row.
 
     Args:
@@ -49,10 +52,11 @@ def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature:
         vocab_size: the true vocabulary; columns >= vocab_size are padding and are never sampled.
         temperature: > 0 samples from softmax(logits / temperature) restricted by top_k / top_p; 0 is greedy
             (argmax, ties to the lowest id).
-        generator: the torch.Generator to draw from (on logits_BV's device), or one per row: each row then draws
-            from its own only, so its token does not depend on the other rows; a row given None draws nothing and
-            takes the most likely token that top-k / top-p keep. Same generator states and same logits give the
-            same tokens.
+        stream_keys_B, draws_B: int64 [B] on logits_BV's device, needed when sampling: row b's random numbers are
+            a function of (stream_keys_B[b], draws_B[b]) only (`counter_uniform`): the key of the row's own random
+            stream (`stream_keys` of its seed) and the index of this draw in it (the built-in engine: the
+            response's seed and the index of the token in the response). A row's token therefore depends on its
+            logits, seed and draw index, not on the other rows.
 
     Returns:
         (tokens_B int64, logprobs_B float32 (float64 for float64 logits)): logprobs_B[b] = log softmax(logits[b] /
@@ -70,29 +74,55 @@ def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature:
         tokens_B = torch.argmax(logits_BV, dim=-1)
         scaled_BV = logits_BV
     else:
+        if stream_keys_B is None or draws_B is None or stream_keys_B.shape != (logits_BV.shape[0],) or \
+                draws_B.shape != stream_keys_B.shape:
+            raise ValueError(f"sampling needs stream_keys_B and draws_B of shape [{logits_BV.shape[0]}] (one per "
+                             "row)")
         scaled_BV = logits_BV / temperature
         filtered_BV = filter_top_k_top_p(scaled_BV, top_k=top_k, top_p=top_p)
         probs_BV = torch.softmax(filtered_BV, dim=-1)
-        # argmax p / E with E ~ Exp(1) i.i.d. draws token v with probability p_v (the exponential race); one
-        # generator draw per row and token, and no host synchronisation (torch.multinomial would need none either,
-        # but this makes the draw a plain function of the generator's stream).
-        # E is clamped away from 0 so that p / E stays finite (and 0 / E = 0 for filtered-out tokens, never NaN).
-        race_BV = _exponential_race(probs_BV, generator)
-        race_BV.clamp_(min=torch.finfo(race_BV.dtype).tiny)
+        # argmax p / E with E = -log U ~ Exp(1) i.i.d. draws token v with probability p_v (the exponential race):
+        # all rows in a constant number of kernels, no host synchronisation, and filtered-out tokens (p = 0) never
+        # win, as U < 1 makes E > 0.
+        race_BV = counter_uniform(stream_keys_B, draws_B, vocab_size, dtype=probs_BV.dtype).log_().neg_()
         tokens_B = torch.argmax(probs_BV / race_BV, dim=-1)
     logprobs_B = torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
     return tokens_B, logprobs_B
 
 
-def _exponential_race(probs_BV: torch.Tensor, generator) -> torch.Tensor:
-    """Exp(1) draws shaped like probs_BV: from one generator for the batch, or row by row from each row's own (1 for
-    a row without one)."""
-    if not isinstance(generator, (list, tuple)):
-        return torch.empty_like(probs_BV).exponential_(generator=generator)
-    if len(generator) != probs_BV.shape[0]:
-        raise ValueError(f"one generator per row expected: {len(generator)} for {probs_BV.shape[0]} rows")
-    race_BV = torch.ones_like(probs_BV)
-    for row_V, row_generator in zip(race_BV, generator):
-        if row_generator is not None:
-            row_V.exponential_(generator=row_generator)
-    return race_BV
+_LOW32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (shift-xor-multiply; constants of C. Wellons' hash-prospector search) of
+    int64 values in [0, 2**32). The multipliers are < 2**31, so no product overflows int64 (no wraparound is relied
+    on), and every step keeps the values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _LOW32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _LOW32
+    return x ^ (x >> 15)
+
+
+def stream_keys(seeds_B: torch.Tensor) -> torch.Tensor:
+    """The 32-bit keys (int64 in [0, 2**32)) of the random streams of `seeds_B` (int64 seeds of any value), for
+    `counter_uniform`: a hash of each seed's two 32-bit halves, computed once per stream, not per draw."""
+    seed_B = seeds_B.long()
+    return _mix32(_mix32(seed_B & _LOW32) ^ ((seed_B >> 32) & _LOW32))
+
+
+def counter_uniform(stream_keys_B: torch.Tensor, draws_B: torch.Tensor, width: int, *,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, width] uniform random numbers in (0, 1), counter-based: entry [b, v] is a fixed function of
+    (stream_keys_B[b], draws_B[b], v) (a hash of the three; draws >= 0), computed with integer tensor ops on the
+    inputs' device: no generator state, a constant number of kernels for any B, and the same numbers on every
+    device. Values are multiples of 2**-24 offset by 2**-25 (24 random bits: exact in float32, never 0 or 1)."""
+    row_key_B = _mix32(stream_keys_B ^ (draws_B.long() & _LOW32))
+    bits_BV = _mix32(row_key_B[:, None] ^ _column_keys(width, stream_keys_B.device)[None, :]) >> 8
+    return (bits_BV.to(dtype) + 0.5) * 2.0 ** -24
+
+
+@functools.lru_cache(maxsize=4)
+def _column_keys(width: int, device: torch.device) -> torch.Tensor:
+    """The hashes of the token ids 0..width-1, kept: a decode step would otherwise recompute them (11 kernels)."""
+    return _mix32(torch.arange(width, device=device))

@@ -4,19 +4,27 @@ pipeline stage or per TP slice of one). Imports neither vllm nor megatron. Befor
 group empties its caching allocator (`_release_cached_memory`).
 
 The server object is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a
-`remote_client.RemoteClient` talking to a vLLM server on another node (remote mode). Either way it offers:
+`remote_client.RemoteClient` talking to a rollout server (vLLM or built-in) on another node or process (remote mode).
+Both offer the weight update:
 
-    generate(prompts, SamplingParams, first_prompt=0) -> Responses (the record, responses.py; `first_prompt`: the
-        index of prompts[0] in the replica's prompts, so that seeds differ across engines)
-    generate_routed(prompts, SamplingParams, first_prompt=0) -> (Responses, experts) (routing replay only: `generate`
-        and every response's experts at every layer, vllm_engine.VLLMServer.generate_routed)
     begin_weight_update() -> None
     load_bucket(bucket: list[(hf_name, tensor)]) -> None
-    load_ipc_bucket(names, dtype_names, shapes, {gpu_uuid: rebuild args}) -> None (colocated on CUDA only:
-        cuda_ipc.py)
     finish_weight_update(expected_checksums: {hf_name: (sum, sum of squares)}) -> int (the new policy version;
         raises if the engine's weights do not have these checksums)
     dtype: torch.dtype (the engine's weight dtype: the expected checksums are taken after a cast to it)
+
+A `VLLMServer` generates when asked (`first_prompt`: the index of prompts[0] in the replica's prompts, so that seeds
+differ across engines), and takes buckets by CUDA IPC where colocated on CUDA:
+
+    generate(prompts, SamplingParams, first_prompt=0) -> Responses (the record, responses.py)
+    generate_routed(prompts, SamplingParams, first_prompt=0) -> (Responses, experts) (routing replay only: `generate`
+        and every response's experts at every layer)
+    load_ipc_bucket(names, dtype_names, shapes, {gpu_uuid: rebuild args}) -> None (cuda_ipc.py)
+
+A `RemoteClient` asks now and answers later (its server generates meanwhile; its `generate` does both at once):
+
+    submit(prompts, SamplingParams, first_prompt=0) -> (() -> Responses)
+    submit_routed(prompts, SamplingParams, first_prompt=0) -> (() -> (Responses, experts))
 
 `generate` and `sync_weights` are collective over the model-parallel group: each host calls its server, and its
 outcome (result or error text) is broadcast to every rank, which returns it or raises. The records travel as

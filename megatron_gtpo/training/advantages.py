@@ -12,7 +12,7 @@ from megatron_gtpo.distributed import ParallelGroups
 from .step_batch import StepBatch
 
 
-def _all_gather_padded(tensor: torch.Tensor, group, device: torch.device) -> list[torch.Tensor]:
+def all_gather_padded(tensor: torch.Tensor, group, device: torch.device) -> list[torch.Tensor]:
     """all_gather of tensors whose sizes differ across ranks in every dim (padded, then cut back), on `device` (the
     group's: an NCCL group takes no host tensors)."""
     world = dist.get_world_size(group)
@@ -33,7 +33,7 @@ def global_advantages(advantage_fn: Callable, uses_entropy: bool, batch: StepBat
     """Adds batch.advantages ([S, T] per token or [S] per sequence), computed on the device over the GLOBAL batch
     (the batch-scope z-scores of GTPO span every DP rank's groups; group-scope ones are unaffected). The entropies
     are read into [n, G, T] through the group index. Last pipeline stage only."""
-    rewards = _all_gather_padded(batch.rewards_NG, parallel.dp_group, parallel.device)
+    rewards = all_gather_padded(batch.rewards_NG, parallel.dp_group, parallel.device)
     counts = [r.shape[0] for r in rewards]
     mine = slice(sum(counts[:parallel.dp_rank]), sum(counts[:parallel.dp_rank + 1]))
     rewards_NG = torch.cat(rewards)
@@ -46,8 +46,8 @@ def global_advantages(advantage_fn: Callable, uses_entropy: bool, batch: StepBat
     own_entropy_NGT = (batch.per_group_NGT(batch.entropy_ST) if batch.num_prompt_groups
                        else torch.zeros(0, batch.group_size, 0, device=parallel.device))
     own_lengths_NG = batch.per_group_NGT(batch.mask_ST.sum(dim=-1, keepdim=True))[..., 0]
-    entropy = _all_gather_padded(own_entropy_NGT, parallel.dp_group, parallel.device)
-    lengths = _all_gather_padded(own_lengths_NG, parallel.dp_group, parallel.device)
+    entropy = all_gather_padded(own_entropy_NGT, parallel.dp_group, parallel.device)
+    lengths = all_gather_padded(own_lengths_NG, parallel.dp_group, parallel.device)
     T = max(e.shape[-1] for e in entropy)
     entropy_NGT = torch.cat([torch.nn.functional.pad(e, (0, T - e.shape[-1])) for e in entropy])
     mask_NGT = torch.arange(T, device=parallel.device) < torch.cat(lengths)[..., None]

@@ -15,7 +15,6 @@ since (a truncated or corrupted shard) is named and passed over for the newest i
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -28,11 +27,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
-from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR, LATEST, save_checkpoint, series_members
-from megatron_gtpo.config import RolloutConfig, TrainConfig, config_text, save_config, to_dict
+from megatron_gtpo.checkpoint.megatron_checkpoint import LATEST, load_sharded, save_checkpoint, series_members
+from megatron_gtpo.cli import say_once
+from megatron_gtpo.config import TrainConfig, config_text, save_config, to_dict
 from megatron_gtpo.distributed import ParallelGroups
 
 from .model_setup import PolicyModel
+from .resume_check import check_resume, check_rollout_schedule
+from .task import model_source
 
 STEP_PREFIX = "step_"
 TRAINER_STATE = "trainer_state.json"
@@ -69,7 +71,9 @@ class TrainerState:
 
 
 class StopSignal:
-    """Remembers SIGTERM / SIGUSR1; the loop checkpoints and exits after the step in progress."""
+    """Remembers SIGTERM / SIGUSR1 (SLURM pre-emption) and a first SIGINT (Ctrl-C, which torchrun passes on to every
+    rank): the loop checkpoints and exits after the step in progress, so no step is lost. A second Ctrl-C aborts
+    (KeyboardInterrupt: cli.run_cli ends the process with one line)."""
 
     def __init__(self):
         self.requested = False
@@ -79,10 +83,13 @@ class StopSignal:
         stop = cls()
 
         def handler(signum, frame):
+            if signum == signal.SIGINT and stop.requested:
+                raise KeyboardInterrupt
             stop.requested = True
-            print(f"received signal {signum}: will checkpoint after this step and exit", file=sys.stderr)
+            again = "; Ctrl-C again to abort" if signum == signal.SIGINT else ""
+            say_once(f"received {signal.Signals(signum).name}: will checkpoint after this step and exit{again}")
 
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, handler)
         return stop
 
@@ -144,7 +151,7 @@ def save(state: TrainerState, step: int) -> str:
                      "layout": _layout(parallel), "hf_config": state.hf_config, "vocab_size": state.vocab_size,
                      "config": to_dict(cfg)}
     per_rank = {RNG: RngStates(), **state.per_rank}
-    hf_files = cfg.model.hf_dir or (os.path.join(cfg.model.load, HF_FILES_DIR) if cfg.model.load else None)
+    hf_files = model_source(cfg).tokenizer_dir if cfg.model.hf_dir or cfg.model.load else None
     save_checkpoint(directory, state.policy.chunks, hf_config=state.hf_config,
                     model_state={k: v for k, v in sharded.items() if k != "optimizer"},
                     extra_sharded_state={"optimizer": sharded["optimizer"]}, extra_metadata={"step": step},
@@ -158,32 +165,6 @@ def save(state: TrainerState, step: int) -> str:
     return directory
 
 
-def holds_rollouts(rollout: RolloutConfig) -> bool:
-    """Whether a run with these rollout settings has rollouts in flight to checkpoint (bounded staleness, partial
-    rollouts)."""
-    return bool(rollout.max_staleness or rollout.partial_rollouts)
-
-
-ROLLOUT_SCHEDULE_KEYS = ("max_staleness", "partial_rollouts", "partial_segment_tokens")
-
-
-def check_rollout_schedule(saved_config: dict, cfg, directory: str) -> None:
-    """ValueError naming the settings when the checkpoint `directory` (its config `saved_config`) holds rollouts in
-    flight (bounded staleness, partial rollouts) and this run schedules them otherwise: its batches asked for ahead
-    and its unfinished groups were made for the saved settings, and would be dropped or trained beyond the new
-    staleness bound."""
-    defaults = dataclasses.asdict(RolloutConfig())  # for a checkpoint older than a setting
-    saved = RolloutConfig(**{key: saved_config["rollout"].get(key, defaults[key]) for key in ROLLOUT_SCHEDULE_KEYS})
-    if not holds_rollouts(saved):
-        return
-    changed = [f"rollout.{key} {getattr(saved, key)} -> {getattr(cfg.rollout, key)}" for key in ROLLOUT_SCHEDULE_KEYS
-               if getattr(saved, key) != getattr(cfg.rollout, key)]
-    if changed:
-        raise ValueError(f"checkpoint {directory} holds rollouts generated and not yet trained on under other rollout "
-                         f"settings than this run's ({', '.join(changed)}): resume it with the checkpoint's, or start "
-                         f"a new run from it (model.load, in a new output directory)")
-
-
 def resume_candidates(root: str) -> list[str]:
     """The checkpoint `latest` names, then the older ones beside it, newest first ([] when there is no `latest`)."""
     path = os.path.join(root, LATEST)
@@ -193,6 +174,27 @@ def resume_candidates(root: str) -> list[str]:
         named = f.read().strip()
     older = [d for d in reversed(series_members(root, STEP_PREFIX)) if d < named]
     return [os.path.join(root, d) for d in (named, *older)]
+
+
+def relaunch_check(cfg: TrainConfig) -> str | None:
+    """Before anything is built (every rank reads the same files, no collective): ValueError when the checkpoint
+    `latest` names was trained with settings this run may not change (resume_check.check_resume); a message when it
+    has nothing left to do (its step is this run's `steps`); None otherwise, also when there is no checkpoint or its
+    state does not read (`restore` then passes over a damaged one)."""
+    candidates = resume_candidates(cfg.checkpoint_dir) if cfg.checkpoint.resume else []
+    if not candidates:
+        return None
+    try:
+        with open(os.path.join(candidates[0], TRAINER_STATE), encoding="utf-8") as f:
+            saved = json.load(f)
+        step, saved_config = int(saved["step"]), saved["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    check_resume(saved_config, cfg, candidates[0])
+    if step < cfg.steps:
+        return None
+    return (f"nothing left to do: {candidates[0]} is at step {step} of this run's steps = {cfg.steps}. To train on, "
+            f"raise steps (--set steps=N); to start a new run, give it another logging.output_dir")
 
 
 def _damage(directory: str) -> str | None:
@@ -225,8 +227,6 @@ def newest_intact_checkpoint(root: str, *, say) -> str | None:
 
 def restore(state: TrainerState) -> int:
     """Resume from the newest intact checkpoint (any TP/PP/EP). Returns the step to continue from (0 if none)."""
-    from megatron.core import dist_checkpointing
-
     cfg, parallel = state.cfg, state.parallel
 
     def say(text: str) -> None:
@@ -241,8 +241,9 @@ def restore(state: TrainerState) -> int:
     if (saved["vocab_size"] != state.vocab_size
             or saved["hf_config"]["hidden_size"] != state.hf_config["hidden_size"]):
         raise ValueError(f"checkpoint {directory} is of a different model than the configured one")
+    check_resume(saved["config"], cfg, directory)
     check_rollout_schedule(saved["config"], cfg, directory)
-    loaded = dist_checkpointing.load(state.policy.sharded_state_dict(loading_from=directory), directory)
+    loaded = load_sharded(state.policy.sharded_state_dict(loading_from=directory), directory)
     state.policy.load_sharded_state_dict(loaded, directory)
     for name, component in state.shared.items():
         component.load_state_dict(saved[name])

@@ -8,17 +8,28 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from typing import Callable
 
+import torch
 from tqdm import tqdm
 
 from megatron_gtpo.atomic_files import write_atomically
 
 
-class PhaseTimer:
-    """Wall time of named phases of one step (seconds)."""
+def _nothing() -> None:
+    return None
 
-    def __init__(self):
+
+class PhaseTimer:
+    """Wall time of named phases of one step (seconds).
+
+    A GPU runs the kernels a phase launches after the host has moved on, so each phase ends with one
+    `synchronize` (default: torch.cuda.synchronize on a machine with CUDA, nothing on a CPU, where work is done when
+    its call returns): the device time lands in the phase that queued it, not in whichever later phase waits."""
+
+    def __init__(self, synchronize: Callable[[], None] | None = None):
         self.seconds: dict[str, float] = {}
+        self._synchronize = synchronize or (torch.cuda.synchronize if torch.cuda.is_available() else _nothing)
 
     @contextmanager
     def __call__(self, name: str):
@@ -26,6 +37,7 @@ class PhaseTimer:
         try:
             yield
         finally:
+            self._synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
@@ -47,8 +59,15 @@ class MetricsLogger:
             import wandb  # optional: only when configured, and then its absence is an error
 
             self._wandb = wandb.init(project=wandb_project, config=run_config, dir=output_dir)
+        self._progress_bar = progress_bar
         if progress_bar:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", dynamic_ncols=True)
+
+    def progress(self, steps: range, desc: str):
+        """`steps` with a progress bar of their own on the logging rank (the warm start's), gone when done."""
+        if not (self.enabled and self._progress_bar):
+            return steps
+        return tqdm(steps, desc=desc, dynamic_ncols=True, leave=False)
 
     def _truncate_after(self, start_step: int) -> None:
         """A resumed run rewrites the steps it is about to redo (those logged after its checkpoint)."""

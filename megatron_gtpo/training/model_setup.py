@@ -105,10 +105,10 @@ def build_chunks(cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups, *,
 
 def load_initial_weights(cfg: TrainConfig, chunks: list, parallel: ParallelGroups) -> None:
     """HF directory or converter/trainer checkpoint; a tiny synthetic model keeps megatron's seeded random init."""
-    from megatron_gtpo.checkpoint.sources import ModelSource
+    from .task import model_source
 
     if cfg.model.hf_dir or cfg.model.load:
-        ModelSource.detect(cfg.model.hf_dir or cfg.model.load).load_into(chunks, parallel)
+        model_source(cfg).load_into(chunks, parallel)
 
 
 def wrap_for_training(cfg: TrainConfig, chunks: list) -> PolicyModel:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.algorithms.rollout_correction import STALENESS_METRICS
+from megatron_gtpo.algorithms.token_selection import SELECTION_METRICS
 
 
 class Reduce(str, enum.Enum):
@@ -83,6 +84,9 @@ METRICS: dict[str, Metric] = {
     # With rollouts that may be stale (rollout.max_staleness, partial rollouts), by the staleness of the token: the
     # mean log-ratio old - rollout of tokens 0, 1, 2+ versions old, and the mismatch on the current version's tokens.
     **{name: _mean(weight, optional=True) for name, weight in STALENESS_METRICS.items()},
+    # The token selections (Clip-Cov, KL-Cov, the high-entropy fraction), where configured: each computed over a whole
+    # mini-batch (the same on every rank), weighted by the mini-batch's valid tokens (algorithms/token_selection.py).
+    **{name: _mean("selected_tokens", optional=True) for name in SELECTION_METRICS},
     # The update. Fractions and the mean ratio count the loss's terms: tokens for a token-level loss, sequences for
     # the sequence-level one; the KL estimates count tokens.
     "pg_loss": SUM,  # each micro-batch's share of its optimizer step's loss / the optimizer steps: the mean per step

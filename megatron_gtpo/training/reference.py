@@ -44,7 +44,7 @@ class ReferencePolicy:
         if self.source is not None:
             from megatron_gtpo.checkpoint.sources import ModelSource
 
-            ModelSource.detect(self.source).load_into(self.chunks, parallel)
+            ModelSource.detect(self.source, what="model.reference").load_into(self.chunks, parallel)
             return
         from megatron_gtpo.checkpoint.megatron_checkpoint import load_model_only, save_checkpoint
 

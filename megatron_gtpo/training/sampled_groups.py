@@ -63,16 +63,22 @@ class SampledGroups:
 
     def last_versions_R(self) -> torch.Tensor:
         """int64 [R]: the version that sampled each response's last token (its first segment's when it is empty)."""
-        lengths_R = self.responses.lengths_R
-        last_T = (self.responses.token_starts_R() + lengths_R - 1).clamp(min=0)
-        last_versions_R = self.versions_T[last_T] if self.versions_T.numel() else self.start_versions_R
-        return torch.where(lengths_R > 0, last_versions_R, self.start_versions_R)
+        return self._token_versions_R(self.responses.lengths_R - 1)
 
     def continued_R(self) -> torch.Tensor:
-        """bool [R]: the response was sampled by more than one version (its last token is newer than its first
-        segment's weights): continued by a later engine call (partial rollouts; a continued segment is never empty),
-        or across a weight update the engine took while generating it."""
-        return (self.responses.lengths_R > 0) & (self.last_versions_R() > self.start_versions_R)
+        """bool [R]: the response was sampled by more than one version (its last token's is newer than its first
+        token's; versions never decrease along a response): continued by a later engine call (partial rollouts), or
+        across a weight update the engine took while generating it. Not a response whose every token a version newer
+        than its batch's sampled (a generation started after an update it was asked for before)."""
+        return (self.responses.lengths_R > 0) & (self.last_versions_R() > self._token_versions_R(0))
+
+    def _token_versions_R(self, offset_R) -> torch.Tensor:
+        """int64 [R]: the version of token `offset_R` (from the response's first) of each response; its first
+        segment's for an empty response."""
+        lengths_R = self.responses.lengths_R
+        token_R = (self.responses.token_starts_R() + offset_R).clamp(min=0)
+        versions_R = self.versions_T[token_R] if self.versions_T.numel() else self.start_versions_R
+        return torch.where(lengths_R > 0, versions_R, self.start_versions_R)
 
     def newest_versions_N(self) -> torch.Tensor:
         """int64 [N]: per group, the newest version that sampled one of its tokens (when it was completed)."""

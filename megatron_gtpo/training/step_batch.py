@@ -35,6 +35,8 @@ phases' on the last stage only, elsewhere None and mismatch_sums empty):
     score (old policy)    old_logprobs_ST, entropy_ST, ref_logprobs_ST (with a reference policy)
     correct_rollout       loss_mask_ST (mask_ST less rejected tokens), pg_weights ([S, T] or [S]), mismatch sums
     advantages            advantages ([S, T] per token or [S] per sequence)
+    token selection       pg_weights times 0 where a token loses its policy gradient, kl_penalty_ST (with a
+                          selection configured: Clip-Cov, KL-Cov, the high-entropy fraction)
 """
 from __future__ import annotations
 
@@ -164,6 +166,7 @@ class StepBatch:
     pg_weights: torch.Tensor | None = None
     mismatch_sums: dict = field(default_factory=dict)
     advantages: torch.Tensor | None = None
+    kl_penalty_ST: torch.Tensor | None = None  # bool: KL-Cov's penalised tokens (token_selection.py)
 
     @property
     def num_sequences(self) -> int:

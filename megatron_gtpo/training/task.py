@@ -3,7 +3,6 @@ config's data and model sections (`build_task`): a synthetic task built in code 
 problems from a JSONL file rewarded by math-verify in a pool of worker processes."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,16 +62,28 @@ def build_task(cfg: TrainConfig) -> Task:
     from megatron_gtpo.data.records import FieldMapping
     from megatron_gtpo.data.templates import DATA_TEMPLATES, tokenize_prompts
     from megatron_gtpo.data.tokenizer import load_tokenizer
-    from megatron_gtpo.checkpoint.megatron_checkpoint import HF_FILES_DIR
 
-    tokenizer = load_tokenizer(cfg.model.hf_dir or os.path.join(cfg.model.load, HF_FILES_DIR))
+    source = model_source(cfg)
+    tokenizer = load_tokenizer(source.tokenizer_dir)
     records = load_dataset(cfg.data.path, FieldMapping(problem=cfg.data.prompt_field, answer=cfg.data.answer_field))
     samples = tokenize_prompts(records, tokenizer, DATA_TEMPLATES[cfg.data.template],
                                max_prompt_tokens=cfg.data.max_prompt_tokens)
-    return Task(samples, tokenizer, _math_reward_pool(cfg), _model_hf_config(cfg))
+    return Task(samples, tokenizer, _math_reward_pool(cfg), source.hf_config())
 
 
 def _model_hf_config(cfg: TrainConfig) -> dict:
+    return model_source(cfg).hf_config()
+
+
+def model_source(cfg: TrainConfig):
+    """The model `model.hf_dir` or `model.load` names (checkpoint.sources.ModelSource), checked to be of the kind
+    the key says (ConfigError naming the key to use otherwise)."""
     from megatron_gtpo.checkpoint.sources import ModelSource
 
-    return ModelSource.detect(cfg.model.hf_dir or cfg.model.load).hf_config()
+    key = "model.hf_dir" if cfg.model.hf_dir else "model.load"
+    source = ModelSource.detect(cfg.model.hf_dir or cfg.model.load, what=key)
+    if source.is_megatron_checkpoint != (key == "model.load"):
+        kind, other = ("a megatron_gtpo checkpoint", "model.load") if source.is_megatron_checkpoint else \
+            ("a Hugging Face directory", "model.hf_dir")
+        raise ConfigError(f"{key}: {source.path} is {kind}; set {other}={source.path} instead")
+    return source

@@ -33,7 +33,8 @@ class UpdateMicroBatch:
     old_logprobs_BT: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # [B, T] per token or [B] per sequence
     ref_logprobs_BT: torch.Tensor | None = None
-    pg_weights: torch.Tensor | None = None  # [B, T] or [B]: rollout-mismatch importance weights
+    pg_weights: torch.Tensor | None = None  # [B, T] or [B]: rollout-mismatch weights, 0 where a selection drops
+    kl_penalty_BT: torch.Tensor | None = None  # bool: KL-Cov's penalised tokens
 
 
 # loss_fn(micro_batch, logprobs_BT, entropy_BT) -> (loss_mb under the loss contract, metrics dict of tensors)
@@ -49,7 +50,8 @@ def update_micro_batch(batch: StepBatch, planned: PlannedMicroBatch) -> UpdateMi
 
     mask = batch.loss_mask_ST if batch.loss_mask_ST is not None else batch.mask_ST
     return UpdateMicroBatch(planned.inputs, columns, columns.select(mask), select(batch.old_logprobs_ST),
-                            select(batch.advantages), select(batch.ref_logprobs_ST), select(batch.pg_weights))
+                            select(batch.advantages), select(batch.ref_logprobs_ST), select(batch.pg_weights),
+                            select(batch.kl_penalty_ST))
 
 
 def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], parallel: ParallelGroups,

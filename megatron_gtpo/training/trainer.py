@@ -32,10 +32,12 @@ from .old_policy import correct_rollout, old_policy_pass
 from .partial_rollouts import PartialRollouts, WholeResponses
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
+from .resume_check import holds_rollouts
 from .rollout_queue import RolloutQueue
 from .rollout_source import RolloutSource
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task, check_prompt_lengths
+from .token_selection import global_token_selection
 from .train_step import run_train_step, supervised_loss_fn, update_micro_batch
 from .update import record_optimizer_step, update_policy
 
@@ -112,7 +114,7 @@ class Trainer:
                 batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
                 self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
             with timer("advantages"):
-                self.compute_advantages(batch)  # the configured algorithm's, over the global batch
+                self.compute_advantages(batch, step, metrics)  # over the global batch; the token selection
             with timer("update"):
                 self.update(batch, metrics)
             with timer("sync"):
@@ -129,7 +131,7 @@ class Trainer:
         prompt with its reference as a group of one response, through the step batch and its micro-batch plan."""
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
-        for _ in range(cfg.warm_start.steps):
+        for _ in self.logger.progress(range(cfg.warm_start.steps), "warm start steps"):
             prompts = self.loader.next_batch().items
             targets = [self.task.demonstration(p) for p in prompts]
             answers = Responses.from_lists([[Response(target, [0.0] * len(target), "stop")] for target in targets])
@@ -206,9 +208,14 @@ class Trainer:
         correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
                         rollout_rs_bounds=tuple(a.rollout_rs_bounds))
 
-    def compute_advantages(self, batch: StepBatch) -> None:
+    def compute_advantages(self, batch: StepBatch, step: int, metrics: MetricReducer) -> None:
+        """The configured algorithm's advantages over the global batch, then its token selection (if any) over each
+        whole mini-batch (training/token_selection.py), on the last pipeline stage."""
         if self.parallel.is_last_stage:
             global_advantages(self.algorithm.advantages, self.algorithm.uses_entropy, batch, self.parallel)
+            if self.algorithm.select_tokens is not None:
+                global_token_selection(self.algorithm.select_tokens, batch, self.parallel, metrics,
+                                       seed=self.cfg.seed, step=step)
 
     def update(self, batch: StepBatch, metrics: MetricReducer) -> None:
         update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
@@ -238,11 +245,11 @@ class Trainer:
         self.logger.log(step, reduced)
 
     def checkpoint_if_due(self, step: int) -> bool:
-        """Checkpoint after `step` steps when due (every checkpoint.save_every, the last step, a stop signal);
-        returns whether to stop."""
+        """Checkpoint after `step` steps when due (every checkpoint.save_every, the last step, a stop signal; never
+        with save_every -1); returns whether to stop."""
         stopping = self.stop.agreed(self.parallel.device)  # signals reach ranks at slightly different times
         every = self.cfg.checkpoint.save_every
-        if stopping or step == self.cfg.steps or (every and step % every == 0):
+        if every >= 0 and (stopping or step == self.cfg.steps or (every and step % every == 0)):
             checkpointing.save(self.checkpoint_state(), step)
         return stopping
 
@@ -253,7 +260,7 @@ class Trainer:
         bounded staleness or partial rollouts also the rollouts asked for and not yet trained on."""
         return TrainerState(self.cfg, self.parallel, self.policy, self.task.hf_config, self.vocab_size,
                             shared={"loader": self.loader, "scheduler": self.policy.scheduler},
-                            per_rank={"rollouts": self.rollouts} if checkpointing.holds_rollouts(self.cfg.rollout)
+                            per_rank={"rollouts": self.rollouts} if holds_rollouts(self.cfg.rollout)
                             else {})
 
     def sampling_params(self, step: int, round_index: int) -> SamplingParams:

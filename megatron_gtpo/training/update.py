@@ -44,9 +44,11 @@ def update_policy(policy: PolicyModel, batch: StepBatch, parallel: ParallelGroup
                 continue
 
             def loss_fn(mb, logprobs_BT, entropy_BT, normalizer=normalizer):
+                selected = {} if mb.kl_penalty_BT is None else {"kl_penalty_BT": mb.kl_penalty_BT}
                 return algorithm.policy_loss(logprobs_BT, mb.old_logprobs_BT, mb.advantages, mb.loss_mask_BT,
                                              loss_normalizer=normalizer, entropy_BT=entropy_BT,
-                                             ref_logprobs_BT=mb.ref_logprobs_BT, pg_weights=mb.pg_weights)
+                                             ref_logprobs_BT=mb.ref_logprobs_BT, pg_weights=mb.pg_weights,
+                                             **selected)
 
             result = run_train_step(policy, micro_batches, parallel, loss_fn, vocab_size=vocab_size,
                                     temperature=temperature, chunk_tokens=chunk_tokens)

@@ -1,0 +1,170 @@
+"""What one decode step of the built-in engine dispatches, counted on CPU (no GPU needed): aten ops (in total and
+inside the transformer layers, per layer), RNG ops, device-to-host reads and host-list-to-device copies.
+
+    .venv/bin/python benchmarks/decode_ops.py [--preset qwen2.5-0.5b] [--rows 32] [--prompt 16] [--steps 4]
+        [--core-attention sdpa|unfused] [--output benchmarks/results/generation.md]
+
+A random-weight megatron-core GPTModel of the preset's topology (TP=1, PP=1, fp32, a gloo world of one) generates
+`--rows` rows of `--prompt` tokens (prompt lengths `--prompt` - row % 4, so left padding and its mask are exercised),
+sampling at temperature 1 with top-p 0.95, exactly `--steps` + 1 tokens each (no stop token). The prefill (the
+first forward step) is not counted; the figures are per decode step (the mean over the `--steps` decode steps).
+
+On a GPU every aten op is at least one kernel launch; a device-to-host read is a host synchronisation, and so is a
+`torch.tensor(list, device=...)` copy (a blocking host-to-device copy of pageable memory). On this CPU the reads
+and copies dispatch no aten op, so they are counted at the torch-function level (the calls that would read or copy:
+Tensor.tolist / cpu / numpy, and torch.tensor of a Python list with a device), except `aten._local_scalar_dense`
+(item, bool(t), int(t)); `aten.nonzero` (boolean indexing, torch.nonzero) is a hidden read on CUDA and counted
+with the reads. Megatron's RNG tracker, which forks the RNG state around the attention dropout of every layer,
+reads scalars on this CPU (the CPU platform layer stands in for the CUDA RNG state); those are counted apart: on a
+GPU the RNG state lives on the host and they read no device memory.
+
+`--core-attention`: the layer spec's core attention (config key `model.core_attention`), where this checkout has
+that choice; otherwise the run says so and uses the spec's only attention.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+import traceback
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+RNG_TRACKER_FILE = os.path.join("tensor_parallel", "random.py")  # megatron's CUDA RNG tracker
+RNG_OPS = ("exponential", "uniform", "normal", "bernoulli", "rand", "multinomial", "random_")
+# Reads that dispatch no aten op on a CPU tensor (item, bool(t), int(t) dispatch aten._local_scalar_dense).
+HOST_READS = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts aten ops (all, inside a layer, RNG, nonzero) while `counting` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.counting = False
+        self.in_layer = 0
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.counting:
+            name = func.__name__
+            self.counts["ops"] += 1
+            self.counts["layer_ops"] += bool(self.in_layer)
+            self.counts["rng_ops"] += any(r in name for r in RNG_OPS)
+            if name.startswith(("nonzero", "_local_scalar_dense")):
+                tracker = any(f.filename.endswith(RNG_TRACKER_FILE) for f in traceback.extract_stack())
+                self.counts["tracker_reads" if tracker else "host_reads"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostTrafficCounter(TorchFunctionMode):
+    """Counts device-to-host reads and list-to-device copies (module doc) while `dispatch.counting` is set."""
+
+    def __init__(self, dispatch: DispatchCounter):
+        super().__init__()
+        self.dispatch = dispatch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if self.dispatch.counting:
+            if func in HOST_READS and not getattr(args[0], "_read_to_host", False):  # t.cpu().tolist() reads once
+                self.dispatch.counts["host_reads"] += 1
+                if isinstance(result, torch.Tensor):
+                    result._read_to_host = True
+            elif func is torch.tensor and isinstance(args[0], (list, tuple)) and kwargs.get("device") is not None:
+                self.dispatch.counts["list_to_device"] += 1
+        return result
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen2.5-0.5b")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--core-attention", choices=("sdpa", "unfused"), default=None)
+    p.add_argument("--output", help="also append the results as a markdown section to this file")
+    return p.parse_args(argv)
+
+
+def build(preset: str, core_attention: str | None):
+    """(model chunks, parallel groups, vocab size, what the attention is), a random-weight model of `preset`."""
+    import inspect
+
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.presets import hf_config
+    from megatron_gtpo.models.qwen import build_model
+
+    groups = initialize_parallel(1, 1)
+    config = hf_config(preset)
+    kwargs, attention = {}, "the local spec's only core attention (no model.core_attention in this checkout)"
+    if core_attention is not None and "core_attention" in inspect.signature(build_model).parameters:
+        kwargs["core_attention"], attention = core_attention, f"model.core_attention={core_attention}"
+    torch.manual_seed(0)
+    chunks = build_model(config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0, **kwargs)
+    return chunks, groups, config["vocab_size"], attention
+
+
+def count_decode_steps(engine, prompts, steps: int) -> tuple[collections.Counter, int]:
+    """Counts summed over the decode steps of one generation (the prefill left out), and the layers counted."""
+    from megatron_gtpo.rollout import SamplingParams
+
+    dispatch = DispatchCounter()
+    layers = [layer for m in engine.models for layer in m.decoder.layers]
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: setattr(dispatch, "in_layer", dispatch.in_layer + 1))
+        layer.register_forward_hook(lambda *_: setattr(dispatch, "in_layer", dispatch.in_layer - 1))
+    forwards, forward = [], engine._forward
+
+    def counted_forward(*args):  # counting starts with the second forward step (the first decode step)
+        forwards.append(None)
+        dispatch.counting = len(forwards) > 1
+        return forward(*args)
+
+    engine._forward = counted_forward
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=steps + 1, seed=1)
+    with dispatch, HostTrafficCounter(dispatch):
+        engine.generate(prompts, params)
+    engine._forward = forward
+    return dispatch.counts, len(layers)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29563"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    from megatron_gtpo.rollout import BuiltinEngine
+
+    chunks, groups, vocab, attention = build(args.preset, args.core_attention)
+    engine = BuiltinEngine(chunks, groups, vocab)
+    prompts = [[3 + (7 * r + t) % 1000 for t in range(args.prompt - r % 4)] for r in range(args.rows)]
+    counts, layers = count_decode_steps(engine, prompts, args.steps)
+    per_step = {k: counts[k] / args.steps for k in ("ops", "layer_ops", "rng_ops", "host_reads", "tracker_reads",
+                                                    "list_to_device")}
+    lines = ["| per decode step | count |", "|---|---|",
+             f"| aten ops | {per_step['ops']:.0f} |",
+             f"| aten ops per layer | {per_step['layer_ops'] / layers:.1f} |",
+             f"| aten ops outside the layers | {per_step['ops'] - per_step['layer_ops']:.0f} |",
+             f"| RNG ops | {per_step['rng_ops']:.1f} |",
+             f"| device-to-host reads | {per_step['host_reads']:.1f} |",
+             f"| scalar reads of megatron's RNG tracker (CPU only: host-side state on a GPU) | "
+             f"{per_step['tracker_reads']:.1f} |",
+             f"| list-to-device copies | {per_step['list_to_device']:.1f} |"]
+    report = (f"Model: random {args.preset} topology ({layers} layers), fp32, TP=1; attention: {attention}; "
+              f"{args.rows} rows, prompts of {args.prompt - 3}-{args.prompt} tokens (left-padded), temperature 1, "
+              f"top-p 0.95; mean over {args.steps} decode steps (prefill not counted).\n\n" + "\n".join(lines))
+    print(report)
+    if args.output:
+        command = "python benchmarks/decode_ops.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        with open(args.output, "a", encoding="utf-8") as f:
+            f.write(f"\n## Decode-step dispatch count, {time.strftime('%Y-%m-%d %H:%M')}\n\nCommand: `{command}`\n\n"
+                    f"{report}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The smaller things a new user meets (in process): "did you mean" for a misspelled config key, how to launch a
+layout of several processes started as one, the summary a training run ends with, megatron-core's notices about
+kernels the package does not use kept off the console."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+from megatron_gtpo.cli import run_cli
+from megatron_gtpo.config import ConfigError, load_config
+from megatron_gtpo.train import check_launch, run_summary
+
+DEMO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.yaml")
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["algorithm.alpah2=0.2"], "unknown config key algorithm.alpah2 (did you mean algorithm.alpha2?); valid keys "
+                               "here: alpha1, alpha2,"),
+    (["optim.lr_decay=cosine", "optim.warmup=3"], "unknown config keys optim.lr_decay (did you mean "
+                                                  "optim.lr_decay_style?), optim.warmup (did you mean "
+                                                  "optim.warmup_steps?); valid keys here: adam_beta1,"),
+    (["optim.learning_rate=1"], "unknown config key optim.learning_rate; valid keys here: adam_beta1,"),
+    (["rollut.engine=vllm"], "unknown config key rollut (did you mean rollout?); valid keys here: algorithm,"),
+])
+def test_a_misspelled_key_gets_the_closest_one(sets, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(DEMO_CONFIG, sets)
+    assert str(error.value).startswith(message)
+
+
+def test_a_layout_of_two_processes_started_as_one_says_how_to_launch_it(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_config(DEMO_CONFIG)  # TP = 2
+    with pytest.raises(ConfigError, match="^parallel: tensor x pipeline x context = 2 x 1 x 1 needs 2 processes "
+                                          r"\(or a multiple\), and this is one: launch it with torchrun "
+                                          "--nproc_per_node 2 -m megatron_gtpo.train --config demo.yaml --set a=1$"):
+        check_launch(cfg, ["--config", "demo.yaml", "--set", "a=1"])
+    check_launch(load_config(DEMO_CONFIG, ["parallel.tensor=1"]), [])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_launch(cfg, [])  # under torchrun: the layout's own checks follow
+
+
+def test_a_run_ends_saying_what_it_wrote_and_where(tmp_path):
+    cfg = load_config(DEMO_CONFIG, [f"logging.output_dir={tmp_path}"])
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000250\n")
+    assert run_summary(cfg) == (f"wrote metrics {tmp_path}/metrics.jsonl, TensorBoard logs {tmp_path}/tensorboard, "
+                                f"checkpoints in {tmp_path}/checkpoints (the newest: "
+                                f"{tmp_path}/checkpoints/step_00000250)")
+    cfg = load_config(DEMO_CONFIG, [f"logging.output_dir={tmp_path}/other", "logging.tensorboard=false"])
+    assert run_summary(cfg) == f"wrote metrics {tmp_path}/other/metrics.jsonl"
+
+
+def test_notices_of_kernels_the_package_does_not_use_stay_off_the_console(capsys):
+    """megatron-core warns on import that Transformer Engine and Apex are not installed (four per rank on an error
+    path that imports it before the CPU platform starts)."""
+    def main():
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+        warnings.warn("Apex is not installed. Falling back to Torch Norm")
+        warnings.warn("something else")
+
+    with warnings.catch_warnings(), pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        run_cli("prog", main)
+    err = capsys.readouterr().err
+    assert "not installed" not in err and "UserWarning: something else" in err
+
+
+def test_the_warm_start_has_a_progress_bar_on_the_logging_rank(tmp_path, capsys):
+    from megatron_gtpo.training.metrics import MetricsLogger
+
+    def logger(enabled, progress_bar):
+        return MetricsLogger(str(tmp_path), enabled=enabled, start_step=0, total_steps=5, tensorboard=False,
+                             wandb_project=None, progress_bar=progress_bar, run_config={})
+
+    capsys.readouterr()
+    assert list(logger(True, True).progress(range(3), "warm start steps")) == [0, 1, 2]
+    assert "warm start steps:   0%|          | 0/3" in capsys.readouterr().err
+    for enabled, progress_bar in ((False, True), (True, False)):
+        assert logger(enabled, progress_bar).progress(range(3), "warm start steps") == range(3)

@@ -1,0 +1,150 @@
+"""The channel's declared message format (rollout/remote_messages.py) and its signed, chunked messages
+(remote_channel.Channel), in process: every value a request or reply holds round-trips exactly (records with
+weight updates, routing, versions, sampling parameters, float64 checksums), and bytes that are not a message, a
+message not signed with the token, truncated or oversize ones are refused with MalformedMessage."""
+import dataclasses
+import math
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.remote_channel import Channel, MalformedMessage, Unsigned, publish_nonce, read_token
+from megatron_gtpo.rollout.remote_messages import dumps, loads
+from megatron_gtpo.rollout.responses import Responses
+
+
+def _record() -> Responses:
+    """A ragged record by hand: 2 prompts, 3 responses (one empty), 5 tokens, weight updates mid-response."""
+    return Responses(responses_per_prompt_P=torch.tensor([2, 1]), lengths_R=torch.tensor([3, 0, 2]),
+                     finish_R=torch.tensor([0, 1, 1]), token_ids_T=torch.tensor([5, 2**31 - 1, 0, 7, 9],
+                                                                                dtype=torch.int32),
+                     logprobs_T=torch.tensor([-0.1, -float("inf"), -1e-30, -3.5, float("nan")]),
+                     weight_updates_T=torch.tensor([0, 0, 1, 2, 2], dtype=torch.int32))
+
+
+def _same(a, b) -> bool:
+    """Equal values of the same types, tensors bit for bit (NaN included)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) \
+            if a.numel() else a.dtype == b.dtype and a.shape == b.shape
+    if isinstance(a, Responses):
+        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+MESSAGES = [
+    ("ok", (_record(), 7)),  # generate's reply: the record and the version it was made with
+    ("ok", ((_record(), torch.randint(0, 64, (6, 2, 4), dtype=torch.int16)), 3)),  # generate_routed's
+    ("ok", ((Responses.empty(), torch.empty(0, 2, 4, dtype=torch.int16)), 0)),
+    {"op": "generate", "payload": ([[1, 2, 3], [4]], SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5,
+                                                                   max_new_tokens=9, stop_token_ids=(0, 3),
+                                                                   seed=-11, per_request_seeds=False), 4)},
+    {"op": "finish", "payload": {"model.norm.weight": (1 / 3, 2.0000000000000004), "x": (-0.0, 1e308)}},
+    {"op": "bucket", "payload": (["a", "b"], ["bfloat16", "float32"], [[2, 3], []])},
+    {"op": "hello", "payload": dict(protocol=6, shape={"moe": None, "eps": 1e-6, "t": (1, 2)}, flag=True)},
+    ("error", "ValueError: something"),
+    None,
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=range(len(MESSAGES)))
+def test_every_message_round_trips_exactly(message):
+    assert _same(loads(dumps(message)), message)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"garbage", b"\xff" * 8 + b"{}",
+    pickle.dumps(("generate", None)),  # the old wire format: refused, not unpickled
+    dumps({"op": "begin", "payload": torch.zeros(4)})[:-3],  # truncated
+])
+def test_bytes_that_are_no_message_are_refused(data):
+    with pytest.raises(MalformedMessage):
+        loads(data)
+
+
+def _with_body(body: str) -> bytes:
+    from safetensors.torch import save
+
+    return save({"0": torch.zeros(2, dtype=torch.int64)}, metadata={"gtpo": body})
+
+
+@pytest.mark.parametrize("body", [
+    '{"pickle": "cos\\nsystem"}', '{"tuple": 3}', '{"tensor": "1"}', '{"a": 1, "b": 2}', "{nope",
+    '{"responses": {"lengths_R": "0"}}',  # a record missing fields
+    '{"sampling": {"n": -1}}', '{"sampling": {"evil": 1}}',  # sampling parameters that do not validate
+])
+def test_bodies_outside_the_grammar_are_refused(body):
+    with pytest.raises(MalformedMessage):
+        loads(_with_body(body))
+
+
+def test_a_record_that_does_not_check_out_is_refused():
+    bad = dataclasses.replace(_record(), lengths_R=torch.tensor([3, 0, 9]))
+    with pytest.raises(MalformedMessage, match="lengths_R sums to 12"):
+        loads(dumps(bad))
+
+
+@pytest.fixture()
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_signed_messages_verify_only_under_their_key_token_and_nonce(store):
+    nonce = publish_nonce(store)
+    channel = Channel(store, b"secret", nonce)
+    big = torch.arange(3 * 2**20, dtype=torch.int32)  # 12 MiB: 3 chunks
+    channel.post("k", ("ok", big))
+    assert channel.arrived("k", 1.0) and torch.equal(channel.take("k")[1], big)
+    assert not store.check(["k", "k/0", "k/1", "k/2"])  # taken: its keys are gone
+    for other in [Channel(store, b"other", nonce), Channel(store, b"", nonce), Channel(store, b"secret", b"x")]:
+        channel.post("k", 1)
+        with pytest.raises(Unsigned):
+            other.take("k")
+    channel.post("k", 1)  # moved to another key: no longer verifies
+    store.set("j/0", store.get("k/0"))
+    store.set("j", store.get("k"))
+    with pytest.raises(Unsigned):
+        channel.take("j")
+
+
+def test_headers_that_are_not_a_complete_message_of_allowed_size_are_refused(store):
+    channel = Channel(store, b"", publish_nonce(store))
+    store.set("k", "many")
+    with pytest.raises(MalformedMessage, match="not a chunk count"):
+        channel.take("k")
+    store.set("k", "3")
+    store.set("k/0", b"x")
+    with pytest.raises(MalformedMessage, match="truncated"):
+        channel.take("k")
+    assert not store.check(["k/0"])
+    store.set("k", str(10**6))
+    with pytest.raises(MalformedMessage, match="exceeds"):
+        channel.take("k", max_bytes=2**30)
+
+
+def test_the_token_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("GTPO_REMOTE_TOKEN", raising=False)
+    monkeypatch.delenv("GTPO_REMOTE_TOKEN_FILE", raising=False)
+    assert read_token() == b""
+    monkeypatch.setenv("GTPO_REMOTE_TOKEN", "abc")
+    assert read_token() == b"abc"
+    (tmp_path / "t").write_text("  from-file\n")
+    monkeypatch.setenv("GTPO_REMOTE_TOKEN_FILE", str(tmp_path / "t"))
+    with pytest.raises(ValueError, match="not both"):
+        read_token()
+    monkeypatch.delenv("GTPO_REMOTE_TOKEN")
+    assert read_token() == b"from-file"
+    monkeypatch.setenv("GTPO_REMOTE_TOKEN_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="GTPO_REMOTE_TOKEN_FILE=.*cannot read"):
+        read_token()

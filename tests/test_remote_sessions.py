@@ -1,0 +1,274 @@
+"""The rollout server's session logic (rollout/remote_server.py) in process: the real serving loop on a thread,
+over a real TCPStore, driven by real clients (remote_client.RemoteClient), with a fake server object whose
+generation is a hand-computed record: each token says which policy version sampled it, and the test decides at
+which decode step a request must have arrived. Covers the orderings of generations, look-ahead and weight updates
+(rollout.update_during_generation), pre-emption by a newer session, refused hellos, malformed requests, and
+abandoned weight groups reaped each on its own."""
+import dataclasses
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_gtpo.data.synthetic import tiny_model_hf_config
+from megatron_gtpo.models.qwen import ModelShape
+from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.remote_channel import (
+    PROTOCOL,
+    Channel,
+    broadcast_from_trainer,
+    close_weight_group,
+    join_weight_group,
+    publish_nonce,
+    session_key,
+)
+from megatron_gtpo.rollout.remote_client import RemoteClient
+from megatron_gtpo.rollout.remote_server import serve_sessions
+from megatron_gtpo.rollout.responses import Responses
+
+SHAPE = ModelShape.from_hf(tiny_model_hf_config())
+CPU = torch.device("cpu")
+
+
+class FakeServer:
+    """A server object whose generation samples, at decode step s of every response, token id
+    100 * (policy version) + s; its weight updates receive the trainer's tensors for real (gloo) and bump the
+    version. `hold`: {decode step: predicate}: the generation waits (at most 10 s) before that step until the
+    predicate holds, and says so (`holding`)."""
+
+    num_workers, device_type, dtype = 1, "cpu", torch.float32
+
+    def __init__(self):
+        self.policy_version = 0
+        self.group, self.received, self.events, self.hold = None, {}, [], {}
+        self.holding = threading.Event()
+        self.interrupt = lambda: None
+        self.between_steps = lambda: self.interrupt() or 0
+
+    def generate(self, prompts, params, first_prompt=0):
+        steps = []
+        for step in range(params.max_new_tokens):
+            predicate = self.hold.pop(step, None)
+            deadline = time.monotonic() + 10
+            if predicate is not None:
+                self.holding.set()
+            while predicate is not None and not predicate() and time.monotonic() < deadline:
+                self.interrupt()
+                time.sleep(0.01)
+            self.between_steps()
+            steps.append(self.policy_version)
+        rows = len(prompts) * params.n
+        tokens_T = torch.tensor([100 * v + s for s, v in enumerate(steps)] * rows, dtype=torch.int32)
+        return Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n),
+                         lengths_R=torch.full((rows,), len(steps)), finish_R=torch.ones(rows, dtype=torch.int64),
+                         token_ids_T=tokens_T, logprobs_T=-tokens_T.float() / 1000,
+                         weight_updates_T=torch.tensor([v - steps[0] for v in steps] * rows, dtype=torch.int32))
+
+    def join_weight_group(self, host, port, session, timeout_s=300.0):
+        self.group, _ = join_weight_group(host, port, session, 1, 2, CPU, timeout_s)
+        probe = torch.zeros(1, dtype=torch.int64)
+        broadcast_from_trainer(self.group, probe, self.interrupt)
+        return [int(probe.item())]
+
+    def leave_weight_group(self, *, abandoned=False):
+        close_weight_group(self.group, abandoned=abandoned)
+        self.group = None
+
+    def begin_weight_update(self):
+        self.events.append("begin")
+
+    def receive_bucket(self, names, dtype_names, shapes):
+        for name, dtype_name, shape in zip(names, dtype_names, shapes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+            broadcast_from_trainer(self.group, tensor, self.interrupt)
+            self.received[name] = tensor
+
+    def finish_weight_update(self, expected_checksums):
+        self.events.append(("finish", expected_checksums))
+        self.policy_version += 1
+        return self.policy_version
+
+    def pause_generation(self):
+        self.events.append("pause")
+
+    def resume_generation(self):
+        self.events.append("resume")
+
+    def close(self):
+        self.leave_weight_group()
+
+
+@pytest.fixture()
+def served(monkeypatch):
+    """(the fake server, its address, its store): the serving loop on a thread, with the token "t"."""
+    monkeypatch.setenv("GTPO_REMOTE_TOKEN", "t")
+    monkeypatch.delenv("GTPO_REMOTE_TOKEN_FILE", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    channel = Channel(store, b"t", publish_nonce(store))
+    server = FakeServer()
+    address = f"127.0.0.1:{store.port}"
+    thread = threading.Thread(target=serve_sessions, daemon=True,
+                              args=(server, dataclasses.asdict(SHAPE), channel, "127.0.0.1", store.port))
+    thread.start()
+    yield server, address, store
+    shutdown = RemoteClient(address, SHAPE, CPU, connect_timeout_s=20)
+    shutdown.close(shutdown_server=True)
+    thread.join(20)
+    assert not thread.is_alive()
+
+
+def _client(address, **kwargs):
+    return RemoteClient(address, SHAPE, CPU, connect_timeout_s=20, request_timeout_s=20, **kwargs)
+
+
+def _sync(client, weights: dict):
+    client.begin_weight_update()
+    client.load_bucket(list(weights.items()))
+    return client.finish_weight_update({"w": (0.1, 1 / 3)})
+
+
+PARAMS = SamplingParams(n=2, max_new_tokens=4)
+
+
+def _steps(record: Responses) -> list[int]:
+    """The version of each token of the first response (the fake's token ids encode it)."""
+    return [t // 100 for t in record.token_ids_T[:record.lengths_R[0]].tolist()]
+
+
+def test_generations_and_weight_updates_cross_exactly_in_order(served):
+    server, address, _ = served
+    client = _client(address)
+    record = client.generate([[1, 2], [3]], PARAMS)
+    assert record.num_responses == 4 and _steps(record) == [0, 0, 0, 0]
+    assert record.weight_updates_T.tolist() == [0] * 16
+    weights = {"a": torch.randn(3, 2), "b": torch.arange(5, dtype=torch.int64)}
+    pending = client.submit([[1]], PARAMS)  # answered in order: the update after it waits for it
+    assert _sync(client, weights) == 1 and client.policy_version == 1
+    assert _steps(pending()) == [0, 0, 0, 0]
+    assert all(torch.equal(server.received[n], t) for n, t in weights.items())
+    assert server.events == ["begin", ("finish", {"w": (0.1, 1 / 3)})]
+    assert _steps(client.generate([[1]], PARAMS)) == [1, 1, 1, 1]
+
+
+def test_an_update_sent_during_a_generation_is_taken_between_its_decode_steps(served):
+    server, address, store = served
+    client = _client(address, update_during_generation=True)
+    # The generation waits before its step 2 until the update's first request is in the store (seq 2: join 0 ...).
+    begin_key = session_key(client.session, client._seq + 2)
+    server.hold = {2: lambda: store.check([f"{begin_key}/req"])}
+    during = client.submit([[1]], PARAMS)
+    queued = client.submit([[2]], PARAMS)  # asked for before the update, started after it
+    assert server.holding.wait(10)  # the update is sent once the generation sampled 2 tokens
+    assert _sync(client, {"a": torch.ones(2)}) == 1
+    first, second = during(), queued()
+    assert _steps(first) == [0, 0, 1, 1] and first.weight_updates_T[:4].tolist() == [0, 0, 1, 1]
+    assert _steps(second) == [1, 1, 1, 1] and second.weight_updates_T[:4].tolist() == [1, 1, 1, 1]
+    assert server.events[0] == "pause" and server.events[-1] == "resume"
+    assert _steps(client.generate([[1]], PARAMS)) == [1, 1, 1, 1]  # and back in order
+
+
+def test_without_update_during_generation_the_update_waits_for_the_generation(served):
+    server, address, store = served
+    client = _client(address)
+    begin_key = session_key(client.session, client._seq + 1)
+    server.hold = {2: lambda: store.check([f"{begin_key}/req"])}
+    during = client.submit([[1]], PARAMS)
+    assert server.holding.wait(10)
+    assert _sync(client, {"a": torch.ones(2)}) == 1
+    assert _steps(during()) == [0, 0, 0, 0] and "pause" not in server.events
+
+
+def test_a_newer_session_preempts_the_older_which_is_told_in_one_line(served):
+    server, address, _ = served
+    old = _client(address)
+    newer = []
+    server.hold = {1: lambda: bool(newer)}
+    pending = old.submit([[1]], PARAMS)
+    threading.Thread(target=lambda: newer.append(_client(address))).start()
+    with pytest.raises(RuntimeError, match=r"rollout server at 127.0.0.1:\d+ failed in 'generate': Preempted: a "
+                                           r"newer trainer \(session 2\) took this rollout server"):
+        pending()
+    deadline = time.monotonic() + 10
+    while not newer and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match=r"^rollout server at 127.0.0.1:\d+: a newer trainer \(session 2\) took "
+                                           r"this rollout server; this trainer's session 1 ended$"):
+        old.generate([[1]], PARAMS)
+    assert _steps(newer[0].generate([[1]], PARAMS)) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("refused, message", [
+    (dict(token="wrong"), r"not signed with this trainer's token \(set GTPO_REMOTE_TOKEN or GTPO_REMOTE_TOKEN_FILE"),
+    (dict(protocol=5), "refused: protocol 5 is not this server's 6: update both"),
+    (dict(shape=ModelShape.from_hf(tiny_model_hf_config(vocab_size=40))), r"differs from the server's in .*vocab_size"),
+])
+def test_a_refused_hello_leaves_the_active_session_alone(served, monkeypatch, refused, message):
+    server, address, _ = served
+    active = _client(address)
+    active.generate([[1]], PARAMS)
+    with monkeypatch.context() as patched, pytest.raises(RuntimeError, match=message):
+        patched.setenv("GTPO_REMOTE_TOKEN", refused.get("token", "t"))
+        patched.setattr("megatron_gtpo.rollout.remote_client.PROTOCOL", refused.get("protocol", PROTOCOL))
+        RemoteClient(address, refused.get("shape", SHAPE), CPU, connect_timeout_s=20, request_timeout_s=20)
+    assert _sync(active, {"a": torch.ones(2)}) == 1  # still this session's server
+    assert _steps(active.generate([[1]], PARAMS)) == [1, 1, 1, 1]
+
+
+def test_malformed_requests_are_answered_with_an_error_and_the_server_serves_on(served):
+    server, address, store = served
+    client = _client(address)
+    channel = client.channel
+    unsigned = Channel(store, b"", channel.nonce)
+    cases = [  # (how the request under the next key is written, what its error reply says)
+        (lambda k: store.set(f"{k}/req", "x"), "not a chunk count"),
+        (lambda k: (store.set(f"{k}/req/0", b"\0" * 40), store.set(f"{k}/req", "1")), "not signed"),
+        (lambda k: (store.set(f"{k}/req/0", b"\0" * 40), store.set(f"{k}/req", "2")), "truncated"),
+        (lambda k: store.set(f"{k}/req", str(10**6)), "exceeds"),
+        (lambda k: unsigned.post_request(k, "shutdown", None), "not signed"),
+        (lambda k: channel.post(f"{k}/req", ("generate", None)), "a request must be"),
+        (lambda k: channel.post_request(k, "exec", "import os"), "unknown request 'exec'"),
+        (lambda k: channel.post_request(k, "generate", ([[1]], PARAMS)), r"'generate' takes \(prompts"),
+        (lambda k: channel.post_request(k, "generate", ([["1"]], PARAMS, 0)), r"'generate' takes"),
+        (lambda k: channel.post_request(k, "generate", ([[10**9]], PARAMS, 0)), "outside the vocabulary"),
+        (lambda k: channel.post_request(k, "bucket", (["a"], ["Tensor"], [[1]])), "'bucket' takes"),
+        (lambda k: channel.post_request(k, "finish", {"a": (1, 2)}), "'finish' takes"),
+        (lambda k: channel.post_request(k, "hello", {}), "only a session's first request"),
+    ]
+    for write, reply in cases:
+        key = session_key(client.session, client._seq)
+        client._seq += 1
+        write(key)
+        with pytest.raises(RuntimeError, match=reply):
+            client._reply(f"{key}/rep", "raw", 10)
+        assert _steps(client.generate([[1]], PARAMS)) == [0, 0, 0, 0]
+
+
+def test_each_abandoned_weight_group_is_released_on_its_own():
+    released, stuck = threading.Event(), threading.Event()
+
+    class Group:
+        def __init__(self, on_release):
+            self.on_release = on_release
+
+        def abort(self):
+            pass
+
+        def __del__(self):
+            self.on_release()
+
+    close_weight_group(Group(lambda: stuck.wait(30)), abandoned=True)  # its destructor waits for a broadcast
+    close_weight_group(Group(released.set), abandoned=True)
+    try:
+        assert released.wait(5), "the second abandoned group waited for the first"
+    finally:
+        stuck.set()
+
+
+def test_a_store_without_a_servers_nonce_is_named_as_no_server_of_this_protocol():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # an older server's, say
+    with pytest.raises(ConnectionError, match=r"holds no rollout server's nonce after 1 s: not a server of protocol "
+                                              r"6 \(an older one\? update both\)"):
+        RemoteClient(f"127.0.0.1:{store.port}", SHAPE, CPU, connect_timeout_s=1)

@@ -1,0 +1,105 @@
+"""A relaunch continues the run in its output directory only with the settings that run trained with: one that
+changes the algorithm, its reward shaping or the data is refused naming each changed key; one with nothing left to
+do says so and builds nothing (training/resume_check.py, checkpointing.relaunch_check; in process, no torchrun)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_gtpo.config import load_config, parse_config, to_dict
+from megatron_gtpo.training.resume_check import check_resume
+
+DEMO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.yaml")
+
+
+def _saved(**changes) -> dict:
+    """The demo's config as a checkpoint saves it (JSON), with `changes` ({"algorithm.name": "grpo"})."""
+    saved = json.loads(json.dumps(to_dict(load_config(DEMO_CONFIG))))
+    for key, value in changes.items():
+        section, name = key.split(".")
+        saved[section][name] = value
+    return saved
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["algorithm.name=grpo_s"], "(algorithm.name 'gtpo' -> 'grpo_s')"),
+    (["algorithm.alpha2=0.3", "data.seed=5"], "(algorithm.alpha2 0.1 -> 0.3, data.seed 1234 -> 5)"),
+    (["algorithm.entropy_clip=[0.1, 2.0]"], "(algorithm.entropy_clip None -> [0.1, 2.0])"),
+    (["rollout.num_responses_per_prompt=4"], "(rollout.num_responses_per_prompt 8 -> 4)"),
+    (["data.source=jsonl", "data.path=x.jsonl"],
+     "(data.source 'synthetic' -> 'jsonl', data.path None -> 'x.jsonl')"),
+])
+def test_a_resume_that_changes_what_the_run_trains_is_refused_naming_each_key(sets, message):
+    cfg = parse_config(DEMO_CONFIG, sets)
+    with pytest.raises(ValueError) as error:
+        check_resume(_saved(), cfg, "out/checkpoints/step_00000050")
+    assert str(error.value) == (
+        f"out/checkpoints/step_00000050 was trained with other settings than this run's {message}, which a resumed "
+        "run may not change: to start a new run, give it another logging.output_dir (with "
+        "model.load=out/checkpoints/step_00000050 to start from these weights)")
+
+
+def test_steps_the_schedule_the_layout_and_the_engine_may_change_on_resume():
+    cfg = load_config(DEMO_CONFIG, ["steps=400", "optim.lr=3e-4", "optim.lr_decay_style=linear",
+                                    "parallel.tensor=1", "parallel.pipeline=2", "data.micro_batch_size=4",
+                                    "rollout.max_new_tokens=6", "rollout.temperature=0.7", "checkpoint.keep_last=5",
+                                    "logging.tensorboard=false", "seed=3"])
+    check_resume(_saved(), cfg, "ckpt")
+
+
+def test_a_key_the_checkpoint_lacks_counts_as_its_default():
+    saved = _saved()
+    del saved["algorithm"]["dual_clip"], saved["algorithm"]["rollout_rs"]  # written before these keys existed
+    check_resume(saved, load_config(DEMO_CONFIG), "ckpt")
+    with pytest.raises(ValueError, match=r"\(algorithm.dual_clip None -> 3.0\)"):
+        check_resume(saved, load_config(DEMO_CONFIG, ["algorithm.dual_clip=3.0"]), "ckpt")
+
+
+def _finished_run(output_dir, step: int) -> str:
+    """A checkpoint directory as a finished demo run leaves it (only what a relaunch reads before building)."""
+    checkpoint = output_dir / "checkpoints" / f"step_{step:08d}"
+    checkpoint.mkdir(parents=True)
+    config = _saved(**{"logging.output_dir": str(output_dir)})
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": step, "config": config}))
+    (output_dir / "checkpoints" / "latest").write_text(checkpoint.name + "\n")
+    return str(checkpoint)
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The Trainers train.main builds (none, if it stops before), in a process that sees itself as rank 0 of the
+    demo's 2 under torchrun."""
+    import uuid
+
+    import megatron_gtpo.training.trainer as trainer
+
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", uuid.uuid4().hex)):
+        monkeypatch.setenv(name, value)
+    built = []
+    monkeypatch.setattr(trainer, "Trainer", lambda cfg: built.append(cfg) or pytest.fail("a Trainer was built"))
+    return built
+
+
+def test_the_readme_command_after_the_demo_is_refused_before_anything_is_built(tmp_path, built):
+    """The README's first training command once read --set algorithm.name=grpo_s in the demo's output directory,
+    resumed the finished GTPO run and exited 0 having trained nothing."""
+    from megatron_gtpo.train import main
+
+    checkpoint = _finished_run(tmp_path, 250)
+    with pytest.raises(ValueError, match=f"^{checkpoint} was trained with other settings than this run's "
+                                         r"\(algorithm.name 'gtpo' -> 'grpo_s'\)"):
+        main(["--config", DEMO_CONFIG, "--set", f"logging.output_dir={tmp_path}", "--set", "algorithm.name=grpo_s"])
+    assert built == []
+
+
+def test_a_resume_with_nothing_left_to_do_says_so_and_builds_nothing(tmp_path, built, capsys):
+    from megatron_gtpo.train import main
+
+    checkpoint = _finished_run(tmp_path, 250)
+    assert main(["--config", DEMO_CONFIG, "--set", f"logging.output_dir={tmp_path}"]) == 0
+    assert built == []
+    assert capsys.readouterr().err.strip() == (
+        f"nothing left to do: {checkpoint} is at step 250 of this run's steps = 250. To train on, raise steps "
+        "(--set steps=N); to start a new run, give it another logging.output_dir")

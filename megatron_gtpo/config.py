@@ -20,6 +20,7 @@ from megatron_gtpo.config_rules import ENGINE_OPTIONS, REMOTE_ENGINES, Features,
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 from megatron_gtpo.data.templates import DATA_TEMPLATES
 from megatron_gtpo.layout import CP_COMM_TYPES, LayoutError, ParallelLayout, RolloutLayout, check_layout
+from megatron_gtpo.models.accelerator import CORE_ATTENTIONS
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,10 @@ class ModelConfig:
     reference: str | None = None
     dtype: str = "float32"  # float32 | bfloat16
     recompute_activations: bool = False
+    # megatron-core's local layer spec (no Transformer Engine): its core attention, torch's scaled_dot_product_attention
+    # ("sdpa", models/sdpa_attention.py) or megatron's "unfused" DotProductAttention (for comparison: it materialises
+    # the scores of every head). Transformer Engine's attention ignores it.
+    core_attention: str = "sdpa"
     # The vocab-parallel log-prob/entropy op walks the tokens in chunks whose two fp32 [chunk, vocab / TP]
     # workspaces fit this budget (distributed/vocab_parallel.chunk_tokens_for_budget; the planner counts it).
     logprob_workspace_mib: float = 256.0
@@ -52,6 +57,8 @@ class ModelConfig:
     def check(self) -> None:
         _need(sum(x is not None and x is not False for x in (self.hf_dir, self.load, self.tiny_synthetic or None))
               == 1, "model: set exactly one of model.hf_dir, model.load, model.tiny_synthetic")
+        _need(self.core_attention in CORE_ATTENTIONS,
+              f"model.core_attention: must be one of {list(CORE_ATTENTIONS)}, got {self.core_attention!r}")
         _need(self.logprob_workspace_mib > 0,
               f"model.logprob_workspace_mib: must be > 0, got {self.logprob_workspace_mib}")
         _need(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0,

@@ -3,6 +3,8 @@ layer's "cuda"): the bytes autograd saves in one forward (a probe layer's activa
 tensors after one Adam step. Used by test_plan.py and the Qwen3 / Qwen3-MoE config tests."""
 import torch
 
+from megatron_gtpo.models.accelerator import Accelerator
+
 
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once, padding included)."""
@@ -36,6 +38,25 @@ def state_bytes_after_one_step(chunks, ddp, optimizer, vocab_size: int) -> dict:
             "optimizer": _storage_bytes(state) + _storage_bytes(masters)}
 
 
+# The fusion settings of a GPU with triton (models/accelerator.fusion_settings): the fused SwiGLU keeps what it keeps
+# on a GPU (megatron's jit_fuser is torch.jit.script unless enabled, so it builds and runs on the CPU).
+GPU_FUSIONS = Accelerator(cuda=True, triton=True)
+
+
+def cpu_only_norm_bytes(shape, *, seq_len, batch, tensor_parallel=1, bytes_per_element) -> int:
+    """What one layer's RMSNorms keep on the CPU beyond a GPU (planning/activations.py: the CPU's composite norm keeps
+    an fp32 copy of its input and the fp32 normalised product, CUDA's fused one its input in the model dtype), for
+    rows of `seq_len` tokens: the two hidden-size norms 8 - e bytes per element (in fp32 the copy is the input); the
+    per-head q/k norms (Qwen3) 8 - e too, and 4 more in bf16 (their input is a view of linear_qkv's output, kept
+    either way, so the GPU keeps nothing for it)."""
+    e = bytes_per_element
+    per_token = 2 * shape.hidden_size * (8 - e)
+    if shape.qk_norm:
+        heads = (shape.num_attention_heads + shape.num_query_groups) * shape.head_dim / tensor_parallel
+        per_token += heads * (4 if e == 4 else 8)
+    return round(per_token * seq_len * batch)
+
+
 LAYER_PROBE = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
                "intermediate_size": 320, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48,
                "vocab_size": 1000, "tie_word_embeddings": False, "max_position_embeddings": 512}
@@ -43,8 +64,9 @@ PROBE_SEQ, PROBE_BATCH = 40, 3
 
 
 def saved_activation_bytes(model, *, seq_len, batch, context_parallel=1, cp_rank=0) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves during one forward of rows of `seq_len` tokens;
-    under context parallelism, of this rank's load-balanced positions of them (the attention masks on its own)."""
+    """Bytes of the distinct non-parameter storages autograd saves during one forward of rows of `seq_len` tokens,
+    given no mask (causal), as training passes padded rows; under context parallelism, of this rank's load-balanced
+    positions of them."""
     from megatron_gtpo.distributed.context_parallel import load_balanced_positions
 
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -58,10 +80,9 @@ def saved_activation_bytes(model, *, seq_len, batch, context_parallel=1, cp_rank
 
     tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (batch, seq_len), device="cuda")
     positions = torch.arange(seq_len, device="cuda").expand(batch, seq_len)
-    mask = torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device="cuda"), 1)
     if context_parallel > 1:
         held = load_balanced_positions(seq_len, cp_rank, context_parallel, device="cuda")
-        tokens, positions, mask = tokens[:, held], positions[:, held], None
+        tokens, positions = tokens[:, held], positions[:, held]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, positions, mask)
+        model(tokens, positions, None)
     return sum(saved.values())

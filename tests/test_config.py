@@ -32,6 +32,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["optim.lr=fast"], "optim.lr: expected a number, got 'fast'"),
     (BASE, ["parallel.tensor=1.5"], "parallel.tensor: expected an integer"),
     (BASE, ["algorithm.name=ppo"], "algorithm.name: 'ppo' is not one of gtpo, grpo_s, grpo, dapo, clip_cov, kl_cov"),
+    (BASE, ["model.core_attention=flash"], "model.core_attention: must be one of ['sdpa', 'unfused'], got 'flash'"),
     (BASE, ["rollout.num_responses_per_prompt=1"], "group size must be >= 2"),
     (BASE, ["data.prompts_per_step=6", "data.mini_batches_per_step=4"], "must be divisible by"),
     ("data: {source: synthetic}\n", [], "set exactly one of model.hf_dir"),

@@ -130,13 +130,20 @@ def test_every_gpu_configuration_builds_with_only_available_fusions(outcomes):
     assert {key[0] for key in built} == {"gpu", "gpu+apex-softmax", "cpu"}
 
 
-def test_fused_softmax_stays_off_for_packed_rows_and_for_te():
-    """Where the fused softmax kernels exist, the local spec uses them, except for packed rows (the fused causal
-    kernel ignores the block-diagonal mask) and under TE's spec (its own attention)."""
+def test_fused_softmax_only_for_the_unfused_attention_of_unpacked_rows():
+    """Where the fused softmax kernels exist, the local spec's unfused attention uses them, except for packed rows
+    (the fused causal kernel ignores the block-diagonal mask); the SDPA attention (the default) and TE's spec have
+    their own softmax."""
     from megatron_gtpo.models.accelerator import fusion_settings
 
     machine = MACHINES["gpu+apex-softmax"]
-    assert fusion_settings(machine, transformer_engine=False, packed_sequences=False)["masked_softmax_fusion"]
+    assert fusion_settings(machine, transformer_engine=False, packed_sequences=False,
+                           core_attention="unfused")["masked_softmax_fusion"]
+    assert not fusion_settings(machine, transformer_engine=False, packed_sequences=True,
+                               core_attention="unfused")["masked_softmax_fusion"]
+    assert not fusion_settings(machine, transformer_engine=False, packed_sequences=False)["masked_softmax_fusion"]
+    assert not fusion_settings(dataclasses.replace(machine, transformer_engine=True), transformer_engine=True,
+                               packed_sequences=False, core_attention="unfused")["masked_softmax_fusion"]
     assert not fusion_settings(machine, transformer_engine=False, packed_sequences=True)["masked_softmax_fusion"]
     assert not fusion_settings(dataclasses.replace(machine, transformer_engine=True), transformer_engine=True,
                                packed_sequences=False)["masked_softmax_fusion"]

@@ -8,7 +8,8 @@ from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size, transformer
 from megatron_gtpo.models.presets import FAMILY_PRESETS, hf_config
 from megatron_gtpo.layout import ParallelLayout
 from megatron_gtpo.planning import layer_activation_bytes, parameter_count
-from plan_measurements import LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, saved_activation_bytes
+from plan_measurements import (GPU_FUSIONS, LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, cpu_only_norm_bytes,
+                               saved_activation_bytes)
 
 # The model cards' "Number of Parameters" and "(Non-Embedding)", as printed (billions; the embedding and, untied,
 # the output layer are the embedding parameters).
@@ -69,7 +70,7 @@ def _measure(rank, world_size):
     for tp in (1, 2):
         initialize_parallel(tp, 1)
         saved = [saved_activation_bytes(build_model(dict(QWEN3_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
-                                                     pipeline_parallel=1, pp_rank=0)[0],
+                                                     pipeline_parallel=1, pp_rank=0, accelerator=GPU_FUSIONS)[0],
                                          seq_len=PROBE_SEQ, batch=PROBE_BATCH) for layers in (1, 2)]
         out[tp] = saved[1] - saved[0]
     return out
@@ -109,4 +110,6 @@ def test_local_profile_layer_activations_equal_saved_tensors(measurements, tp):
     shape = ModelShape.from_hf(dict(QWEN3_PROBE, num_hidden_layers=1))
     expected = layer_activation_bytes(shape, seq_len=PROBE_SEQ, micro_batch_size=PROBE_BATCH, tensor_parallel=tp,
                                       sequence_parallel=False, kernels="local", bytes_per_element=4)
-    assert all(rank[tp] == expected for rank in measurements)
+    cpu_only = cpu_only_norm_bytes(shape, seq_len=PROBE_SEQ, batch=PROBE_BATCH, tensor_parallel=tp,
+                                   bytes_per_element=4)
+    assert [rank[tp] for rank in measurements] == [expected + cpu_only] * len(measurements)

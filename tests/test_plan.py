@@ -4,8 +4,9 @@
   Qwen2.5 sizes at TP 1/2/4, PP 1/2 and an interleaved (VPP) layout;
 - parameter, gradient and optimizer-state bytes equal the tensors megatron-core's DDP + Adam allocate on CPU after a
   training step (trainer's wrap_for_training: distributed optimizer, DP=4; and megatron's replicated optimizer);
-- per-layer activation bytes of the "local" kernel profile equal the tensors autograd saves on CPU (TP 1/2, with and
-  without full recompute);
+- per-layer activation bytes of the "local" kernel profile (SDPA attention, a GPU's fusions) plus what only the CPU
+  keeps (plan_measurements.cpu_only_norm_bytes) equal the tensors autograd saves on CPU with a GPU's fusion settings
+  (fp32: TP 1/2, CP 2, with and without full recompute; bf16 at 160 and 320 tokens);
 - forward FLOPs equal torch's FLOP counter on a megatron-core forward minus the upper attention triangle;
 - the CLI's JSON contract and exit codes; the recipes in examples/ fit the GPUs their sbatch scripts ask for;
 - the phase-time model against hand-computed times of a tiny shape, the step's staleness rule, and the split of a
@@ -28,11 +29,12 @@ from megatron_gtpo.models.presets import hf_config
 from megatron_gtpo.planning import (Settings, Workload, forward_flops, generation_phase_s, layer_activation_bytes,
                                     parameter_count, plan, plan_disaggregated, settings_from_config, step_s,
                                     suggest_layouts, total_parameter_count, training_phase_s, workload_from_config)
-from plan_measurements import (LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, saved_activation_bytes,
-                               state_bytes_after_one_step)
+from plan_measurements import (GPU_FUSIONS, LAYER_PROBE, PROBE_BATCH, PROBE_SEQ, cpu_only_norm_bytes,
+                               saved_activation_bytes, state_bytes_after_one_step)
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 WORLD = 4  # ranks of the one spawn that measures everything (TP=4 and TP=2 x PP=2 need four)
+BF16_SEQS = (160, 320)  # the bf16 probe's row lengths
 
 # (model, TP, PP, VPP): tied (0.5B, 1.5B) and untied (7B, 32B) embeddings, TP 1/2/4, PP 1/2, interleaved.
 META_LAYOUTS = [("qwen2.5-0.5b", 1, 1, None), ("qwen2.5-0.5b", 2, 2, None), ("qwen2.5-1.5b", 1, 2, None),
@@ -42,7 +44,8 @@ META_LAYOUTS = [("qwen2.5-0.5b", 1, 1, None), ("qwen2.5-0.5b", 2, 2, None), ("qw
 def _measure_all(rank, world_size):
     """On WORLD ranks: parameter counts of META_LAYOUTS on the meta device; the training-state bytes of every
     TRAINING_STATE_CASES entry (DP=WORLD); the saved bytes of a 2-layer model minus a 1-layer one (= one decoder
-    layer) at TP=1 and TP=2, with and without recompute; and, at TP=1, torch's FLOP count of a forward. One spawn
+    layer, a GPU's fusion settings) at TP=1 and TP=2, with and without recompute, and in bf16 at BF16_SEQS; and, at
+    TP=1, torch's FLOP count of a forward (megatron's unfused attention: the counter sees its matmuls). One spawn
     for all: starting ranks is the expensive part on CPU."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -57,12 +60,19 @@ def _measure_all(rank, world_size):
             saved = []
             for layers in (1, 2):
                 model = build_model(dict(LAYER_PROBE, num_hidden_layers=layers), tensor_parallel=tp,
-                                    pipeline_parallel=1, pp_rank=0, recompute_activations=recompute)[0]
+                                    pipeline_parallel=1, pp_rank=0, recompute_activations=recompute,
+                                    accelerator=GPU_FUSIONS)[0]
                 saved.append(saved_activation_bytes(model, seq_len=PROBE_SEQ, batch=PROBE_BATCH))
             out[(tp, recompute)] = saved[1] - saved[0]
         if tp == 1:
+            for seq in BF16_SEQS:
+                saved = [saved_activation_bytes(build_model(dict(LAYER_PROBE, num_hidden_layers=layers),
+                                                            tensor_parallel=1, pipeline_parallel=1, pp_rank=0,
+                                                            params_dtype=torch.bfloat16, accelerator=GPU_FUSIONS)[0],
+                                                seq_len=seq, batch=PROBE_BATCH) for layers in (1, 2)]
+                out[("bf16", seq)] = saved[1] - saved[0]
             model = build_model(dict(LAYER_PROBE, num_hidden_layers=2), tensor_parallel=1, pipeline_parallel=1,
-                                pp_rank=0)[0]
+                                pp_rank=0, core_attention="unfused")[0]
             tokens = torch.randint(0, LAYER_PROBE["vocab_size"], (PROBE_BATCH, PROBE_SEQ), device="cuda")
             with torch.no_grad(), FlopCounterMode(display=False) as counter:
                 model(tokens, torch.arange(PROBE_SEQ, device="cuda").expand(PROBE_BATCH, PROBE_SEQ),
@@ -72,7 +82,7 @@ def _measure_all(rank, world_size):
     for recompute in (False, True):
         saved = [saved_activation_bytes(build_model(dict(LAYER_PROBE, num_hidden_layers=layers), tensor_parallel=1,
                                                     pipeline_parallel=1, pp_rank=0, context_parallel=2,
-                                                    recompute_activations=recompute)[0],
+                                                    recompute_activations=recompute, accelerator=GPU_FUSIONS)[0],
                                         seq_len=PROBE_SEQ, batch=PROBE_BATCH, context_parallel=2,
                                         cp_rank=groups.cp_rank) for layers in (1, 2)]
         out[("cp2", recompute)] = saved[1] - saved[0]
@@ -167,6 +177,14 @@ def test_training_state_bytes_equal_measured_tensors(measurements, dtype, distri
 
 
 
+def _cpu_only(seq_len, tensor_parallel=1, bytes_per_element=4, recompute=False):
+    """What the probe layer keeps on the CPU only (none under full recompute: the layer's input alone)."""
+    shape = ModelShape.from_hf(dict(LAYER_PROBE, num_hidden_layers=1))
+    return 0 if recompute else cpu_only_norm_bytes(shape, seq_len=seq_len, batch=PROBE_BATCH,
+                                                   tensor_parallel=tensor_parallel,
+                                                   bytes_per_element=bytes_per_element)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_local_profile_layer_activations_equal_saved_tensors(measurements, tp, recompute):
@@ -174,24 +192,40 @@ def test_local_profile_layer_activations_equal_saved_tensors(measurements, tp, r
     expected = layer_activation_bytes(shape, seq_len=PROBE_SEQ, micro_batch_size=PROBE_BATCH, tensor_parallel=tp,
                                       sequence_parallel=False, kernels="local", bytes_per_element=4,
                                       recompute=recompute)
-    assert all(rank[(tp, recompute)] == expected for rank in measurements)
+    assert all(rank[(tp, recompute)] == expected + _cpu_only(PROBE_SEQ, tp, recompute=recompute)
+               for rank in measurements)
+
+
+@pytest.mark.parametrize("seq", BF16_SEQS)
+def test_local_profile_layer_activations_in_bf16_equal_saved_tensors(measurements, seq):
+    """bf16 with a GPU's fusions: the plan is what autograd keeps less the CPU's own fp32 norm copies, which the GPU
+    plan does not count."""
+    shape = ModelShape.from_hf(dict(LAYER_PROBE, num_hidden_layers=1))
+    expected = layer_activation_bytes(shape, seq_len=seq, micro_batch_size=PROBE_BATCH, tensor_parallel=1,
+                                      sequence_parallel=False, kernels="local", bytes_per_element=2)
+    assert all(rank[("bf16", seq)] == expected + _cpu_only(seq, bytes_per_element=2) for rank in measurements)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_local_profile_layer_activations_at_cp2_equal_saved_tensors(measurements, recompute):
     """At CP = 2 a rank keeps its half of the row's tokens, and the all-gather attention the whole row's keys and
-    values (expanded to every head), its position-order indices and its queries' mask; by hand for this probe (fp32,
-    L = 40, b = 3, h = 128, 4 heads x 48 = q 192, f = 320, d = 48): the measured CP = 1 layer less half of what
-    scales with a rank's tokens, plus the K/V of the other half of the row, plus 2 x 8 x L + (L / 2) x L bytes."""
+    values (native GQA), its position-order indices and its queries' mask, but not linear_qkv's output (SDPA's v is
+    the gathered copy); by hand for this probe (fp32, L = 40, b = 3, q = 4 heads x 48 = 192, kv = 2 x 48 = 96): the
+    measured CP = 1 layer less half of what scales with a rank's tokens, less half the q and k parts of linear_qkv's
+    output (kept at CP = 1 by v, a view of it), plus the K/V of the other half of the row, plus 2 x 8 x L bytes of
+    indices and the fp32 mask, (L / 2) x L x 4."""
     shape = ModelShape.from_hf(dict(LAYER_PROBE, num_hidden_layers=1))
     expected = layer_activation_bytes(shape, seq_len=PROBE_SEQ, micro_batch_size=PROBE_BATCH, tensor_parallel=1,
                                       sequence_parallel=False, kernels="local", bytes_per_element=4,
                                       recompute=recompute, context_parallel=2)
-    assert all(rank[("cp2", recompute)] == expected for rank in measurements)
+    cpu_only = _cpu_only(PROBE_SEQ // 2, recompute=recompute)
+    assert [rank[("cp2", recompute)] for rank in measurements] == [expected + cpu_only] * WORLD
     if not recompute:
         cp1 = measurements[0][(1, False)]
-        kv_row = 2 * 192 * PROBE_SEQ * PROBE_BATCH * 4  # K and V of every head over the whole row
-        assert expected == cp1 / 2 + kv_row / 2 + 2 * 8 * PROBE_SEQ + PROBE_SEQ // 2 * PROBE_SEQ
+        tokens_bytes = PROBE_SEQ * PROBE_BATCH * 4
+        qk_output, kv_row = (192 + 96) * tokens_bytes, 2 * 96 * tokens_bytes
+        assert expected + cpu_only == cp1 / 2 - qk_output / 2 + kv_row / 2 + 2 * 8 * PROBE_SEQ \
+            + PROBE_SEQ // 2 * PROBE_SEQ * 4
 
 
 def test_forward_flops_equal_torch_flop_counter_on_a_megatron_forward(measurements):
@@ -313,6 +347,17 @@ def test_recipes_fit_an_80gib_gpu_at_their_node_counts(path):
                                 sequence_parallel=cfg.parallel.sequence_parallel)
         result = plan(shape, layout, workload_from_config(cfg), settings_from_config(cfg))
         assert result.fits, (path, gpus, result.reasons)
+
+
+def test_the_local_profile_refuses_the_unfused_attention():
+    from megatron_gtpo.config import TrainConfig
+
+    cfg = TrainConfig()
+    assert settings_from_config(cfg, kernels="local").kernels == "local"
+    cfg.model.core_attention = "unfused"
+    with pytest.raises(ValueError, match="model.core_attention=unfused keeps every head's"):
+        settings_from_config(cfg, kernels="local")
+    assert settings_from_config(cfg).kernels == "te"  # Transformer Engine's attention ignores the setting
 
 
 def test_routing_replay_record_is_counted_on_every_rank_of_its_stage():

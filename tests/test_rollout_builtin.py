@@ -19,10 +19,10 @@ SAMPLE_TEMPERATURE = 0.7
 
 def _rollout_checks_all_layouts(rank, world_size, model_dir, layouts, stop_prompt, stop_token):
     """Every layout in one spawn: initialize_parallel rebuilds megatron's groups for each (TP=1 runs as DP=2)."""
-    return [_rollout_checks(model_dir, tp, pp, vpp, sp, stop_prompt, stop_token) for tp, pp, vpp, sp in layouts]
+    return [_rollout_checks(model_dir, *layout, stop_prompt, stop_token) for layout in layouts]
 
 
-def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_prompt, stop_token):
+def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_prompt, stop_token):
     import torch.distributed as dist
 
     from megatron_gtpo.distributed import initialize_parallel
@@ -34,7 +34,7 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_prompt, stop_token):
     groups = initialize_parallel(tp, pp, virtual_pipeline_parallel=vpp, sequence_parallel=sp)
     with HFCheckpoint(model_dir) as ckpt:
         chunks = build_model(ckpt.config, tensor_parallel=tp, pipeline_parallel=pp, pp_rank=groups.pp_rank,
-                             virtual_pipeline_parallel=vpp, sequence_parallel=sp)
+                             virtual_pipeline_parallel=vpp, sequence_parallel=sp, core_attention=core_attention)
         load_hf_weights(chunks, ckpt, tp_rank=groups.tp_rank, tp_size=tp)
     for c in chunks:
         c.train()  # generation must leave the training mode as it found it
@@ -42,7 +42,7 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, stop_prompt, stop_token):
     engine = BuiltinEngine(chunks, groups, VOCAB)
     # The other prompt scheme (teacher forcing), in batches of 3 rows: same greedy tokens.
     engine_small_batches = BuiltinEngine(chunks, groups, VOCAB, max_batch_size=3, prompt_alignment="teacher_force")
-    out = {"auto_left_pads": engine.left_pad}  # megatron's unfused DotProductAttention on CPU honours masks
+    out = {"auto_left_pads": engine.left_pad}  # the local spec's attention (either core attention) honours masks
 
     def generate(engine, params):
         """The call's record, on the training device of every rank (the CPU platform names it CUDA), as lists."""
@@ -174,8 +174,9 @@ def _assert_logprobs_match(responses, scored, what):
         assert err < 1e-5, f"{what}: sampling log-probs differ from the scoring path by {err:.2e}"
 
 
-# (TP, PP, VPP, sequence parallel) on 2 ranks; PP=2 with 2 virtual stages each.
-LAYOUTS = [(1, 1, None, False), (2, 1, None, False), (2, 1, None, True), (1, 2, 2, False)]
+# (TP, PP, VPP, sequence parallel, the local spec's core attention) on 2 ranks; PP=2 with 2 virtual stages each.
+LAYOUTS = [(1, 1, None, False, "sdpa"), (2, 1, None, False, "sdpa"), (2, 1, None, True, "sdpa"),
+           (1, 2, 2, False, "sdpa"), (1, 1, None, False, "unfused")]
 
 
 def test_builtin_generation(tiny_model):
@@ -186,7 +187,7 @@ def test_builtin_generation(tiny_model):
     per_rank = run_distributed(_rollout_checks_all_layouts, 2, args=(str(path), LAYOUTS, stop_prompt, stop_token),
                                timeout_s=600)
     for layout, results in zip(LAYOUTS, zip(*per_rank)):
-        _check_layout(results, hf_greedy, stop_prompt, stop_token, "TP={} PP={} VPP={} SP={}".format(*layout))
+        _check_layout(results, hf_greedy, stop_prompt, stop_token, "TP={} PP={} VPP={} SP={} {}".format(*layout))
 
 
 def _check_layout(results, hf_greedy, stop_prompt, stop_token, layout):

@@ -74,7 +74,8 @@ def parse_args(argv=None):
                      help="optimizer state replicated on every DP rank (the trainer always shards it)")
     mem.add_argument("--recompute", action="store_true", default=None, help="full activation recompute")
     mem.add_argument("--kernels", choices=KERNEL_PROFILES, default="te",
-                     help="activation profile: te (Transformer Engine, flash attention; GPUs) or local (CPU path)")
+                     help="activation profile: te (Transformer Engine, flash attention) or local (megatron-core's "
+                          "local spec with the SDPA attention: a GPU without Transformer Engine)")
     mem.add_argument("--vllm-memory-fraction", type=float, help="vLLM's share of each GPU (default 0.5)")
     mem.add_argument("--no-vllm", action="store_true", help="no colocated vLLM engine")
     mem.add_argument("--vllm-tp", type=int, help="vLLM tensor parallel size of each colocated engine (default: the "
@@ -135,7 +136,7 @@ def build_inputs(args, moe: bool = False) -> tuple[ParallelLayout, Workload, Set
 
         cfg = load_config(args.config, args.overrides)
         workload = workload_from_config(cfg)
-        settings = settings_from_config(cfg)
+        settings = settings_from_config(cfg, kernels=args.kernels)
         layout = ParallelLayout(tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
                                 virtual_pipeline=cfg.parallel.virtual_pipeline,
                                 sequence_parallel=cfg.parallel.sequence_parallel, expert=cfg.parallel.expert,

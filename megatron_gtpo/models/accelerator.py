@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+# model.core_attention, the local layer spec's: torch's SDPA (models/sdpa_attention.py) or megatron's unfused
+# DotProductAttention. Transformer Engine's spec has its own.
+CORE_ATTENTIONS = ("sdpa", "unfused")
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -61,14 +65,16 @@ def _transformer_engine_works() -> bool:
     return bool(megatron_te.HAVE_TE)
 
 
-def fusion_settings(accelerator: Accelerator, *, transformer_engine: bool, packed_sequences: bool) -> dict:
+def fusion_settings(accelerator: Accelerator, *, transformer_engine: bool, packed_sequences: bool,
+                    core_attention: str = "sdpa") -> dict:
     """The TransformerConfig fusion switches for a model built with (`transformer_engine`) or without TE's layer spec
-    on `accelerator`: each is on only where the kernel behind it exists on that machine.
+    on `accelerator`, the local spec's core attention being `core_attention` (CORE_ATTENTIONS):
+    each is on only where the kernel behind it exists on that machine.
 
     - persist_layer_norm: apex's persistent LayerNorm kernel, which Qwen's RMSNorm never uses; megatron-core's
       local spec builds torch norms (WrappedTorchNorm), whose constructor asserts it is off.
-    - masked_softmax_fusion: megatron's fused softmax extensions, used by the local spec's attention only; off
-      when packing (the fused causal kernel ignores the block-diagonal mask of a packed row).
+    - masked_softmax_fusion: megatron's fused softmax extensions, used by the local spec's unfused attention only;
+      off when packing (the fused causal kernel ignores the block-diagonal mask of a packed row).
     - bias_activation_fusion / bias_dropout_fusion: torch.compile'd by megatron-core; on a GPU with triton only.
     - apply_rope_fusion / gradient_accumulation_fusion: TE or apex kernels the project does not rely on.
     """
@@ -76,7 +82,7 @@ def fusion_settings(accelerator: Accelerator, *, transformer_engine: bool, packe
     return dict(
         persist_layer_norm=False,
         masked_softmax_fusion=(cuda and accelerator.fused_softmax and not transformer_engine
-                               and not packed_sequences),
+                               and core_attention == "unfused" and not packed_sequences),
         bias_activation_fusion=cuda and accelerator.triton,
         bias_dropout_fusion=cuda and accelerator.triton,
         apply_rope_fusion=False,

@@ -5,8 +5,9 @@ exchanges keys and values between the ranks of a sequence). This one gathers the
 the context-parallel group (their gradients are reduce-scattered back), puts them in position order, and lets this
 rank's queries (its load-balanced chunks, distributed/context_parallel.py) attend to them under the causal mask on
 row positions, or under a packed row's block-causal mask (training/forward.py), of which it takes its queries' rows.
-Each query then sees exactly the keys it sees at CP = 1, through megatron's own attention arithmetic. It holds the
-whole row's K/V on every rank (ring attention avoids that): the CPU's attention, which TE's on a GPU must agree with.
+Each query then sees exactly the keys it sees at CP = 1, through the local spec's core attention (SDPA, or
+megatron's unfused attention: models/sdpa_attention.py). It holds the whole row's K/V on every rank (ring attention
+avoids that): the CPU's attention, which TE's on a GPU must agree with.
 """
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_gtpo.distributed.context_parallel import gather_sequence, load_balanced_positions
 
+from .sdpa_attention import SdpaAttention
 
-class AllGatherContextAttention(DotProductAttention):
-    """DotProductAttention over the keys and values of the whole row, for queries of this context-parallel rank."""
+
+class _AllGatherKeys:
+    """A core attention (the next class in the MRO) over the keys and values of the whole row, for queries of this
+    context-parallel rank."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
@@ -45,3 +49,11 @@ class AllGatherContextAttention(DotProductAttention):
             mask_QL = attention_mask[0, 0].index_select(0, rows_Q)
         return super().forward(query, gather_sequence(key, self.cp_group), gather_sequence(value, self.cp_group),
                                mask_QL[None, None], attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+
+class AllGatherContextAttention(_AllGatherKeys, SdpaAttention):
+    """The context-parallel attention of model.core_attention=sdpa."""
+
+
+class AllGatherUnfusedContextAttention(_AllGatherKeys, DotProductAttention):
+    """The context-parallel attention of model.core_attention=unfused."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_gtpo.layout import ParallelLayout, check_layout
 
-from .accelerator import Accelerator, fusion_settings
+from .accelerator import CORE_ATTENTIONS, Accelerator, fusion_settings
 from .local_norm import LocalRMSNorm
 from .moe import MoeShape, RouterLosses, mark_expert_parameters, moe_config_kwargs
 
@@ -151,14 +151,15 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
                                context_parallel: int = 1, context_comm: str = "p2p",
                                params_dtype: torch.dtype = torch.float32, recompute_activations: bool = False,
                                accelerator: Accelerator | None = None, transformer_engine: bool = False,
-                               packed_sequences: bool = False, router_losses: RouterLosses = RouterLosses()):
+                               packed_sequences: bool = False, router_losses: RouterLosses = RouterLosses(),
+                               core_attention: str = "sdpa"):
     """The megatron-core TransformerConfig of a Qwen2 / Qwen3 / Qwen3-MoE config.json, for the given parallel layout,
     layer spec (`transformer_engine`) and machine (`accelerator`, default this process's: models/accelerator.py
     decides the fusions). `packed_sequences`: the model will see packed rows (data.pack_sequences). Qwen3-MoE: its
     experts at `expert_parallel` (EP) and `expert_tensor_parallel` (None: TP, megatron's default), with
     `router_losses` (models/moe.py). `context_parallel` (CP) splits every sequence over that many ranks; TE's
     attention exchanges keys and values by `context_comm` (layout.CP_COMM_TYPES), the local spec's gathers them
-    (models/context_attention.py).
+    (models/context_attention.py). `core_attention`: the local spec's (accelerator.CORE_ATTENTIONS).
 
     All families: GQA (num_query_groups = num_key_value_heads), head_dim as kv_channels, no biases except Qwen2's on
     q/k/v, RMSNorm, SwiGLU, RoPE (rope_theta is passed to GPTModel, which owns the rotary embedding); Qwen3's per-head
@@ -209,7 +210,8 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
         variable_seq_lengths=True,  # RL micro-batches have different lengths
         # MoE: the all-to-all dispatcher (models/moe.py). Dense: the default "allgather" vetoes variable_seq_lengths.
         **(experts or {"moe_token_dispatcher_type": "alltoall"}),
-        **fusion_settings(accelerator, transformer_engine=transformer_engine, packed_sequences=packed_sequences),
+        **fusion_settings(accelerator, transformer_engine=transformer_engine, packed_sequences=packed_sequences,
+                          core_attention=core_attention),
         recompute_granularity="full" if recompute_activations else None,
         recompute_method="uniform" if recompute_activations else None,
         recompute_num_layers=1 if recompute_activations else None,
@@ -217,11 +219,12 @@ def transformer_config_from_hf(hf_config: dict, *, tensor_parallel: int = 1, pip
 
 
 def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None = None, *,
-               context_parallel: bool = False):
+               context_parallel: bool = False, core_attention: str = "sdpa"):
     """Transformer Engine's or megatron's local layer spec; `qk_norm`: with per-head q/k norms (Qwen3); `num_experts`:
     a router and that many experts in place of the MLP (Qwen3-MoE; TE's grouped GEMM or the local SequentialMLP);
     `context_parallel`: the local spec's attention gathers the keys and values of the context-parallel ranks
-    (models/context_attention.py; TE's attention does that by itself).
+    (models/context_attention.py; TE's attention does that by itself); `core_attention`: the local spec's core
+    attention, "sdpa" (models/sdpa_attention.py) or megatron's "unfused" DotProductAttention (TE's spec ignores it).
 
     The local spec stores a dense layer's pre-MLP norm under TE's name (mlp.linear_fc1.layer_norm_weight), since TE
     fuses it into fc1; TE's MoE layer keeps it a module of its own (pre_mlp_layernorm), and so does the local MoE
@@ -236,10 +239,17 @@ def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_norm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = LocalRMSNorm
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"model.core_attention: {core_attention!r} is not one of {list(CORE_ATTENTIONS)}")
     if context_parallel:
-        from .context_attention import AllGatherContextAttention
+        from .context_attention import AllGatherContextAttention, AllGatherUnfusedContextAttention
 
-        attention.core_attention = AllGatherContextAttention
+        attention.core_attention = AllGatherContextAttention if core_attention == "sdpa" else \
+            AllGatherUnfusedContextAttention
+    elif core_attention == "sdpa":
+        from .sdpa_attention import SdpaAttention
+
+        attention.core_attention = SdpaAttention
     if qk_norm:
         attention.q_layernorm = attention.k_layernorm = LocalRMSNorm
     if num_experts:
@@ -267,7 +277,7 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 recompute_activations: bool = False,
                 use_transformer_engine: bool | None = None,
                 parallel_output: bool = True, meta_device: bool = False, accelerator: Accelerator | None = None,
-                packed_sequences: bool = False) -> list:
+                packed_sequences: bool = False, core_attention: str = "sdpa") -> list:
     """This rank's model chunks (one per virtual pipeline stage; a list of one without VPP), on the current CUDA
     device (on the CPU platform, the logical device the audit tracks).
 
@@ -278,7 +288,7 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
     the local spec unless asked otherwise, which has the same parameters): for parameter counts, planning, and
     building a GPU run's model on a CPU (`accelerator=Accelerator(cuda=True, ...)`). Qwen3-MoE: its experts at
     `expert_parallel` / `expert_tensor_parallel` (initialize_parallel's), with `router_losses`. `context_parallel` /
-    `context_comm`: as transformer_config_from_hf.
+    `context_comm` / `core_attention`: as transformer_config_from_hf.
     """
     import contextlib
 
@@ -295,11 +305,11 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
         context_parallel=context_parallel, context_comm=context_comm,
         params_dtype=params_dtype, recompute_activations=recompute_activations,
         accelerator=accelerator, transformer_engine=use_transformer_engine, packed_sequences=packed_sequences,
-        router_losses=router_losses)
+        router_losses=router_losses, core_attention=core_attention)
     if meta_device:
         config.use_cpu_initialization, config.perform_initialization = True, False
     spec = layer_spec(use_transformer_engine, shape.qk_norm, shape.moe.num_experts if shape.moe else None,
-                      context_parallel=context_parallel > 1)
+                      context_parallel=context_parallel > 1, core_attention=core_attention)
     num_chunks = virtual_pipeline_parallel or 1
     chunks = []
     for vp_stage in range(num_chunks):

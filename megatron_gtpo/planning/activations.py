@@ -11,26 +11,36 @@ from megatron_gtpo.models.qwen import ModelShape
 # token of the whole row on each context-parallel rank (the keys and values the all-gather attention gathers).
 # Context parallelism (CP = C) gives a rank L / C of a row's L tokens: every term but "tp_row" is per token of those.
 # Dimension names: h hidden, f ffn hidden, q = heads x head_dim, kv = query groups x head_dim, d head_dim,
-# s = sequence length (softmax probabilities of unfused attention), 1 = a scalar per token.
+# heads = attention heads, 1 = a scalar per token; a "_fp32" name is kept in fp32 whatever the model dtype.
 _LAYER_ACTIVATION_TERMS = {
     # Transformer Engine: LayerNormLinear keeps its input and normalised output (2 norms); flash attention keeps
     # q, k, v (native GQA) and its output (the output projection's input); fused SwiGLU keeps fc1's output (2f)
     # and fc2 its input (f).
     "te": ((4, "h", "sp"), (2, "q", "tp"), (2, "kv", "tp"), (3, "f", "tp")),
-    # megatron's local spec (measured on CPU, fp32): six hidden-sized tensors (norm inputs and outputs, residual
-    # path), an rstd per norm, RoPE's cos/sin for q and k ([s, 1, 1, d] each), q and the attention output, k and v
-    # expanded to every head (under CP: the whole row's, gathered: models/context_attention.py), the [heads, s, s]
-    # softmax probabilities (a rank's queries against the whole row's keys), fc1's output (2f), silu's output, the
-    # SwiGLU product.
-    "local": ((6, "h", "sp"), (2, "1", "sp"), (4, "d", "position"), (2, "q", "tp"), (2, "q", "tp_row"),
-              (1, "heads_s", "tp"), (5, "f", "tp")),
+    # megatron's local spec with the SDPA core attention (models/sdpa_attention.py) and a GPU's fusions (measured on
+    # CPU in fp32 and bf16 with them on, less _CPU_ONLY_TERMS): each RMSNorm its input and output (torch's fused
+    # CUDA kernel) and an fp32 rstd per token; RoPE's cos/sin for q and k ([s, 1, 1, d] each); SDPA's q (after RoPE),
+    # output (the output projection's input), fp32 log-sum-exp per head, and k and v of the whole row (native GQA;
+    # under CP the gathered ones: models/context_attention.py); the fused SwiGLU fc1's output (2f) and fc2 its input.
+    "local": ((4, "h", "sp"), (2, "1_fp32", "sp"), (4, "d", "position"), (2, "q", "tp"), (1, "heads_fp32", "tp"),
+              (2, "kv", "tp_row"), (3, "f", "tp")),
 }
+# The local profile's linear_qkv output: at CP = 1 its q and k parts (SDPA's v, a view of it, keeps it whole; v is
+# counted above); at CP > 1 (where SDPA gets a gathered copy of v) whole, with q/k norms, whose inputs are views of it.
+_LOCAL_QKV_OUTPUT = {"cp1": ((1, "q", "tp"), (1, "kv", "tp")), "cp_qk_norm": ((1, "q", "tp"), (2, "kv", "tp"))}
+# Not counted, the CPU's only (tests/plan_measurements.cpu_only_norm_bytes adds it to compare with CPU measurements):
+# torch's RMSNorm on the CPU is composite and keeps an fp32 copy of its input and the fp32 normalised product, where
+# CUDA's fused kernel keeps its input only, in the model dtype.
+
+
 # What the per-head q/k norms (Qwen3) add. Both specs: the norms keep their inputs (k is a view of linear_qkv's
 # output, which therefore stays alive whole: q, k and v; q is a copy where megatron's reshape of a rank's query heads
-# cannot be a view, "q_copy": more than one query group per rank and more than one head per group) and an rstd per
-# head ("heads_groups"). The local spec's torch norm keeps its normalised output too (for the weight's gradient).
-_QK_NORM = ((1, "q", "tp"), (2, "kv", "tp"), (1, "q_copy", "tp"), (1, "heads_groups", "tp"))
-_QK_NORM_ACTIVATION_TERMS = {"te": _QK_NORM, "local": _QK_NORM + ((1, "q", "tp"), (1, "kv", "tp"))}
+# cannot be a view, "q_copy": more than one query group per rank and more than one head per group) and an fp32 rstd
+# per head. The local profile counts linear_qkv's output already (_LOCAL_QKV_OUTPUT, kept at any CP with q/k norms).
+_QK_NORM_ACTIVATION_TERMS = {
+    "te": ((1, "q", "tp"), (2, "kv", "tp"), (1, "q_copy", "tp"), (1, "heads_groups_fp32", "tp")),
+    "local": ((1, "q_copy", "tp"), (1, "heads_groups_fp32", "tp")),
+}
 
 
 # What a mixture-of-experts layer keeps besides its experts' MLP activations (those are the dense MLP's terms, for k
@@ -58,9 +68,11 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch_size:
         return round(tokens * shape.hidden_size * bytes_per_element / (t if sequence_parallel else 1))
     q = shape.num_attention_heads * shape.head_dim
     copies_q = shape.num_query_groups // t > 1 and shape.num_attention_heads > shape.num_query_groups
+    fp32 = 4 / bytes_per_element  # an fp32 element in model-dtype elements
     dims = {"h": shape.hidden_size, "f": shape.ffn_hidden_size, "q": q, "kv": shape.num_query_groups * shape.head_dim,
-            "d": shape.head_dim, "1": 1, "heads_s": shape.num_attention_heads * seq_len, "q_copy": q if copies_q else 0,
-            "heads_groups": shape.num_attention_heads + shape.num_query_groups}
+            "d": shape.head_dim, "1_fp32": fp32, "heads_fp32": shape.num_attention_heads * fp32,
+            "q_copy": q if copies_q else 0, "heads_groups_fp32": (shape.num_attention_heads + shape.num_query_groups)
+            * fp32}
     moe_terms = ()
     if shape.moe is not None:  # "f" terms divide by TP: k experts of width F_moe / ETP per token
         etp = expert_tensor_parallel or t
@@ -70,12 +82,14 @@ def layer_activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch_size:
     divisor = {"tp": t, "sp": t if sequence_parallel else 1, "position": micro_batch_size, "tp_row": t / c}
     terms = _LAYER_ACTIVATION_TERMS[kernels] + (_QK_NORM_ACTIVATION_TERMS[kernels] if shape.qk_norm else ()) \
         + moe_terms
+    if kernels == "local" and (c == 1 or shape.qk_norm):
+        terms += _LOCAL_QKV_OUTPUT["cp1" if c == 1 else "cp_qk_norm"]
     per_token = sum(coef * dims[name] / divisor[split] for coef, name, split in terms)
     index_and_mask = 0
-    if kernels == "local" and c > 1:  # the all-gather attention's own per layer, not in the model dtype: the int64
-        # position order of the gathered K and of V (index_select keeps its index), and the bool mask of this rank's
-        # queries against the row
-        index_and_mask = 2 * 8 * seq_len + seq_len // c * seq_len
+    if kernels == "local" and c > 1:  # the all-gather attention's own per layer: the int64 position order of the
+        # gathered K and of V (index_select keeps its index), and the mask of this rank's queries against the row,
+        # which SDPA keeps as an additive mask in the model dtype
+        index_and_mask = 2 * 8 * seq_len + seq_len // c * seq_len * bytes_per_element
     return round(per_token * tokens * bytes_per_element) + index_and_mask
 
 

@@ -132,8 +132,12 @@ def _check_settings(settings: Settings, vllm_tp: int | None) -> None:
 
 def settings_from_config(cfg, **overrides) -> Settings:
     """The planner's settings of a megatron_gtpo TrainConfig (dtype, recompute, colocated vLLM, routing replay), plus
-    overrides."""
+    overrides. ValueError for the "local" kernel profile of a config on megatron's unfused attention, which it does
+    not describe (activations.py)."""
     vllm = cfg.rollout.engine == "vllm"
+    if overrides.get("kernels") == "local" and cfg.model.core_attention != "sdpa":
+        raise ValueError(f"the planner's local kernel profile is the SDPA attention's; model.core_attention="
+                         f"{cfg.model.core_attention} keeps every head's [s, s] scores besides and is not planned")
     return Settings(**{"params_dtype": cfg.model.dtype, "recompute_activations": cfg.model.recompute_activations,
                        "logprob_workspace_mib": cfg.model.logprob_workspace_mib,
                        "builtin_max_batch_tokens": cfg.rollout.builtin_max_batch_tokens,

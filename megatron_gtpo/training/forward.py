@@ -152,7 +152,8 @@ def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def uses_local_attention(model_chunk) -> bool:
-    """Whether the chunk's attention is megatron-core's local DotProductAttention (else Transformer Engine's)."""
+    """Whether the chunk's attention is the local spec's (megatron-core's DotProductAttention or a subclass: the SDPA
+    and context-parallel ones of models/), else Transformer Engine's."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     return any(isinstance(m, DotProductAttention) for m in model_chunk.modules())

@@ -99,6 +99,7 @@ def build_chunks(cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups, *,
                        router_losses=RouterLosses(cfg.model.moe_aux_loss_coef, cfg.model.moe_z_loss_coef),
                        params_dtype=_DTYPES[cfg.model.dtype],
                        recompute_activations=cfg.model.recompute_activations,
+                       core_attention=cfg.model.core_attention,
                        packed_sequences=cfg.data.pack_sequences, meta_device=meta_device, accelerator=accelerator)
 
 

@@ -18,8 +18,7 @@ with the reads. Megatron's RNG tracker, which forks the RNG state around the att
 reads scalars on this CPU (the CPU platform layer stands in for the CUDA RNG state); those are counted apart: on a
 GPU the RNG state lives on the host and they read no device memory.
 
-`--core-attention`: the layer spec's core attention (config key `model.core_attention`), where this checkout has
-that choice; otherwise the run says so and uses the spec's only attention.
+`--core-attention`: the layer spec's core attention (config key `model.core_attention`; default sdpa).
 """
 from __future__ import annotations
 
@@ -87,27 +86,22 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--core-attention", choices=("sdpa", "unfused"), default=None)
+    p.add_argument("--core-attention", choices=("sdpa", "unfused"), default="sdpa")
     p.add_argument("--output", help="also append the results as a markdown section to this file")
     return p.parse_args(argv)
 
 
-def build(preset: str, core_attention: str | None):
-    """(model chunks, parallel groups, vocab size, what the attention is), a random-weight model of `preset`."""
-    import inspect
-
+def build(preset: str, core_attention: str):
+    """(model chunks, parallel groups, vocab size), a random-weight model of `preset`."""
     from megatron_gtpo.distributed import initialize_parallel
     from megatron_gtpo.models.presets import hf_config
     from megatron_gtpo.models.qwen import build_model
 
     groups = initialize_parallel(1, 1)
     config = hf_config(preset)
-    kwargs, attention = {}, "the local spec's only core attention (no model.core_attention in this checkout)"
-    if core_attention is not None and "core_attention" in inspect.signature(build_model).parameters:
-        kwargs["core_attention"], attention = core_attention, f"model.core_attention={core_attention}"
     torch.manual_seed(0)
-    chunks = build_model(config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0, **kwargs)
-    return chunks, groups, config["vocab_size"], attention
+    chunks = build_model(config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0, core_attention=core_attention)
+    return chunks, groups, config["vocab_size"]
 
 
 def count_decode_steps(engine, prompts, steps: int) -> tuple[collections.Counter, int]:
@@ -140,7 +134,8 @@ def main(argv=None):
                       WORLD_SIZE="1", LOCAL_RANK="0")
     from megatron_gtpo.rollout import BuiltinEngine
 
-    chunks, groups, vocab, attention = build(args.preset, args.core_attention)
+    chunks, groups, vocab = build(args.preset, args.core_attention)
+    attention = f"model.core_attention={args.core_attention}"
     engine = BuiltinEngine(chunks, groups, vocab)
     prompts = [[3 + (7 * r + t) % 1000 for t in range(args.prompt - r % 4)] for r in range(args.rows)]
     counts, layers = count_decode_steps(engine, prompts, args.steps)

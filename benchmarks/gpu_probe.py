@@ -16,8 +16,7 @@ with its error and the next one runs. Items, in order:
    the GPU in bf16, greedy, 32-token prompts, at 128 and 512 rows, 256 new tokens each (no stop token): ms per step
    (a step = one forward over all rows), generated tokens/s; in a profiler window of 8 new tokens at 128 rows, CUDA
    kernels per step and the host-bound fraction (1 - kernel time / window wall time; the profiler itself slows the
-   host, so this is an upper bound). The attention is `model.core_attention` where the checkout has that choice
-   (sdpa), else the local spec's only one (recorded).
+   host, so this is an upper bound). The core attention is the local spec's default, SDPA (`model.core_attention`).
 4. hf_generate: transformers' `generate` on the same shape, random weights, bf16, SDPA attention, same rows and
    tokens: the peer the built-in engine is compared with (ratio = built-in tokens/s / transformers').
 5. attention: one layer's core attention of the Qwen2.5-1.5B shape (12 heads, 2 KV heads, head dim 128), batch 2,
@@ -219,17 +218,12 @@ def _prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def decode(probe: Probe) -> dict:
-    import inspect
-
-    from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
 
-    kwargs, attention = {}, "the local spec's only core attention (no model.core_attention in this checkout)"
-    if "core_attention" in inspect.signature(build_model).parameters:
-        kwargs["core_attention"], attention = "sdpa", "model.core_attention=sdpa"
+    attention = "sdpa"
     shape = hf_shape(probe.sizes["model"])
-    engine = BuiltinEngine(probe.megatron_model(probe.sizes["model"], **kwargs), probe.parallel_groups(),
-                           shape["vocab_size"])
+    engine = BuiltinEngine(probe.megatron_model(probe.sizes["model"], core_attention=attention),
+                           probe.parallel_groups(), shape["vocab_size"])
     new_tokens = probe.sizes["new_tokens"]
     record = {"model": probe.sizes["model"], "attention": attention, "prompt_tokens": probe.sizes["prompt"],
               "new_tokens": new_tokens, "dtype": str(probe.dtype), "prompt_alignment":

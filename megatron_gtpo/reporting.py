@@ -61,6 +61,36 @@ def mean_and_spread(values: list[float]) -> tuple[float, float]:
     return mean, (sum((v - mean) ** 2 for v in known) / (len(known) - 1)) ** 0.5
 
 
+# Student's t quantiles for 1..30 degrees of freedom (standard tables, 3 decimals): two-sided 95% (0.975) and 80%
+# power (0.80). Beyond 30 the 30-df values: wider than the exact ones, so intervals stay conservative.
+_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T_80 = (1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.876, 0.873, 0.870, 0.868, 0.866,
+         0.865, 0.863, 0.862, 0.861, 0.860, 0.859, 0.858, 0.858, 0.857, 0.856, 0.856, 0.855, 0.855, 0.854, 0.854)
+
+
+def t_quantile(probability: float, dof: int) -> float:
+    """Student's t quantile at `probability` (0.975 or 0.80) for `dof` >= 1 degrees of freedom (the tables above)."""
+    table = {0.975: _T_975, 0.80: _T_80}.get(probability)
+    if table is None or dof < 1:
+        raise ValueError(f"t_quantile: probability 0.975 or 0.80 and dof >= 1, got {probability}, {dof}")
+    return table[min(dof, len(table)) - 1]
+
+
+def paired_difference(values: list[float], reference: list[float]) -> tuple[float, float, float]:
+    """Paired differences values[i] - reference[i] (e.g. one seed each): (their mean, the half-width of its 95%
+    t-interval, the smallest true mean difference this many pairs detect with 80% power at the 5% two-sided level).
+    The last two are (t_0.975 [+ t_0.80]) * sd / sqrt(n) with n - 1 degrees of freedom; n >= 2 pairs."""
+    if len(values) != len(reference) or len(values) < 2:
+        raise ValueError(f"paired_difference needs two equal-length lists of >= 2 values, got {len(values)} and "
+                         f"{len(reference)}")
+    mean, spread = mean_and_spread([v - r for v, r in zip(values, reference)])
+    standard_error = spread / len(values) ** 0.5
+    dof = len(values) - 1
+    return mean, t_quantile(0.975, dof) * standard_error, (t_quantile(0.975, dof) + t_quantile(0.80, dof)) * \
+        standard_error
+
+
 def normalized_auc(values: list[float]) -> float:
     """Area under a per-step curve (trapezoids, unit step) divided by its length in steps: the curve's mean height,
     comparable across runs of the same length (a single value is its own height)."""
@@ -73,7 +103,8 @@ def normalized_auc(values: list[float]) -> float:
 
 def plot_bands(runs: dict[str, list[list[dict]]], path: str, title: str, panels=PLOTTED) -> None:
     """One panel per metric; per label, the mean over its runs (seeds) at each step with a band of ± one sample
-    standard deviation. Steps where a run has no value (null) are averaged over the runs that have one."""
+    standard deviation. Steps where a run has no value (null, or a metric its algorithm does not log) are averaged
+    over the runs that have one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,7 +116,7 @@ def plot_bands(runs: dict[str, list[list[dict]]], path: str, title: str, panels=
     for ax, (key, label) in zip(axes.flat, panels):
         for name, seeds in runs.items():
             steps = sorted({r["step"] for rows in seeds for r in rows})
-            by_step = [[r[key] for rows in seeds for r in rows if r["step"] == step] for step in steps]
+            by_step = [[r.get(key) for rows in seeds for r in rows if r["step"] == step] for step in steps]
             stats = [mean_and_spread(values) for values in by_step]
             means = [m for m, _ in stats]
             line, = ax.plot(steps, means, lw=1.2, label=name)

@@ -82,8 +82,15 @@ def test_demonstrations_are_correct_and_some_try_again():
     texts = [tok.decode(task.demonstration(s)) for s in samples]
     assert all(task.demonstration(s)[-1] == EOS_ID for s in samples)
     assert all(task.reward(text, s.answer) == 1.0 for text, s in zip(texts, samples))
-    assert sum(";" in t for t in texts) == 100  # one in three starts with a failed attempt
-    assert max(len(task.demonstration(s)) + len(s.prompt_token_ids) for s in samples) <= 64
+    for text, sample in zip(texts, samples):  # index % 4 failed attempts, each a valid sequence missing the target
+        digits, target = task.parse_prompt(sample.answer)
+        *failed, _ = text[:-len("</s>")].split(";")
+        assert len(failed) == sample.index % (task.MAX_FAILED_ATTEMPTS + 1)
+        for attempt in failed:
+            reached = int(attempt.rsplit("=", 1)[1])
+            assert reached != target and "," in attempt and task.score_attempt(digits, attempt, reached)
+    assert max(len(task.demonstration(s)) + len(s.prompt_token_ids)
+               for s in task.train_problems()) <= task.tiny_model_hf_config()["max_position_embeddings"]
 
 
 def test_the_task_is_registered_with_its_tiny_model():

@@ -5,8 +5,8 @@ import statistics
 
 import pytest
 
-from megatron_gtpo.reporting import (mean_and_spread, normalized_auc, plot_bands, plot_runs, read_rl_metrics,
-                                     window_means)
+from megatron_gtpo.reporting import (mean_and_spread, normalized_auc, paired_difference, plot_bands, plot_runs,
+                                     read_rl_metrics, t_quantile, window_means)
 
 
 def test_window_means_leave_out_steps_without_a_value():
@@ -52,3 +52,31 @@ def test_bands_over_seeds_are_plotted_with_missing_values(tmp_path):
     plot_bands({"a": seeds, "b": seeds[:1]}, str(tmp_path / "bands.png"), "title",
                panels=(("reward_mean", "reward"), ("entropy_mean", "entropy")))
     assert (tmp_path / "bands.png").stat().st_size > 10_000
+
+
+def _t_cdf(q: float, dof: int) -> float:
+    """Student's t CDF at q >= 0 by Simpson's rule over its density (float64), the tables' independent reference."""
+    norm = math.gamma((dof + 1) / 2) / (math.sqrt(dof * math.pi) * math.gamma(dof / 2))
+    density = [norm * (1 + (q * i / 2000) ** 2 / dof) ** (-(dof + 1) / 2) for i in range(2001)]
+    weights = [1 if i in (0, 2000) else 4 if i % 2 else 2 for i in range(2001)]
+    return 0.5 + q / 2000 / 3 * math.fsum(w * d for w, d in zip(weights, density))
+
+
+@pytest.mark.parametrize("probability", [0.975, 0.80])
+def test_t_quantiles_match_the_t_distribution(probability):
+    for dof in range(1, 31):  # 3 decimals: the CDF at the tabled value is within the density times 0.0005
+        assert _t_cdf(t_quantile(probability, dof), dof) == pytest.approx(probability, abs=2e-4), dof
+    assert t_quantile(0.975, 100) == t_quantile(0.975, 30)  # beyond the table: the 30-df value (conservative)
+    with pytest.raises(ValueError, match="probability"):
+        t_quantile(0.95, 4)
+
+
+def test_paired_difference_on_a_hand_computed_case():
+    # differences 0.1 .. 0.5: mean 0.3, sd sqrt(0.025), se sqrt(0.025 / 5) = 0.0707; 4 dof: t 2.776 and 0.941
+    mean, half_width, detectable = paired_difference([0.6, 0.7, 0.8, 0.9, 1.0], [0.5, 0.5, 0.5, 0.5, 0.5])
+    assert mean == pytest.approx(0.3)
+    assert half_width == pytest.approx(2.776 * math.sqrt(0.005))
+    assert detectable == pytest.approx((2.776 + 0.941) * math.sqrt(0.005))
+    assert paired_difference([1.0, 2.0], [1.0, 2.0]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="paired_difference"):
+        paired_difference([1.0], [1.0])

@@ -317,31 +317,53 @@ def test_a_prompt_that_leaves_no_room_for_a_whole_response_fails_at_start(tmp_pa
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_compare_algorithms_tool_runs_each_algorithm_from_the_same_warm_start(tmp_path):
-    """tools/compare_algorithms.py, shortened (two algorithms, one seed, two steps, tiny batches): GTPO and DAPO
-    start from the one warm-start checkpoint with the same seed, so their step-0 rollouts are equal; each run's final
-    checkpoint and the warm start are evaluated on the held-out split; the tables and the plot are written."""
+def test_compare_algorithms_tool_runs_each_variant_from_the_same_warm_start_and_resumes(tmp_path):
+    """tools/compare_algorithms.py --smoke (study v2: DAPO and DAPO + entropy bonus, seeds 1 and 2, two steps, tiny
+    batches): both variants start from the one warm-start checkpoint with the same seed, so their step-0 rollouts
+    are equal; each run's final checkpoint and the warm start are evaluated on the held-out split, the reference's
+    first seed with an extra sampling seed; the report holds the paired differences and the noise. Started again,
+    the study runs nothing and writes its tables below the marker of --report, keeping the text above it."""
     tool = os.path.join(os.path.dirname(__file__), "..", "tools", "compare_algorithms.py")
-    res = subprocess.run([sys.executable, tool, "--output-dir", str(tmp_path), "--algorithms", "gtpo", "dapo",
-                          "--seeds", "3", "--steps", "2", "--window", "1", "--eval-samples", "2", "--pass-k", "1", "2",
-                          "--heldout-problems", "4", "--set", "warm_start.steps=3", "--set", "data.prompts_per_step=4"],
-                         capture_output=True, text=True, timeout=600)
+    command = [sys.executable, tool, "--smoke", "--output-dir", str(tmp_path), "--window", "1"]
+    res = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-4000:]
-    runs = {name: [r for r in read_metrics(tmp_path / name / "seed3") if r["step"] >= 0] for name in ("gtpo", "dapo")}
-    assert [r["step"] for r in runs["gtpo"]] == [r["step"] for r in runs["dapo"]] == [0, 1]
-    for key in ("accuracy", "response_length_mean", "groups_generated"):
-        assert runs["gtpo"][0][key] == runs["dapo"][0][key], key
+    bonus = "dapo+entropy_bonus0.001"
+    assert "== 0 of 4 RL runs finished already" in res.stdout and "[4/4] " in res.stdout, res.stdout
+    for seed in (1, 2):
+        runs = {name: [r for r in read_metrics(tmp_path / name / f"seed{seed}") if r["step"] >= 0]
+                for name in ("dapo", bonus)}
+        assert [r["step"] for r in runs["dapo"]] == [r["step"] for r in runs[bonus]] == [0, 1]
+        for key in ("accuracy", "response_length_mean", "groups_generated"):
+            assert runs["dapo"][0][key] == runs[bonus][0][key], key
     warm = tmp_path / "warm_start" / "checkpoints" / "step_00000000"
-    for name in ("gtpo", "dapo"):  # both RL runs started from the warm start's checkpoint
-        config = yaml.safe_load((tmp_path / name / "seed3" / "checkpoints" / "config.yaml").read_text())
-        assert config["model"]["load"] == str(warm) and config["seed"] == config["data"]["seed"] == 3
-    for path in (tmp_path / "gtpo" / "seed3", tmp_path / "dapo" / "seed3", tmp_path / "warm_start"):
-        evaluation = json.loads(next(path.glob("*heldout_eval.json")).read_text())
-        assert evaluation["num_problems"] == 4 and evaluation["num_samples"] == 2
-        assert 0.0 <= evaluation["mean@2"] <= evaluation["pass@2"] <= 1.0
-    table = (tmp_path / "algorithms.md").read_text()
-    assert "| gtpo |" in table and "| dapo |" in table and "Mean@2 before" in table
+    config = yaml.safe_load((tmp_path / bonus / "seed2" / "checkpoints" / "config.yaml").read_text())
+    assert config["model"]["load"] == str(warm) and config["seed"] == config["data"]["seed"] == 2
+    assert config["algorithm"]["name"] == "dapo" and config["algorithm"]["entropy_coef"] == 0.001
+    evaluations = [tmp_path / "dapo" / "seed1" / "noise_seed101_heldout_eval.json",
+                   *(tmp_path / "warm_start").glob("seed*_heldout_eval.json"),
+                   *tmp_path.glob("*/seed*/heldout_eval.json")]
+    assert len(evaluations) == 1 + 2 + 4
+    for path in evaluations:
+        evaluation = json.loads(path.read_text())
+        assert evaluation["num_problems"] == 4 and evaluation["num_samples"] == 4
+        assert 0.0 <= evaluation["mean@4"] <= evaluation["pass@2"] <= evaluation["pass@4"] <= 1.0
+    table = (tmp_path / "algorithms_v2.md").read_text()
+    paired = table.split("### Paired differences against dapo")[1].split("###")[0]
+    assert f"| {bonus} | " in paired and "| dapo |" not in paired
+    assert "| warm start (before RL) |" in table and "sampling seeds [1, 101]" in table
     assert (tmp_path / "main.png").stat().st_size > 10_000
+    finished = (tmp_path / "dapo" / "seed1" / "run.json").stat().st_mtime_ns
+    report = tmp_path / "report" / "v2.md"
+    report.parent.mkdir()
+    report.write_text("# hand-written setup\n<!-- below: written by tools/compare_algorithms.py -->\nold tables\n")
+    res = subprocess.run(command + ["--report", str(report)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-4000:]
+    assert "== 4 of 4 RL runs finished already; 0 to run" in res.stdout, res.stdout
+    assert (tmp_path / "dapo" / "seed1" / "run.json").stat().st_mtime_ns == finished
+    written = report.read_text()
+    assert written.startswith("# hand-written setup\n") and "old tables" not in written
+    assert "### Paired differences against dapo" in written and "(v2_main.png)" in written
+    assert (report.parent / "v2_main.png").exists()
 
 
 def test_bfloat16_run_checkpoints_and_resumes(tmp_path):

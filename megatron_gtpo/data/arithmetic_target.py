@@ -22,12 +22,14 @@ Why it qualifies for the study:
 - held out: no held-out problem shares its digits (as a multiset) with a training problem; the multisets are split
   by one seeded shuffle, at most HELDOUT_PER_DIGITS problems each for the held-out set;
 - a tiny Qwen2-shaped model (hidden 64, 2 layers, 128 positions) runs it on a CPU core, as the other synthetic
-  tasks. Whether its held-out Pass@1 after the warm start falls in the study's band (0.05-0.30) and Pass@64 after
-  RL stays below 0.9 is the study's to measure; NUM_DIGITS, DIGIT_RANGE, MIN_SOLUTIONS and the warm start's
-  steps are its knobs.
+  tasks. After the study's warm start (examples/algorithm_study_v2.yaml) its held-out Pass@1 was 0.087, inside the
+  study's band (0.05-0.30), and Pass@64 0.74, 0.57-0.70 after 60 DAPO steps (below 0.9): most failures are
+  well-formed attempts that miss the target, so more attempts and other attempts pay.
 
-The warm start's demonstration of a problem is a shortest solution (the first the search finds), for one problem in
-three after a failed attempt (the format of trying again).
+The warm start's demonstration of a problem is a shortest solution (the first the search finds) after 0 to
+MAX_FAILED_ATTEMPTS failed attempts (the format of trying again until the target is reached): with one failed
+attempt in a third of them, the warm-started model's held-out Mean@16 was half of what it is with 0-3 (measured in
+benchmarks/results/algorithms_v2.md).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ DIGIT_RANGE = (1, 9)
 MIN_SOLUTIONS = 2
 NUM_HELDOUT = 128
 HELDOUT_PER_DIGITS = 2
+MAX_FAILED_ATTEMPTS = 3  # before the solution in the warm start's demonstrations
 _SPLIT_SEED = 20261127
 _EOS_TEXT = "</s>"  # how CharTokenizer.decode writes EOS
 _STEP = re.compile(r"(\d+)([+\-*])(\d+)=(\d+)")
@@ -187,15 +190,14 @@ def heldout_problems() -> list[PromptSample]:
 
 
 def demonstration(sample: PromptSample) -> list[int]:
-    """The warm start's target response: a shortest solution, after a failed attempt for one problem in three (a
-    shortest sequence to another reachable value), then EOS."""
+    """The warm start's target response: `sample.index % (MAX_FAILED_ATTEMPTS + 1)` failed attempts (shortest
+    sequences of two or more steps to other reachable values, picked by a generator seeded with the index), each
+    abandoned with ';', then a shortest solution and EOS: the format of trying again until the target is reached."""
     digits, target = parse_prompt(sample.answer)
     reachable = _reachable(tuple(sorted(digits)))
-    text = reachable[target][1]
-    if sample.index % 3 == 2:
-        wrong = [v for v in sorted(reachable) if v != target and "," in reachable[v][1]]
-        text = reachable[wrong[sample.index % len(wrong)]][1] + ";" + text
-    return tokenizer().encode(text) + [EOS_ID]
+    wrong = [v for v in sorted(reachable) if v != target and "," in reachable[v][1]]
+    failed = random.Random(sample.index).sample(wrong, sample.index % (MAX_FAILED_ATTEMPTS + 1))
+    return tokenizer().encode(";".join([*(reachable[v][1] for v in failed), reachable[target][1]])) + [EOS_ID]
 
 
 def tiny_model_hf_config() -> dict:

@@ -122,18 +122,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list[str], log_path: str) -> float:
+def _run(cmd: list[str], log_path: str, tries: int = 3) -> float:
     """One process on one thread, its own rendezvous port; output to a log file (named in the error if it fails).
-    Returns its wall time in seconds."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
-    start = time.monotonic()
-    with open(log_path, "w", encoding="utf-8") as log:
-        res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if res.returncode != 0:
+    Returns its wall time in seconds. A port taken by another process between `_free_port` and the child's bind is
+    retried on a new port (`tries` in all); any other failure is raised."""
+    for _ in range(tries):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+        start = time.monotonic()
+        with open(log_path, "w", encoding="utf-8") as log:
+            res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if res.returncode == 0:
+            return time.monotonic() - start
         with open(log_path, encoding="utf-8") as log:
             tail = log.read()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd)} failed (status {res.returncode}; log {log_path}):\n{tail}")
-    return time.monotonic() - start
+        if "EADDRINUSE" not in tail and "address already in use" not in tail.lower():
+            break
+    raise RuntimeError(f"{' '.join(cmd)} failed (status {res.returncode}; log {log_path}):\n{tail}")
 
 
 def _train_command(args, out: str, sets: list[str]) -> list[str]:

@@ -1,7 +1,8 @@
 """The SDPA core attention (models/sdpa_attention.py) against a float64 softmax written out here, on every mask the
 project gives the local spec's attention: none (padded rows, causal), a packed row's block-causal mask, a
 left-padded prefill (pad queries that see no key), a decode step against a KV cache with and without padding, and
-several new queries at the end of a cache without a mask (bottom-right causal). GQA: 4 heads over 2 query groups.
+several new queries at the end of a cache without a mask (bottom-right causal); each mask also in SDPA's additive
+form (sdpa_attention.additive_mask, which the built-in engine gives every layer). GQA: 4 heads over 2 query groups.
 Forward outputs and gradients, in float64, in-process on host tensors (megatron's unfused attention needs CUDA, or
 the CPU platform layer, which a test process must not install: it is compared with it, and with transformers, in
 float64 at TP 2 x PP 2 and CP 2 in test_models_parity and test_context_parallel; the built-in engine's greedy tokens
@@ -80,9 +81,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_sdpa_equals_written_out_attention(sdpa, case):
+@pytest.mark.parametrize("case,form", [(case, form) for case, (*_, given, _) in CASES.items()
+                                       for form in ("bool", "additive") if form == "bool" or given is not None])
+def test_sdpa_equals_written_out_attention(sdpa, case, form):
+    """Each mask as megatron gives it (bool, True = masked), and converted once to SDPA's additive form (what the
+    built-in engine gives every layer)."""
+    from megatron_gtpo.models.sdpa_attention import additive_mask
+
     sq, sk, batch, given, meant = CASES[case]
+    if form == "additive":
+        given = additive_mask(given, torch.float64)
     q, k, v = _qkv(sq, sk, batch)
     out = sdpa(q, k, v, given)
     assert out.shape == (sq, batch, HEADS * HEAD_DIM) and torch.isfinite(out).all()

@@ -239,6 +239,9 @@ def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_norm)
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = LocalRMSNorm
+    from .rope_once_attention import RopeOnceSelfAttention
+
+    layer.self_attention.module = RopeOnceSelfAttention  # keys rotated once, as they enter a KV cache
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(f"model.core_attention: {core_attention!r} is not one of {list(CORE_ATTENTIONS)}")
     if context_parallel:

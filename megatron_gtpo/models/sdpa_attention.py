@@ -12,7 +12,8 @@ The masks it is given follow megatron's convention (bool, True = masked; broadca
 rows get none (causal), packed rows a block-causal mask (training/forward.py), the static KV-cache path of
 generation a left-padding mask (rollout/builtin.py), the context-parallel attention its queries' rows of the
 whole row's mask (models/context_attention.py). Three things differ from SDPA's conventions, handled here:
-- SDPA's boolean mask is keep = True: the mask is inverted.
+- SDPA's boolean mask is keep = True: the mask is inverted. A caller may give the mask in SDPA's additive form
+  instead (`additive_mask`), converted once for all layers; a floating mask is passed to SDPA as it is.
 - What a query that sees no key (a left pad of a prefill) gets is up to the SDPA backend: zeros from torch 2.13's
   CPU kernels, NaN from older releases, and a NaN would reach the real positions through the pads' keys and values
   in the next layer (0 x NaN); megatron's -10000 fill gives such a row a finite mean. Such a row is let see every
@@ -47,21 +48,37 @@ class SdpaAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        """`attention_mask`: None (causal) or bool, True where masked, broadcastable to [b, 1, sq, sk]."""
+        """`attention_mask`: None (causal), bool (True where masked), or additive (`additive_mask`), broadcastable to
+        [b, 1, sq, sk]."""
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SdpaAttention takes packed rows as a block-causal mask, and no attention bias")
         sq, batch, heads, _ = query.shape
         sk = key.shape[0]
-        keep_BHQK, causal = None, False
+        sdpa_mask_BHQK, causal = None, False  # SDPA's attn_mask: bool (True = seen) or additive
         if attention_mask is not None:
-            keep_BHQK = ~attention_mask
-            keep_BHQK = keep_BHQK | ~keep_BHQK.any(dim=-1, keepdim=True)  # a query seeing no key sees all (docstring)
+            sdpa_mask_BHQK = attention_mask.to(query.dtype) if attention_mask.is_floating_point() else \
+                _seeing_all_if_none(attention_mask)
         elif sq == sk:
             causal = True
         elif sq > 1:  # the last sq positions against all sk keys: bottom-right causal
-            keep_BHQK = (torch.arange(sk, device=query.device)[None, :]
-                         <= torch.arange(sk - sq, sk, device=query.device)[:, None])
+            sdpa_mask_BHQK = (torch.arange(sk, device=query.device)[None, :]
+                              <= torch.arange(sk - sq, sk, device=query.device)[:, None])
         context_BNQD = F.scaled_dot_product_attention(
-            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), attn_mask=keep_BHQK,
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), attn_mask=sdpa_mask_BHQK,
             is_causal=causal, scale=self.softmax_scale, enable_gqa=key.shape[2] != heads)
         return context_BNQD.permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
+
+
+def additive_mask(masked_BHQK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """megatron's boolean mask (True = masked) in the form SDPA applies: added to the scores, 0 where a query sees a
+    key and -inf where masked; a query that would see no key sees all (module doc). SdpaAttention takes either form;
+    a caller that gives one mask to every layer converts it once (rollout/builtin.py: once per forward step, where
+    each layer converting a boolean mask, and SDPA converting it again, took 7 ops per layer and decode step)."""
+    return torch.zeros(masked_BHQK.shape, dtype=dtype, device=masked_BHQK.device).masked_fill_(
+        ~_seeing_all_if_none(masked_BHQK), float("-inf"))
+
+
+def _seeing_all_if_none(masked_BHQK: torch.Tensor) -> torch.Tensor:
+    """SDPA's keep-mask (True = seen) of a boolean mask (True = masked), a query seeing no key let see all."""
+    keep_BHQK = ~masked_BHQK
+    return keep_BHQK | ~keep_BHQK.any(dim=-1, keepdim=True)

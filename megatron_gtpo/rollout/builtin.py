@@ -15,9 +15,11 @@ How a batch is generated:
 - prompts of different lengths, two schemes (`prompt_alignment`):
   "left_pad" (the default where it is exact, see below): prompts are left-padded to the longest and prefilled in one
   forward pass with an explicit boolean attention mask (causal, and padding keys masked out) that is also passed at
-  every decode step. RoPE is applied from the cache offset, so a row with p pads sees its tokens at positions
-  shifted by p; attention scores depend only on position differences, so this is the unpadded computation (up to
-  float rounding). It needs attention that honours an explicit mask: megatron's DotProductAttention with the
+  every decode step (built once per forward step for all layers; in SDPA's additive form where the layers' core
+  attention is models/sdpa_attention.SdpaAttention). RoPE is applied from the cache offset (the local spec rotates
+  each key once, as it enters the cache: models/rope_once_attention.py), so a row with p pads sees its tokens at
+  positions shifted by p; attention scores depend only on position differences, so this is the unpadded computation
+  (up to float rounding). It needs attention that honours an explicit mask: megatron's DotProductAttention with the
   unfused softmax (the CPU path). Transformer Engine's attention and megatron's fused causal softmax kernel apply
   their own causal mask and ignore a padding mask;
   "teacher_force" (the scheme of megatron-core's own static-batch generation controller; exact with every
@@ -136,6 +138,7 @@ class BuiltinEngine:
             raise ValueError("prompt_alignment='left_pad' needs attention that applies explicit masks (megatron's "
                              "DotProductAttention without the fused softmax); use 'teacher_force' or 'auto'")
         self.left_pad = prompt_alignment == "left_pad" or (prompt_alignment == "auto" and honours_masks)
+        self.additive_masks = all(_attention_is_sdpa(m) for m in self.models)
 
     def sync_weights(self, model_chunks: list, parallel) -> None:
         """Nothing to copy: generation runs on the training model. Refuses other models, which would be ignored."""
@@ -256,7 +259,7 @@ class BuiltinEngine:
                 context = StaticInferenceContext(max_batch_size=state.batch_rows,
                                                  max_sequence_length=context.max_sequence_length)
             self._peers_forward(True)
-            logits_BV = self._forward(feed_BS, context, _attention_mask(state.key_is_pad_BK, feed_BS.shape[1],
+            logits_BV = self._forward(feed_BS, context, self._step_mask(state.key_is_pad_BK, feed_BS.shape[1],
                                                                         position))
             if routes is not None:  # the fed columns [position - S, position) of the batch's rows
                 routes.add(position - feed_BS.shape[1], state.row_B, state.live_B.clone(), recorder.take())
@@ -281,6 +284,16 @@ class BuiltinEngine:
             raise RuntimeError("the weights changed during a generation that records routing (routing replay)")
         self._updates_taken += taken
         return taken
+
+    def _step_mask(self, key_is_pad_BK: torch.Tensor | None, seq: int, kv_len: int) -> torch.Tensor | None:
+        """A forward step's attention mask (_attention_mask), built once for all layers; in SDPA's additive form
+        where every layer's core attention is SdpaAttention, which would convert a boolean mask in each layer."""
+        from megatron_gtpo.models.sdpa_attention import additive_mask
+
+        masked_BHQK = _attention_mask(key_is_pad_BK, seq, kv_len)
+        if masked_BHQK is None or not self.additive_masks:
+            return masked_BHQK
+        return additive_mask(masked_BHQK, self.pipeline_dtype)
 
     def _forward(self, tokens_BS: torch.Tensor, context, attention_mask) -> torch.Tensor | None:
         """One forward step of `tokens_BS` (positions from the cache offset on) through all pipeline stages, with
@@ -386,6 +399,14 @@ def _attention_honours_masks(model) -> bool:
     layers = model.decoder.layers if model.decoder is not None else []
     return all(isinstance(layer.self_attention.core_attention, DotProductAttention)
                and not layer.config.masked_softmax_fusion for layer in layers)
+
+
+def _attention_is_sdpa(model) -> bool:
+    """True if every layer's core attention is an SdpaAttention (models/sdpa_attention.py)."""
+    from megatron_gtpo.models.sdpa_attention import SdpaAttention
+
+    layers = model.decoder.layers if model.decoder is not None else []
+    return all(isinstance(layer.self_attention.core_attention, SdpaAttention) for layer in layers)
 
 
 def _attention_mask(key_is_pad_BK: torch.Tensor | None, seq: int, kv_len: int) -> torch.Tensor | None:

@@ -322,9 +322,9 @@ class Relaunching(threading.Thread):
         self.port, self.deaths, self.process = port, deaths, None
 
     def run(self):
-        for dies_at in self.deaths:
-            self.process = multiprocessing.get_context("fork").Process(target=_serve_until_killed,
-                                                                       args=(self.port, dies_at), daemon=True)
+        fork = multiprocessing.get_context("fork")
+        while self.deaths:
+            self.process = fork.Process(target=_serve_until_killed, args=(self.port, self.deaths.pop(0)), daemon=True)
             self.process.start()
             self.process.join()
 
@@ -332,6 +332,12 @@ class Relaunching(threading.Thread):
         process = self.process
         os.kill(process.pid, signal.SIGKILL)
         process.join()
+
+    def stop(self):
+        """No more relaunches; the one serving now killed."""
+        self.deaths.clear()
+        if self.process.is_alive():
+            self.kill()
 
 
 def test_a_client_outlives_its_server_killed_in_a_generation_a_weight_sync_and_between_them(monkeypatch, capfd):
@@ -360,8 +366,7 @@ def test_a_client_outlives_its_server_killed_in_a_generation_a_weight_sync_and_b
                                                rf"\(rollout.remote_reconnect_timeout_s\)$"):
             client.generate([[1]], PARAMS)
     finally:
-        if servers.process.is_alive():
-            servers.kill()
+        servers.stop()
     lines = capfd.readouterr().err.splitlines()
     lost = [line for line in lines if "for a rollout server at the same address" in line]
     assert len(lost) == 4 and all(line.startswith(f"rollout server at {address}, ") for line in lost), lines

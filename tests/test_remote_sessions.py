@@ -308,9 +308,13 @@ class DyingServer(FakeServer):
 
 
 def _serve_until_killed(port: int, dies_at: str | None) -> None:
+    """Serve a DyingServer; `dies_at` "update": inside a weight update taken during its first generation (held at
+    its decode step 2 until the update's begin, request 6 of session 1, is sent)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    serve_sessions(DyingServer(dies_at), dataclasses.asdict(SHAPE), Channel(store, b"t", publish_nonce(store)),
-                   "127.0.0.1", port)
+    server = DyingServer("bucket" if dies_at == "update" else dies_at)
+    if dies_at == "update":
+        server.hold = {2: lambda: store.check([f"{session_key(1, 6)}/req"])}
+    serve_sessions(server, dataclasses.asdict(SHAPE), Channel(store, b"t", publish_nonce(store)), "127.0.0.1", port)
 
 
 class Relaunching(threading.Thread):
@@ -373,3 +377,22 @@ def test_a_client_outlives_its_server_killed_in_a_generation_a_weight_sync_and_b
     assert sum("a server is back; sent it policy version" in line for line in lines) == 3, lines
     assert any(re.fullmatch(rf"rollout server at {address}: none back after \d+ s \(waiting up to 1 s\)", line)
                for line in lines), lines
+
+
+def test_a_generation_asked_before_an_update_is_asked_again_after_it_with_its_tokens_counting_it(monkeypatch):
+    """update_during_generation: the server dies inside an update it took during a generation; the new server
+    takes the whole update, then the generation again, whose every token now counts that update."""
+    monkeypatch.setenv("GTPO_REMOTE_TOKEN", "t")
+    monkeypatch.delenv("GTPO_REMOTE_TOKEN_FILE", raising=False)
+    port = free_port()
+    servers = Relaunching(port, ["update", "idle"])
+    servers.start()
+    try:
+        client = _client(f"127.0.0.1:{port}", reconnect_timeout_s=30, update_during_generation=True)
+        assert _sync(client, {"v": torch.tensor([1.0])}) == 1
+        in_flight = client.submit([[1]], PARAMS)
+        assert _sync(client, {"v": torch.tensor([2.0])}) == 2
+        record = in_flight()
+        assert _steps(record) == [2, 2, 2, 2] and record.weight_updates_T.tolist() == [1] * 8
+    finally:
+        servers.stop()

@@ -102,9 +102,10 @@ class RemoteClient:
         self._asked: dict[int, _Asked] = {}  # generations in flight, by ticket (the order they were asked in)
         self._answered: dict[int, tuple] = {}  # ("ok", record) or ("error", exception), taken before waited for
         self._tickets = 0
-        # With reconnection: the weights of the last sync, on the host, and their checksums; the next sync's.
-        self._synced: tuple[list, dict] = ([], {})
-        self._incoming: list = []
+        # With reconnection: the weights of the last sync (or of the sync in progress), on the host, by bucket, and
+        # their checksums.
+        self._weights: list[list[tuple[str, torch.Tensor]]] = []
+        self._checksums: dict[str, tuple[float, float]] = {}
         self._sync_lost: ServerLost | None = None  # the sync in progress lost its server: finished at its end
         self._open_store(connect_timeout_s)
         self.policy_version = self._open_session(connect_timeout_s)
@@ -206,12 +207,12 @@ class RemoteClient:
         if not self.update_during_generation:  # the server finishes them first anyway (module doc)
             for ticket in list(self._asked):
                 self._take(ticket)
-        self._incoming, self._sync_lost = [], None
+        self._weights, self._checksums, self._sync_lost = [], {}, None  # one host copy at a time
         self._during_sync(lambda: self._call("begin", None, self.request_timeout_s))
 
     def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         if self.reconnect_timeout_s > 0:
-            self._incoming.append([(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket])
+            self._weights.append([(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket])
         self._during_sync(lambda: self._send_bucket(bucket))
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -227,8 +228,7 @@ class RemoteClient:
 
     def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:
         version = self._during_sync(lambda: self._call("finish", expected_checksums, self.request_timeout_s))
-        if self.reconnect_timeout_s > 0:
-            self._synced, self._incoming = (self._incoming, expected_checksums), []
+        self._checksums = expected_checksums
         if self._sync_lost is not None:  # the new server takes the whole update, then what is in flight
             self.policy_version += 1
             lost, self._sync_lost = self._sync_lost, None
@@ -278,12 +278,11 @@ class RemoteClient:
     def _resume(self, server_version: int) -> None:
         """Bring a new server to where the dead one was: the weights of the last sync, then the generations in
         flight, asked again in order."""
-        buckets, checksums = self._synced
-        if buckets:
+        if self._weights:
             self._call("begin", None, self.request_timeout_s)
-            for bucket in buckets:
+            for bucket in self._weights:
                 self._send_bucket(bucket)
-            server_version = self._call("finish", checksums, self.request_timeout_s)
+            server_version = self._call("finish", self._checksums, self.request_timeout_s)
         self._offset = self.policy_version - server_version
         for asked in self._asked.values():
             asked.shift = self.policy_version - asked.version

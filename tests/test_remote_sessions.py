@@ -4,7 +4,7 @@ generation is a hand-computed record: each token says which policy version sampl
 which decode step a request must have arrived. Covers the orderings of generations, look-ahead and weight updates
 (rollout.update_during_generation), pre-emption by a newer session, refused hellos, malformed requests, and
 abandoned weight groups reaped each on its own, and a client that outlives its server (killed and relaunched at
-the same address, a forked process)."""
+the same address, a process forked from a forkserver)."""
 import dataclasses
 import multiprocessing
 import os
@@ -187,7 +187,10 @@ def test_without_update_during_generation_the_update_waits_for_the_generation(se
     server.hold = {2: lambda: store.check([f"{begin_key}/req"])}
     during = client.submit([[1]], PARAMS)
     assert server.holding.wait(10)
-    assert _sync(client, {"a": torch.ones(2)}) == 1
+    # The begin sent while the generation runs (the client's begin_weight_update would take its answer first).
+    client._call("begin", None, 20)
+    client.load_bucket([("a", torch.ones(2))])
+    assert client.finish_weight_update({"w": (0.1, 1 / 3)}) == 1
     assert _steps(during()) == [0, 0, 0, 0] and "pause" not in server.events
 
 
@@ -326,7 +329,7 @@ class Relaunching(threading.Thread):
         self.port, self.deaths, self.process = port, deaths, None
 
     def run(self):
-        fork = multiprocessing.get_context("fork")
+        fork = multiprocessing.get_context("forkserver")  # forked from a process without the test's threads
         while self.deaths:
             self.process = fork.Process(target=_serve_until_killed, args=(self.port, self.deaths.pop(0)), daemon=True)
             self.process.start()

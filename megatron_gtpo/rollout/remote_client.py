@@ -352,7 +352,7 @@ class RemoteClient:
             if reply_key is not None and not isinstance(error, dist.DistNetworkError) \
                     and self.store.check([reply_key]):
                 self._broken += f"; the server reported: {self.channel.take(reply_key)[1]}"
-            else:
+            elif self.reconnect_timeout_s > 0:
                 self.store.check([ROOT])  # a probe: a dead server's store no longer answers
         except Exception:  # noqa: BLE001 - the original failure is what gets reported
             gone = True

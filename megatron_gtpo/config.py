@@ -112,6 +112,10 @@ class RolloutConfig:
     remote_addresses: list[str] = field(default_factory=list)
     remote_connect_timeout_s: float = 600.0
     remote_request_timeout_s: float = 1800.0
+    # > 0: a trainer outlives a rollout server's death: it waits this long for a server at the same address, sends it
+    # the weights of the last sync and asks again for what was in flight (docs/remote_rollout.md); it keeps a host
+    # copy of those weights for it. 0: a dead server ends the run.
+    remote_reconnect_timeout_s: float = 0.0
     # Bounded staleness (docs/algorithms.md, "Generating while training"): step k trains on prompts generated with
     # the policy of step max(0, k - max_staleness); 0 is the on-policy trainer. >= 1 needs engines of their own
     # (vllm_remote, builtin_remote), which then generate the next batches while the current one trains.
@@ -153,6 +157,8 @@ class RolloutConfig:
         _need(self.engine not in REMOTE_ENGINES or self.remote_addresses,
               f"rollout.remote_addresses: the {self.engine} engine needs one server address (HOST:PORT) per "
               f"data-parallel replica")
+        _need(self.remote_reconnect_timeout_s >= 0,
+              f"rollout.remote_reconnect_timeout_s: must be >= 0, got {self.remote_reconnect_timeout_s}")
         _need(self.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
         _need(self.oversample_batches >= 0,
               f"rollout.oversample_batches: must be >= 0, got {self.oversample_batches}")

@@ -184,4 +184,5 @@ ENGINE_OPTIONS = (
     EngineOption("remote_addresses", REMOTE_ENGINES),
     EngineOption("remote_connect_timeout_s", REMOTE_ENGINES),
     EngineOption("remote_request_timeout_s", REMOTE_ENGINES),
+    EngineOption("remote_reconnect_timeout_s", REMOTE_ENGINES),
 )

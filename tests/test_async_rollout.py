@@ -11,6 +11,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -104,6 +105,19 @@ def _rows(out) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(out) if r["step"] >= 0}
 
 
+# N = 1 with dynamic sampling and a warm start (so that some groups hold both outcomes and steps train: dynamic
+# sampling keeps only those), 6 steps: the uninterrupted run that the interrupted ones must equal.
+WHOLE = ("data.prompts_per_step=8", "warm_start.steps=30")
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, server_model) -> dict[int, dict]:
+    """The metrics of the uninterrupted run of WHOLE, by step."""
+    tmp_path = tmp_path_factory.mktemp("whole")
+    _train(tmp_path, "whole", server_model, 6, 1, *WHOLE)
+    return _rows(tmp_path / "whole")
+
+
 def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, server_model):
     """N = 2, dynamic sampling off (every group of a step comes from its batch), after a one-step warm start: step
     k's responses were sampled by the policy of step max(0, k - 2), version 0 being the warm-started one; each prompt
@@ -129,7 +143,7 @@ def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, s
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole_responses", "partial_rollouts"])
-def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_path, server_model, partial):
+def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_path, server_model, partial, request):
     """N = 1 with dynamic sampling (further rounds generated on the spot): SIGKILL of the trainer after the step-3
     checkpoint, then a relaunch trains steps 3-5 on what the uninterrupted run did. Whole responses: the server
     survives, and serves the relaunched trainer's session (pre-empting the dead one's work); the informative groups a
@@ -137,11 +151,10 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     rollouts (2-token segments of the 4-token budget, batches asked for with twice the prompts:
     rollout.oversample_batches): the server is killed too and the relaunch starts a new one; the checkpoint also
     holds the unfinished groups, and responses continued over two engine calls are trained on."""
-    # A warm start, so that some groups hold both outcomes and steps train (dynamic sampling keeps only those).
-    extra = ("data.prompts_per_step=8", "warm_start.steps=30")
+    extra = WHOLE
     if partial:
         extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "rollout.oversample_batches=1")
-    _train(tmp_path, "whole", server_model, 6, 1, *extra)
+        _train(tmp_path, "whole", server_model, 6, 1, *extra)
     server = None if partial else _start_server(server_model, tmp_path / "killed_server.log")
     try:
         assert _train(tmp_path, "killed", server_model, 6, 1, *extra, kill_after_checkpoint=3,
@@ -155,7 +168,8 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
         if server is not None:
             os.killpg(server[0].pid, signal.SIGKILL)
             server[0].wait()
-    whole, resumed = _rows(tmp_path / "whole"), _rows(tmp_path / "killed")
+    whole = _rows(tmp_path / "whole") if partial else request.getfixturevalue("whole_run")
+    resumed = _rows(tmp_path / "killed")
     assert sorted(resumed) == sorted(whole) == list(range(6))
     for step in range(6):
         assert {k: resumed[step].get(k) for k in COMPARED} == {k: whole[step].get(k) for k in COMPARED}, step
@@ -186,12 +200,14 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
 
 def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_stays_intact(tmp_path, server_model):
     """TP = 2 (both ranks of the replica talk through the one that holds the connection): SIGKILL of the rollout
-    server once a checkpoint exists ends the run with one error naming the server, and that checkpoint verifies."""
+    server once a checkpoint exists, and no server back at its address within rollout.remote_reconnect_timeout_s,
+    ends the run with one error naming the server, and that checkpoint verifies."""
     from megatron_gtpo.checkpoint.manifest import find_damage
 
     out = tmp_path / "died"
     server, address = _start_server(server_model, tmp_path / "died_server.log")
-    overrides = [*_overrides(address, 50, 1), "parallel.tensor=2", "rollout.remote_request_timeout_s=60"]
+    overrides = [*_overrides(address, 50, 1), "parallel.tensor=2", "rollout.remote_request_timeout_s=60",
+                 "rollout.remote_reconnect_timeout_s=2"]
     trainer = subprocess.Popen(train_command(out, 2, overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     try:
@@ -210,9 +226,91 @@ def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_s
     errors = [line for line in output.splitlines() if line.startswith("megatron_gtpo.train: error:")]
     assert len(errors) == 1, output[-3000:]  # one line for the node, whichever rank says it
     assert f"rollout server at {address}" in errors[0] and "did the server die?" in errors[0]
+    assert errors[0].endswith("no server came back at the same address within 2 s "
+                              "(rollout.remote_reconnect_timeout_s)"), errors[0]
     assert not worker_frames(output), output[-3000:]
     checkpoint = out / "checkpoints" / latest.read_text().strip()
     assert find_damage(str(checkpoint)) is None
+
+
+# A rollout server that SIGKILLs itself at a moment of its life (argv: moment, count, then remote_server's flags):
+# "between", once the trainer took its answer to its count-th weight update (and went on to its next step);
+# "generate", as it starts its count-th generation; "bucket", as it starts to receive its count-th weight bucket.
+_DYING_SERVER = """
+import os, signal, sys, time
+from megatron_gtpo.rollout import remote_server
+from megatron_gtpo.rollout.builtin_server import BuiltinServer
+
+moment, count = sys.argv[1], int(sys.argv[2])
+calls = []
+
+def dying(cls, name):
+    original = getattr(cls, name)
+
+    def wrapper(self, *args):
+        if moment != "between":
+            calls.append(name)
+            if len(calls) == count:
+                os.kill(os.getpid(), signal.SIGKILL)
+        result = original(self, *args)
+        if moment == "between" and result == "finish":
+            calls.append(result)
+            while len(calls) == count and self.channel.store.check([f"{args[0]}/rep"]):
+                time.sleep(0.001)  # until the trainer took the reply
+            if len(calls) == count:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    setattr(cls, name, wrapper)
+
+dying(*{"between": (remote_server._Session, "answer"), "generate": (remote_server._Session, "generate"),
+        "bucket": (BuiltinServer, "receive_bucket")}[moment])
+remote_server.main(sys.argv[3:])
+"""
+
+
+def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in_a_weight_sync(tmp_path, server_model,
+                                                                                                whole_run):
+    """The run of WHOLE, its server killed three times and relaunched at the same address each time (as
+    examples/slurm/rollout_node.sh does): after the reply to the step-0 weight update (the trainer finds it dead at
+    its next request), as the second server starts its second generation, and as the third starts to receive the
+    trainer's weights after those it was sent on arrival. Each time the trainer says so in one line, sends the new
+    server the weights of the last sync and asks again for what was in flight: the run equals the uninterrupted
+    one, step by step."""
+    address = f"127.0.0.1:{free_port()}"
+    lives = [("between", "3"), ("generate", "2"), ("bucket", "2"), None]  # 3: the start's, the warm start's, step 0's
+    servers = []
+
+    def relaunch():
+        for life in lives:
+            command = [sys.executable, "-c", _DYING_SERVER, *life] if life else [sys.executable, "-m",
+                                                                                 "megatron_gtpo.rollout.remote_server"]
+            log = open(tmp_path / f"server_{len(servers)}.log", "w")
+            servers.append(subprocess.Popen([*command, "--engine", "builtin", "--hf-dir", server_model, "--listen",
+                                             address], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=dict(os.environ, OMP_NUM_THREADS="1", **SRUN_ENV)))
+            servers[-1].wait()
+
+    supervisor = threading.Thread(target=relaunch, daemon=True)
+    supervisor.start()
+    out = tmp_path / "outlived"
+    try:
+        trainer = subprocess.run(train_command(out, 1, _overrides(address, 6, 1, *WHOLE,
+                                                                  "rollout.remote_reconnect_timeout_s=300")),
+                                 capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        for server in servers:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert [server.returncode for server in servers[:3]] == [-signal.SIGKILL] * 3
+    lost = [line for line in trainer.stderr.splitlines() if "for a rollout server at the same address" in line]
+    assert len(lost) == 3 and all(line.startswith(f"rollout server at {address}, ") for line in lost), lost
+    assert "'generate'" in lost[0] and "'generate'" in lost[1] and "weight bucket" in lost[2], lost
+    outlived = _rows(out)
+    assert sorted(outlived) == sorted(whole_run) == list(range(6))
+    for step in range(6):
+        assert {k: outlived[step].get(k) for k in COMPARED} == {k: whole_run[step].get(k) for k in COMPARED}, step
 
 
 # A trainer session that leaves the server busy: a generation of minutes (the server decodes one row at a time), or

@@ -79,7 +79,8 @@ ENGINES = {"builtin": TINY, "vllm": ["model.hf_dir=/hf", "data.source=synthetic"
 # A value other than the default, for each option of ENGINE_OPTIONS.
 OTHER_VALUES = {"builtin_max_batch_tokens": "4096", "vllm_gpu_memory_utilization": "0.8",
                 "vllm_kv_cache_memory_bytes": "1000000", "vllm_hf_dir": "/hf", "vllm_tensor_parallel": "2",
-                "remote_addresses": "[h:1, h:2]", "remote_connect_timeout_s": "5", "remote_request_timeout_s": "5"}
+                "remote_addresses": "[h:1, h:2]", "remote_connect_timeout_s": "5", "remote_request_timeout_s": "5",
+                "remote_reconnect_timeout_s": "5"}
 
 
 def test_every_engine_option_has_a_value_to_try():

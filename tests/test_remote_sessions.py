@@ -3,8 +3,13 @@ over a real TCPStore, driven by real clients (remote_client.RemoteClient), with 
 generation is a hand-computed record: each token says which policy version sampled it, and the test decides at
 which decode step a request must have arrived. Covers the orderings of generations, look-ahead and weight updates
 (rollout.update_during_generation), pre-emption by a newer session, refused hellos, malformed requests, and
-abandoned weight groups reaped each on its own."""
+abandoned weight groups reaped each on its own, and a client that outlives its server (killed and relaunched at
+the same address, a process forked from a forkserver)."""
 import dataclasses
+import multiprocessing
+import os
+import re
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -28,6 +33,7 @@ from megatron_gtpo.rollout.remote_channel import (
 from megatron_gtpo.rollout.remote_client import RemoteClient
 from megatron_gtpo.rollout.remote_server import serve_sessions
 from megatron_gtpo.rollout.responses import Responses
+from distributed_harness import free_port
 
 SHAPE = ModelShape.from_hf(tiny_model_hf_config())
 CPU = torch.device("cpu")
@@ -59,13 +65,17 @@ class FakeServer:
                 self.interrupt()
                 time.sleep(0.01)
             self.between_steps()
-            steps.append(self.policy_version)
+            steps.append(self.sampler())
         rows = len(prompts) * params.n
         tokens_T = torch.tensor([100 * v + s for s, v in enumerate(steps)] * rows, dtype=torch.int32)
         return Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n),
                          lengths_R=torch.full((rows,), len(steps)), finish_R=torch.ones(rows, dtype=torch.int64),
                          token_ids_T=tokens_T, logprobs_T=-tokens_T.float() / 1000,
                          weight_updates_T=torch.tensor([v - steps[0] for v in steps] * rows, dtype=torch.int32))
+
+    def sampler(self) -> int:
+        """What the tokens say sampled them: the policy version."""
+        return self.policy_version
 
     def join_weight_group(self, host, port, session, timeout_s=300.0):
         self.group, _ = join_weight_group(host, port, session, 1, 2, CPU, timeout_s)
@@ -177,7 +187,10 @@ def test_without_update_during_generation_the_update_waits_for_the_generation(se
     server.hold = {2: lambda: store.check([f"{begin_key}/req"])}
     during = client.submit([[1]], PARAMS)
     assert server.holding.wait(10)
-    assert _sync(client, {"a": torch.ones(2)}) == 1
+    # The begin sent while the generation runs (the client's begin_weight_update would take its answer first).
+    client._call("begin", None, 20)
+    client.load_bucket([("a", torch.ones(2))])
+    assert client.finish_weight_update({"w": (0.1, 1 / 3)}) == 1
     assert _steps(during()) == [0, 0, 0, 0] and "pause" not in server.events
 
 
@@ -272,3 +285,117 @@ def test_a_store_without_a_servers_nonce_is_named_as_no_server_of_this_protocol(
     with pytest.raises(ConnectionError, match=r"holds no rollout server's nonce after 1 s: not a server of protocol "
                                               r"6 \(an older one\? update both\)"):
         RemoteClient(f"127.0.0.1:{store.port}", SHAPE, CPU, connect_timeout_s=1)
+
+
+class DyingServer(FakeServer):
+    """A FakeServer whose tokens say which weights sampled them (the synced tensor "v", not the version: a relaunched
+    server counts its versions from 0) and which SIGKILLs its own process at `dies_at`: "generate", at decode step 2
+    of its first generation; "bucket", inside its second weight bucket (after the weights the client sends a new
+    server first)."""
+
+    def __init__(self, dies_at: str | None):
+        super().__init__()
+        self.buckets = 0
+        if dies_at == "generate":
+            self.hold = {2: lambda: os.kill(os.getpid(), signal.SIGKILL)}
+        self.dies_in_bucket = 2 if dies_at == "bucket" else None
+
+    def sampler(self) -> int:
+        return int(self.received["v"][0]) if "v" in self.received else 0
+
+    def receive_bucket(self, names, dtype_names, shapes):
+        self.buckets += 1
+        if self.buckets == self.dies_in_bucket:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().receive_bucket(names, dtype_names, shapes)
+
+
+def _serve_until_killed(port: int, dies_at: str | None) -> None:
+    """Serve a DyingServer; `dies_at` "update": inside a weight update taken during its first generation (held at
+    its decode step 2 until the update's begin, request 6 of session 1, is sent)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = DyingServer("bucket" if dies_at == "update" else dies_at)
+    if dies_at == "update":
+        server.hold = {2: lambda: store.check([f"{session_key(1, 6)}/req"])}
+    serve_sessions(server, dataclasses.asdict(SHAPE), Channel(store, b"t", publish_nonce(store)), "127.0.0.1", port)
+
+
+class Relaunching(threading.Thread):
+    """Serves at one port in a forked process, one process after another (`deaths`: each one's `dies_at`; "idle":
+    the test kills it), a new one as soon as the last died, until the deaths run out."""
+
+    def __init__(self, port: int, deaths: list):
+        super().__init__(daemon=True)
+        self.port, self.deaths, self.process = port, deaths, None
+
+    def run(self):
+        fork = multiprocessing.get_context("forkserver")  # forked from a process without the test's threads
+        while self.deaths:
+            self.process = fork.Process(target=_serve_until_killed, args=(self.port, self.deaths.pop(0)), daemon=True)
+            self.process.start()
+            self.process.join()
+
+    def kill(self):
+        process = self.process
+        os.kill(process.pid, signal.SIGKILL)
+        process.join()
+
+    def stop(self):
+        """No more relaunches; the one serving now killed."""
+        self.deaths.clear()
+        if self.process.is_alive():
+            self.kill()
+
+
+def test_a_client_outlives_its_server_killed_in_a_generation_a_weight_sync_and_between_them(monkeypatch, capfd):
+    """Killed and relaunched at the same address, the server is sent the weights of the last sync and asked again
+    for the generation in flight: every answer is what the first server would have given; past the bound, the error
+    the client would have raised at once, with a progress line before it."""
+    monkeypatch.setenv("GTPO_REMOTE_TOKEN", "t")
+    monkeypatch.delenv("GTPO_REMOTE_TOKEN_FILE", raising=False)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    servers = Relaunching(port, ["generate", "bucket", "idle", "idle"])
+    servers.start()
+    try:
+        client = _client(address, reconnect_timeout_s=30)
+        assert _sync(client, {"v": torch.tensor([1.0])}) == 1
+        in_flight = client.submit([[1]], PARAMS)  # the first server dies at its decode step 2
+        assert _steps(in_flight()) == [1, 1, 1, 1]
+        assert _sync(client, {"v": torch.tensor([2.0])}) == 2  # the second dies inside it
+        assert _steps(client.generate([[1]], PARAMS)) == [2, 2, 2, 2]
+        servers.kill()  # the third dies between requests
+        assert _steps(client.generate([[1]], PARAMS)) == [2, 2, 2, 2] and client.policy_version == 2
+        client.reconnect_timeout_s = 1
+        servers.kill()  # the last: none comes back
+        with pytest.raises(RuntimeError, match=rf"^rollout server at {address}, .*did the server die\?.*; no server "
+                                               rf"came back at the same address within 1 s "
+                                               rf"\(rollout.remote_reconnect_timeout_s\)$"):
+            client.generate([[1]], PARAMS)
+    finally:
+        servers.stop()
+    lines = capfd.readouterr().err.splitlines()
+    lost = [line for line in lines if "for a rollout server at the same address" in line]
+    assert len(lost) == 4 and all(line.startswith(f"rollout server at {address}, ") for line in lost), lines
+    assert sum("a server is back; sent it policy version" in line for line in lines) == 3, lines
+    assert any(re.fullmatch(rf"rollout server at {address}: none back after \d+ s \(waiting up to 1 s\)", line)
+               for line in lines), lines
+
+
+def test_a_generation_asked_before_an_update_is_asked_again_after_it_with_its_tokens_counting_it(monkeypatch):
+    """update_during_generation: the server dies inside an update it took during a generation; the new server
+    takes the whole update, then the generation again, whose every token now counts that update."""
+    monkeypatch.setenv("GTPO_REMOTE_TOKEN", "t")
+    monkeypatch.delenv("GTPO_REMOTE_TOKEN_FILE", raising=False)
+    port = free_port()
+    servers = Relaunching(port, ["update", "idle"])
+    servers.start()
+    try:
+        client = _client(f"127.0.0.1:{port}", reconnect_timeout_s=30, update_during_generation=True)
+        assert _sync(client, {"v": torch.tensor([1.0])}) == 1
+        in_flight = client.submit([[1]], PARAMS)
+        assert _sync(client, {"v": torch.tensor([2.0])}) == 2
+        record = in_flight()
+        assert _steps(record) == [2, 2, 2, 2] and record.weight_updates_T.tolist() == [1] * 8
+    finally:
+        servers.stop()

@@ -345,3 +345,24 @@ def test_disaggregated_job_splits_trainer_and_rollout_nodes(tmp_path):
     assert "rollout.engine=vllm_remote" in trainer and "rollout.max_staleness=1" in trainer
     assert "rollout.remote_addresses=\\[n3:31000\\,n3:31001\\]" in trainer or \
         "rollout.remote_addresses=[n3:31000,n3:31001]" in trainer
+
+
+def test_a_rollout_node_relaunches_a_server_that_dies_until_a_trainer_shuts_it_down(tmp_path):
+    """rollout_node.sh's supervising loop, with a stand-in server (PYTHON) that dies twice (SIGKILL, then an error)
+    and then is shut down (status 0): run three times at the same address, and the node ends cleanly; with
+    SERVER_RESTARTS=1 it gives up after the second death, with the server's status."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "$*" >> "$RUNS"\nn=$(wc -l < "$RUNS")\n'
+                    '(( n == 1 )) && kill -9 $$\n(( n == 2 )) && exit 3\nexit 0\n')
+    fake.chmod(0o755)
+    for restarts, status, runs in (("10", 0, 3), ("1", 3, 2)):
+        log = tmp_path / f"runs_{restarts}"
+        env = {"PATH": os.environ["PATH"], "PYTHON": str(fake), "RUNS": str(log), "HF_MODEL_DIR": "/models/q7",
+               "SERVERS_PER_NODE": "1", "ROLLOUT_ENGINE": "builtin", "SERVER_RESTARTS": restarts,
+               "SLURMD_NODENAME": "n3"}
+        res = subprocess.run(["bash", os.path.join(REPO, "examples", "slurm", "rollout_node.sh")], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == status, res.stderr
+        lines = log.read_text().splitlines()
+        assert len(lines) == runs and all("--listen n3:31000" in line for line in lines), lines
+        assert "exited with status 137: relaunching it (1 of" in res.stderr

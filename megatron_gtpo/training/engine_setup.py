@@ -54,4 +54,5 @@ def _remote_engine(cfg: TrainConfig, shape, parallel: ParallelGroups, routed_lay
     return RemoteEngine.connect(r.remote_addresses[parallel.dp_rank], parallel, shape,
                                 connect_timeout_s=r.remote_connect_timeout_s,
                                 request_timeout_s=r.remote_request_timeout_s, routed_layers=routed_layers,
-                                update_during_generation=r.update_during_generation)
+                                update_during_generation=r.update_during_generation,
+                                reconnect_timeout_s=r.remote_reconnect_timeout_s)

@@ -434,8 +434,11 @@ def test_vllm_engine_without_vllm_is_a_user_error(tmp_path):
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))
-    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.evaluate", "--engine", "vllm", "--model", tokenizer_dir,
+    from tiny_models import make_tiny_qwen2
+
+    make_tiny_qwen2(tmp_path / "model", vocab_size=400, num_layers=2)  # a whole Hugging Face model: the path passes
+    model_dir = build_hf_tokenizer_dir(str(tmp_path / "model"))
+    res = subprocess.run([sys.executable, "-m", "megatron_gtpo.evaluate", "--engine", "vllm", "--model", model_dir,
                           "--datasets", "aime24", "--output-dir", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]

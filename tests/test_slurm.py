@@ -148,7 +148,7 @@ def test_launcher_checkpoints_on_sigusr1_and_requeues(tmp_path):
             proc.kill()
     out = log_path.read_text(errors="replace")
     assert proc.returncode == 0, out[-4000:]
-    assert "received signal 10: will checkpoint after this step and exit" in out
+    assert "received SIGUSR1: will checkpoint after this step and exit" in out
     steps = [row["step"] for row in _wait_for_metrics(run_dir / "metrics.jsonl", 1)]
     assert steps == list(range(len(steps))) and len(steps) < 50  # stopped early, after a whole step
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
@@ -303,7 +303,7 @@ def test_real_slurm_job_preempts_requeues_and_resumes(tmp_path):
         assert state == "COMPLETED", f"{state}:\n{log[-6000:]}\n{cluster.logs()}"
     finally:
         cluster.stop()
-    assert "received signal 10: will checkpoint after this step and exit" in log
+    assert "received SIGUSR1: will checkpoint after this step and exit" in log
     assert f"requeueing job {job_id}" in log and f"job {job_id} (restart 1)" in log
     assert "resumed from" in log
     rows = _wait_for_metrics(run_dir / "metrics.jsonl", steps, timeout_s=1)

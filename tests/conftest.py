@@ -31,7 +31,11 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 def starts_processes(fn, seen: set | None = None) -> bool:
-    """Whether `fn`, or a function of the tests it calls, names a process starter (PROCESS_STARTERS)."""
+    """Whether `fn`, or a function of the tests it calls (a method of a class of the tests it names included),
+    names a process starter (PROCESS_STARTERS)."""
+    if isinstance(fn, type):
+        seen = set() if seen is None else seen
+        return any(starts_processes(method, seen) for method in vars(fn).values())
     fn = getattr(fn, "__wrapped__", fn)
     code = getattr(fn, "__code__", None)
     seen = set() if seen is None else seen

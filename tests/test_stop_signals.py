@@ -36,6 +36,13 @@ def test_a_first_signal_asks_for_a_checkpoint_and_says_so_in_one_line(handlers, 
     assert capsys.readouterr().err == line + "\n"
 
 
+def test_a_run_that_saves_no_checkpoint_says_it_only_exits(handlers, capsys):
+    stop = StopSignal.install(saves=False)  # checkpoint.save_every -1
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.requested
+    assert capsys.readouterr().err == "received SIGTERM: will exit after this step (checkpoint.save_every -1)\n"
+
+
 def test_a_second_ctrl_c_aborts_with_one_line(handlers, capsys):
     stop = StopSignal.install()
 

@@ -72,22 +72,24 @@ class TrainerState:
 
 class StopSignal:
     """Remembers SIGTERM / SIGUSR1 (SLURM pre-emption) and a first SIGINT (Ctrl-C, which torchrun passes on to every
-    rank): the loop checkpoints and exits after the step in progress, so no step is lost. A second Ctrl-C aborts
-    (KeyboardInterrupt: cli.run_cli ends the process with one line)."""
+    rank): the loop checkpoints and exits after the step in progress, so no step is lost (`saves`: False where the
+    run saves no checkpoint, checkpoint.save_every -1: it only exits). A second Ctrl-C aborts (KeyboardInterrupt:
+    cli.run_cli ends the process with one line)."""
 
     def __init__(self):
         self.requested = False
 
     @classmethod
-    def install(cls) -> "StopSignal":
+    def install(cls, *, saves: bool = True) -> "StopSignal":
         stop = cls()
+        then = "checkpoint after this step and exit" if saves else "exit after this step (checkpoint.save_every -1)"
 
         def handler(signum, frame):
             if signum == signal.SIGINT and stop.requested:
                 raise KeyboardInterrupt
             stop.requested = True
             again = "; Ctrl-C again to abort" if signum == signal.SIGINT else ""
-            say_once(f"received {signal.Signals(signum).name}: will checkpoint after this step and exit{again}")
+            say_once(f"received {signal.Signals(signum).name}: will {then}{again}")
 
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, handler)

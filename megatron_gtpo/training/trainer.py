@@ -98,7 +98,7 @@ class Trainer:
 
     def train(self) -> None:
         """The RL loop."""
-        self.stop = StopSignal.install()  # SIGTERM / SIGUSR1 (SLURM pre-emption): checkpoint, then exit
+        self.stop = StopSignal.install(saves=self.cfg.checkpoint.save_every >= 0)  # SIGTERM, SIGUSR1, Ctrl-C
         if self.start_step == 0 and self.cfg.warm_start.steps:
             self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **self.warm_start()})
             self.sync_weights()  # an external engine generates with the warm-started policy from the first batch on

@@ -307,6 +307,21 @@ class WarmStartConfig:
 
     steps: int = 0
     lr: float = 1e-3
+    # None: every step at `lr`; a number: linear from `lr` at the first step to `final_lr` at the last (a decayed end
+    # makes the warm start's result depend less on the order of its last few batches)
+    final_lr: float | None = None
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of warm-start step `step` (0-based)."""
+        if self.final_lr is None or self.steps <= 1:
+            return self.lr
+        return self.lr + (self.final_lr - self.lr) * step / (self.steps - 1)
+
+    def check(self) -> None:
+        _need(self.steps >= 0, f"warm_start.steps: must be >= 0, got {self.steps}")
+        _need(self.lr > 0, f"warm_start.lr: must be > 0, got {self.lr}")
+        _need(self.final_lr is None or 0 <= self.final_lr <= self.lr,
+              f"warm_start.final_lr: must be in [0, warm_start.lr = {self.lr}] (unset: constant), got {self.final_lr}")
 
 
 @dataclass
@@ -353,7 +368,7 @@ class TrainConfig:
         """Each section's own checks (the `check` methods beside them)."""
         _need(self.steps >= 0, f"steps: must be >= 0, got {self.steps}")
         for section in (self.model, self.parallel, self.rollout, self.algorithm, self.optim, self.data,
-                        self.checkpoint):
+                        self.warm_start, self.checkpoint):
             section.check()
 
 

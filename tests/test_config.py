@@ -69,6 +69,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: must be in [0, optim.lr = 0.1]"),
     (BASE, ["optim.warmup_steps=-1"], "optim.warmup_steps: must be >= 0"),
     (BASE, ["checkpoint.save_every=-2"], "checkpoint.save_every: must be >= -1"),
+    (BASE, ["warm_start.lr=0.01", "warm_start.final_lr=0.02"], "warm_start.final_lr: must be in [0, warm_start.lr"),
     (BASE, ["parallel.tensor=0"], "parallel.tensor / parallel.pipeline: must be >= 1"),
     (BASE, ["parallel.virtual_pipeline=2"], "parallel.virtual_pipeline: needs parallel.pipeline >= 2"),
     (BASE, ["model.reference=/nonexistent/ref"], "model.reference: '/nonexistent/ref' is not a directory"),
@@ -89,6 +90,13 @@ def test_overrides_are_typed_and_nested(tmp_path):
 def test_errors_name_the_key(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config(_write(tmp_path, text), overrides)
+
+
+def test_the_warm_start_learning_rate_falls_linearly_to_final_lr():
+    from megatron_gtpo.config import WarmStartConfig
+    decayed = WarmStartConfig(steps=5, lr=0.004, final_lr=0.0)
+    assert [decayed.lr_at(i) for i in range(5)] == pytest.approx([0.004, 0.003, 0.002, 0.001, 0.0], abs=1e-15)
+    assert {WarmStartConfig(steps=5, lr=0.004).lr_at(i) for i in range(5)} == {0.004}  # unset: constant
 
 
 def test_remote_vllm_needs_one_server_per_data_parallel_replica():

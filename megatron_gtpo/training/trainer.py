@@ -131,7 +131,7 @@ class Trainer:
         prompt with its reference as a group of one response, through the step batch and its micro-batch plan."""
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
-        for _ in self.logger.progress(range(cfg.warm_start.steps), "warm start steps"):
+        for step in self.logger.progress(range(cfg.warm_start.steps), "warm start steps"):
             prompts = self.loader.next_batch().items
             targets = [self.task.demonstration(p) for p in prompts]
             answers = Responses.from_lists([[Response(target, [0.0] * len(target), "stop")] for target in targets])
@@ -145,7 +145,7 @@ class Trainer:
             metrics.add({"num_tokens": tokens.clone()})
             dist.all_reduce(tokens, group=parallel.dp_group)
             result = run_train_step(self.policy, micro_batches, parallel, supervised_loss_fn(float(tokens)),
-                                    vocab_size=self.vocab_size, lr=cfg.warm_start.lr,
+                                    vocab_size=self.vocab_size, lr=cfg.warm_start.lr_at(step),
                                     chunk_tokens=self.logprob_chunk_tokens)
             record_optimizer_step(metrics, result, cfg.warm_start.steps)
         metrics.add({"optimizer_steps": cfg.warm_start.steps})

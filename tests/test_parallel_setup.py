@@ -1,6 +1,7 @@
 """Launch-environment parsing, the NCCL environment of the trainer and of rollout servers, layout validation and
 Qwen2 config checks."""
 import os
+import socket
 
 import pytest
 
@@ -27,6 +28,18 @@ def test_slurm_env_uses_first_node_as_master():
 
 def test_single_process_default():
     assert read_launch_env({}).launcher == "single"
+    assert read_launch_env({"MASTER_PORT": "1234"}).master_port == 1234
+
+
+def test_a_single_process_without_master_port_takes_a_free_port():
+    """Two single-process runs on one machine: the second must not take torch's default port from the first."""
+    with socket.socket() as first_run:
+        try:
+            first_run.bind(("127.0.0.1", 29500))
+        except OSError:  # something else holds it already: the same situation
+            pass
+        with socket.socket() as second_run:
+            second_run.bind(("127.0.0.1", read_launch_env({}).master_port))
 
 
 @pytest.mark.parametrize("nodelist,first", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,17 @@ def first_host_in_nodelist(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def free_local_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def read_launch_env(environ=None) -> LaunchEnv:
-    """torchrun's variables win; otherwise srun's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, node list)."""
+    """torchrun's variables win; otherwise srun's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, node list); otherwise
+    one process alone, on MASTER_PORT or else a free port (two single-process runs on one machine do not collide on
+    torch's default 29500)."""
     env = os.environ if environ is None else environ
     port = int(env.get("MASTER_PORT", "29500"))
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -72,7 +82,8 @@ def read_launch_env(environ=None) -> LaunchEnv:
             raise RuntimeError("SLURM launch without MASTER_ADDR or SLURM_JOB_NODELIST: cannot find rank 0's host")
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")),
                          addr, port, "slurm")
-    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    return LaunchEnv(0, 1, 0, addr, port if "MASTER_PORT" in env else free_local_port(), "single")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -51,6 +50,7 @@ from .remote_channel import (
     weights_prefix,
 )
 from .server_engine import ServerEngine, attempt, share_outcome, unwrap
+from .server_store import ServerStore
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
 
 _ENDED_CHECK_S = 0.5  # how often a client waiting for a reply looks whether the server gave its session away
@@ -114,7 +114,7 @@ class RemoteClient:
         """Connect to the server's store and channel, waiting at most `timeout_s` for it to answer."""
         self._broken: str | None = None
         try:
-            self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            self.store = ServerStore(self.host, self.port, timeout_s)
         except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError or DistStoreError, by version
             raise ConnectionError(f"no rollout server answered at {self.address} within {timeout_s:g} s "
                                   f"({type(e).__name__}: {_first_line(e)})") from None
@@ -138,7 +138,7 @@ class RemoteClient:
         self.dtype = getattr(torch, info["dtype"])
         reply_key = self._request("join", timeout_s)
         try:  # the server's workers join at the same time; then a probe checks that the group works
-            self.group = weight_group(self.store, weights_prefix(self.session), 0, 1 + info["num_workers"],
+            self.group = weight_group(self.store.store, weights_prefix(self.session), 0, 1 + info["num_workers"],
                                       self.device, timeout_s)
             broadcast_from_trainer(self.group, torch.tensor([self.session], dtype=torch.int64, device=self.device))
         except Exception as e:  # noqa: BLE001 - the server's own account, if it has one, says more

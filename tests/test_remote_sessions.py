@@ -31,7 +31,7 @@ from megatron_gtpo.rollout.remote_channel import (
     session_key,
 )
 from megatron_gtpo.rollout.remote_client import RemoteClient
-from megatron_gtpo.rollout.remote_server import serve_sessions
+from megatron_gtpo.rollout.remote_server import check_hello, serve_sessions
 from megatron_gtpo.rollout.responses import Responses
 from distributed_harness import free_port
 
@@ -234,6 +234,13 @@ def test_routing_crosses_to_the_trainers_that_ask_for_it_at_their_hello(served):
     for got, prompt in zip(rollout.routed_experts, [[1, 2], [1, 2], [3], [3]]):
         assert got.dtype == torch.int16 and torch.equal(got, _experts(prompt, 4))
     assert _client(address).submit([[1]], PARAMS)().routed_experts is None  # not asked for: not sent
+
+
+def test_an_older_clients_hello_is_refused_for_its_protocol():
+    """A protocol 6 hello (no `routed` yet) is told to update both, not that its fields are wrong."""
+    older = dict(protocol=6, shape=dataclasses.asdict(SHAPE), device_type="cpu", update_during_generation=False)
+    with pytest.raises(ValueError, match=r"^protocol 6 is not this server's 7: update both$"):
+        check_hello(older, dataclasses.asdict(SHAPE), "cpu")
 
 
 @pytest.mark.parametrize("refused, message", [

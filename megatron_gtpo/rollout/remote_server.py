@@ -239,13 +239,13 @@ class _Session:
 
 def check_hello(payload, shape: dict, device_type: str) -> None:
     """ValueError, in one line, unless a trainer's hello fits this server (protocol, model, weight device)."""
+    if isinstance(payload, dict) and payload.get("protocol") != PROTOCOL:  # first: an older hello has other fields
+        raise ValueError(f"protocol {payload.get('protocol')!r} is not this server's {PROTOCOL}: update both")
     if not isinstance(payload, dict) or not isinstance(payload.get("shape"), dict) \
             or not isinstance(payload.get("update_during_generation"), bool) \
             or not isinstance(payload.get("routed"), bool):
         raise ValueError(f"a hello must be a dict with protocol, shape, device_type, update_during_generation and "
                          f"routed; got {str(payload)[:80]}")
-    if payload.get("protocol") != PROTOCOL:
-        raise ValueError(f"protocol {payload.get('protocol')!r} is not this server's {PROTOCOL}: update both")
     diff = {k: (payload["shape"].get(k), v) for k, v in shape.items()
             if k not in _SHAPE_FIELDS_IGNORED and payload["shape"].get(k) != v}
     if diff:

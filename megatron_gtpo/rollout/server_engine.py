@@ -83,8 +83,9 @@ class ServerEngine:
     `policy_version` is the servers' policy version after the last successful sync (0 before any).
     """
 
-    def __init__(self, server, parallel, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 ipc_members=None, routed_layers: tuple[int, ...] | None = None):
+    def __init__(self, server: RolloutServer | None, parallel, shape, *, hosts=SINGLE_DESTINATION,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc_members=None,
+                 routed_layers: tuple[int, ...] | None = None):
         """`server`: this rank's `RolloutServer` on an engine host, None elsewhere. `routed_layers`: this rank's MoE
         layers (models/moe_routing.routed_layers): with them the servers must return routing, and `submit`'s
         rollouts carry each response's experts at those layers, as the built-in engine records them (int16

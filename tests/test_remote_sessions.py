@@ -233,7 +233,10 @@ def test_routing_crosses_to_the_trainers_that_ask_for_it_at_their_hello(served):
     assert rollout.responses.num_responses == 4 and len(rollout.routed_experts) == 4
     for got, prompt in zip(rollout.routed_experts, [[1, 2], [1, 2], [3], [3]]):
         assert got.dtype == torch.int16 and torch.equal(got, _experts(prompt, 4))
-    assert _client(address).submit([[1]], PARAMS)().routed_experts is None  # not asked for: not sent
+    plain = _client(address)
+    assert plain.submit([[1]], PARAMS)().routed_experts is None  # not asked for: not sent
+    with pytest.raises(ValueError, match="no between_steps from the trainer"):  # the server's session runs its own
+        plain.submit([[1]], PARAMS, between_steps=lambda: 0)
 
 
 def test_an_older_clients_hello_is_refused_for_its_protocol():

@@ -218,6 +218,11 @@ class AlgorithmConfig:
     # the rollout engine chose for it (the built-in engine records them); "none" lets the router choose again.
     routing_replay: str = "none"  # none | rollout
 
+    @property
+    def replays_routing(self) -> bool:
+        """Training routes every token to the experts the rollout engine chose for it (routing_replay: rollout)."""
+        return self.routing_replay == "rollout"
+
     def check(self) -> None:
         entry = ALGORITHMS[resolve_algorithm(self.name)]
         # GTPO / GRPO-S (the entropy-shaped ones) split each group by a binary reward: a length penalty has nowhere
@@ -539,7 +544,7 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
         check_layout(layout, shape=shape, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
                      rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)),
-                     training=True, routing_replay=cfg.algorithm.routing_replay == "rollout")
+                     training=True, routing_replay=cfg.algorithm.replays_routing)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
 
@@ -548,7 +553,7 @@ def validate_for_model(cfg: TrainConfig, shape) -> None:
     """The settings that depend on the model (`shape`: models.qwen.ModelShape), as a ConfigError; the trainer checks
     them once it has read the model's config."""
     if shape.moe is None:
-        for key, value in (("algorithm.routing_replay", cfg.algorithm.routing_replay != "none"),
+        for key, value in (("algorithm.routing_replay", cfg.algorithm.replays_routing),
                            ("model.moe_aux_loss_coef", cfg.model.moe_aux_loss_coef > 0),
                            ("model.moe_z_loss_coef", cfg.model.moe_z_loss_coef > 0)):
             if value:

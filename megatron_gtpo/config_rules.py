@@ -70,7 +70,7 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "rollout.max_staleness: {rollout.max_staleness} needs engines on processes of their own that generate while "
          "the trainer trains ({remote_engines}); the {rollout.engine} engine shares the trainer's"),
     Rule("partial rollouts without routing replay",
-         lambda f: f.rollout.partial_rollouts and f.algorithm.routing_replay == "rollout",
+         lambda f: f.rollout.partial_rollouts and f.algorithm.replays_routing,
          "a continued response's routing would be recorded by several engine calls, under several policies",
          "rollout.partial_rollouts: not with algorithm.routing_replay: rollout (a continued response's routing would "
          "span engine calls)"),
@@ -104,12 +104,12 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "rollout.update_during_generation: needs rollout.max_staleness >= 1 (at 0 the trainer waits for every "
          "generation before it trains and syncs, so no update would meet one)"),
     Rule("updates during generation without routing replay",
-         lambda f: f.rollout.update_during_generation and f.algorithm.routing_replay == "rollout",
+         lambda f: f.rollout.update_during_generation and f.algorithm.replays_routing,
          "a response's routing would span the prefills of two weight versions",
          "rollout.update_during_generation: not with algorithm.routing_replay: rollout (a response's routing would "
          "span two weight versions)"),
     Rule("routing replay needs CP = 1",
-         lambda f: f.parallel.context > 1 and f.algorithm.routing_replay == "rollout",
+         lambda f: f.parallel.context > 1 and f.algorithm.replays_routing,
          "the routing record holds whole rows, and splitting it over the context-parallel ranks as the tokens are "
          "is not implemented (training/forward.py)",
          "algorithm.routing_replay: rollout is not supported at parallel.context {parallel.context} (the rollout's "

@@ -80,7 +80,7 @@ def _replayed_routes(exp, shape, first_sequence: int):
         experts = torch.stack([torch.randperm(shape.moe.num_experts, generator=g)[:shape.moe.topk]
                                for _ in range(fed * len(layers))]).view(fed, len(layers), -1)
         routes.append(experts.to(torch.int16))
-    exp.routed_experts = routes  # per response, rank-local (what the built-in engine's generate_routed gives)
+    exp.routed_experts = routes  # per response, rank-local (the routing of the built-in engine's rollouts)
     return ReplayPlan(layers, shape.moe.topk)
 
 

@@ -62,8 +62,9 @@ def _replay_rank(rank, world_size, model_dir):
     engine = BuiltinEngine(policy.chunks, groups, 1000, record_routing=True)
     prompts = PROMPTS[groups.dp_rank]
     # The record, and beside it the routing this rank recorded (rank-local: never through the transport).
-    responses, recorded = engine.generate_routed(
-        prompts, SamplingParams(n=SAMPLES, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=17 + groups.dp_rank))
+    rollout = engine.submit(
+        prompts, SamplingParams(n=SAMPLES, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=17 + groups.dp_rank))()
+    responses, recorded = rollout.responses, rollout.routed_experts
     assert len(recorded) == responses.num_responses
     no_reward = torch.zeros(len(prompts), SAMPLES)
     experience = Experience([tuple(p) for p in prompts], responses, no_reward, no_reward, routed_experts=recorded)

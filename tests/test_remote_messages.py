@@ -44,9 +44,10 @@ def _same(a, b) -> bool:
 
 
 MESSAGES = [
-    ("ok", (_record(), 7)),  # generate's reply: the record and the version it was made with
-    ("ok", ((_record(), torch.randint(0, 64, (6, 2, 4), dtype=torch.int16)), 3)),  # generate_routed's
-    ("ok", ((Responses.empty(), torch.empty(0, 2, 4, dtype=torch.int16)), 0)),
+    ("ok", (_record(), None, 7)),  # generate's reply: the record, no routing, the version it was made with
+    ("ok", (_record(), [torch.randint(0, 64, (4, 2, 4), dtype=torch.int16),
+                        torch.randint(0, 64, (2, 2, 4), dtype=torch.int16)], 3)),  # with each response's routing
+    ("ok", (Responses.empty(), [], 0)),
     {"op": "generate", "payload": ([[1, 2, 3], [4]], SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5,
                                                                    max_new_tokens=9, stop_token_ids=(0, 3),
                                                                    seed=-11, per_request_seeds=False), 4)},

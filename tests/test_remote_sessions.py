@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_gtpo.data.synthetic import tiny_model_hf_config
 from megatron_gtpo.models.qwen import ModelShape
-from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.remote_channel import (
     PROTOCOL,
     Channel,
@@ -31,7 +31,7 @@ from megatron_gtpo.rollout.remote_channel import (
     session_key,
 )
 from megatron_gtpo.rollout.remote_client import RemoteClient
-from megatron_gtpo.rollout.remote_server import serve_sessions
+from megatron_gtpo.rollout.remote_server import check_hello, serve_sessions
 from megatron_gtpo.rollout.responses import Responses
 from distributed_harness import free_port
 
@@ -45,16 +45,14 @@ class FakeServer:
     version. `hold`: {decode step: predicate}: the generation waits (at most 10 s) before that step until the
     predicate holds, and says so (`holding`)."""
 
-    num_workers, device_type, dtype = 1, "cpu", torch.float32
+    num_workers, device_type, dtype, return_routed_experts = 1, "cpu", torch.float32, False
 
     def __init__(self):
         self.policy_version = 0
-        self.group, self.received, self.events, self.hold = None, {}, [], {}
+        self.group, self.interrupt, self.received, self.events, self.hold = None, None, {}, [], {}
         self.holding = threading.Event()
-        self.interrupt = lambda: None
-        self.between_steps = lambda: self.interrupt() or 0
 
-    def generate(self, prompts, params, first_prompt=0):
+    def submit(self, prompts, params, *, first_prompt=0, between_steps=None):
         steps = []
         for step in range(params.max_new_tokens):
             predicate = self.hold.pop(step, None)
@@ -62,23 +60,26 @@ class FakeServer:
             if predicate is not None:
                 self.holding.set()
             while predicate is not None and not predicate() and time.monotonic() < deadline:
-                self.interrupt()
+                between_steps()  # a held generation is pre-empted all the same
                 time.sleep(0.01)
-            self.between_steps()
+            between_steps()
             steps.append(self.sampler())
         rows = len(prompts) * params.n
         tokens_T = torch.tensor([100 * v + s for s, v in enumerate(steps)] * rows, dtype=torch.int32)
-        return Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n),
-                         lengths_R=torch.full((rows,), len(steps)), finish_R=torch.ones(rows, dtype=torch.int64),
-                         token_ids_T=tokens_T, logprobs_T=-tokens_T.float() / 1000,
-                         weight_updates_T=torch.tensor([v - steps[0] for v in steps] * rows, dtype=torch.int32))
+        record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n),
+                           lengths_R=torch.full((rows,), len(steps)), finish_R=torch.ones(rows, dtype=torch.int64),
+                           token_ids_T=tokens_T, logprobs_T=-tokens_T.float() / 1000,
+                           weight_updates_T=torch.tensor([v - steps[0] for v in steps] * rows, dtype=torch.int32))
+        routing = [_experts(prompt, len(steps)) for prompt in prompts for _ in range(params.n)] \
+            if self.return_routed_experts else None
+        return lambda: Rollout(record, routing)
 
     def sampler(self) -> int:
         """What the tokens say sampled them: the policy version."""
         return self.policy_version
 
     def join_weight_group(self, host, port, session, timeout_s=300.0):
-        self.group, _ = join_weight_group(host, port, session, 1, 2, CPU, timeout_s)
+        self.group, self.interrupt = join_weight_group(host, port, session, 1, 2, CPU, timeout_s)
         probe = torch.zeros(1, dtype=torch.int64)
         broadcast_from_trainer(self.group, probe, self.interrupt)
         return [int(probe.item())]
@@ -143,6 +144,16 @@ def _sync(client, weights: dict):
 PARAMS = SamplingParams(n=2, max_new_tokens=4)
 
 
+def _experts(prompt: list[int], length: int) -> torch.Tensor:
+    """Hand-made routing of a response of `length` tokens to `prompt`: int16 [P + R - 1, 2 layers, k = 2]."""
+    rows = len(prompt) + length - 1
+    return (torch.arange(rows * 4).view(rows, 2, 2) + prompt[0]).to(torch.int16)
+
+
+def _generate(client, prompts) -> Responses:
+    return client.submit(prompts, PARAMS)().responses
+
+
 def _steps(record: Responses) -> list[int]:
     """The version of each token of the first response (the fake's token ids encode it)."""
     return [t // 100 for t in record.token_ids_T[:record.lengths_R[0]].tolist()]
@@ -151,16 +162,16 @@ def _steps(record: Responses) -> list[int]:
 def test_generations_and_weight_updates_cross_exactly_in_order(served):
     server, address, _ = served
     client = _client(address)
-    record = client.generate([[1, 2], [3]], PARAMS)
+    record = _generate(client, [[1, 2], [3]])
     assert record.num_responses == 4 and _steps(record) == [0, 0, 0, 0]
     assert record.weight_updates_T.tolist() == [0] * 16
     weights = {"a": torch.randn(3, 2), "b": torch.arange(5, dtype=torch.int64)}
     pending = client.submit([[1]], PARAMS)  # answered in order: the update after it waits for it
     assert _sync(client, weights) == 1 and client.policy_version == 1
-    assert _steps(pending()) == [0, 0, 0, 0]
+    assert _steps(pending().responses) == [0, 0, 0, 0]
     assert all(torch.equal(server.received[n], t) for n, t in weights.items())
     assert server.events == ["begin", ("finish", {"w": (0.1, 1 / 3)})]
-    assert _steps(client.generate([[1]], PARAMS)) == [1, 1, 1, 1]
+    assert _steps(_generate(client, [[1]])) == [1, 1, 1, 1]
 
 
 def test_an_update_sent_during_a_generation_is_taken_between_its_decode_steps(served):
@@ -173,11 +184,11 @@ def test_an_update_sent_during_a_generation_is_taken_between_its_decode_steps(se
     queued = client.submit([[2]], PARAMS)  # asked for before the update, started after it
     assert server.holding.wait(10)  # the update is sent once the generation sampled 2 tokens
     assert _sync(client, {"a": torch.ones(2)}) == 1
-    first, second = during(), queued()
+    first, second = during().responses, queued().responses
     assert _steps(first) == [0, 0, 1, 1] and first.weight_updates_T[:4].tolist() == [0, 0, 1, 1]
     assert _steps(second) == [1, 1, 1, 1] and second.weight_updates_T[:4].tolist() == [1, 1, 1, 1]
     assert server.events[0] == "pause" and server.events[-1] == "resume"
-    assert _steps(client.generate([[1]], PARAMS)) == [1, 1, 1, 1]  # and back in order
+    assert _steps(_generate(client, [[1]])) == [1, 1, 1, 1]  # and back in order
 
 
 def test_without_update_during_generation_the_update_waits_for_the_generation(served):
@@ -191,7 +202,7 @@ def test_without_update_during_generation_the_update_waits_for_the_generation(se
     client._call("begin", None, 20)
     client.load_bucket([("a", torch.ones(2))])
     assert client.finish_weight_update({"w": (0.1, 1 / 3)}) == 1
-    assert _steps(during()) == [0, 0, 0, 0] and "pause" not in server.events
+    assert _steps(during().responses) == [0, 0, 0, 0] and "pause" not in server.events
 
 
 def test_a_newer_session_preempts_the_older_which_is_told_in_one_line(served):
@@ -209,25 +220,47 @@ def test_a_newer_session_preempts_the_older_which_is_told_in_one_line(served):
         time.sleep(0.01)
     with pytest.raises(RuntimeError, match=r"^rollout server at 127.0.0.1:\d+: a newer trainer \(session 2\) took "
                                            r"this rollout server; this trainer's session 1 ended$"):
-        old.generate([[1]], PARAMS)
-    assert _steps(newer[0].generate([[1]], PARAMS)) == [0, 0, 0, 0]
+        _generate(old, [[1]])
+    assert _steps(_generate(newer[0], [[1]])) == [0, 0, 0, 0]
+
+
+def test_routing_crosses_to_the_trainers_that_ask_for_it_at_their_hello(served):
+    server, address, _ = served
+    with pytest.raises(ConnectionError, match="does not return routed experts"):
+        _client(address, routed=True)
+    server.return_routed_experts = True
+    rollout = _client(address, routed=True).submit([[1, 2], [3]], PARAMS)()
+    assert rollout.responses.num_responses == 4 and len(rollout.routed_experts) == 4
+    for got, prompt in zip(rollout.routed_experts, [[1, 2], [1, 2], [3], [3]]):
+        assert got.dtype == torch.int16 and torch.equal(got, _experts(prompt, 4))
+    plain = _client(address)
+    assert plain.submit([[1]], PARAMS)().routed_experts is None  # not asked for: not sent
+    with pytest.raises(ValueError, match="no between_steps from the trainer"):  # the server's session runs its own
+        plain.submit([[1]], PARAMS, between_steps=lambda: 0)
+
+
+def test_an_older_clients_hello_is_refused_for_its_protocol():
+    """A protocol 6 hello (no `routed` yet) is told to update both, not that its fields are wrong."""
+    older = dict(protocol=6, shape=dataclasses.asdict(SHAPE), device_type="cpu", update_during_generation=False)
+    with pytest.raises(ValueError, match=r"^protocol 6 is not this server's 7: update both$"):
+        check_hello(older, dataclasses.asdict(SHAPE), "cpu")
 
 
 @pytest.mark.parametrize("refused, message", [
     (dict(token="wrong"), r"not signed with this trainer's token \(set GTPO_REMOTE_TOKEN or GTPO_REMOTE_TOKEN_FILE"),
-    (dict(protocol=5), "refused: protocol 5 is not this server's 6: update both"),
+    (dict(protocol=5), "refused: protocol 5 is not this server's 7: update both"),
     (dict(shape=ModelShape.from_hf(tiny_model_hf_config(vocab_size=40))), r"differs from the server's in .*vocab_size"),
 ])
 def test_a_refused_hello_leaves_the_active_session_alone(served, monkeypatch, refused, message):
     server, address, _ = served
     active = _client(address)
-    active.generate([[1]], PARAMS)
+    _generate(active, [[1]])
     with monkeypatch.context() as patched, pytest.raises(RuntimeError, match=message):
         patched.setenv("GTPO_REMOTE_TOKEN", refused.get("token", "t"))
         patched.setattr("megatron_gtpo.rollout.remote_client.PROTOCOL", refused.get("protocol", PROTOCOL))
         RemoteClient(address, refused.get("shape", SHAPE), CPU, connect_timeout_s=20, request_timeout_s=20)
     assert _sync(active, {"a": torch.ones(2)}) == 1  # still this session's server
-    assert _steps(active.generate([[1]], PARAMS)) == [1, 1, 1, 1]
+    assert _steps(_generate(active, [[1]])) == [1, 1, 1, 1]
 
 
 def test_malformed_requests_are_answered_with_an_error_and_the_server_serves_on(served):
@@ -256,7 +289,7 @@ def test_malformed_requests_are_answered_with_an_error_and_the_server_serves_on(
         write(key)
         with pytest.raises(RuntimeError, match=reply):
             client._reply(f"{key}/rep", "raw", 10)
-        assert _steps(client.generate([[1]], PARAMS)) == [0, 0, 0, 0]
+        assert _steps(_generate(client, [[1]])) == [0, 0, 0, 0]
 
 
 def test_each_abandoned_weight_group_is_released_on_its_own():
@@ -283,7 +316,7 @@ def test_each_abandoned_weight_group_is_released_on_its_own():
 def test_a_store_without_a_servers_nonce_is_named_as_no_server_of_this_protocol():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # an older server's, say
     with pytest.raises(ConnectionError, match=r"holds no rollout server's nonce after 1 s: not a server of protocol "
-                                              r"6 \(an older one\? update both\)"):
+                                              r"7 \(an older one\? update both\)"):
         RemoteClient(f"127.0.0.1:{store.port}", SHAPE, CPU, connect_timeout_s=1)
 
 
@@ -361,20 +394,21 @@ def test_a_client_outlives_its_server_killed_in_a_generation_a_weight_sync_and_b
         client = _client(address, reconnect_timeout_s=30)
         assert _sync(client, {"v": torch.tensor([1.0])}) == 1
         in_flight = client.submit([[1]], PARAMS)  # the first server dies at its decode step 2
-        assert _steps(in_flight()) == [1, 1, 1, 1]
+        assert _steps(in_flight().responses) == [1, 1, 1, 1]
         assert _sync(client, {"v": torch.tensor([2.0])}) == 2  # the second dies inside it
-        assert _steps(client.generate([[1]], PARAMS)) == [2, 2, 2, 2]
+        assert _steps(_generate(client, [[1]])) == [2, 2, 2, 2]
         servers.kill()  # the third dies between requests
-        assert _steps(client.generate([[1]], PARAMS)) == [2, 2, 2, 2] and client.policy_version == 2
+        assert _steps(_generate(client, [[1]])) == [2, 2, 2, 2] and client.policy_version == 2
         client.reconnect_timeout_s = 1
         servers.kill()  # the last: none comes back
         with pytest.raises(RuntimeError, match=rf"^rollout server at {address}, .*did the server die\?.*; no server "
                                                rf"came back at the same address within 1 s "
                                                rf"\(rollout.remote_reconnect_timeout_s\)$"):
-            client.generate([[1]], PARAMS)
+            _generate(client, [[1]])
     finally:
         servers.stop()
     lines = capfd.readouterr().err.splitlines()
+    assert not [line for line in lines if "[c10d]" in line or line.startswith("frame #")], lines  # torch's reports
     lost = [line for line in lines if "for a rollout server at the same address" in line]
     assert len(lost) == 4 and all(line.startswith(f"rollout server at {address}, ") for line in lost), lines
     assert sum("a server is back; sent it policy version" in line for line in lines) == 3, lines
@@ -395,7 +429,7 @@ def test_a_generation_asked_before_an_update_is_asked_again_after_it_with_its_to
         assert _sync(client, {"v": torch.tensor([1.0])}) == 1
         in_flight = client.submit([[1]], PARAMS)
         assert _sync(client, {"v": torch.tensor([2.0])}) == 2
-        record = in_flight()
+        record = in_flight().responses
         assert _steps(record) == [2, 2, 2, 2] and record.weight_updates_T.tolist() == [1] * 8
     finally:
         servers.stop()

@@ -122,9 +122,8 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_prompt, sto
             load(new_weights)
             return 1
 
-        e.between_steps = update_at_fourth_step
-        record = e.generate(PROMPTS, SamplingParams(n=2, temperature=SAMPLE_TEMPERATURE, max_new_tokens=8, seed=9))
-        e.between_steps = lambda: 0
+        record = e.submit(PROMPTS, SamplingParams(n=2, temperature=SAMPLE_TEMPERATURE, max_new_tokens=8, seed=9),
+                          between_steps=update_at_fourth_step)().responses
         updates = record.weight_updates_T.tolist()
         responses = record.to_lists()
         stamps, start = [], 0

@@ -87,26 +87,23 @@ class _EchoServer:
         self.calls = []
         self.intervals = []
 
-    def generate(self, prompts, params, first_prompt=0):
+    def submit(self, prompts, params, *, first_prompt=0, between_steps=None):
+        """Each prompt's response, and for its P + R - 1 fed positions at every layer the experts `_experts` names
+        (a routing server's rollout, vllm_engine.VLLMServer.submit)."""
         import time
 
+        from megatron_gtpo.rollout.engine import Rollout
         from megatron_gtpo.rollout.responses import Response, Responses
 
         self.calls.append((len(prompts), first_prompt))
         start = time.time()
         time.sleep(0.5)
         self.intervals.append((start, time.time()))
-        return Responses.from_lists([[Response(list(p) + [self.index], [-0.5] * (len(p) + 1), "length")]
-                                     for p in prompts])
-
-    def generate_routed(self, prompts, params, first_prompt=0):
-        """`generate`, and for each response's P + R - 1 fed positions at every layer the experts `_experts` names
-        (vLLM's layout after vllm_engine.VLLMServer.generate_routed)."""
-        import torch
-
-        responses = self.generate(prompts, params, first_prompt)
-        return responses, torch.cat([_experts(first_prompt + i, 2 * len(p), range(1, 4))  # P + R - 1, R = P + 1
-                                     for i, p in enumerate(prompts)])
+        rollout = Rollout(Responses.from_lists([[Response(list(p) + [self.index], [-0.5] * (len(p) + 1), "length")]
+                                                for p in prompts]),
+                          [_experts(first_prompt + i, 2 * len(p), range(1, 4))  # P + R - 1, R = P + 1
+                           for i, p in enumerate(prompts)])
+        return lambda: rollout
 
 
 def _experts(prompt_index, rows, layers):
@@ -176,7 +173,7 @@ def _release_before_wake(rank, world_size):
     import torch
 
     from megatron_gtpo.distributed import initialize_parallel
-    from megatron_gtpo.rollout.engine import SamplingParams
+    from megatron_gtpo.rollout.engine import Rollout, SamplingParams
     from megatron_gtpo.rollout.responses import Response, Responses
     from megatron_gtpo.rollout.server_engine import ServerEngine
 
@@ -184,10 +181,11 @@ def _release_before_wake(rank, world_size):
     events = []
     torch.cuda.empty_cache = lambda: events.append(("empty_cache", time.monotonic()))
 
-    class Server:  # the colocated vLLM server as ServerEngine sees it: waking happens inside generate
-        def generate(self, prompts, params, first_prompt=0):
+    class Server:  # the colocated vLLM server as ServerEngine sees it: waking happens inside submit
+        def submit(self, prompts, params, *, first_prompt=0, between_steps=None):
             events.append(("wake", time.monotonic()))
-            return Responses.from_lists([[Response([1], [-0.5], "length")] for _ in prompts])
+            rollout = Rollout(Responses.from_lists([[Response([1], [-0.5], "length")] for _ in prompts]))
+            return lambda: rollout
 
     engine = ServerEngine(Server() if groups.tp_rank == 0 else None, groups,
                           SimpleNamespace(vocab_size=100, max_position_embeddings=64))

@@ -75,15 +75,15 @@ def _record_worker_replies(server) -> dict[str, list[int]]:
 
 
 def _record_prompts_served(server) -> list[tuple[int, int]]:
-    """Make the server's generate record (number of prompts, first_prompt) of each call."""
+    """Make the server's submit record (number of prompts, first_prompt) of each call."""
     served: list[tuple[int, int]] = []
-    generate = server.generate
+    submit = server.submit
 
-    def recording(prompts, params, first_prompt=0):
+    def recording(prompts, params, *, first_prompt=0, between_steps=None):
         served.append((len(prompts), first_prompt))
-        return generate(prompts, params, first_prompt)
+        return submit(prompts, params, first_prompt=first_prompt, between_steps=between_steps)
 
-    server.generate = recording
+    server.submit = recording
     return served
 
 
@@ -650,7 +650,7 @@ def _sleeping_server():
 
     server = VLLMServer.__new__(VLLMServer)  # everything __init__ sets, without starting vLLM
     server.llm, server.sleep_supported = _RecordingLLM(), True
-    server.policy_version, server._asleep, server.between_steps = 0, set(), lambda: 0
+    server.policy_version, server._asleep, server.return_routed_experts = 0, set(), False
     return server
 
 
@@ -767,10 +767,10 @@ def test_routing_replay_is_refused_at_start_where_vllm_cannot_return_experts(tmp
         VLLMServer(str(tmp_path / "absent"), return_routed_experts=True)
 
 
-def test_generate_routed_gives_each_response_its_fed_positions():
-    """VLLMServer.generate_routed on a stand-in for vllm.LLM whose samples carry `routed_experts` (vLLM's numpy
-    uint8 [P + R - 1, layers, k]): the responses' experts back to back in record order (prompt-major), int16, and an
-    output whose rows are not its fed positions refused."""
+def test_a_routing_servers_rollout_gives_each_response_its_fed_positions():
+    """VLLMServer.submit with return_routed_experts on a stand-in for vllm.LLM whose samples carry `routed_experts`
+    (vLLM's numpy uint8 [P + R - 1, layers, k]): each response's experts in record order (prompt-major), int16, and
+    an output whose rows are not its fed positions refused."""
     import numpy as np
 
     from megatron_gtpo.rollout import SamplingParams
@@ -795,11 +795,12 @@ def test_generate_routed_gives_each_response_its_fed_positions():
     server.llm = RoutedLLM()
     server.llm.extra_rows = 0
     server.return_routed_experts, server.num_layers, server.topk = True, 3, 2
-    record, experts = server.generate_routed([[1, 2, 3], [4]], SamplingParams(n=2, max_new_tokens=2))
-    assert record.lengths_R.tolist() == [1, 2, 1, 2]
+    rollout = server.submit([[1, 2, 3], [4]], SamplingParams(n=2, max_new_tokens=2))()
+    assert rollout.responses.lengths_R.tolist() == [1, 2, 1, 2]
     rows = [3, 4, 1, 2]  # P + R - 1 per response, prompt-major
-    expected = torch.cat([torch.full((r, 3, 2), v, dtype=torch.int16) for r, v in zip(rows, [0, 1, 10, 11])])
-    assert experts.dtype == torch.int16 and torch.equal(experts, expected)
+    expected = [torch.full((r, 3, 2), v, dtype=torch.int16) for r, v in zip(rows, [0, 1, 10, 11])]
+    assert len(rollout.routed_experts) == 4
+    assert all(e.dtype == torch.int16 and torch.equal(e, x) for e, x in zip(rollout.routed_experts, expected))
     server.llm.extra_rows = 1  # the last generated token's row too: not what vLLM reports
     with pytest.raises(ValueError, match="not one row per fed position"):
-        server.generate_routed([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=2))
+        server.submit([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=2))

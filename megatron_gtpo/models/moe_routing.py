@@ -107,7 +107,7 @@ def filler_experts(num_tokens: int, layers: int, topk: int, device) -> torch.Ten
 
 def record_from_vllm(routed_experts_NLK, *, prompt_length: int, response_length: int, layers: tuple[int, ...],
                      topk: int, device=None) -> torch.Tensor:
-    """One vLLM completion's routing as the built-in engine's record (rollout/builtin.py's generate_routed): int16
+    """One vLLM completion's routing as the built-in engine's record (its rollouts' routing, engine.Rollout): int16
     [P + R - 1, M, k] on `device`, M ordered as `layers` (megatron's 1-based global layer numbers of this rank's MoE
     layers).
 

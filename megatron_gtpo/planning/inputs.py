@@ -141,7 +141,7 @@ def settings_from_config(cfg, **overrides) -> Settings:
     return Settings(**{"params_dtype": cfg.model.dtype, "recompute_activations": cfg.model.recompute_activations,
                        "logprob_workspace_mib": cfg.model.logprob_workspace_mib,
                        "builtin_max_batch_tokens": cfg.rollout.builtin_max_batch_tokens,
-                       "routing_replay": cfg.algorithm.routing_replay == "rollout",
+                       "routing_replay": cfg.algorithm.replays_routing,
                        "vllm_memory_fraction": cfg.rollout.vllm_gpu_memory_utilization if vllm else None,
                        "vllm_tensor_parallel": cfg.rollout.vllm_tensor_parallel if vllm else None, **overrides})
 

@@ -99,7 +99,7 @@ def routing_record_bytes(shape: ModelShape, layout: ParallelLayout, workload: Wo
     """Routing replay's record on one rank of stage `pp_rank`, at the maximum lengths: every sequence of its replica
     (the built-in engine generates the replica's share of the step on every rank of it) with, per fed token (its
     prompt and all its tokens but the last), the top-k experts of each MoE layer of the stage, in the dtype the
-    record is kept in (rollout/builtin.py's generate_routed, models/moe_routing.EXPERT_INDEX_DTYPE; vLLM's routing
+    record is kept in (rollout.engine.Rollout's routing, models/moe_routing.EXPERT_INDEX_DTYPE; vLLM's routing
     becomes the same record, on the GPU from the step batch on). 0 for a dense model."""
     if shape.moe is None:
         return 0

@@ -31,8 +31,10 @@ How a batch is generated:
   cache compacted) once the finished rows are a quarter of the batch's rows (decode_rows.DecodeRows.compaction_pays:
   a compaction copies the cache, a finished row kept costs its share of every later step; with 4 rows or fewer a
   finished row leaves at once). The loop ends when no row is left;
-- `between_steps` is called before every forward step. It may change the model's weights (a rollout server taking a
-  weight update while it generates: remote_server.py); it then returns how many updates it took, and the rows in
+- a call's `between_steps` (`submit`'s argument) is called before every forward step, on every rank of the group
+  alike: what it raises abandons the generation (a rollout server's pre-emption by a newer trainer session). It may
+  change the model's weights (a rollout server taking a weight update while it generates: remote_server.py); it
+  then returns how many updates it took, and the rows in
   flight are prefilled again under the new weights (their KV cache is computed afresh from their tokens so far), so
   every later token is sampled from the new policy, and is stamped with the updates taken before it
   (`Responses.weight_updates_T`).
@@ -52,7 +54,7 @@ MoE layer, so they must take every forward step together, whatever their own pro
 different responses of different lengths). Before each forward step every rank says whether it has rows left, one
 all-reduce (MAX) over the group; a rank with none left takes part in its peers' steps with a one-token forward whose
 output it drops (`stand_by`), until no peer has rows left. Without expert parallelism nothing of this runs.
-`record_routing`: `generate_routed` also gives, per response, the experts each of its fed tokens went to at this
+`record_routing`: `submit`'s rollout also gives, per response, the experts each of its fed tokens went to at this
 rank's MoE layers (models/moe_routing.py), for routing replay in training; it stays on the rank, beside the record.
 
 Sampling and the log-prob convention are in sampling.py and engine.py. Sequence parallelism is switched off for the
@@ -116,10 +118,6 @@ class BuiltinEngine:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
         self.record_routing = record_routing
-        # Called before every forward step of a generation, on every rank of the group alike: what it raises abandons
-        # the generation (a rollout server's pre-emption by a newer trainer session, remote_channel.NewerSession); it
-        # returns the weight updates it took (module doc).
-        self.between_steps: Callable[[], int] = _no_update
         # ParallelGroups of a dense model (or stand-ins without the attribute) need no lockstep.
         self.lockstep_group = getattr(parallel, "expert_lockstep_group", None)
         config = self.models[0].config
@@ -146,25 +144,24 @@ class BuiltinEngine:
             raise ValueError("the built-in engine generates with the model chunks it was built with; "
                              "sync_weights was given different ones")
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Rollout]:
-        """`generate_routed` now (the engine runs on the trainer's own ranks); its rollout when asked."""
-        rollout = Rollout(*self.generate_routed(prompts, params))
+    def submit(self, prompts: list[list[int]], params: SamplingParams, *,
+               between_steps: Callable[[], int] | None = None) -> Callable[[], Rollout]:
+        """The rollout, generated now (the engine runs on the trainer's own ranks), given when asked: the record
+        (responses.py) of params.n responses per prompt, on the group's device on every rank, and with
+        `record_routing` (a mixture-of-experts model) the experts each response's fed tokens went to at this rank's
+        MoE layers (`Rollout`; M ordered as moe_routing.routed_layers). The routing differs between pipeline stages
+        (each rank records its own layers), so it stays rank-local, beside the record: never sent between ranks.
+        `between_steps`: called before every forward step (module doc; None: nothing)."""
+        rollout = self._generate(prompts, params, between_steps or _no_update)
         return lambda: rollout
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> Responses:
-        """The record (responses.py) of params.n responses per prompt, on the group's device on every rank."""
-        record, _ = self.generate_routed(prompts, params)
-        return record
+        """The record of `submit`'s rollout."""
+        return self._generate(prompts, params, _no_update).responses
 
     @torch.no_grad()
-    def generate_routed(self, prompts: list[list[int]], params: SamplingParams) \
-            -> tuple[Responses, list[torch.Tensor] | None]:
-        """`generate`, and with `record_routing` (a mixture-of-experts model) the experts each response's fed tokens
-        went to at this rank's MoE layers: per response of the record (prompt-major), int16 [P + R - 1, M, k] (its
-        prompt's P tokens and all its tokens but the last, which is never fed back), M ordered as
-        moe_routing.routed_layers. The routing differs between pipeline stages (each rank records its own layers), so
-        it stays rank-local, beside the record: never sent between ranks. None without `record_routing`."""
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, between_steps: Callable[[], int]) \
+            -> Rollout:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.vocab_size, max_positions=self.max_positions,
@@ -175,7 +172,7 @@ class BuiltinEngine:
                                max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
         parts: list[tuple[torch.Tensor, ...]] = []  # per batch: (tokens_T, logprobs_T, updates_T, lengths_R, finish_R)
         routed: list[torch.Tensor] | None = [] if self.record_routing else None
-        self._updates_taken = 0  # between_steps' weight updates during this call
+        self._between_steps, self._updates_taken = between_steps, 0  # this call's, and the updates it took
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
                 tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
             for batch in batches:
@@ -192,7 +189,7 @@ class BuiltinEngine:
         record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=self.parallel.device),
                            lengths_R=lengths_R, finish_R=finish_R, token_ids_T=tokens_T, logprobs_T=logprobs_T,
                            weight_updates_T=updates_T)
-        return record, routed
+        return Rollout(record, routed)
 
     @torch.no_grad()
     def stand_by(self) -> None:
@@ -277,9 +274,9 @@ class BuiltinEngine:
         return (*state.results(), experts)
 
     def _take_updates(self) -> int:
-        """`between_steps`, counting the weight updates it took in this call; refuses them while recording routing
+        """The call's `between_steps`, counting the weight updates it took; refuses them while recording routing
         (a row's routing would mix two prefills)."""
-        taken = self.between_steps()
+        taken = self._between_steps()
         if taken and self.record_routing:
             raise RuntimeError("the weights changed during a generation that records routing (routing replay)")
         self._updates_taken += taken

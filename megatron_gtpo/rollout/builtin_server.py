@@ -1,23 +1,24 @@
 """The built-in Megatron engine as a rollout server on a process of its own (`rollout.engine: builtin_remote`).
 
-`BuiltinServer` is the server object the remote serving loop drives (rollout/remote_server.py `serve`, the protocol in
-docs/remote_rollout.md), with the same methods as `vllm_engine.VLLMServer`: it generates with a `BuiltinEngine` on a
-model of its own (TP = PP = 1, in a torch.distributed world of one process), and takes weight updates from the
-trainer over the channel's weight group, in Hugging Face names through the one mapping (models/hf_mapping.py), so
-the trainer's side is the one vLLM servers use. It is what lets engines generate while the trainer trains
-(`rollout.max_staleness`) on a machine without vLLM, and the CPU tests run that path.
+`BuiltinServer` is a server object the remote serving loop drives (rollout/remote_server.py `serve`, the protocol in
+docs/remote_rollout.md), a `remote_server.ServedServer` as `vllm_engine.VLLMServer` is: it generates with a
+`BuiltinEngine` on a model of its own (TP = PP = 1, in a torch.distributed world of one process), and takes weight
+updates from the trainer over the channel's weight group, in Hugging Face names through the one mapping
+(models/hf_mapping.py), so the trainer's side is the one vLLM servers use. It is what lets engines generate while
+the trainer trains (`rollout.max_staleness`) on a machine without vLLM, and the CPU tests run that path.
 
 A weight update is whole: `receive_bucket` keeps each bucket's tensors, `finish_weight_update` loads them all into
 the model (every parameter must be covered) and checks the trainer's checksums against what arrived, then bumps
 the policy version. Memory: one host copy of the model during an update.
 
-`interrupt` (set by the serving loop for each session, remote_channel.NewerSession) is called while a broadcast is
-pending, and `between_steps` (by default `interrupt`) before every decode step: when a newer trainer session
-connects, the older one's generation or weight update is abandoned (`Preempted`); `leave_weight_group(abandoned=True)`
-then drops what an unfinished update received. A session whose trainer sends weight updates during generation
-(rollout.update_during_generation) sets `between_steps` to take them there (remote_server.py); the engine then
-prefills its rows in flight again under the new weights (builtin.py), and `pause_generation` / `resume_generation`
-have nothing to do: the engine waits inside `between_steps` meanwhile.
+A generation runs the `between_steps` its call passes (`submit`) before every decode step: the serving loop's
+session passes its own (remote_server.py), which abandons the generation (`Preempted`) once a newer trainer session
+was admitted, and takes the weight updates sent meanwhile where its trainer sends them during generation
+(rollout.update_during_generation); the engine then prefills its rows in flight again under the new weights
+(builtin.py), and `pause_generation` / `resume_generation` have nothing to do: the engine waits inside
+`between_steps` meanwhile. A broadcast of the weight group is abandoned the same way (the group's own
+`NewerSession`, remote_channel.join_weight_group); `leave_weight_group(abandoned=True)` then drops what an
+unfinished update received.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Callable
 import torch
 
 from .builtin import BuiltinEngine
-from .engine import SamplingParams
+from .engine import Rollout, SamplingParams
 from .remote_channel import broadcast_from_trainer, close_weight_group, join_weight_group
 from .weight_sync import tensor_checksum
 
@@ -51,6 +52,7 @@ class BuiltinServer:
     megatron_gtpo checkpoint the model starts from; `dtype`: its parameters' dtype."""
 
     num_workers = 1
+    return_routed_experts = False  # its engine's routing would be of the server's own rank (a trainer's is replayed)
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_batch_rows: int | None = None,
                  max_batch_tokens: int | None = None, seed: int = 0):
@@ -72,16 +74,17 @@ class BuiltinServer:
         self.max_model_len = self.shape.max_position_embeddings
         self.policy_version = 0
         self.group = None
+        self._interrupt: Callable[[], None] | None = None  # the weight group's session check (module doc)
         self._update: dict[str, torch.Tensor] | None = None
-        self.interrupt: Callable[[], None] = lambda: None  # nothing to interrupt until a session sets it
-        self.between_steps: Callable[[], int] = lambda: self.interrupt() or 0
-        self.engine.between_steps = lambda: self.between_steps()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0):
+    def submit(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0,
+               between_steps: Callable[[], int] | None = None) -> Callable[[], Rollout]:
+        """`server_engine.RolloutServer.submit`: generated within the call; no routing (the built-in engine's
+        stays on the trainer's ranks)."""
         if first_prompt != 0:  # one server per replica: the whole replica's prompts come in one call
             raise ValueError(f"a built-in rollout server serves all of its replica's prompts, got first_prompt="
                              f"{first_prompt}")
-        return self.engine.generate(prompts, params)
+        return self.engine.submit(prompts, params, between_steps=between_steps)
 
     def pause_generation(self) -> None:
         """Nothing: the engine waits inside `between_steps` while the update is taken."""
@@ -90,25 +93,33 @@ class BuiltinServer:
         """Nothing: the engine prefills its rows again when `between_steps` reports the update (builtin.py)."""
 
     def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
-        self.group, _ = join_weight_group(host, port, session, 1, 1 + self.num_workers, self._device, timeout_s)
+        self.group, self._interrupt = join_weight_group(host, port, session, 1, 1 + self.num_workers, self._device,
+                                                        timeout_s)
         probe = torch.zeros(1, dtype=torch.int64, device=self._device)
-        broadcast_from_trainer(self.group, probe, self.interrupt)
+        broadcast_from_trainer(self.group, probe, self._interrupt)
         return [int(probe.item())]
 
     def leave_weight_group(self, *, abandoned: bool = False) -> None:
         close_weight_group(self.group, abandoned=abandoned)
-        self.group, self._update = None, None
+        self.group, self._interrupt, self._update = None, None, None
 
     def begin_weight_update(self) -> None:
         self._update = {}
 
     def receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
-        if self._update is None:
-            raise RuntimeError("a weight bucket arrived outside a weight update (no begin)")
+        """The bucket the trainer broadcasts in the weight group, kept (`load_bucket`)."""
+        bucket = []
         for name, dtype_name, shape in zip(names, dtype_names, shapes):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype_name), device=self._device)
-            broadcast_from_trainer(self.group, tensor, self.interrupt)
-            self._update[name] = tensor
+            broadcast_from_trainer(self.group, tensor, self._interrupt)
+            bucket.append((name, tensor))
+        self.load_bucket(bucket)
+
+    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Keep the bucket's tensors for `finish_weight_update` (module doc)."""
+        if self._update is None:
+            raise RuntimeError("a weight bucket arrived outside a weight update (no begin)")
+        self._update.update(bucket)
 
     def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:
         """Load the update into the model, check the checksums of what arrived; the new policy version."""

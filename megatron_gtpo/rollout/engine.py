@@ -78,10 +78,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Rollout:
-    """What every engine's `submit` gives the trainer: the record of the call's responses and, with routing replay
-    (the built-in engine with `record_routing`, a server engine with `routed_layers`), per response the experts its
-    fed tokens went to at this rank's MoE layers (rank-local; BuiltinEngine.generate_routed). None: the routers choose
-    in training."""
+    """What every engine's and every rollout server's `submit` gives: the record of the call's responses and, where
+    the engine records routing, per response (record order) the experts its fed tokens went to at the MoE layers
+    the engine runs, int16 [P + R - 1, M, k]: its prompt's P tokens and all its tokens but the last, which is never
+    fed back (models/moe_routing.py). A trainer's engine (the built-in engine with `record_routing`, a server
+    engine with `routed_layers`) gives this rank's MoE layers (rank-local, for routing replay); a rollout server
+    (server_engine.RolloutServer) every layer of the model. None: no routing recorded (the routers choose in
+    training)."""
 
     responses: Responses
     routed_experts: list[torch.Tensor] | None = None

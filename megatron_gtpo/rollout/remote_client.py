@@ -4,7 +4,8 @@ gives a `RolloutEngine` with the semantics of the colocated `vllm_engine.VLLMEng
 every rank of the model-parallel group gets the responses, or raises when the server failed. After a transport
 failure a client refuses further calls; after an error the server reported, the session stays usable.
 
-`submit` asks for responses without waiting for them. By default the server answers requests in order, so a weight
+A `RemoteClient` is a rollout server (server_engine.RolloutServer) whose `submit` asks for responses without waiting
+for them. By default the server answers requests in order, so a weight
 update sent after a submitted generation waits until that generation is done (the update drains it, never interrupts
 it), and the generation is of the weights that were current when it was submitted. With `update_during_generation`
 (rollout.update_during_generation) the server takes a weight update between the decode steps of the generations in
@@ -27,13 +28,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .engine import SamplingParams
+from .engine import Rollout, SamplingParams
 from .remote_channel import (
     PROTOCOL,
     ROOT,
@@ -49,8 +49,8 @@ from .remote_channel import (
     weight_group,
     weights_prefix,
 )
-from .responses import Responses
 from .server_engine import ServerEngine, attempt, share_outcome, unwrap
+from .server_store import ServerStore
 from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
 
 _ENDED_CHECK_S = 0.5  # how often a client waiting for a reply looks whether the server gave its session away
@@ -65,11 +65,10 @@ class ServerLost(RuntimeError):
 
 @dataclasses.dataclass
 class _Asked:
-    """A generation asked for and not yet answered: its request, the trainer's policy version when asked, the key
-    its reply comes under, and how many weight updates its server took before it beyond those it was asked after
-    (`shift`: asked again after an update, under update_during_generation)."""
+    """A generation asked for and not yet answered: its request's payload, the trainer's policy version when asked,
+    the key its reply comes under, and how many weight updates its server took before it beyond those it was asked
+    after (`shift`: asked again after an update, under update_during_generation)."""
 
-    op: str
     payload: tuple
     version: int
     reply_key: str = ""
@@ -77,13 +76,13 @@ class _Asked:
 
 
 class RemoteClient:
-    """The trainer's handle on one rollout server (vLLM or built-in): the `server` object of a ServerEngine
+    """The trainer's handle on one rollout server (vLLM or built-in): the `RolloutServer` of a ServerEngine
     (docs/remote_rollout.md has the protocol)."""
 
     def __init__(self, address: str, shape, device: torch.device, *, connect_timeout_s: float = 300.0,
                  request_timeout_s: float = 1800.0, routed: bool = False, update_during_generation: bool = False,
                  reconnect_timeout_s: float = 0.0):
-        """`routed` (routing replay): ConnectionError unless the server returns routed experts.
+        """`routed` (routing replay): the rollouts carry routing; ConnectionError unless the server returns it.
         `update_during_generation`: the server takes weight updates while it generates; `reconnect_timeout_s` > 0:
         the client outlives its server (module doc)."""
         self.host, self.port = parse_address(address)
@@ -95,12 +94,12 @@ class RemoteClient:
         # there the weights leave from the host, over gloo, to vLLM's CPU workers.
         self.device = device if torch.cuda.is_available() else torch.device("cpu")
         self._hello = dict(protocol=PROTOCOL, shape=dataclasses.asdict(shape), device_type=self.device.type,
-                           update_during_generation=update_during_generation)
+                           update_during_generation=update_during_generation, routed=routed)
         self.routed, self.update_during_generation = routed, update_during_generation
         self.group = None
         self._token = read_token()
         self._asked: dict[int, _Asked] = {}  # generations in flight, by ticket (the order they were asked in)
-        self._answered: dict[int, tuple] = {}  # ("ok", record) or ("error", exception), taken before waited for
+        self._answered: dict[int, tuple] = {}  # ("ok", rollout) or ("error", exception), taken before waited for
         self._tickets = 0
         # With reconnection: the weights of the last sync (or of the sync in progress), on the host, by bucket, and
         # their checksums.
@@ -115,7 +114,7 @@ class RemoteClient:
         """Connect to the server's store and channel, waiting at most `timeout_s` for it to answer."""
         self._broken: str | None = None
         try:
-            self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            self.store = ServerStore(self.host, self.port, timeout_s)
         except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError or DistStoreError, by version
             raise ConnectionError(f"no rollout server answered at {self.address} within {timeout_s:g} s "
                                   f"({type(e).__name__}: {_first_line(e)})") from None
@@ -139,7 +138,7 @@ class RemoteClient:
         self.dtype = getattr(torch, info["dtype"])
         reply_key = self._request("join", timeout_s)
         try:  # the server's workers join at the same time; then a probe checks that the group works
-            self.group = weight_group(self.store, weights_prefix(self.session), 0, 1 + info["num_workers"],
+            self.group = weight_group(self.store.store, weights_prefix(self.session), 0, 1 + info["num_workers"],
                                       self.device, timeout_s)
             broadcast_from_trainer(self.group, torch.tensor([self.session], dtype=torch.int64, device=self.device))
         except Exception as e:  # noqa: BLE001 - the server's own account, if it has one, says more
@@ -147,27 +146,21 @@ class RemoteClient:
         self._reply(reply_key, "join", timeout_s)
         return info["version"]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0) -> Responses:
-        """The server's record (responses.py), on the host: its tensors cross the channel as their bytes
-        (remote_messages.py)."""
-        return self.submit(prompts, params, first_prompt=first_prompt)()
-
     def submit(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0,
-               op: str = "generate") -> Callable[[], Responses]:
-        """Send the request now; the returned function waits for its record (module doc: what it is generated
-        with), or with op "generate_routed" (`submit_routed`) for the record and its routed experts."""
+               between_steps: Callable[[], int] | None = None) -> Callable[[], Rollout]:
+        """Send the request now; the returned function waits for its rollout (module doc: what it is generated
+        with), on the host: the record, and with `routed` its routing (their tensors cross the channel as their
+        bytes, remote_messages.py). The server's session runs its own `between_steps`: ValueError for one."""
+        if between_steps is not None:
+            raise ValueError("a remote rollout server's decode steps run on its own node, between them what its "
+                             "session decides: no between_steps from the trainer")
         ticket, self._tickets = self._tickets, self._tickets + 1
-        asked = self._asked[ticket] = _Asked(op, (prompts, params, first_prompt), self.policy_version)
+        asked = self._asked[ticket] = _Asked((prompts, params, first_prompt), self.policy_version)
         try:
-            asked.reply_key = self._request(op, asked.payload)
+            asked.reply_key = self._request("generate", asked.payload)
         except ServerLost as lost:
             self._revive(lost)  # which asks again for every generation in flight, this one included
         return lambda: self._answer(ticket)
-
-    def submit_routed(self, prompts: list[list[int]], params: SamplingParams, *,
-                      first_prompt: int = 0) -> Callable[[], tuple[Responses, torch.Tensor]]:
-        """`submit` of the record and its routed experts (vllm_engine.VLLMServer.generate_routed), on the host."""
-        return self.submit(prompts, params, first_prompt=first_prompt, op="generate_routed")
 
     def _answer(self, ticket: int):
         """The answer to generation `ticket` (raised if it is an error)."""
@@ -182,7 +175,8 @@ class RemoteClient:
         while ticket not in self._answered:
             asked = self._asked[ticket]
             try:
-                answer, made_with = self._reply(asked.reply_key, asked.op, self.request_timeout_s)
+                record, routing, made_with = self._reply(asked.reply_key, "generate", self.request_timeout_s)
+                answer = Rollout(record, routing)
             except ServerLost as lost:
                 self._revive(lost)  # which asks for it again
                 continue
@@ -200,7 +194,9 @@ class RemoteClient:
                                          f"request as made with policy version {made_with + self._offset}, the last "
                                          f"one synced before it is {asked.version + asked.shift}")
         if asked.shift:  # generated by weights newer than asked for: every token counts those updates
-            answer = dataclasses.replace(answer, weight_updates_T=answer.weight_updates_T + asked.shift)
+            record = answer.responses
+            answer = Rollout(dataclasses.replace(record, weight_updates_T=record.weight_updates_T + asked.shift),
+                             answer.routed_experts)
         return "ok", answer
 
     def begin_weight_update(self) -> None:
@@ -286,7 +282,7 @@ class RemoteClient:
         self._offset = self.policy_version - server_version
         for asked in self._asked.values():
             asked.shift = self.policy_version - asked.version
-            asked.reply_key = self._request(asked.op, asked.payload)
+            asked.reply_key = self._request("generate", asked.payload)
         _say(f"rollout server at {self.address}: a server is back; sent it policy version {self.policy_version} and "
              f"asked again for {len(self._asked)} generation(s) in flight")
 

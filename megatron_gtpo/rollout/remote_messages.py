@@ -146,7 +146,6 @@ def check_request(op: str, payload) -> None:
         "close": ("null", lambda: p is None),
         "shutdown": ("null", lambda: p is None),
     }
-    declared["generate_routed"] = declared["generate"]
     if op not in declared:
         raise ValueError(f"unknown request {op[:40]!r}; this server answers {sorted(declared)}")
     expected, holds = declared[op]

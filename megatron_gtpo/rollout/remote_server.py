@@ -7,17 +7,19 @@
 
 `--engine vllm` (default; `rollout.engine: vllm_remote`) serves a vLLM engine (vllm_engine.VLLMServer);
 `--engine builtin` (`rollout.engine: builtin_remote`) the built-in Megatron engine (builtin_server.BuiltinServer),
-which needs no vLLM. `--return-routed-experts` (vLLM on GPUs): the server also answers each response's experts, for
-a trainer's routing replay (algorithm.routing_replay: rollout). The server hosts the rendezvous TCPStore at
+which needs no vLLM; both are `ServedServer`s. `--return-routed-experts` (vLLM on GPUs): the server also answers
+each response's experts to a trainer that asks for them at its hello (routing replay, algorithm.routing_replay:
+rollout). The server hosts the rendezvous TCPStore at
 HOST:PORT, answers the requests of the newest admitted trainer session (a newer session whose hello checks out
 replaces an older one and pre-empts its generation or weight update; `_Admission`), and runs until a trainer asks it
 to shut down. The trainer's side is remote_client.py. The messages are signed with the token in GTPO_REMOTE_TOKEN or
 in the file GTPO_REMOTE_TOKEN_FILE names, the trainer's the same (remote_channel.py); nothing from the network is
 unpickled (remote_messages.py), and a request that is not one of the protocol is answered with an error.
 
-Requests are answered in order, but for a session whose trainer sends weight updates during generation (hello's
-`update_during_generation`, rollout.update_during_generation): before every decode step of a generation the session
-looks ahead among the requests already sent, past further generations, for a weight update, and takes it there
+Requests are answered in order. Before every decode step of a generation the session (`_Session.between_steps`, the
+callback its generation passes to the server) checks for a newer session, and, for a session whose trainer sends
+weight updates during generation (hello's `update_during_generation`, rollout.update_during_generation), looks ahead
+among the requests already sent, past further generations, for a weight update, and takes it there
 (`server.pause_generation`, its begin / bucket / finish, `server.resume_generation`). The generation goes on under
 the new weights; its later tokens count the update (`Responses.weight_updates_T`), and a generation asked for before
 the update but started after it counts it on all its tokens. Each generation is answered with the policy version
@@ -39,6 +41,8 @@ import torch.distributed as dist
 
 from megatron_gtpo.distributed import set_nccl_environment
 
+from typing import Protocol
+
 from .engine import check_prompts
 from .remote_channel import (
     PROTOCOL,
@@ -55,14 +59,46 @@ from .remote_channel import (
     session_key,
 )
 from .remote_messages import check_request
+from .server_engine import RolloutServer
 
 _POLL_S = 0.05  # how often an idle server, or one waiting inside a weight update, looks for a newer session
 _HELLO_WAIT_S = 60.0  # how long a session number taken without a hello is watched for one
 _MAX_WATCHED = 64  # session numbers watched for a hello at most (the newest)
 _UPDATE_OPS = ("begin", "bucket", "finish")
-_GENERATE_OPS = ("generate", "generate_routed")
 _SHAPE_FIELDS_IGNORED = ("init_std",)  # not used by inference
 log = logging.getLogger(__name__)
+
+
+class ServedServer(RolloutServer, Protocol):
+    """A rollout server the serving loop drives (vllm_engine.VLLMServer, builtin_server.BuiltinServer): the rollout
+    server protocol, with the weight group of a trainer session through which the weights come (remote_channel.py),
+    and a pause for the weight updates taken during a generation."""
+
+    num_workers: int  # the server's processes in the weight group (each receives every bucket)
+    device_type: str  # where they hold the weights: "cpu" (gloo) or "cuda" (NCCL)
+    return_routed_experts: bool  # its rollouts carry routing (RolloutServer.submit)
+
+    def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
+        """Join session `session`'s weight group at the store HOST:PORT; the probe value each worker received."""
+        ...
+
+    def receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
+        """Load the bucket of these tensors, broadcast by the trainer in the weight group."""
+        ...
+
+    def leave_weight_group(self, *, abandoned: bool = False) -> None:
+        """Shut the group down (`abandoned`: a broadcast may be pending; remote_channel.close_weight_group)."""
+        ...
+
+    def pause_generation(self) -> None:
+        """Between decode steps: hold the generation in flight while a weight update is taken."""
+        ...
+
+    def resume_generation(self) -> None:
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 class _Session:
@@ -70,9 +106,10 @@ class _Session:
     (module doc). `seq` is the next request to read in order; `answered` the later ones already answered. Session 0
     is no trainer's (the server before its first one)."""
 
-    def __init__(self, server, shape: dict, channel: Channel, store_host: str, store_port: int, session: int,
-                 request_timeout_s: float = 600.0):
+    def __init__(self, server: ServedServer, shape: dict, channel: Channel, store_host: str, store_port: int,
+                 session: int, request_timeout_s: float = 600.0):
         self.server, self.shape, self.channel = server, shape, channel
+        self.newer = NewerSession(channel.store, session)  # raises once a newer session was admitted
         self.store_host, self.store_port, self.session = store_host, store_port, session
         self.request_timeout_s = request_timeout_s
         self.seq = 0
@@ -80,6 +117,7 @@ class _Session:
         self.answered: set[int] = set()
         self.finished_ahead: list[int] = []  # the seqs of the weight updates' finishes taken ahead of order
         self.update_during_generation = False
+        self.routed = False  # the trainer takes each response's routing (routing replay)
         self.generating: int | None = None  # the seq of the generation in progress
 
     def next_request(self) -> str:
@@ -91,10 +129,10 @@ class _Session:
 
     def start(self, hello: dict) -> None:
         """Answer the session's hello (request 0, checked at admission: `check_hello`)."""
-        self.update_during_generation = hello["update_during_generation"]
+        self.update_during_generation, self.routed = hello["update_during_generation"], hello["routed"]
         self.channel.post(f"{session_key(self.session, 0)}/rep", ("ok", dict(
             version=self.server.policy_version, dtype=str(self.server.dtype).removeprefix("torch."),
-            num_workers=self.server.num_workers, routed_experts=getattr(self.server, "return_routed_experts", False))))
+            num_workers=self.server.num_workers, routed_experts=self.server.return_routed_experts)))
         self.seq = 1
 
     def answer(self, key: str) -> str | None:
@@ -123,13 +161,11 @@ class _Session:
             if any(p != self.session for p in probes):
                 raise RuntimeError(f"the weight group probe reached the workers as {probes}, sent {self.session}")
             return None
-        if op in _GENERATE_OPS:
+        if op == "generate":
             check_prompts(payload[0], vocab_size=self.shape["vocab_size"],
                           max_positions=self.shape["max_position_embeddings"],
                           max_new_tokens=payload[1].max_new_tokens)
-            if op == "generate":
-                return self.generate(payload)
-            return server.generate_routed(*payload), server.policy_version
+            return self.generate(*payload)
         if op == "begin":
             return server.begin_weight_update()
         if op == "bucket":
@@ -142,25 +178,28 @@ class _Session:
             return None
         raise AssertionError(op)  # check_request knows every op
 
-    def generate(self, payload):
-        """(the record, the policy version the request was made with): the current one, less the updates taken
-        ahead of it (whose tokens count them all)."""
+    def generate(self, prompts: list[list[int]], params, first_prompt: int) -> tuple:
+        """(the record, its routing where the trainer asked for it at hello (else None), the policy version the
+        request was made with): the current one, less the updates taken ahead of it (whose tokens count them
+        all)."""
         self.finished_ahead = [f for f in self.finished_ahead if f > self.seq]
         ahead = len(self.finished_ahead)
         made_with = self.server.policy_version - ahead
         self.generating = self.seq
         try:
-            record = self.server.generate(*payload)
+            rollout = self.server.submit(prompts, params, first_prompt=first_prompt,
+                                         between_steps=self.between_steps)()
         finally:
             self.generating = None
+        record = rollout.responses
         if ahead:  # started under weights newer than asked for: every token counts those updates
             record = dataclasses.replace(record, weight_updates_T=record.weight_updates_T + ahead)
-        return record, made_with
+        return record, rollout.routed_experts if self.routed else None, made_with
 
     def between_steps(self) -> int:
-        """Before each decode step: pre-emption by a newer session, and (update_during_generation) the next weight
-        update sent so far, taken now; the number of updates taken."""
-        self.server.interrupt()
+        """Before each decode step of the session's generation: pre-emption by a newer session, and
+        (update_during_generation) the next weight update sent so far, taken now; the number of updates taken."""
+        self.newer()
         if not self.update_during_generation or self.generating is None:
             return 0
         seq = self.generating + 1
@@ -168,7 +207,7 @@ class _Session:
             op = None if seq in self.answered else self.channel.peek_request(session_key(self.session, seq))
             if op in _UPDATE_OPS:
                 return self._take_update(seq)
-            if op not in _GENERATE_OPS and seq not in self.answered:
+            if op != "generate" and seq not in self.answered:
                 return 0
             seq += 1
 
@@ -193,19 +232,20 @@ class _Session:
     def _wait_for_request(self, key: str) -> None:
         deadline = time.monotonic() + self.request_timeout_s
         while not self.channel.arrived(f"{key}/req", _POLL_S):
-            self.server.interrupt()
+            self.newer()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no request of the weight update in {self.request_timeout_s:g} s")
 
 
 def check_hello(payload, shape: dict, device_type: str) -> None:
     """ValueError, in one line, unless a trainer's hello fits this server (protocol, model, weight device)."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("shape"), dict) \
-            or not isinstance(payload.get("update_during_generation"), bool):
-        raise ValueError(f"a hello must be a dict with protocol, shape, device_type and update_during_generation; "
-                         f"got {str(payload)[:80]}")
-    if payload.get("protocol") != PROTOCOL:
+    if isinstance(payload, dict) and payload.get("protocol") != PROTOCOL:  # first: an older hello has other fields
         raise ValueError(f"protocol {payload.get('protocol')!r} is not this server's {PROTOCOL}: update both")
+    if not isinstance(payload, dict) or not isinstance(payload.get("shape"), dict) \
+            or not isinstance(payload.get("update_during_generation"), bool) \
+            or not isinstance(payload.get("routed"), bool):
+        raise ValueError(f"a hello must be a dict with protocol, shape, device_type, update_during_generation and "
+                         f"routed; got {str(payload)[:80]}")
     diff = {k: (payload["shape"].get(k), v) for k, v in shape.items()
             if k not in _SHAPE_FIELDS_IGNORED and payload["shape"].get(k) != v}
     if diff:
@@ -311,7 +351,7 @@ def serve_sessions(server, shape: dict, channel: Channel, host: str, port: int) 
     session = _Session(server, shape, channel, host, port, 0)
     try:
         while True:
-            session = _next_session(session, admission.admitted, store)
+            session = _next_session(session, admission.admitted)
             if not session.active:
                 time.sleep(_POLL_S)
                 continue
@@ -330,7 +370,7 @@ def serve_sessions(server, shape: dict, channel: Channel, host: str, port: int) 
         admission.stopped.set()
 
 
-def _next_session(session: _Session, admitted: queue.SimpleQueue, store) -> _Session:
+def _next_session(session: _Session, admitted: queue.SimpleQueue) -> _Session:
     """The newest session admitted since `session`, or `session`. The sessions it replaces end (`session`, and any
     admitted in between): their trainers are told, and `session`'s weight group is abandoned."""
     newer = []
@@ -345,9 +385,7 @@ def _next_session(session: _Session, admitted: queue.SimpleQueue, store) -> _Ses
     if session.active:
         server.leave_weight_group(abandoned=True)  # a broadcast of it may still be pending
     log.info("serving trainer session %d", number)
-    server.interrupt = NewerSession(store, number)
     successor = _Session(server, session.shape, session.channel, session.store_host, session.store_port, number)
-    server.between_steps = successor.between_steps
     successor.start(hello)
     return successor
 

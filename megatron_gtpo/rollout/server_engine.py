@@ -1,30 +1,12 @@
-"""A `RolloutEngine` for one model-parallel group whose generation runs in server objects held by the group's engine
-hosts (rollout/placement.py: by default one, TP rank 0 of the first pipeline stage; colocated vLLM runs one per
-pipeline stage or per TP slice of one). Imports neither vllm nor megatron. Before the servers wake, every rank of the
-group empties its caching allocator (`_release_cached_memory`).
+"""A `RolloutEngine` for one model-parallel group whose generation runs in rollout servers (`RolloutServer`, the
+protocol below) held by the group's engine hosts (rollout/placement.py: by default one, TP rank 0 of the first
+pipeline stage; colocated vLLM runs one per pipeline stage or per TP slice of one). Imports neither vllm nor megatron.
+Before the servers wake, every rank of the group empties its caching allocator (`_release_cached_memory`).
 
-The server object is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a
-`remote_client.RemoteClient` talking to a rollout server (vLLM or built-in) on another node or process (remote mode).
-Both offer the weight update:
-
-    begin_weight_update() -> None
-    load_bucket(bucket: list[(hf_name, tensor)]) -> None
-    finish_weight_update(expected_checksums: {hf_name: (sum, sum of squares)}) -> int (the new policy version;
-        raises if the engine's weights do not have these checksums)
-    dtype: torch.dtype (the engine's weight dtype: the expected checksums are taken after a cast to it)
-
-A `VLLMServer` generates when asked (`first_prompt`: the index of prompts[0] in the replica's prompts, so that seeds
-differ across engines), and takes buckets by CUDA IPC where colocated on CUDA:
-
-    generate(prompts, SamplingParams, first_prompt=0) -> Responses (the record, responses.py)
-    generate_routed(prompts, SamplingParams, first_prompt=0) -> (Responses, experts) (routing replay only: `generate`
-        and every response's experts at every layer)
-    load_ipc_bucket(names, dtype_names, shapes, {gpu_uuid: rebuild args}) -> None (cuda_ipc.py)
-
-A `RemoteClient` asks now and answers later (its server generates meanwhile; its `generate` does both at once):
-
-    submit(prompts, SamplingParams, first_prompt=0) -> (() -> Responses)
-    submit_routed(prompts, SamplingParams, first_prompt=0) -> (() -> (Responses, experts))
+A server is a `vllm_engine.VLLMServer` in the same process (colocated mode) or a `remote_client.RemoteClient`
+talking to a rollout server on another node or process (remote mode), which itself drives a `VLLMServer` or a
+`builtin_server.BuiltinServer` through the same protocol (remote_server.py). Colocated on CUDA, a `VLLMServer` also
+takes buckets by CUDA IPC (`load_ipc_bucket`, cuda_ipc.py).
 
 `generate` and `sync_weights` are collective over the model-parallel group: each host calls its server, and its
 outcome (result or error text) is broadcast to every rank, which returns it or raises. The records travel as
@@ -35,7 +17,7 @@ the experts follow each record, every layer's to every rank of the replica (in s
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,6 +33,38 @@ from .weight_sync import DEFAULT_BUCKET_BYTES, SINGLE_DESTINATION, hf_weight_buc
     pack_on_device, policy_checksum_names, tensor_checksum
 
 _ROUTING_SLICE_BYTES = 2**26  # routing crosses the device in slices of this size: a transient, not a copy
+
+
+class RolloutServer(Protocol):
+    """A rollout server: what a `ServerEngine` drives on each of its engine hosts (module doc), and the remote serving
+    loop on its own node (remote_server.ServedServer adds the weight group)."""
+
+    dtype: torch.dtype  # the weights' dtype: a sync's expected checksums are taken after a cast to it
+    policy_version: int  # the weight updates it took (0: the weights it started from)
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0,
+               between_steps: Callable[[], int] | None = None) -> Callable[[], Rollout]:
+        """Ask for params.n responses per prompt; the returned function waits for them and gives the rollout: the
+        record (responses.py) and, from a server that returns routing (a VLLMServer built with
+        `return_routed_experts`, a RemoteClient of such a server), per response the experts its fed tokens went to
+        at every layer of the model, int16 [P + R - 1, num_layers, k] on the host (else None). `first_prompt`: the
+        index of prompts[0] among the replica's prompts (seeds differ across engines). A server in this process
+        generates within the call; a RemoteClient's generates meanwhile on its own node. `between_steps` (a server
+        that generates in this process): called before every decode step; it may take weight updates and returns
+        how many (the later tokens count them: `Responses.weight_updates_T`), and what it raises abandons the
+        generation (a remote server's pre-emption by a newer trainer). None: nothing runs between the steps."""
+        ...
+
+    def begin_weight_update(self) -> None:
+        ...
+
+    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Load these (Hugging Face name, tensor) weights; the others keep theirs."""
+        ...
+
+    def finish_weight_update(self, expected_checksums: dict[str, tuple[float, float]]) -> int:
+        """The new policy version; raises unless the weights have these (sum, sum of squares) checksums."""
+        ...
 
 
 class RolloutEngineError(ConnectionError, RuntimeError):
@@ -69,11 +83,13 @@ class ServerEngine:
     `policy_version` is the servers' policy version after the last successful sync (0 before any).
     """
 
-    def __init__(self, server, parallel, shape, *, hosts=SINGLE_DESTINATION, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 ipc_members=None, routed_layers: tuple[int, ...] | None = None):
-        """`routed_layers`: this rank's MoE layers (models/moe_routing.routed_layers): with them `submit`'s rollouts
-        carry each response's experts at those layers, the built-in engine's routing record (int16 [P + R - 1, M, k],
-        BuiltinEngine.generate_routed), but on the host (module doc)."""
+    def __init__(self, server: RolloutServer | None, parallel, shape, *, hosts=SINGLE_DESTINATION,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc_members=None,
+                 routed_layers: tuple[int, ...] | None = None):
+        """`server`: this rank's `RolloutServer` on an engine host, None elsewhere. `routed_layers`: this rank's MoE
+        layers (models/moe_routing.routed_layers): with them the servers must return routing, and `submit`'s
+        rollouts carry each response's experts at those layers, as the built-in engine records them (int16
+        [P + R - 1, M, k], `Rollout`), but on the host (module doc)."""
         self.hosts = [tuple(h) for h in hosts]
         # Colocated on CUDA: each engine's member ranks (placement.engine_members, host first), which hand their
         # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).
@@ -93,11 +109,10 @@ class ServerEngine:
         return self.submit(prompts, params)().responses
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Rollout]:
-        """`generate` in two halves, both collective: this call hands every host its part of the prompts, the
-        returned function waits for the answers and shares them, with the routing of this rank's MoE layers when the
-        engine was built for routing replay (`routed_layers`). A server that can work in the background (one with
-        `submit`: a rollout server on a node of its own) generates in between; any other answers at once."""
-        routed = self.routed_layers is not None
+        """`generate` in two halves, both collective: this call hands every host's server its part of the prompts
+        (`RolloutServer.submit`), the returned function waits for the answers and shares them, with the routing of
+        this rank's MoE layers when the engine was built for routing replay (`routed_layers`). A remote server
+        generates in between; a server in this process answers within this call."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_prompts(prompts, vocab_size=self.shape.vocab_size, max_positions=self.shape.max_position_embeddings,
@@ -106,25 +121,21 @@ class ServerEngine:
         parts = split_prompts(prompts, len(self.hosts))
         me = (self.parallel.pp_rank, self.parallel.tp_rank)
         answered, waiting = None, None  # this host's outcome, or the function that waits for it
-        if self.server is not None:  # every host generates its part at once, before any answer is shared
+        if self.server is not None:  # every host asks for its part at once, before any answer is shared
             index = self.hosts.index(me)
-            start = sum(len(p) for p in parts[:index])
-            submit = getattr(self.server, "submit_routed" if routed else "submit", None)
             if not parts[index]:
-                answered = ("ok", (Responses.empty(), self._no_routing()) if routed else Responses.empty())
-            elif submit is None:
-                generate = self.server.generate_routed if routed else self.server.generate
-                answered = attempt(partial(generate, parts[index], params, first_prompt=start))
+                answered = ("ok", Rollout(Responses.empty(), []))
             else:
-                answered = attempt(partial(submit, parts[index], params, first_prompt=start))
+                answered = attempt(partial(self.server.submit, parts[index], params,
+                                           first_prompt=sum(len(p) for p in parts[:index])))
                 if answered[0] == "ok":
                     answered, waiting = None, answered[1]
 
         def wait() -> Rollout:
-            mine = attempt(waiting) if waiting is not None else answered
-            experts = None
-            if routed and self.server is not None:
-                mine, experts = self._checked_routing(mine, parts[self.hosts.index(me)], params.n)
+            mine, experts = None, None
+            if self.server is not None:
+                mine, experts = self._checked(attempt(waiting) if waiting is not None else answered,
+                                              parts[self.hosts.index(me)], params.n)
             records, routes, failures = [], [], []
             for index, host in enumerate(self.hosts):
                 # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
@@ -132,38 +143,39 @@ class ServerEngine:
                                                       self.parallel.mp_group, self.parallel.device)
                 if status == "ok":
                     records.append(payload)
-                    if routed:
+                    if self.routed_layers is not None:
                         routes += self._share_routing(experts if host == me else None, self._global_rank(host),
                                                       parts[index], params.n, payload.lengths_R.tolist())
                 else:
                     failures.append(f"engine {index} (host pp_rank, tp_rank = {host}): {payload}")
             if failures:
                 raise RolloutEngineError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host "
-                                   f"rank(s): " + "; ".join(failures))
-            return Rollout(Responses.cat(records), routes if routed else None)
+                                         f"rank(s): " + "; ".join(failures))
+            return Rollout(Responses.cat(records), routes if self.routed_layers is not None else None)
 
         return wait
 
     def stand_by(self) -> None:
         """Nothing to take part in: a server's engine has no expert-parallel peers among the trainer's ranks."""
 
-    def _no_routing(self) -> torch.Tensor:
-        return torch.empty(0, self.shape.num_layers, self.shape.moe.topk, dtype=EXPERT_INDEX_DTYPE)
-
-    def _checked_routing(self, outcome, prompts: list[list[int]], n: int):
-        """A host's ("ok", (record, experts)) as ("ok", record) and its experts, or an error outcome (and None) when
-        the experts are not int16 [sum of (P + R - 1), num_layers, k] for that record."""
+    def _checked(self, outcome, prompts: list[list[int]], n: int):
+        """A host's ("ok", rollout) as ("ok", its record) and, with routing replay, its experts as one tensor; an
+        error outcome (and None) when the server failed or, with routing replay, its experts are not one int16
+        [P + R - 1, num_layers, k] per response of the record."""
         if outcome[0] != "ok":
             return outcome, None
-        record, experts = outcome[1]
-        rows = sum(len(p) for p in prompts for _ in range(n)) + int(record.lengths_R.sum()) - len(prompts) * n
-        expected = (rows, self.shape.num_layers, self.shape.moe.topk)
-        if not isinstance(experts, torch.Tensor) or experts.dtype != EXPERT_INDEX_DTYPE \
-                or tuple(experts.shape) != expected:
-            got = tuple(experts.shape) if isinstance(experts, torch.Tensor) else type(experts).__name__
-            return ("error", f"the engine's routed experts {got} are not int16 {expected} (every fed position of its "
-                             f"responses, every layer, top-k)"), None
-        return ("ok", record), experts
+        record, experts = outcome[1].responses, outcome[1].routed_experts
+        if self.routed_layers is None:
+            return ("ok", record), None
+        layers, k = self.shape.num_layers, self.shape.moe.topk
+        expected = [(len(p) + r - 1, layers, k)
+                    for p, r in zip([p for p in prompts for _ in range(n)], record.lengths_R.tolist())]
+        got = [tuple(e.shape) if isinstance(e, torch.Tensor) and e.dtype == EXPERT_INDEX_DTYPE else type(e).__name__
+               for e in experts] if isinstance(experts, list) else type(experts).__name__
+        if got != expected:
+            return ("error", f"the engine's routed experts {str(got)[:200]} are not int16 {str(expected)[:200]} (per "
+                             f"response, every fed position of it, every layer, top-k)"), None
+        return ("ok", record), torch.cat(experts) if experts else torch.empty(0, layers, k, dtype=EXPERT_INDEX_DTYPE)
 
     def _share_routing(self, experts, src: int, prompts: list[list[int]], n: int, lengths: list[int]) \
             -> list[torch.Tensor]:

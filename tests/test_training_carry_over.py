@@ -2,12 +2,11 @@
 hand-built groups: which groups are young enough for the next step (their newest token's version against
 rollout.max_staleness), what is dropped and counted, and the carried groups through a checkpoint's state; the
 statistics an experience records."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.distributed as dist
 
+from hand_built import prompt_samples
 from megatron_gtpo.rollout.responses import Response, Responses
 from megatron_gtpo.training.experience import RewardedGroups
 from megatron_gtpo.training.metrics import PhaseTimer
@@ -24,7 +23,7 @@ def _surplus() -> RewardedGroups:
         [Response([3], [-0.3], "stop"), Response([4], [-0.4], "length")],
         [Response([], [], "stop"), Response([], [], "stop")],
     ])
-    groups = SampledGroups([SimpleNamespace(prompt_token_ids=(i,), id=i) for i in (10, 20, 30)], record,
+    groups = SampledGroups(prompt_samples([(10,), (20,), (30,)]), record,
                            versions_T=torch.tensor([3, 5, 2, 2]), start_versions_R=torch.tensor([3, 4, 2, 2, 6, 6]))
     return RewardedGroups(groups, torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]),
                           torch.tensor([[0.8, -0.1], [-0.1, 0.9], [1.0, 0.0]]))
@@ -36,7 +35,7 @@ def test_a_group_is_as_new_as_its_newest_token():
 
 def test_groups_young_enough_for_the_next_step_are_carried_in_order_and_the_others_counted():
     carried, dropped = carry_over(_surplus(), 6, 1)  # step 6 at staleness 1 takes versions >= 5
-    assert [p.id for p in carried.groups.prompts] == [10, 30] and dropped == 1
+    assert [p.id for p in carried.groups.prompts] == ["p0", "p2"] and dropped == 1
     assert carried.correct_NG.tolist() == [[1.0, 0.0], [1.0, 0.0]]
     assert torch.equal(carried.rewards_NG, torch.tensor([[0.8, -0.1], [1.0, 0.0]]))
     assert carried.groups.responses.token_ids_T.tolist() == [1, 2] and carried.groups.versions_T.tolist() == [3, 5]
@@ -109,7 +108,7 @@ def test_an_experience_records_its_statistics_and_the_staleness_of_its_kept_grou
     record = Responses(responses_per_prompt_P=torch.tensor([2, 2]), lengths_R=torch.tensor([2, 1, 0, 3]),
                        finish_R=torch.zeros(4, dtype=torch.int64), token_ids_T=torch.arange(6, dtype=torch.int32),
                        logprobs_T=torch.zeros(6), weight_updates_T=torch.tensor([0, 1, 0, 1, 1, 2], dtype=torch.int32))
-    groups = SampledGroups.sampled([SimpleNamespace(prompt_token_ids=(i,), id=i) for i in (1, 2)], Rollout(record), 3)
+    groups = SampledGroups.sampled(prompt_samples([(1,), (2,)]), Rollout(record), 3)
     kept = RewardedGroups(groups, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     metrics = MetricReducer(torch.device("cpu"))
     Experience(kept, {"groups_generated": 3, "groups_kept": 2, "reward_mean": 0.25, "tokens_generated": 17}).record(

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_gtpo.data.records import PromptSample
 from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import Response, Responses, concat_per_response
 from megatron_gtpo.training.partial_rollouts import PartialRollouts
@@ -16,7 +17,8 @@ PARTIAL = PartialRollouts(group_size=G, max_new_tokens=4, segment_tokens=2)
 
 
 def _prompt(*ids):
-    return SimpleNamespace(prompt_token_ids=ids, id=ids[0])
+    """The loader's item of the prompt `ids`, named by its first token."""
+    return PromptSample(ids[0], str(ids[0]), ids, "")
 
 
 def _carried() -> SampledGroups:
@@ -48,7 +50,7 @@ def test_an_answer_completes_groups_and_leaves_the_others_for_later():
     ])
     complete, unfinished = PARTIAL.merge(_carried(), [_prompt(300), _prompt(400)], Rollout(answer), 4)
     # The continued (older) groups first, then the new ones, each in the order asked for.
-    assert [p.id for p in complete.prompts] == [100, 200, 400] and [p.id for p in unfinished.prompts] == [300]
+    assert [p.id for p in complete.prompts] == ["100", "200", "400"] and [p.id for p in unfinished.prompts] == ["300"]
     groups = complete.responses.to_lists()
     assert [[r.token_ids for r in g] for g in groups] == [[[5, 9], [6, 7, 8, 9]], [[1, 2, 5, 6], [3, 4, 9]],
                                                           [[9], [3, 9]]]

@@ -51,7 +51,8 @@ class RolloutQueue:
     """The batches asked for and not yet trained on, the unfinished groups and the carried ones (module doc).
     `source` draws a round's prompts and asks the engine for its responses (and the continuation of unfinished
     ones: its `requests` say how answers merge into groups); `selection`: which groups a step keeps;
-    `reward(prompts, responses) -> [N, G]` the verifier's rewards on the host; `max_staleness`
+    `reward(prompts, responses) -> [N, G]` the verifier's rewards on the host; `parallel`: this rank's groups (the
+    data-parallel ranks agree on a step's rounds; a restored state goes to the training device); `max_staleness`
     (rollout.max_staleness): how far ahead batches are asked for; `steps`: the run's (no batch is asked for beyond its
     last step)."""
 

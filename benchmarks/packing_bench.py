@@ -39,8 +39,11 @@ def _experience(args):
     """Prompt groups whose whole-sequence lengths are log-normal in [min_len, max_len]; prompts of 8 tokens."""
     import torch
 
+    from megatron_gtpo.data.records import PromptSample
+    from megatron_gtpo.rollout.engine import Rollout
     from megatron_gtpo.rollout.responses import Response, Responses
-    from megatron_gtpo.training.experience import Experience
+    from megatron_gtpo.training.experience import RewardedGroups
+    from megatron_gtpo.training.sampled_groups import SampledGroups
 
     g = torch.Generator().manual_seed(args.seed)
     prompt_len = 8
@@ -53,7 +56,8 @@ def _experience(args):
             for n in response_lengths]
     responses = Responses.from_lists([flat[i * args.group_size:(i + 1) * args.group_size] for i in range(args.groups)])
     correct = torch.zeros(args.groups, args.group_size)
-    return Experience(prompts, responses, correct, correct.clone()), lengths
+    samples = [PromptSample(i, str(i), ids, "") for i, ids in enumerate(prompts)]
+    return RewardedGroups(SampledGroups.sampled(samples, Rollout(responses), 0), correct, correct.clone()), lengths
 
 
 def _layouts(args) -> list[tuple[str, dict]]:
@@ -111,7 +115,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(args.seed + 1)
     batches = {}
     for name, plan in _layouts(args):
-        batch = build_step_batch(exp, groups, mini_batches=[list(range(exp.num_prompt_groups))], **plan)
+        batch = build_step_batch(exp, groups, mini_batches=[list(range(exp.num_groups))], **plan)
         batch.old_logprobs_ST = (-5.0 + torch.rand(batch.mask_ST.shape, generator=g)).to(groups.device)
         batch.advantages = torch.randn(batch.mask_ST.shape, generator=g).to(groups.device)
         batches[name] = batch

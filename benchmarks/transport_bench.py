@@ -28,14 +28,17 @@ import os
 import platform
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.data.records import PromptSample
+from megatron_gtpo.distributed import ParallelGroups
+from megatron_gtpo.rollout.engine import Rollout
 from megatron_gtpo.rollout.responses import FINISH_LENGTH, FINISH_LENGTH_CODE, Response, Responses
 from megatron_gtpo.rollout.transport import broadcast_responses
-from megatron_gtpo.training.experience import Experience
+from megatron_gtpo.training.experience import RewardedGroups
+from megatron_gtpo.training.sampled_groups import SampledGroups
 from megatron_gtpo.training.step_batch import build_step_batch
 
 CPU = torch.device("cpu")
@@ -78,9 +81,10 @@ def engine_lists(args, ids_RN, logprobs_RN) -> list[list[Response]]:
 
 
 def step_batch(args, prompts, record):
-    groups = SimpleNamespace(device=CPU, sequence_multiple=1)
+    samples = [PromptSample(i, str(i), ids, "") for i, ids in enumerate(prompts)]
     correct = torch.zeros(args.prompts, args.samples)
-    return build_step_batch(Experience(prompts, record, correct, correct.clone()), groups,
+    kept = RewardedGroups(SampledGroups.sampled(samples, Rollout(record), 0), correct, correct.clone())
+    return build_step_batch(kept, ParallelGroups.data_parallel_rank(None, CPU),
                             mini_batches=[list(range(args.prompts))], max_sequences=args.micro_batch_size,
                             max_tokens=None)
 

@@ -23,8 +23,8 @@ def fixed_batch(seed=0):
     """NUM_GROUPS prompt groups of G responses of different lengths (whole sequences 3 to 10 tokens), with old
     log-probs, per-token advantages and per-sequence advantages drawn so that some ratios fall outside the clip
     range."""
+    from hand_built import rewarded_groups
     from megatron_gtpo.rollout.responses import Response, Responses
-    from megatron_gtpo.training.experience import Experience
 
     g = torch.Generator().manual_seed(seed)
     prompts = [tuple(torch.randint(0, 1000, (2 + n % 3,), generator=g).tolist()) for n in range(NUM_GROUPS)]
@@ -34,7 +34,7 @@ def fixed_batch(seed=0):
     correct = torch.zeros(NUM_GROUPS, G)
     T = max(map(max, lengths))
     old_ST = -7.0 + 1.5 * torch.rand(NUM_GROUPS * G, T, generator=g)
-    return (Experience(prompts, responses, correct, correct.clone()), old_ST, torch.randn(old_ST.shape, generator=g),
+    return (rewarded_groups(prompts, responses, correct), old_ST, torch.randn(old_ST.shape, generator=g),
             torch.randn(NUM_GROUPS * G, generator=g))
 
 
@@ -67,20 +67,20 @@ def gather_hf(chunks, groups, shape):
     return out
 
 
-def _replayed_routes(exp, shape, first_sequence: int):
-    """Arbitrary expert choices for every fed token of `exp`'s sequences (k distinct experts per token and layer,
-    drawn from the global sequence index), attached as recorded routing; the ReplayPlan that replays them."""
+def _replayed_routes(kept, shape, first_sequence: int):
+    """Arbitrary expert choices for every fed token of the `kept` groups' sequences (k distinct experts per token and
+    layer, drawn from the global sequence index), attached as recorded routing; the ReplayPlan that replays them."""
     from megatron_gtpo.training.step_batch import ReplayPlan
 
     layers = tuple(range(1, shape.num_layers + 1))
     routes = []
-    for s, length in enumerate(exp.responses.lengths_R.tolist()):
+    for s, length in enumerate(kept.groups.responses.lengths_R.tolist()):
         g = torch.Generator().manual_seed(1000 + first_sequence + s)
-        fed = len(exp.prompt_token_ids[s // exp.group_size]) + length - 1
+        fed = len(kept.groups.prompts[s // kept.group_size].prompt_token_ids) + length - 1
         experts = torch.stack([torch.randperm(shape.moe.num_experts, generator=g)[:shape.moe.topk]
                                for _ in range(fed * len(layers))]).view(fed, len(layers), -1)
         routes.append(experts.to(torch.int16))
-    exp.routed_experts = routes  # per response, rank-local (the routing of the built-in engine's rollouts)
+    kept.groups.routed_experts = routes  # per response, rank-local (what the built-in engine records)
     return ReplayPlan(layers, shape.moe.topk)
 
 
@@ -100,7 +100,6 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.hf_mapping import ShardCoordinates
     from megatron_gtpo.models.qwen import build_model
-    from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.model_setup import wrap_for_training
     from megatron_gtpo.distributed.platform import device_audit
     from megatron_gtpo.training.old_policy import old_policy_pass
@@ -115,12 +114,11 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
     # shared by all keys), and Adam with a tiny eps would blow its ~1e-9 rounding noise up to +-lr.
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "optim.lr=0.01", "steps=1",
                              "optim.adam_eps=1e-4", "optim.grad_clip=1000.0", "rollout.temperature=0.9"])
-    exp, old_ST, token_adv_ST, sequence_adv_S = fixed_batch()
+    every, old_ST, token_adv_ST, sequence_adv_S = fixed_batch()
     per_rank = NUM_GROUPS // groups.dp_size
     mine = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
     rows = slice(mine.start * G, mine.stop * G)
-    exp = Experience(exp.prompt_token_ids[mine], exp.responses.select_prompts(range(mine.start, mine.stop)),
-                     exp.correct_NG[mine], exp.rewards_NG[mine])
+    kept = every.select(torch.arange(mine.start, mine.stop))
     results = {}
     runs = [(level, plan) for level in LOSS_LEVELS for plan in plans]
     runs += [(level, plan) for level in SELECTIONS for plan in selection_plans]
@@ -133,8 +131,8 @@ def one_step(rank, world_size, model_dir, tp, pp, plans, ep=1, etp=None, replay=
             load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
             shape = ckpt.shape
         policy = wrap_for_training(cfg, chunks)
-        replay_plan = _replayed_routes(exp, shape, rows.start) if replay else None
-        batch = build_step_batch(exp, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
+        replay_plan = _replayed_routes(kept, shape, rows.start) if replay else None
+        batch = build_step_batch(kept, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
                                  max_tokens=plan[1], pack=plan[2], replay=replay_plan)
         old_policy_pass(policy.chunks, batch, groups, vocab_size=shape.vocab_size, temperature=0.9)
         scored = batch.old_logprobs_ST.cpu() if groups.is_last_stage else None  # [S, T] of this DP rank

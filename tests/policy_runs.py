@@ -9,8 +9,8 @@ G = 2
 def sample_experience(num_prompt_groups, seed=0):
     import torch
 
+    from hand_built import rewarded_groups
     from megatron_gtpo.rollout.responses import Response, Responses
-    from megatron_gtpo.training.experience import Experience
 
     g = torch.Generator().manual_seed(seed)
     prompts = [tuple(torch.randint(3, 16, (2 + n % 3,), generator=g).tolist()) for n in range(num_prompt_groups)]
@@ -18,7 +18,7 @@ def sample_experience(num_prompt_groups, seed=0):
                                                 [-1.0] * (1 + (3 * n + j) % 5), "stop") for j in range(G)]
                                       for n in range(num_prompt_groups)])
     correct = torch.tensor([[1.0, 0.0]] * num_prompt_groups).reshape(num_prompt_groups, G)
-    return Experience(prompts, responses, correct, correct.clone())
+    return rewarded_groups(prompts, responses, correct)
 
 
 def policy_run(algorithm, overrides=(), *, tp=1, pp=1, tied=False):
@@ -45,7 +45,7 @@ def policy_run(algorithm, overrides=(), *, tp=1, pp=1, tied=False):
                            vocab_size=ModelShape.from_hf(tiny_model_hf_config()).vocab_size)
 
 
-def run_step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_equals_old=False, **correction):
+def run_step(run, kept, *, max_sequences=4, max_tokens=None, pack=False, rollout_equals_old=False, **correction):
     """The trainer's phases for one step; returns the step batch and the update's metrics."""
     from megatron_gtpo.training.advantages import global_advantages
     from megatron_gtpo.training.old_policy import correct_rollout, old_policy_pass
@@ -54,7 +54,7 @@ def run_step(run, exp, *, max_sequences=4, max_tokens=None, pack=False, rollout_
     from megatron_gtpo.training.trainer import split_evenly
     from megatron_gtpo.training.update import update_policy
 
-    batch = build_step_batch(exp, run.parallel, mini_batches=split_evenly(list(range(exp.num_prompt_groups)), 1),
+    batch = build_step_batch(kept, run.parallel, mini_batches=split_evenly(list(range(kept.num_groups)), 1),
                              max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
     old_policy_pass(run.policy.chunks, batch, run.parallel, vocab_size=run.vocab_size, temperature=1.0)
     if rollout_equals_old and batch.old_logprobs_ST is not None:

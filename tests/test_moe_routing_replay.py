@@ -20,7 +20,7 @@ def _old_logprobs(policy, experience, groups, replay):
     from megatron_gtpo.training.old_policy import old_policy_pass
     from megatron_gtpo.training.step_batch import build_step_batch
 
-    batch = build_step_batch(experience, groups, mini_batches=[list(range(experience.num_prompt_groups))],
+    batch = build_step_batch(experience, groups, mini_batches=[list(range(experience.num_groups))],
                              max_sequences=8, max_tokens=None, replay=replay)
     old_policy_pass(policy.chunks, batch, groups, vocab_size=1000, temperature=1.0)
     return batch
@@ -50,7 +50,7 @@ def _replay_rank(rank, world_size, model_dir):
     from megatron_gtpo.models.moe_routing import routed_layers
     from megatron_gtpo.models.qwen import load_hf_config
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
-    from megatron_gtpo.training.experience import Experience
+    from hand_built import rewarded_groups
     from megatron_gtpo.training.model_setup import PolicyModel
     from megatron_gtpo.training.step_batch import ReplayPlan
     from megatron_gtpo.training.train_step import run_train_step, supervised_loss_fn, update_micro_batch
@@ -67,7 +67,7 @@ def _replay_rank(rank, world_size, model_dir):
     responses, recorded = rollout.responses, rollout.routed_experts
     assert len(recorded) == responses.num_responses
     no_reward = torch.zeros(len(prompts), SAMPLES)
-    experience = Experience([tuple(p) for p in prompts], responses, no_reward, no_reward, routed_experts=recorded)
+    experience = rewarded_groups(prompts, responses, no_reward, routed_experts=recorded)
     replay = ReplayPlan(routed_layers(policy.chunks), 2)
 
     def compare():

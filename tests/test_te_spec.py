@@ -89,21 +89,19 @@ def _step(policy, groups, shape, plan, seed):
     """One trainer step on `fixed_batch(seed)` (this DP rank's groups): the old-policy log-probs [S, T] (last stage;
     None elsewhere), the loss and the gradient norm."""
     from megatron_gtpo.algorithms import configure_algorithm
-    from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.old_policy import old_policy_pass
     from megatron_gtpo.training.reduction import MetricReducer
     from megatron_gtpo.training.step_batch import build_step_batch
     from megatron_gtpo.training.update import update_policy
     from invariance_runs import G, NUM_GROUPS, fixed_batch
 
-    exp, old_ST, token_adv_ST, _ = fixed_batch(seed)
+    every, old_ST, token_adv_ST, _ = fixed_batch(seed)
     per_rank = NUM_GROUPS // groups.dp_size
     mine = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
     rows = slice(mine.start * G, mine.stop * G)
-    exp = Experience(exp.prompt_token_ids[mine], exp.responses.select_prompts(range(mine.start, mine.stop)),
-                     exp.correct_NG[mine], exp.rewards_NG[mine])
-    batch = build_step_batch(exp, groups, mini_batches=[list(range(per_rank))], max_sequences=plan[0],
-                             max_tokens=plan[1], pack=plan[2])
+    batch = build_step_batch(every.select(torch.arange(mine.start, mine.stop)), groups,
+                             mini_batches=[list(range(per_rank))], max_sequences=plan[0], max_tokens=plan[1],
+                             pack=plan[2])
     old_policy_pass(policy.chunks, batch, groups, vocab_size=shape.vocab_size, temperature=1.0)
     scored = batch.old_logprobs_ST.cpu() if groups.is_last_stage else None
     if groups.is_last_stage:

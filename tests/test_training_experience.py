@@ -22,22 +22,22 @@ SCRIPTS = {
 
 
 def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0):
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
-    from megatron_gtpo.rollout.engine import SamplingParams
+    from hand_built import prompt_samples
+    from megatron_gtpo.distributed import ParallelGroups
+    from megatron_gtpo.rollout.engine import Rollout
     from megatron_gtpo.rollout.responses import Response, Responses
-    from megatron_gtpo.training.experience import RewardedGroups, collect_experience
+    from megatron_gtpo.training.experience import GroupSelection, RewardedGroups, collect_experience
     from megatron_gtpo.training.sampled_groups import SampledGroups
 
     script = SCRIPTS[scenario][rank]
-    calls = {"prompts": 0, "generate": []}
+    calls = {"prompts": 0, "generate": [], "stand_by": 0}
 
     def sample_round(round_index):
         base = 100 * rank + 10 * calls["prompts"]
         calls["prompts"] += 1
-        prompts = [SimpleNamespace(prompt_token_ids=(base + i,), answer="") for i in range(PROMPTS_PER_ROUND)]
+        prompts = prompt_samples([(base + i,) for i in range(PROMPTS_PER_ROUND)])
 
         def generate():
             calls["generate"].append(round_index)
@@ -46,28 +46,29 @@ def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0):
                                                    "stop") for j in range(G)] for p in prompts])
 
         # The round index stands in for the policy version that sampled the round.
-        return lambda: SampledGroups.sampled(prompts, generate(), round_index)
+        return lambda: SampledGroups.sampled(prompts, Rollout(generate()), round_index)
 
     def reward_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
 
     # Groups carried over from an earlier step (prompts 900, 901, ...), sampled by version 7, rewarded then.
-    old = [SimpleNamespace(prompt_token_ids=(900 + i,), answer="") for i in range(carried_groups)]
-    carried = RewardedGroups(SampledGroups.sampled(old, Responses.from_lists(
-        [[Response([5], [-0.5], "stop")] * G for _ in old]), 7), torch.tensor([[0.0, 1.0]] * len(old)),
+    old = prompt_samples([(900 + i,) for i in range(carried_groups)])
+    carried = RewardedGroups(SampledGroups.sampled(old, Rollout(Responses.from_lists(
+        [[Response([5], [-0.5], "stop")] * G for _ in old])), 7), torch.tensor([[0.0, 1.0]] * len(old)),
         torch.tensor([[-0.1, 0.9]] * len(old))) if carried_groups else None
-    groups = SimpleNamespace(dp_group=dist.group.WORLD, device=torch.device("cpu"))
-    exp = collect_experience(sample_round, reward_groups, SamplingParams(n=G), groups,
-                             target_prompt_groups=TARGET_GROUPS,
-                             dynamic_sampling=dynamic_sampling, max_extra_rounds=2,
-                             length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG, carried=carried)
-    return {"prompts": [p[0] for p in exp.prompt_token_ids], "correct": exp.correct_NG.tolist(),
-            "surplus": [p.prompt_token_ids[0] for p in exp.surplus.groups.prompts],
-            "surplus_correct": exp.surplus.correct_NG.tolist(),
-            "versions": exp.start_versions_R.view(-1, G)[:, 0].tolist(),
-            "token_versions": exp.versions_T.tolist(), "continued": exp.continued_R.tolist(),
-            "rewards": exp.rewards_NG.tolist(), "stats": exp.stats, "generate_rounds": calls["generate"],
-            "prompt_draws": calls["prompts"]}
+    selection = GroupSelection(TARGET_GROUPS, dynamic_sampling, max_extra_rounds=2,
+                               length_penalty=lambda lengths_NG, correct_NG: -0.1 * lengths_NG)
+    exp, surplus = collect_experience(sample_round, reward_groups, selection,
+                                      ParallelGroups.data_parallel_rank(dist.group.WORLD, torch.device("cpu")),
+                                      stand_by=lambda: calls.update(stand_by=calls["stand_by"] + 1), carried=carried)
+    kept = exp.kept.groups
+    return {"prompts": [p.prompt_token_ids[0] for p in kept.prompts], "correct": exp.kept.correct_NG.tolist(),
+            "surplus": [p.prompt_token_ids[0] for p in surplus.groups.prompts],
+            "surplus_correct": surplus.correct_NG.tolist(),
+            "versions": kept.start_versions_R.view(-1, G)[:, 0].tolist(),
+            "token_versions": kept.versions_T.tolist(), "continued": kept.continued_R().tolist(),
+            "rewards": exp.kept.rewards_NG.tolist(), "stats": exp.stats, "generate_rounds": calls["generate"],
+            "prompt_draws": calls["prompts"], "stand_by": calls["stand_by"]}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,7 @@ def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks(c
     assert rank0["stats"]["sampling_rounds"] == rank1["stats"]["sampling_rounds"] == 2
     assert rank0["prompt_draws"] == rank1["prompt_draws"] == 2
     assert rank0["generate_rounds"] == [0] and rank1["generate_rounds"] == [0, 1]
+    assert (rank0["stand_by"], rank1["stand_by"]) == (1, 0)  # rank 0 takes part in rank 1's round 1
     # Kept: the informative groups in order, up to the target (rank 1: round 0's third, round 1's second).
     assert rank0["prompts"] == [0, 2] and rank0["correct"] == [[1, 0], [0, 1]]
     assert rank1["prompts"] == [102, 111] and rank1["correct"] == [[1, 0], [0, 1]]
@@ -142,16 +144,15 @@ GLOBAL_BATCHES = {
 def _step_batch(kept, seed, groups, max_sequences=8):
     """A rank's step batch with the old log-probs and entropies the old-policy pass would add (random; zeros of the
     mask's shape without groups), micro-batches of at most `max_sequences` sequences."""
+    from hand_built import rewarded_groups
     from megatron_gtpo.rollout.responses import Response, Responses
-    from megatron_gtpo.training.experience import Experience
     from megatron_gtpo.training.step_batch import build_step_batch
 
     generator = torch.Generator().manual_seed(seed)
     responses = Responses.from_lists([[Response([7] * n, [-0.5] * n, "stop") for n in lengths] for _, lengths in kept])
     correct_NG = torch.tensor([r for r, _ in kept], dtype=torch.float32) if kept else torch.zeros(0, 3)
-    exp = Experience([(1, 2)] * len(kept), responses, correct_NG, correct_NG.clone())
-    batch = build_step_batch(exp, groups, mini_batches=[list(range(len(kept)))], max_sequences=max_sequences,
-                             max_tokens=None)
+    batch = build_step_batch(rewarded_groups([(1, 2)] * len(kept), responses, correct_NG), groups,
+                             mini_batches=[list(range(len(kept)))], max_sequences=max_sequences, max_tokens=None)
     batch.entropy_ST = torch.rand(batch.mask_ST.shape, generator=generator) * 2
     batch.old_logprobs_ST = -3 * torch.rand(batch.mask_ST.shape, generator=generator)
     return batch
@@ -164,7 +165,6 @@ SELECTION_SETTINGS = {"clip_cov": ["algorithm.clip_cov_lb=0.0", "algorithm.clip_
 
 def _global_advantages(rank, world_size, scenario, algorithm):
     import torch.distributed as dist
-    from types import SimpleNamespace
 
     from megatron_gtpo.algorithms.registry import ALGORITHMS, configure_algorithm, resolve_algorithm
     from megatron_gtpo.config import load_config
@@ -173,8 +173,9 @@ def _global_advantages(rank, world_size, scenario, algorithm):
     from megatron_gtpo.training.token_selection import global_token_selection
 
     entry = ALGORITHMS[resolve_algorithm(algorithm)]
-    parallel = SimpleNamespace(dp_group=dist.group.WORLD, dp_rank=rank, device=torch.device("cpu"),
-                               sequence_multiple=1)
+    from megatron_gtpo.distributed import ParallelGroups
+
+    parallel = ParallelGroups.data_parallel_rank(dist.group.WORLD, torch.device("cpu"))
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", f"algorithm.name={algorithm}",
                              *SELECTION_SETTINGS.get(algorithm, [])])
     configured = configure_algorithm(cfg.algorithm, max_new_tokens=8)

@@ -109,7 +109,10 @@ def test_a_phase_ends_with_one_device_synchronisation_and_its_time_counts_in_it(
 
 def test_checkpoints_are_due_by_save_every(monkeypatch):
     """save_every N: every N steps and at the end; 0: at the end; -1: never; a stop signal saves unless -1."""
+    import torch
+
     import megatron_gtpo.training.trainer as trainer_module
+    from megatron_gtpo.distributed import ParallelGroups
 
     saved = []
     monkeypatch.setattr(trainer_module.checkpointing, "save", lambda state, step: saved.append(step))
@@ -118,7 +121,8 @@ def test_checkpoints_are_due_by_save_every(monkeypatch):
         saved.clear()
         trainer = SimpleNamespace(cfg=SimpleNamespace(steps=5, checkpoint=SimpleNamespace(save_every=every)),
                                   stop=SimpleNamespace(agreed=lambda device: stopping),
-                                  parallel=SimpleNamespace(device="cpu"), checkpoint_state=lambda: None)
+                                  parallel=ParallelGroups.data_parallel_rank(None, torch.device("cpu")),
+                                  checkpoint_state=lambda: None)
         for step in range(1, 6 if not stopping else 3):
             assert Trainer.checkpoint_if_due(trainer, step) == stopping
         assert saved == expected, (every, stopping, saved)

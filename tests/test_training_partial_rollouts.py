@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_gtpo.data.records import PromptSample
 from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import Response, Responses, concat_per_response
 from megatron_gtpo.training.partial_rollouts import PartialRollouts
@@ -16,7 +17,8 @@ PARTIAL = PartialRollouts(group_size=G, max_new_tokens=4, segment_tokens=2)
 
 
 def _prompt(*ids):
-    return SimpleNamespace(prompt_token_ids=ids, id=ids[0])
+    """The loader's item of the prompt `ids`, named by its first token."""
+    return PromptSample(ids[0], str(ids[0]), ids, "")
 
 
 def _carried() -> SampledGroups:
@@ -26,7 +28,7 @@ def _carried() -> SampledGroups:
         [Response([5, 9], [-0.5, -0.9], "stop"), Response([6, 7], [-0.6, -0.7], "length")],
         [Response([1, 2], [-0.1, -0.2], "length"), Response([3, 4], [-0.3, -0.4], "length")],
     ])
-    return SampledGroups.sampled([_prompt(100, 101), _prompt(200)], record, 3)
+    return SampledGroups.sampled([_prompt(100, 101), _prompt(200)], Rollout(record), 3)
 
 
 def test_the_request_continues_unfinished_responses_then_starts_new_groups():
@@ -46,9 +48,9 @@ def test_an_answer_completes_groups_and_leaves_the_others_for_later():
         [Response([9], [-0.99], "stop")],
         [Response([9], [-0.4], "stop")], [Response([3, 9], [-0.3, -0.2], "stop")],  # the new group D: finished
     ])
-    complete, unfinished = PARTIAL.merge(_carried(), [_prompt(300), _prompt(400)], answer, 4)
+    complete, unfinished = PARTIAL.merge(_carried(), [_prompt(300), _prompt(400)], Rollout(answer), 4)
     # The continued (older) groups first, then the new ones, each in the order asked for.
-    assert [p.id for p in complete.prompts] == [100, 200, 400] and [p.id for p in unfinished.prompts] == [300]
+    assert [p.id for p in complete.prompts] == ["100", "200", "400"] and [p.id for p in unfinished.prompts] == ["300"]
     groups = complete.responses.to_lists()
     assert [[r.token_ids for r in g] for g in groups] == [[[5, 9], [6, 7, 8, 9]], [[1, 2, 5, 6], [3, 4, 9]],
                                                           [[9], [3, 9]]]
@@ -66,12 +68,12 @@ def test_an_answer_completes_groups_and_leaves_the_others_for_later():
 
 
 def test_continuing_the_unfinished_groups_again_finishes_them():
-    _, unfinished = PARTIAL.merge(None, [_prompt(300)], Responses.from_lists(
-        [[Response([1, 2], [-0.1, -0.2], "length")], [Response([3, 4], [-0.3, -0.4], "length")]]), 0)
+    _, unfinished = PARTIAL.merge(None, [_prompt(300)], Rollout(Responses.from_lists(
+        [[Response([1, 2], [-0.1, -0.2], "length")], [Response([3, 4], [-0.3, -0.4], "length")]])), 0)
     rows, _ = PARTIAL.request(unfinished, [], SamplingParams(n=G, max_new_tokens=4))
     assert rows == [[300, 1, 2], [300, 3, 4]]
-    complete, left = PARTIAL.merge(unfinished, [], Responses.from_lists(
-        [[Response([5, 6], [-0.5, -0.6], "length")], [Response([7], [-0.7], "stop")]]), 1)
+    complete, left = PARTIAL.merge(unfinished, [], Rollout(Responses.from_lists(
+        [[Response([5, 6], [-0.5, -0.6], "length")], [Response([7], [-0.7], "stop")]])), 1)
     assert left.num_groups == 0 and complete.versions_T.tolist() == [0, 0, 1, 1, 0, 0, 1]
     assert [r.finish_reason for r in complete.responses.to_lists()[0]] == ["length", "stop"]
 
@@ -84,34 +86,23 @@ def test_concat_per_response_against_lists():
     assert out.tolist() == [x for a, b in zip(first, then) for x in a + b]
 
 
-def test_segments_must_divide_the_budget():
-    with pytest.raises(ValueError, match="divide"):
-        PartialRollouts(group_size=2, max_new_tokens=5, segment_tokens=2)
-    with pytest.raises(ValueError, match="segment_tokens"):
-        PartialRollouts(group_size=2, max_new_tokens=4, segment_tokens=4)
-
-
 def _schedule(max_staleness: int, steps: int) -> dict[int, tuple[int, list[int]]]:
     """RolloutQueue (rollout_queue.py) over `steps` steps with partial rollouts of 1-token segments of a 3-token
     budget, one new group of G responses per batch, an engine that never samples a stop token (every response takes
-    its 3 segments). Per prompt id: the step that took its complete group, and its first response's token versions."""
-    from megatron_gtpo.training.rollout_queue import AskedBatch, RolloutQueue
+    its 3 segments). Per batch (its prompt's index): the step that took its complete group, and its first response's
+    token versions."""
+    from hand_built import scripted_queue
 
     partial = PartialRollouts(group_size=G, max_new_tokens=3, segment_tokens=1)
-
-    def ask(step, version, continued):
-        prompts = [_prompt(1000 + step)]
-        rows, _ = partial.request(continued, prompts, SamplingParams(n=G))
-        record = Responses.from_lists([[Response([7], [-0.5], "length")] for _ in rows])
-        return AskedBatch(step, version, prompts, lambda: record, continued)
-
-    queue = RolloutQueue(max_staleness, ask, steps=steps, partial=partial)
+    queue = scripted_queue(lambda rows, params: Rollout(Responses.from_lists(
+        [[Response([7], [-0.5], "length")] for _ in rows])), partial, max_staleness=max_staleness, steps=steps,
+        group_size=G)
     trained = {}
     for step in range(steps):
         groups = queue.take(step)
         for i, prompt in enumerate(groups.prompts):
             first = groups.select(torch.tensor([i]))
-            trained[prompt.id - 1000] = (step, first.versions_T[:3].tolist())
+            trained[prompt.index] = (step, first.versions_T[:3].tolist())
     return trained
 
 
@@ -177,16 +168,16 @@ def test_a_resume_under_other_rollout_settings_than_the_in_flight_work_is_refuse
 def test_a_saved_queue_keeps_the_routing_of_its_batches_in_flight():
     """Routing replay with rollouts in flight (rollout.max_staleness 1 on a vLLM rollout server): the batch asked
     for ahead is saved with its routing and comes back with it on the host after a resume (rollout_queue.py)."""
-    from megatron_gtpo.training.rollout_queue import AskedBatch, RolloutQueue
+    from hand_built import scripted_queue
+    from megatron_gtpo.training.partial_rollouts import WholeResponses
 
-    def ask(step, version, continued):
+    def answer(rows, params):  # step k's batch (seed 10 k) routes response j's tokens to experts 10 k + j
         record = Responses.from_lists([[Response([7, 8], [-0.5, -0.25], "length")] for _ in range(G)])
-        routes = [torch.full((3, 1, 2), 10 * step + j, dtype=torch.int16) for j in range(G)]
-        return AskedBatch(step, version, [_prompt(1000 + step)], lambda: Rollout(record, routes), continued)
+        return Rollout(record, [torch.full((3, 1, 2), params.seed + j, dtype=torch.int16) for j in range(G)])
 
-    queue = RolloutQueue(1, ask, steps=3)
+    queue, resumed = (scripted_queue(answer, WholeResponses(), max_staleness=1, steps=3, group_size=G)
+                      for _ in range(2))
     assert queue.take(0).routed_experts[1][0, 0, 0] == 1
-    resumed = RolloutQueue(1, ask, steps=3, device=torch.device("cpu"))
     resumed.load_state_dict(queue.state_dict())  # batch 1, asked for at step 0
     groups = resumed.take(1)
     assert [r[0, 0, 0].item() for r in groups.routed_experts] == [10 + j for j in range(G)]
@@ -198,8 +189,8 @@ def test_a_step_counts_every_token_of_its_engine_answers_once():
     segments of a 4-token budget: a step counts the answers it waits for (its batch and its further rounds), with the
     unfinished responses and the groups it will not train on; the batch asked for ahead counts in the step that waits
     for it, once, even when a checkpoint waited for it first."""
+    from hand_built import scripted_queue
     from megatron_gtpo.training.metrics import PhaseTimer
-    from megatron_gtpo.training.rollout_queue import AskedBatch, RolloutQueue
 
     answers = {  # (step, round) -> the engine's answer, one response per row
         (0, 0): [Response([1, 2], [-0.1, -0.2], "length"), Response([9], [-0.9], "stop")],  # A: 3 tokens, unfinished
@@ -208,20 +199,19 @@ def test_a_step_counts_every_token_of_its_engine_answers_once():
         (0, 1): [Response([7, 9], [-0.7, -0.9], "stop"), Response([9], [-0.9], "stop")],  # C (round 1): 3 tokens
     }
 
-    def ask(step, version, continued, round_index=0):
-        prompts = [_prompt(1000 + 10 * step + round_index)]
-        rows, _ = PARTIAL.request(continued, prompts, SamplingParams(n=G))
-        answer = answers[(step, round_index)]
-        assert len(rows) == len(answer)
-        return AskedBatch(step, version, prompts, lambda: Responses.from_lists([[r] for r in answer]), continued)
+    def answer(rows, params):  # round r of step k is asked with seed 10 k + r
+        step_answer = answers[divmod(params.seed, 10)]
+        assert len(rows) == len(step_answer)
+        return Rollout(Responses.from_lists([[r] for r in step_answer]))
 
-    queue = RolloutQueue(1, ask, steps=2, partial=PARTIAL)
+    # Draws: A (step 0's batch), B (batch 1, asked at step 0), C (step 0's round 1).
+    queue = scripted_queue(answer, PARTIAL, max_staleness=1, steps=2, group_size=G)
     sample_round = queue.rounds(0, PhaseTimer())
     assert sample_round(0)().num_groups == 0 and queue.tokens_generated == 3  # A left unfinished
-    assert [p.id for p in sample_round(1)().prompts] == [1001] and queue.tokens_generated == 3 + 3
+    assert [p.id for p in sample_round(1)().prompts] == ["p2"] and queue.tokens_generated == 3 + 3
     queue.state_dict()  # waits for batch 1 (asked for at step 0) without counting it
     assert queue.tokens_generated == 6
-    assert [p.id for p in queue.take(1).prompts] == [1000, 1010] and queue.tokens_generated == 2 + 3
+    assert [p.id for p in queue.take(1).prompts] == ["p0", "p1"] and queue.tokens_generated == 2 + 3
 
 
 def test_continued_counts_the_responses_sampled_by_more_than_one_version():
@@ -232,6 +222,6 @@ def test_continued_counts_the_responses_sampled_by_more_than_one_version():
     record = Responses(responses_per_prompt_P=torch.tensor([1] * 5), lengths_R=torch.tensor(lengths),
                        finish_R=torch.zeros(5, dtype=torch.int64), token_ids_T=torch.arange(10, dtype=torch.int32),
                        logprobs_T=torch.zeros(10), weight_updates_T=torch.tensor(updates, dtype=torch.int32))
-    groups = SampledGroups.sampled([_prompt(i) for i in range(5)], record, 5)
+    groups = SampledGroups.sampled([_prompt(i) for i in range(5)], Rollout(record), 5)
     assert groups.continued_R().tolist() == [True, False, False, False, False]
     assert groups.last_versions_R().tolist() == [6, 6, 5, 5, 7]

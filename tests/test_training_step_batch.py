@@ -1,12 +1,16 @@
 """The step batch's micro-batch plan and layouts (training/step_batch.py) against hand-computed cases, on the host."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hand_built import rewarded_groups
+from megatron_gtpo.distributed import ParallelGroups
 from megatron_gtpo.rollout.responses import Response, Responses
-from megatron_gtpo.training.experience import Experience
 from megatron_gtpo.training.step_batch import build_step_batch, plan_micro_batches
+
+HOST = ParallelGroups.data_parallel_rank(None, torch.device("cpu"))
 
 LENGTHS = [5, 9, 2, 7, 7, 3]
 
@@ -56,8 +60,7 @@ def _batch(max_sequences=2, max_tokens=None, pack=False):
         [Response([5, 6], [-0.5, -0.6], "stop"), Response([7], [-0.7], "stop")],
         [Response([8, 9, 10], [-0.8, -0.9, -1.0], "length"), Response([11, 12], [-1.1, -1.2], "stop")]])
     correct = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=1)
-    return build_step_batch(Experience(prompts, responses, correct, correct.clone()), groups,
+    return build_step_batch(rewarded_groups(prompts, responses, correct), HOST,
                             mini_batches=[[0, 1]], max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
 
 
@@ -102,10 +105,9 @@ def test_packed_rows_restart_positions_and_confine_attention():
     scores_BL = torch.tensor([[10.0, 11, 12, 13, 14, 15, 16]])
     assert second.columns.gather(scores_BL).tolist() == [[10.0, 11, 12], [14, 15, 0]]
     # Padded to a multiple of 4: the padding tail is a segment of its own.
-    groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=4)
     from megatron_gtpo.training.forward import pack_sequences
 
-    packed = pack_sequences([[1, 2, 3], [4, 5]], device=torch.device("cpu"), pad_to_multiple=groups.sequence_multiple)
+    packed = pack_sequences([[1, 2, 3], [4, 5]], device=torch.device("cpu"), pad_to_multiple=4)
     assert packed.tokens_BL.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]] and packed.cu_seqlens.tolist() == [0, 3, 5, 8]
     visible = ~block_causal_mask(packed.cu_seqlens, 8)[0, 0]
     expected = torch.zeros(8, 8, dtype=torch.bool)
@@ -135,11 +137,10 @@ def test_token_rows_and_rollout_logprobs_come_from_the_flat_record():
     assert sequence_tokens_SL(prompts, 2, responses, [5, 3, 4, 2]).tolist() == [
         [1, 2, 3, 5, 6], [1, 2, 3, 0, 0], [4, 8, 9, 10, 0], [4, 11, 0, 0, 0]]
     correct = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    groups = SimpleNamespace(device=torch.device("cpu"), sequence_multiple=1)
+    kept = rewarded_groups(prompts, responses, correct)
     # The tokens' policy versions (partial rollouts: sequence 2's last token by a newer one than its first two).
-    versions_T = torch.tensor([3, 3, 2, 2, 4, 5])
-    batch = build_step_batch(Experience(prompts, responses, correct, correct.clone(), versions_T=versions_T), groups,
-                             mini_batches=[[0, 1]], max_sequences=4, max_tokens=None, trained_version=5)
+    kept.groups = dataclasses.replace(kept.groups, versions_T=torch.tensor([3, 3, 2, 2, 4, 5]))
+    batch = build_step_batch(kept, HOST, mini_batches=[[0, 1]], max_sequences=4, max_tokens=None, trained_version=5)
     assert batch.rollout_logprobs_ST.tolist() == [[-0.5, -0.25, 0.0], [0.0, 0.0, 0.0], [-1.0, -2.0, -4.0],
                                                   [-0.125, 0.0, 0.0]]
     assert batch.staleness_ST.tolist() == [[2, 2, 0], [0, 0, 0], [3, 3, 1], [0, 0, 0]]

@@ -24,19 +24,20 @@ def _on_policy(rank, world_size):
     largest difference between the step batch's old log-probs and the scoring path's, sequence by sequence."""
     from megatron_gtpo.training.forward import forward_logprobs_and_entropy, make_micro_batches
 
-    exp = sample_experience(4)
+    kept = sample_experience(4)
     out = {}
     for algorithm, (max_sequences, max_tokens, pack) in ON_POLICY_CASES:
         run = policy_run(algorithm)
         reference = []
-        for prompt, group in zip(exp.prompt_token_ids, exp.responses.to_lists()):
+        for sample, group in zip(kept.groups.prompts, kept.groups.responses.to_lists()):
+            prompt = sample.prompt_token_ids
             for r in group:  # each sequence alone: column P - 1 + t scores response token t
                 sequence = list(prompt) + r.token_ids
                 ((logprobs_BL, _),) = forward_logprobs_and_entropy(
                     run.policy.chunks, make_micro_batches([sequence], 1, device=run.parallel.device), run.parallel,
                     vocab_size=run.vocab_size)
                 reference.append(logprobs_BL[0, len(prompt) - 1:len(sequence) - 1])
-        batch, update = run_step(run, exp, max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
+        batch, update = run_step(run, kept, max_sequences=max_sequences, max_tokens=max_tokens, pack=pack)
         error = max(float((batch.old_logprobs_ST[s, :len(ref)] - ref).abs().max()) for s, ref in enumerate(reference))
         out[algorithm, (max_sequences, max_tokens, pack)] = (
             update["ratio_max"], update["ratio_min"], update["approx_kl"], len(batch.plan[0]),

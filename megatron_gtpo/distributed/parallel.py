@@ -125,6 +125,17 @@ class ParallelGroups:
     # 1): on CP rank 0 the members of the replica's colocated engines.
     cp_slice_group: dist.ProcessGroup | None = None
 
+    @classmethod
+    def data_parallel_rank(cls, dp_group: dist.ProcessGroup | None, device: torch.device) -> ParallelGroups:
+        """This process as a rank of `dp_group` (None: a world of one) that holds a whole model replica: no model
+        parallelism, so no model-parallel group (None), which such a rank never communicates over. For step batches
+        and experience built without megatron-core's parallel state (benchmarks, tests)."""
+        rank, size = (dist.get_rank(dp_group), dist.get_world_size(dp_group)) if dp_group is not None else (0, 1)
+        world_rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return cls(tp_group=None, pp_group=None, dp_group=dp_group, mp_group=None, tp_rank=0, tp_size=1, pp_rank=0,
+                   pp_size=1, dp_rank=rank, dp_size=size, vpp_size=None, sequence_parallel=False,
+                   world_rank=world_rank, world_size=world_size, device=device)
+
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1

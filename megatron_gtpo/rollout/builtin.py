@@ -118,8 +118,7 @@ class BuiltinEngine:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
         self.record_routing = record_routing
-        # ParallelGroups of a dense model (or stand-ins without the attribute) need no lockstep.
-        self.lockstep_group = getattr(parallel, "expert_lockstep_group", None)
+        self.lockstep_group = parallel.expert_lockstep_group  # None for a dense model: no lockstep
         config = self.models[0].config
         padded_vocab = self.models[0].vocab_size
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded_vocab:
@@ -236,7 +235,7 @@ class BuiltinEngine:
                 if not model.pre_process:
                     model.set_input_tensor(None)
 
-    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams, recorder=None):
+    def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams, recorder):
         """One batch of rows: (token_ids_T, logprobs_T, weight_updates_T, lengths_R, finish_R) on the device, the
         rows' tokens back to back, and with a `recorder` each row's recorded experts (else None)."""
         from megatron.core.inference.contexts import StaticInferenceContext
@@ -274,11 +273,10 @@ class BuiltinEngine:
         return (*state.results(), experts)
 
     def _take_updates(self) -> int:
-        """The call's `between_steps`, counting the weight updates it took; refuses them while recording routing
-        (a row's routing would mix two prefills)."""
+        """The call's `between_steps`, counting the weight updates it took (never while recording routing: a row's
+        routing would mix two prefills)."""
         taken = self._between_steps()
-        if taken and self.record_routing:
-            raise RuntimeError("the weights changed during a generation that records routing (routing replay)")
+        assert not (taken and self.record_routing), "config_rules: updates during generation without routing replay"
         self._updates_taken += taken
         return taken
 

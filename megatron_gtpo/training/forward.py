@@ -64,9 +64,7 @@ def on_context_rank(mb: MicroBatch, parallel: ParallelGroups) -> MicroBatch:
     """`mb` with the row positions this context-parallel rank feeds the model marked (itself at CP = 1)."""
     if parallel.cp_size == 1:
         return mb
-    if mb.routed_experts is not None:
-        raise ValueError("algorithm.routing_replay: replaying the rollout's experts under parallel.context > 1 is not "
-                         "supported")
+    assert mb.routed_experts is None, "config_rules: routing replay needs CP = 1"
     return dataclasses.replace(mb, context_positions_L=load_balanced_positions(
         mb.tokens_BL.shape[1], parallel.cp_rank, parallel.cp_size, device=mb.tokens_BL.device))
 

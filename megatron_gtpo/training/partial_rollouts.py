@@ -28,7 +28,7 @@ import torch
 from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import FINISH_LENGTH_CODE, Responses, concat_per_response
 
-from .sampled_groups import SampledGroups, as_rollout, filled, sampled_versions
+from .sampled_groups import SampledGroups, filled, sampled_versions
 
 __all__ = ["PartialRollouts", "RolloutRequests", "WholeResponses"]
 
@@ -40,7 +40,7 @@ class RolloutRequests(Protocol):
             -> tuple[list[list[int]], SamplingParams]:
         ...
 
-    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout | Responses, version: int) \
+    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout, version: int) \
             -> tuple[SampledGroups, SampledGroups | None]:
         ...
 
@@ -58,7 +58,7 @@ class WholeResponses:
         """One engine prompt per new prompt, params.n responses each (`continued` is always None here)."""
         return [list(p.prompt_token_ids) for p in prompts], params
 
-    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout | Responses, version: int) \
+    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout, version: int) \
             -> tuple[SampledGroups, None]:
         return SampledGroups.sampled(prompts, rollout, version), None
 
@@ -75,10 +75,10 @@ class PartialRollouts:
     segment_tokens: int  # one engine call's, per response
 
     def __post_init__(self):
-        if not 1 <= self.segment_tokens < self.max_new_tokens or self.max_new_tokens % self.segment_tokens:
-            raise ValueError(f"segment_tokens must be in [1, max_new_tokens = {self.max_new_tokens}) and divide it "
-                             f"(every unfinished response then has a whole number of segments left), got "
-                             f"{self.segment_tokens}")
+        # Decided by the configuration (config.RolloutConfig.check, rollout.partial_segment_tokens): a segment in
+        # [1, max_new_tokens) that divides it, so every unfinished response has a whole number of segments left.
+        assert 1 <= self.segment_tokens < self.max_new_tokens and not self.max_new_tokens % self.segment_tokens, \
+            "rollout.partial_segment_tokens: RolloutConfig.check's rule"
 
     def unfinished_R(self, responses: Responses) -> torch.Tensor:
         """bool [R]: the response stopped at a segment's end, short of max_new_tokens and of a stop token."""
@@ -100,19 +100,19 @@ class PartialRollouts:
         rows += [list(p.prompt_token_ids) for p in prompts for _ in range(self.group_size)]
         return rows, dataclasses.replace(params, n=1, max_new_tokens=self.segment_tokens)
 
-    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout | Responses, version: int) \
+    def merge(self, continued: SampledGroups | None, prompts: list, rollout: Rollout, version: int) \
             -> tuple[SampledGroups, SampledGroups]:
         """(complete groups, groups with an unfinished response) after the call `request(continued, prompts, ...)`
         answered with `rollout` (no routing: config_rules refuses routing replay with partial rollouts), sampled by
         the weights of `version`: `continued`'s groups first, then the new ones, each in the order they were asked
         for."""
-        record = as_rollout(rollout).responses
+        record = rollout.responses
         device = record.device
         continuing = record.num_prompts - len(prompts) * self.group_size  # rows that continue responses
         rows = record.select_prompts(torch.arange(continuing))
         fresh = record.select_prompts(torch.arange(continuing, record.num_prompts))
         fresh = dataclasses.replace(fresh, responses_per_prompt_P=filled(len(prompts), self.group_size, device))
-        parts = [SampledGroups.sampled(prompts, fresh, version)]
+        parts = [SampledGroups.sampled(prompts, Rollout(fresh), version)]
         if continued is not None:
             parts.insert(0, self._continue(continued.to(device), rows, version))
         groups = SampledGroups.cat(parts)

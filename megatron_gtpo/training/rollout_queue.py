@@ -15,9 +15,15 @@ version later): a response of s segments is trained at most (s - 1) x max(N, 1) 
 was sampled (s x N at N >= 1).
 
 Complete informative groups that a step's dynamic sampling did not need (experience.py's surplus) are carried over
-to the next step (`carry`), trained there before any new group, while their newest token is at most N versions old
+to the next step (`carry_over`), trained there before any new group, while their newest token is at most N versions old
 then; older ones are dropped and counted. At N = 0 none is young enough, so nothing is carried: the on-policy
 trainer is unchanged.
+
+The queue hands the trainer each step's experience (`experience`: experience.collect_experience over the carried
+groups and the step's rounds) with its statistics, the queue's own among them: the tokens the engines generated in
+the answers the step waited for, the groups carried over, dropped as too old and left unfinished. The step's wait for
+its rounds is its "generate" phase, the rewards its "reward" phase. What a round is served from stays inside the
+queue: a batch asked for ahead (`asked`) or a round asked for on the spot (`rounds`).
 
 A checkpoint holds the batches asked for and not yet trained on (`state_dict` waits for them: the prompts, the
 version that generated them, their rollouts and the groups they continue), the unfinished groups and the carried
@@ -29,35 +35,62 @@ from typing import Callable
 
 import torch
 
-from .experience import RewardedGroups
+from megatron_gtpo.distributed import ParallelGroups
+from megatron_gtpo.rollout.engine import Rollout
+from megatron_gtpo.rollout.responses import Responses
+
+from .experience import Experience, GroupSelection, RewardedGroups, collect_experience
 from .metrics import PhaseTimer
-from .partial_rollouts import RolloutRequests, WholeResponses
-from .rollout_source import AskedBatch
-from .sampled_groups import Rollout, SampledGroups, as_rollout
+from .rollout_source import AskedBatch, RolloutSource
+from .sampled_groups import SampledGroups
 
 __all__ = ["AskedBatch", "RolloutQueue", "carry_over"]
 
 
 class RolloutQueue:
     """The batches asked for and not yet trained on, the unfinished groups and the carried ones (module doc).
-    `ask(step, version, continued[, round_index])` (rollout_source.RolloutSource.ask) draws a round's prompts and
-    asks the engine for its responses (and the continuation of `continued`'s unfinished responses). `partial`: how
-    the engine's answers merge into groups (partial_rollouts.PartialRollouts; None: whole responses). `device`: the
-    training device, where a restored state's tensors go."""
+    `source` draws a round's prompts and asks the engine for its responses (and the continuation of unfinished
+    ones: its `requests` say how answers merge into groups); `selection`: which groups a step keeps;
+    `reward(prompts, responses) -> [N, G]` the verifier's rewards on the host; `parallel`: this rank's groups (the
+    data-parallel ranks agree on a step's rounds; a restored state goes to the training device); `max_staleness`
+    (rollout.max_staleness): how far ahead batches are asked for; `steps`: the run's (no batch is asked for beyond its
+    last step)."""
 
-    def __init__(self, max_staleness: int, ask: Callable[..., AskedBatch], *, steps: int,
-                 partial: RolloutRequests | None = None, device: torch.device | None = None):
+    def __init__(self, source: RolloutSource, selection: GroupSelection,
+                 reward: Callable[[list, Responses], torch.Tensor], parallel: ParallelGroups, *, max_staleness: int,
+                 steps: int):
+        self.source = source
+        self.requests = source.requests
+        self.selection = selection
+        self.reward = reward
+        self.parallel = parallel
         self.max_staleness = max_staleness
-        self.ask = ask
-        self.steps = steps  # the run's: no batch is asked for beyond its last step
-        self.requests = partial if partial is not None else WholeResponses()
-        self.device = device
+        self.steps = steps
         self.asked: dict[int, AskedBatch] = {}
         self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
         self.carried: RewardedGroups | None = None  # complete groups kept for the next step
         # Every token of the engine answers folded in since this step's `take` (the step's answers): continued
         # segments and groups later dropped, carried over or left unfinished included, each counted once.
         self.tokens_generated = 0
+
+    def experience(self, step: int, timer: PhaseTimer) -> Experience:
+        """Step `step`'s experience (experience.collect_experience): the groups carried over to it first, then its
+        rounds (`rounds`); the informative groups it did not need are carried over to the next step, those young
+        enough for it (`carry_over`). Its statistics include the queue's: the tokens generated, the groups carried
+        over, dropped as too old, and left unfinished. Times the "generate" and "reward" phases."""
+        def reward(prompts, responses):
+            with timer("reward"):
+                return self.reward(prompts, responses)
+
+        sample_round = self.rounds(step, timer)
+        carried, self.carried = self.carried, None
+        exp, surplus = collect_experience(sample_round, reward, self.selection, self.parallel,
+                                          stand_by=self.source.stand_by, carried=carried)
+        self.carried, dropped = carry_over(surplus, step + 1, self.max_staleness)
+        exp.stats.update(tokens_generated=self.tokens_generated, groups_dropped_stale=dropped,
+                         groups_carried=self.carried.num_groups if self.carried is not None else 0,
+                         **self.requests.metrics(self.unfinished))
+        return exp
 
     def take(self, step: int) -> SampledGroups:
         """The groups of batch `step`, waited for (asked for now if it was not: N = 0, or the first step); then every
@@ -86,7 +119,7 @@ class RolloutQueue:
         def sample_round(round_index: int) -> Callable[[], SampledGroups]:
             if not round_index:
                 return lambda: first
-            asked = self.ask(step, step, None, round_index)
+            asked = self.source.ask(step, step, None, round_index)
 
             def wait():
                 with timer("generate"):
@@ -96,12 +129,12 @@ class RolloutQueue:
 
     def _ask(self, step: int, version: int) -> None:
         continued, self.unfinished = self.unfinished, None
-        self.asked[step] = self.ask(step, version, continued)
+        self.asked[step] = self.source.ask(step, version, continued)
 
     def groups(self, asked: AskedBatch) -> SampledGroups:
         """The complete groups of a round, waited for (its tokens counted in `tokens_generated`); groups with an
         unfinished response (partial rollouts) wait for the next batch asked for."""
-        rollout = as_rollout(asked.wait())
+        rollout = asked.wait()
         self.tokens_generated += rollout.responses.num_tokens
         complete, unfinished = self.requests.merge(asked.continued, asked.prompts, rollout, asked.version)
         if unfinished is not None:
@@ -109,25 +142,13 @@ class RolloutQueue:
                                                                                              unfinished])
         return complete
 
-    def take_carried(self) -> RewardedGroups | None:
-        """The groups carried over to this step (once)."""
-        carried, self.carried = self.carried, None
-        return carried
-
-    def carry(self, surplus: RewardedGroups | None, step: int) -> dict:
-        """Keep step `step`'s surplus groups for the next step, those young enough for it (`carry_over`); returns the
-        step's metrics of the queue (carried, dropped as too old, and the unfinished groups)."""
-        self.carried, dropped = carry_over(surplus, step + 1, self.max_staleness)
-        return {"groups_carried": self.carried.num_groups if self.carried is not None else 0,
-                "groups_dropped_stale": dropped, **self.requests.metrics(self.unfinished)}
-
     def state_dict(self) -> dict:
         """Every batch asked for, waited for (collective over the model replica), the unfinished groups and the
         carried ones, on the host."""
         cpu = torch.device("cpu")
         batches = {}
         for step, batch in sorted(self.asked.items()):
-            rollout = as_rollout(batch.wait())
+            rollout = batch.wait()
             self.asked[step] = AskedBatch(step, batch.version, batch.prompts, lambda r=rollout: r, batch.continued)
             batches[step] = {"version": batch.version, "prompts": batch.prompts, "responses": rollout.responses.to(cpu),
                              "routed_experts": _routes_to_host(rollout.routed_experts),
@@ -137,7 +158,7 @@ class RolloutQueue:
     def load_state_dict(self, state: dict) -> None:
         """From `state_dict()`'s host state, moved to the training device (a checkpoint written before groups were
         carried holds none)."""
-        device = self.device
+        device = self.parallel.device
         self.asked = {step: AskedBatch(step, b["version"], b["prompts"],
                                        lambda r=Rollout(b["responses"].to(device), b.get("routed_experts")): r,
                                        _moved(b["continued"], device))

@@ -19,7 +19,7 @@ from .sampled_groups import SampledGroups
 @dataclass
 class AskedBatch:
     """One sampling round asked of the engine: its new prompts (the loader's items), the policy version (steps
-    trained) whose weights generate it, the function that waits for the engine's rollout (collective over the model
+    trained) whose weights generate it, the function that waits for the engine's `Rollout` (collective over the model
     replica), and with partial rollouts the groups whose unfinished responses it continues."""
 
     step: int
@@ -37,7 +37,7 @@ class RolloutSource:
     `engine` is set once built (after the resume: a colocated engine sizes its memory from what training leaves)."""
 
     def __init__(self, draw_prompts: Callable[[], list], requests: RolloutRequests,
-                 sampling_params: Callable[[int, int], SamplingParams], *, oversample_batches: int = 0):
+                 sampling_params: Callable[[int, int], SamplingParams], *, oversample_batches: int):
         self.draw_prompts = draw_prompts
         self.requests = requests
         self.sampling_params = sampling_params
@@ -55,3 +55,7 @@ class RolloutSource:
         if round_index == 0:
             return AskedBatch(step, version, prompts, self.engine.submit(rows, params), continued)
         return AskedBatch(step, version, prompts, lambda: self.engine.submit(rows, params)(), continued)
+
+    def stand_by(self) -> None:
+        """The engine generates nothing this round, collectively with the ranks that do (RolloutEngine.stand_by)."""
+        self.engine.stand_by()

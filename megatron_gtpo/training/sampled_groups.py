@@ -28,10 +28,9 @@ class SampledGroups:
     routed_experts: list[torch.Tensor] | None = None
 
     @classmethod
-    def sampled(cls, prompts: list, rollout: Rollout | Responses, version: int) -> SampledGroups:
-        """One engine call's groups (`rollout`: an engine's, or a bare record: no routing), made with the weights of
-        `version` (each token sampled by those or, where the engine took updates during the call, later ones)."""
-        rollout = as_rollout(rollout)
+    def sampled(cls, prompts: list, rollout: Rollout, version: int) -> SampledGroups:
+        """One engine call's groups, made with the weights of `version` (each token sampled by those or, where the
+        engine took updates during the call, later ones)."""
         responses, routes = rollout.responses, rollout.routed_experts
         return cls(prompts, responses, sampled_versions(responses, version),
                    filled(responses.num_responses, version, responses.device), routes)
@@ -87,6 +86,7 @@ class SampledGroups:
         return torch.zeros(self.num_groups, dtype=torch.int64, device=counts_P.device).scatter_reduce(
             0, owner_R, self.last_versions_R(), "amax", include_self=False)
 
+
 def filled(size: int, value: int, device) -> torch.Tensor:
     """int64 [size] of `value` (a policy version per token or response)."""
     return torch.full((size,), value, dtype=torch.int64, device=device)
@@ -97,7 +97,3 @@ def sampled_versions(responses: Responses, version: int) -> torch.Tensor:
     (plus the weight updates the engine took before the token)."""
     return responses.weight_updates_T.to(torch.int64) + version
 
-
-def as_rollout(rollout: Rollout | Responses) -> Rollout:
-    """A bare record (hand-built ones, tests) as the rollout of an engine that records no routing."""
-    return rollout if isinstance(rollout, Rollout) else Rollout(rollout)

@@ -51,7 +51,7 @@ from megatron_gtpo.models.moe_routing import RoutedExperts, filler_experts
 
 from megatron_gtpo.rollout.responses import Responses
 
-from .experience import Experience
+from .experience import RewardedGroups
 from .forward import MicroBatch, make_micro_batches, packed_micro_batch, padded_micro_batch, sequence_rows
 
 
@@ -196,21 +196,22 @@ class ReplayPlan:
     topk: int
 
 
-def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches: list[list[int]], max_sequences: int,
-                     max_tokens: int | None, pack: bool = False, replay: ReplayPlan | None = None,
+def build_step_batch(kept: RewardedGroups, parallel: ParallelGroups, *, mini_batches: list[list[int]],
+                     max_sequences: int, max_tokens: int | None, pack: bool = False, replay: ReplayPlan | None = None,
                      trained_version: int | None = None) -> StepBatch:
-    """The step batch of `exp`'s kept groups; `mini_batches` lists the group ids of each mini-batch; `pack`: packed
+    """The step batch of the `kept` groups; `mini_batches` lists the group ids of each mini-batch; `pack`: packed
     micro-batches (one row of several sequences each, forward.py) instead of padded ones; `replay`: the micro-batches
-    carry the experts each response's recorded routing (`exp.routed_experts`, rank-local) holds (module doc);
-    `trained_version`: the policy version the step trains, against which each token's staleness is counted. Built
-    from the rollout record's flat tensors by tensor ops on the device (`sequence_tokens_SL`); only the lengths come
-    to the host (the plan is built from them). With expert parallelism, collective over the expert-parallel group
-    (the micro-batch counts are agreed on)."""
-    device, G = parallel.device, exp.group_size
-    responses = exp.responses.to(device)
+    carry the experts each response's recorded routing (`SampledGroups.routed_experts`, rank-local) holds (module
+    doc); `trained_version`: the policy version the step trains, against which each token's staleness is counted.
+    Built from the rollout record's flat tensors by tensor ops on the device (`sequence_tokens_SL`); only the lengths
+    come to the host (the plan is built from them). With expert parallelism, collective over the expert-parallel
+    group (the micro-batch counts are agreed on)."""
+    device, G, sampled = parallel.device, kept.group_size, kept.groups
+    prompt_token_ids = [p.prompt_token_ids for p in sampled.prompts]
+    responses = sampled.responses.to(device)
     lengths_S = responses.lengths_R
     response_lengths = lengths_S.tolist()
-    prompt_lengths = [len(p) for p in exp.prompt_token_ids for _ in range(G)]
+    prompt_lengths = [len(p) for p in prompt_token_ids for _ in range(G)]
     sequence_lengths = [p + r for p, r in zip(prompt_lengths, response_lengths)]
     mask_ST = torch.arange(max(response_lengths, default=0), device=device) < lengths_S[:, None]
     # Row-major order of the mask's True entries is the record's token order: response s's tokens fill row s.
@@ -218,29 +219,27 @@ def build_step_batch(exp: Experience, parallel: ParallelGroups, *, mini_batches:
     staleness_ST = None
     if trained_version is not None:
         staleness_ST = torch.zeros(mask_ST.shape, dtype=torch.int64, device=device).masked_scatter_(
-            mask_ST, trained_version - exp.versions_T.to(device))
-    tokens_SL = sequence_tokens_SL(exp.prompt_token_ids, G, responses, sequence_lengths)
+            mask_ST, trained_version - sampled.versions_T.to(device))
+    tokens_SL = sequence_tokens_SL(prompt_token_ids, G, responses, sequence_lengths)
     sequence_ids = [[g * G + j for g in groups_of_mini for j in range(G)] for groups_of_mini in mini_batches]
     plan = plan_micro_batches(sequence_lengths, sequence_ids, max_sequences=max_sequences,
                               max_tokens=max_tokens, pad_to_multiple=parallel.sequence_multiple, pack=pack)
-    lockstep = getattr(parallel, "expert_lockstep_group", None)
+    lockstep = parallel.expert_lockstep_group
     if lockstep is not None:
         plan = _pad_to_peers(plan, lockstep, parallel.device)
-    routes = None
-    if replay is not None:
-        routes = exp.routed_experts if exp.routed_experts is not None else []
-        if len(routes) != len(response_lengths):
-            raise ValueError(f"routing replay needs each response's recorded experts: {len(routes)} recorded for "
-                             f"{len(response_lengths)} responses (the engine must record or return routing: "
-                             f"rollout.engine builtin, vllm or vllm_remote)")
+    routes = sampled.routed_experts
+    # Decided at start: routing replay needs a mixture-of-experts model (config.validate_for_model) and an engine
+    # that records every response's routing (layout.check_layout; vLLM's checked as it starts).
+    assert replay is None or (routes is not None and len(routes) == len(response_lengths)), \
+        "layout.check_layout: routing replay's engines record each response's routing"
     planned = [[_planned(rows, tokens_SL, mask_ST, sequence_lengths, prompt_lengths, response_lengths, parallel, pack,
                          replay, routes)
                 for rows in mini] for mini in plan]
     index_S = torch.arange(len(response_lengths), device=device)
-    return StepBatch(num_prompt_groups=exp.num_prompt_groups, group_size=G, sequence_lengths=sequence_lengths,
+    return StepBatch(num_prompt_groups=kept.num_groups, group_size=G, sequence_lengths=sequence_lengths,
                      response_lengths=response_lengths, group_index_S=index_S // G, response_index_S=index_S % G,
-                     mask_ST=mask_ST, rollout_logprobs_ST=rollout_ST, correct_NG=exp.correct_NG.to(device),
-                     rewards_NG=exp.rewards_NG.to(device), plan=planned, lockstep=lockstep is not None,
+                     mask_ST=mask_ST, rollout_logprobs_ST=rollout_ST, correct_NG=kept.correct_NG.to(device),
+                     rewards_NG=kept.rewards_NG.to(device), plan=planned, lockstep=lockstep is not None,
                      staleness_ST=staleness_ST)
 
 
@@ -271,8 +270,8 @@ def sequence_tokens_SL(prompt_token_ids: list, group_size: int, responses: Respo
 
 
 def _planned(rows: list[int], tokens_SL: torch.Tensor, mask_ST: torch.Tensor, sequence_lengths, prompt_lengths,
-             response_lengths, parallel: ParallelGroups, pack: bool, replay: ReplayPlan | None = None,
-             routes: list | None = None) -> PlannedMicroBatch:
+             response_lengths, parallel: ParallelGroups, pack: bool, replay: ReplayPlan | None,
+             routes: list | None) -> PlannedMicroBatch:
     """The micro-batch of sequences `rows`: its inputs cut out of the step batch's token rows, its columns computed
     on the device from the step batch's mask (host ints for the starts only); with `replay`, its routing targets."""
     device, multiple = parallel.device, parallel.sequence_multiple

@@ -18,14 +18,14 @@ from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS, STALEN
 from megatron_gtpo.config import TrainConfig, to_dict, validate_for_model, validate_layout
 from megatron_gtpo.distributed import initialize_parallel, read_launch_env
 from megatron_gtpo.models.moe_routing import RouterStatistics, routed_layers
-from megatron_gtpo.rollout.engine import SamplingParams
+from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import Response, Responses
 
 from . import checkpointing
 from .advantages import global_advantages
 from .checkpointing import StopSignal, TrainerState
 from .engine_setup import build_engine
-from .experience import Experience, collect_experience
+from .experience import Experience, GroupSelection, RewardedGroups
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel
 from .old_policy import correct_rollout, old_policy_pass
@@ -35,6 +35,7 @@ from .reference import ReferencePolicy
 from .resume_check import holds_rollouts
 from .rollout_queue import RolloutQueue
 from .rollout_source import RolloutSource
+from .sampled_groups import SampledGroups
 from .step_batch import ReplayPlan, StepBatch, build_step_batch
 from .task import build_task, check_prompt_lengths
 from .token_selection import global_token_selection
@@ -81,8 +82,13 @@ class Trainer:
             if r.partial_rollouts else WholeResponses()
         self.source = RolloutSource(lambda: self.loader.next_batch().items, requests, self.sampling_params,
                                     oversample_batches=r.oversample_batches)
-        self.rollouts = RolloutQueue(r.max_staleness, self.source.ask, steps=cfg.steps, partial=requests,
-                                     device=self.parallel.device)
+        selection = GroupSelection(cfg.data.prompts_per_step // self.parallel.dp_size, self.algorithm.dynamic_sampling,
+                                   cfg.algorithm.max_resample_rounds, self.algorithm.length_penalty)
+        self.rollouts = RolloutQueue(self.source, selection, self.reward_responses, self.parallel,
+                                     max_staleness=r.max_staleness, steps=cfg.steps)
+        # Rollouts in flight between steps (bounded staleness, partial rollouts): checkpointed, and each token's
+        # staleness counted in the step batch.
+        self.holds_rollouts = holds_rollouts(r)
         self.start_step = checkpointing.restore(self.checkpoint_state())  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
         self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
@@ -136,8 +142,8 @@ class Trainer:
             targets = [self.task.demonstration(p) for p in prompts]
             answers = Responses.from_lists([[Response(target, [0.0] * len(target), "stop")] for target in targets])
             no_reward = torch.zeros(len(prompts), 1)
-            exp = Experience([p.prompt_token_ids for p in prompts], answers, no_reward, no_reward)
-            batch = build_step_batch(exp, parallel, mini_batches=[list(range(len(prompts)))],
+            demonstrations = RewardedGroups(SampledGroups.sampled(prompts, Rollout(answers), 0), no_reward, no_reward)
+            batch = build_step_batch(demonstrations, parallel, mini_batches=[list(range(len(prompts)))],
                                      max_sequences=cfg.data.micro_batch_size,
                                      max_tokens=cfg.data.max_tokens_per_micro_batch, pack=cfg.data.pack_sequences)
             micro_batches = [update_micro_batch(batch, planned) for planned in batch.plan[0]]
@@ -157,42 +163,22 @@ class Trainer:
             self.reference.pin(self.policy.chunks, self.parallel, resumed=self.start_step > 0)
 
     def collect_experience(self, step: int, timer: PhaseTimer, metrics: MetricReducer) -> Experience:
-        """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says, from
-        the groups the rollout queue carried over and its rounds (the first asked for rollout.max_staleness steps
-        ago; rollout_queue.py); the informative groups left over go back to it. Times the "reward" phase (the queue
-        times "generate"), records the rollout's metrics."""
-        def reward(prompts, responses):
-            with timer("reward"):
-                return self.reward_responses(prompts, responses)
-
-        exp = collect_experience(self.rollouts.rounds(step, timer), reward, self.sampling_params(step, 0),
-                                 self.parallel, carried=self.rollouts.take_carried(),
-                                 target_prompt_groups=self.cfg.data.prompts_per_step // self.parallel.dp_size,
-                                 dynamic_sampling=self.algorithm.dynamic_sampling,
-                                 max_extra_rounds=self.cfg.algorithm.max_resample_rounds,
-                                 length_penalty=self.algorithm.length_penalty, stand_by=self.engine.stand_by)
-        stats = exp.stats
-        counts = ("groups_kept", "groups_generated", "sampling_rounds", "groups_from_carry")
-        rewarded = ("reward_mean", "accuracy", "response_length_mean", "response_clip_ratio", "response_length_max")
-        # Partial rollouts may complete no group this step: then there is nothing to average.
-        metrics.add({k: stats[k] for k in counts + (rewarded if stats["groups_generated"] else ())},
-                    {"responses": stats["groups_generated"] * exp.group_size})
-        totals, weights = _staleness_totals(exp, step)
-        metrics.add_totals(totals, weights)
-        if exp.num_prompt_groups:
-            metrics.add({"staleness_max": int((step - exp.start_versions_R).max())})
-        metrics.add(self.rollouts.carry(exp.surplus, step))  # carried, dropped as too old, unfinished
+        """G responses to each of this rank's prompts with their rewards, dynamic sampling as the algorithm says:
+        the rollout queue's experience of the step (rollout_queue.py; it times the "generate" and "reward" phases),
+        whose statistics are recorded."""
+        exp = self.rollouts.experience(step, timer)
+        exp.record(metrics, step)
         return exp
 
     def build_step_batch(self, exp: Experience, step: int) -> StepBatch:
         """The step batch; when rollouts may be stale (rollout.max_staleness, partial rollouts), with each token's
         staleness against version `step` (for the mismatch metrics by staleness)."""
-        d, r = self.cfg.data, self.cfg.rollout
-        return build_step_batch(exp, self.parallel,
-                                mini_batches=split_evenly(list(range(exp.num_prompt_groups)), d.mini_batches_per_step),
+        d = self.cfg.data
+        return build_step_batch(exp.kept, self.parallel,
+                                mini_batches=split_evenly(list(range(exp.kept.num_groups)), d.mini_batches_per_step),
                                 max_sequences=d.micro_batch_size, max_tokens=d.max_tokens_per_micro_batch,
                                 pack=d.pack_sequences, replay=self.replay,
-                                trained_version=step if r.max_staleness or r.partial_rollouts else None)
+                                trained_version=step if self.holds_rollouts else None)
 
     def old_policy_pass(self, batch: StepBatch, metrics: MetricReducer) -> None:
         """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
@@ -233,14 +219,14 @@ class Trainer:
         if batch.entropy_ST is not None:  # the last pipeline stage
             metrics.add_totals(*_token_totals(batch))
         step_time = sum(timer.seconds.values())
-        generated_tokens = self.rollouts.tokens_generated  # the step's engine answers (rollout_queue.py)
-        metrics.add({"lr": self.policy.optimizer.param_groups[0]["lr"], "tokens_generated": generated_tokens,
+        generated_tokens = exp.stats["tokens_generated"]  # the step's engine answers (rollout_queue.py)
+        metrics.add({"lr": self.policy.optimizer.param_groups[0]["lr"],
                      "tokens_per_s": generated_tokens / step_time if step_time else float("nan"),
                      **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()}})
         reduced = metrics.reduce(self.parallel.dp_group)
         reduced["no_group_kept"] = int(reduced["groups_kept"] == 0)  # then the token and update metrics are NaN
         ids = [None] * self.parallel.dp_size  # which prompts the step trained on: none twice, none skipped
-        dist.all_gather_object(ids, [p.id for p in exp.prompts], group=self.parallel.dp_group)
+        dist.all_gather_object(ids, [p.id for p in exp.kept.groups.prompts], group=self.parallel.dp_group)
         reduced["trained_prompt_ids"] = [i for rank_ids in ids for i in rank_ids]
         self.logger.log(step, reduced)
 
@@ -260,8 +246,7 @@ class Trainer:
         bounded staleness or partial rollouts also the rollouts asked for and not yet trained on."""
         return TrainerState(self.cfg, self.parallel, self.policy, self.task.hf_config, self.vocab_size,
                             shared={"loader": self.loader, "scheduler": self.policy.scheduler},
-                            per_rank={"rollouts": self.rollouts} if holds_rollouts(self.cfg.rollout)
-                            else {})
+                            per_rank={"rollouts": self.rollouts} if self.holds_rollouts else {})
 
     def sampling_params(self, step: int, round_index: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -282,16 +267,6 @@ class Trainer:
             rewards = torch.tensor(self.task.rewards(texts, references), dtype=torch.float32, device=device)
         dist.broadcast(rewards, src=dist.get_global_rank(mp_group, 0), group=mp_group)
         return rewards.cpu().view(responses.num_prompts, self.cfg.rollout.num_responses_per_prompt)
-
-
-def _staleness_totals(exp: Experience, step: int) -> tuple[dict, dict]:
-    """How many versions old the kept responses are (step - the version of their first token; 0 on policy), the
-    fraction of them continued over several engine calls (partial rollouts), and the fraction of their tokens an
-    earlier version sampled, as totals over the kept responses and tokens (device tensors)."""
-    totals = {"staleness_mean": (step - exp.start_versions_R).double().sum(),
-              "continued_fraction": exp.continued_R.double().sum(),
-              "stale_token_fraction": (exp.versions_T < step).double().sum()}
-    return totals, {"kept_responses": exp.responses.num_responses, "kept_tokens": exp.responses.num_tokens}
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

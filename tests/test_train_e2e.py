@@ -1,5 +1,5 @@
 """The trainer end to end on CPU: every algorithm at TP=2 and PP=2 logs every metric; resume reproduces an
-uninterrupted run; SIGTERM checkpoints before exit; the demo's reward rises."""
+uninterrupted run; SIGTERM checkpoints before exit (and ends a warm start); the demo's reward rises."""
 import json
 import math
 import os
@@ -190,6 +190,26 @@ def test_sigterm_checkpoints_then_exits(tmp_path):
     assert latest == f"step_{steps[-1] + 1:08d}"
     state = json.loads((tmp_path / "checkpoints" / latest / "trainer_state.json").read_text())
     assert state["step"] == steps[-1] + 1
+
+
+def test_sigterm_in_the_warm_start_exits_after_its_step_saying_nothing_is_saved(tmp_path):
+    """A pre-emption during a long warm start ends the run within a step, not after the whole warm start."""
+    sets = [f"logging.output_dir={tmp_path}", "warm_start.steps=100000", "steps=2", "parallel.tensor=1"]
+    cmd = [sys.executable, "-m", "megatron_gtpo.train", "--config", DEMO_CONFIG, *sum((["--set", s] for s in sets), [])]
+    with open(tmp_path / "stderr.txt", "w+", encoding="utf-8") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and "warm start steps" not in (tmp_path / "stderr.txt").read_text():
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=60) == 0
+        finally:
+            proc.kill()  # a no-op where it exited
+    said = (tmp_path / "stderr.txt").read_text()
+    assert "stopped in the warm start after" in said and "a relaunch starts it over" in said, said[-2000:]
+    assert not (tmp_path / "checkpoints" / "latest").exists()
 
 
 @pytest.mark.parametrize("override,message", [

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_gtpo.algorithms import configure_algorithm
 from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS, STALENESS_METRICS
+from megatron_gtpo.cli import say_once
 from megatron_gtpo.config import TrainConfig, to_dict, validate_for_model, validate_layout
 from megatron_gtpo.distributed import initialize_parallel, read_launch_env
 from megatron_gtpo.models.moe_routing import RouterStatistics, routed_layers
@@ -106,7 +107,11 @@ class Trainer:
         """The RL loop."""
         self.stop = StopSignal.install(saves=self.cfg.checkpoint.save_every >= 0)  # SIGTERM, SIGUSR1, Ctrl-C
         if self.start_step == 0 and self.cfg.warm_start.steps:
-            self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **self.warm_start()})
+            warm_start = self.warm_start()
+            if warm_start is None:  # a stop signal: a warm start is not checkpointed
+                self.logger.close()
+                return
+            self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **warm_start})
             self.sync_weights()  # an external engine generates with the warm-started policy from the first batch on
             if self.cfg.steps == 0:  # a warm-start-only run: its checkpoint is where RL runs start (model.load)
                 checkpointing.save(self.checkpoint_state(), 0)
@@ -132,9 +137,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ the phases
 
-    def warm_start(self) -> dict:
+    def warm_start(self) -> dict | None:
         """Supervised warm-start on the task's reference responses (`Task.demonstration`: synthetic tasks only), each
-        prompt with its reference as a group of one response, through the step batch and its micro-batch plan."""
+        prompt with its reference as a group of one response, through the step batch and its micro-batch plan.
+        Returns its metrics, or None where a stop signal ended it (after the step in progress, said in one line:
+        nothing of it is saved, a relaunch starts it over)."""
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
         for step in self.logger.progress(range(cfg.warm_start.steps), "warm start steps"):
@@ -154,6 +161,10 @@ class Trainer:
                                     vocab_size=self.vocab_size, lr=cfg.warm_start.lr_at(step),
                                     chunk_tokens=self.logprob_chunk_tokens)
             record_optimizer_step(metrics, result, cfg.warm_start.steps)
+            if self.stop.agreed(parallel.device):
+                say_once(f"stopped in the warm start after {step + 1} of {cfg.warm_start.steps} steps: a warm start is "
+                         "not checkpointed, so a relaunch starts it over")
+                return None
         metrics.add({"optimizer_steps": cfg.warm_start.steps})
         self.policy.scheduler.step(increment=0)  # back to the schedule's learning rate for RL
         return metrics.reduce(parallel.dp_group)

@@ -120,7 +120,7 @@ def train(root: str, model_dir: str, spec: Run, steps: int, extra: list[str]) ->
         server = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "megatron_gtpo.rollout.remote_server",
                                    "--engine", "builtin", "--hf-dir", model_dir, "--listen", address],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        cores, sets = "0", sets + ["rollout.engine=builtin_remote", f"rollout.remote_addresses=[{address}]"]
+        cores, sets = "0", sets + ["rollout.engine=builtin_remote", f"rollout.remote.addresses=[{address}]"]
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
            "--standalone", "-m", "megatron_gtpo.train", "--config", CONFIG, *sum((["--set", s] for s in sets), [])]
     trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -16,7 +16,7 @@ import yaml
 
 from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, ALGORITHMS, resolve_algorithm
 from megatron_gtpo.atomic_files import write_atomically
-from megatron_gtpo.config_rules import ENGINE_OPTIONS, REMOTE_ENGINES, Features, refused_by
+from megatron_gtpo.config_rules import REMOTE_ENGINES, Features, refused_by
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 from megatron_gtpo.data.templates import DATA_TEMPLATES
 from megatron_gtpo.layout import CP_COMM_TYPES, LayoutError, ParallelLayout, RolloutLayout, check_layout
@@ -89,6 +89,64 @@ class ParallelConfig:
 
 
 @dataclass
+class BuiltinEngineConfig:
+    """rollout.builtin: the options of the built-in engine in the trainer's processes (rollout.engine: builtin;
+    rollout/builtin.py). A built-in rollout server (builtin_remote) takes its own from its command line
+    (`python -m megatron_gtpo.rollout.remote_server --max-batch-tokens`), not from this section."""
+
+    # At most this many KV-cache token slots per batch (rows x (longest prompt + max_new_tokens)); null: every row
+    # of the replica at once (the planner counts it)
+    max_batch_tokens: int | None = None
+
+    def check(self, max_new_tokens: int) -> None:
+        _need(self.max_batch_tokens is None or self.max_batch_tokens > max_new_tokens,
+              f"rollout.builtin.max_batch_tokens: must exceed rollout.max_new_tokens = {max_new_tokens} (one row's "
+              f"prompt and response), got {self.max_batch_tokens}")
+
+
+@dataclass
+class VLLMEngineConfig:
+    """rollout.vllm: the options of the colocated vLLM engines (rollout.engine: vllm; docs/vllm.md). A vLLM rollout
+    server (vllm_remote) takes its own from its command line (`python -m megatron_gtpo.rollout.remote_server
+    --gpu-memory-utilization / --kv-cache-memory-bytes / --hf-dir / --tensor-parallel-size`), not from this
+    section."""
+
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None  # a fixed KV-cache size instead of the fraction (use on CPU)
+    hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced
+    tensor_parallel: int = 1
+
+    def check(self) -> None:
+        _need(self.tensor_parallel >= 1, f"rollout.vllm.tensor_parallel: must be >= 1, got {self.tensor_parallel}")
+        _need(0 < self.gpu_memory_utilization <= 1,
+              f"rollout.vllm.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        _need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              f"rollout.vllm.kv_cache_memory_bytes: must be > 0 (or unset), got {self.kv_cache_memory_bytes}")
+
+
+@dataclass
+class RemoteEngineConfig:
+    """rollout.remote: how the trainer reaches its rollout servers (rollout.engine: vllm_remote or builtin_remote;
+    docs/remote_rollout.md). The servers' own engine options are their command line's."""
+
+    # One `python -m megatron_gtpo.rollout.remote_server` (HOST:PORT) per data-parallel replica
+    addresses: list[str] = field(default_factory=list)
+    connect_timeout_s: float = 600.0
+    request_timeout_s: float = 1800.0
+    # > 0: a trainer outlives a rollout server's death: it waits this long for a server at the same address, sends it
+    # the weights of the last sync and asks again for what was in flight (docs/remote_rollout.md); it keeps a host
+    # copy of those weights for it. 0: a dead server ends the run.
+    reconnect_timeout_s: float = 0.0
+
+    def check(self, engine: str) -> None:
+        _need(bool(self.addresses),
+              f"rollout.remote.addresses: the {engine} engine needs one server address (HOST:PORT) per data-parallel "
+              f"replica")
+        _need(self.reconnect_timeout_s >= 0,
+              f"rollout.remote.reconnect_timeout_s: must be >= 0, got {self.reconnect_timeout_s}")
+
+
+@dataclass
 class RolloutConfig:
     # builtin | vllm (colocated) | vllm_remote (vLLM servers on other nodes) | builtin_remote (built-in engine servers)
     engine: str = "builtin"
@@ -97,25 +155,16 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
-    # The built-in engine: at most this many KV-cache token slots per batch (rows x (longest prompt +
-    # max_new_tokens)); null: every row of the replica at once (rollout/builtin.py; the planner counts it)
-    builtin_max_batch_tokens: int | None = None
-    # vLLM: a random stream per request (reproducible samples, the same after a resume) or one engine-wide stream
-    # (faster: vLLM draws seeded requests one at a time). The built-in engine always seeds each response.
+    # A random stream per request (reproducible samples, the same after a resume) or one engine-wide stream (faster:
+    # vLLM draws seeded requests one at a time); a sampling setting every request carries, so the vLLM engines
+    # (vllm, vllm_remote) act on it. The built-in engines always seed each response.
     seeded_sampling: bool = False
-    vllm_gpu_memory_utilization: float = 0.5
-    vllm_kv_cache_memory_bytes: int | None = None  # a fixed KV-cache size instead of the fraction (use on CPU)
-    vllm_hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced
-    vllm_tensor_parallel: int = 1
-    # vllm_remote / builtin_remote: one `python -m megatron_gtpo.rollout.remote_server` (HOST:PORT) per data-parallel
-    # replica (docs/remote_rollout.md)
-    remote_addresses: list[str] = field(default_factory=list)
-    remote_connect_timeout_s: float = 600.0
-    remote_request_timeout_s: float = 1800.0
-    # > 0: a trainer outlives a rollout server's death: it waits this long for a server at the same address, sends it
-    # the weights of the last sync and asks again for what was in flight (docs/remote_rollout.md); it keeps a host
-    # copy of those weights for it. 0: a dead server ends the run.
-    remote_reconnect_timeout_s: float = 0.0
+    # Each engine's own options (the *EngineConfig sections above): builtin reads rollout.builtin, vllm rollout.vllm,
+    # vllm_remote and builtin_remote rollout.remote. The section of an engine not selected is not read (nor
+    # checked), so a recipe may hold several and switching rollout.engine needs no resets.
+    builtin: BuiltinEngineConfig = field(default_factory=BuiltinEngineConfig)
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)
     # Bounded staleness (docs/algorithms.md, "Generating while training"): step k trains on prompts generated with
     # the policy of step max(0, k - max_staleness); 0 is the on-policy trainer. >= 1 needs engines of their own
     # (vllm_remote, builtin_remote), which then generate the next batches while the current one trains.
@@ -145,20 +194,6 @@ class RolloutConfig:
         _need(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         _need(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         _need(self.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        _need(self.builtin_max_batch_tokens is None or self.builtin_max_batch_tokens > self.max_new_tokens,
-              f"rollout.builtin_max_batch_tokens: must exceed rollout.max_new_tokens = {self.max_new_tokens} (one "
-              f"row's prompt and response), got {self.builtin_max_batch_tokens}")
-        _need(self.vllm_tensor_parallel >= 1,
-              f"rollout.vllm_tensor_parallel: must be >= 1, got {self.vllm_tensor_parallel}")
-        _need(0 < self.vllm_gpu_memory_utilization <= 1,
-              f"rollout.vllm_gpu_memory_utilization: must be in (0, 1], got {self.vllm_gpu_memory_utilization}")
-        _need(self.vllm_kv_cache_memory_bytes is None or self.vllm_kv_cache_memory_bytes > 0,
-              f"rollout.vllm_kv_cache_memory_bytes: must be > 0 (or unset), got {self.vllm_kv_cache_memory_bytes}")
-        _need(self.engine not in REMOTE_ENGINES or self.remote_addresses,
-              f"rollout.remote_addresses: the {self.engine} engine needs one server address (HOST:PORT) per "
-              f"data-parallel replica")
-        _need(self.remote_reconnect_timeout_s >= 0,
-              f"rollout.remote_reconnect_timeout_s: must be >= 0, got {self.remote_reconnect_timeout_s}")
         _need(self.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
         _need(self.oversample_batches >= 0,
               f"rollout.oversample_batches: must be >= 0, got {self.oversample_batches}")
@@ -168,10 +203,12 @@ class RolloutConfig:
               f"{longest}) that divides it, got {segment}")
         _need(self.partial_rollouts or segment is None,
               "rollout.partial_segment_tokens: set only with rollout.partial_rollouts: true")
-        for option in ENGINE_OPTIONS:  # the options the chosen engine would ignore (config_rules.py)
-            refusal = option.refusal(self)
-            if refusal is not None:
-                raise ConfigError(refusal)
+        if self.engine == "builtin":  # the selected engine's section only: the others are not read
+            self.builtin.check(self.max_new_tokens)
+        elif self.engine == "vllm":
+            self.vllm.check()
+        else:
+            self.remote.check(self.engine)
 
 
 @dataclass
@@ -451,6 +488,9 @@ def _build(cls, data: dict, prefix: str):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    moved = [prefix + k for k in unknown if prefix + k in MOVED_KEYS]
+    if moved:
+        raise ConfigError("; ".join(f"{key} moved to {MOVED_KEYS[key]}" for key in moved))
     if unknown:
         raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
                           f"{', '.join(prefix + k + _did_you_mean(k, names, prefix) for k in unknown)}; valid keys "
@@ -466,6 +506,17 @@ def _build(cls, data: dict, prefix: str):
             if key in _CHOICES and kwargs[name] is not None and kwargs[name] not in _CHOICES[key]:
                 raise ConfigError(f"{key}: {kwargs[name]!r} is not one of {', '.join(_CHOICES[key])}")
     return cls(**kwargs)
+
+
+# Keys that moved to another place, each answered with one line naming its new place rather than as unknown: the
+# rollout engines' options, moved into a section per engine.
+MOVED_KEYS = {f"rollout.{old}": f"rollout.{new}" for old, new in (
+    ("builtin_max_batch_tokens", "builtin.max_batch_tokens"),
+    ("vllm_gpu_memory_utilization", "vllm.gpu_memory_utilization"),
+    ("vllm_kv_cache_memory_bytes", "vllm.kv_cache_memory_bytes"), ("vllm_hf_dir", "vllm.hf_dir"),
+    ("vllm_tensor_parallel", "vllm.tensor_parallel"), ("remote_addresses", "remote.addresses"),
+    ("remote_connect_timeout_s", "remote.connect_timeout_s"), ("remote_request_timeout_s", "remote.request_timeout_s"),
+    ("remote_reconnect_timeout_s", "remote.reconnect_timeout_s"))}
 
 
 def _did_you_mean(key, names: set[str], prefix: str) -> str:
@@ -543,7 +594,7 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
                                                     expert_tensor=par.expert_tensor, context=par.context)
         check_layout(layout, shape=shape, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
-                     rollout=RolloutLayout(r.engine, r.vllm_tensor_parallel, len(r.remote_addresses)),
+                     rollout=RolloutLayout(r.engine, r.vllm.tensor_parallel, len(r.remote.addresses)),
                      training=True, routing_replay=cfg.algorithm.replays_routing)
     except LayoutError as e:
         raise ConfigError(str(e)) from None

@@ -7,15 +7,14 @@ config.py) and before the layout's rules.
 
 The parallel layout's rules (sequence and expert parallelism, where the engines run, which engines serve a
 mixture-of-experts model and which record its routing for replay) are layout.check_layout's, which the planner and
-the model builder share: config.validate_layout applies them. The rollout options that act with some engines only are
-the second table here (`ENGINE_OPTIONS`), which the rollout section's own check applies.
+the model builder share: config.validate_layout applies them. An engine's own options need no rule: each engine has
+a section of its own (rollout.builtin, rollout.vllm, rollout.remote in config.py), read by that engine only.
 
 To add a rule: a row here, and its two configurations in tests/test_config_rules.py (one that triggers it, the
-nearest one that does not); an engine option: a row of ENGINE_OPTIONS and a value other than its default there.
+nearest one that does not).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,9 +60,9 @@ class Rule:
 
 CROSS_FEATURE_RULES: tuple[Rule, ...] = (
     Rule("vllm needs a Hugging Face directory",
-         lambda f: f.rollout.engine == "vllm" and not (f.rollout.vllm_hf_dir or f.model.hf_dir),
+         lambda f: f.rollout.engine == "vllm" and not (f.rollout.vllm.hf_dir or f.model.hf_dir),
          "a colocated vLLM engine loads a Hugging Face directory; model.load is a megatron_gtpo checkpoint",
-         "rollout.vllm_hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)"),
+         "rollout.vllm.hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)"),
     Rule("staleness needs engines of their own",
          lambda f: f.rollout.max_staleness >= 1 and f.rollout.engine not in REMOTE_ENGINES,
          "generating ahead needs engines that run while the trainer trains; colocated ones share its GPUs",
@@ -147,42 +146,3 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
 def refused_by(features: Features) -> list[Rule]:
     """The rows of CROSS_FEATURE_RULES that refuse `features`, in table order."""
     return [rule for rule in CROSS_FEATURE_RULES if rule.refused(features)]
-
-
-@dataclass(frozen=True)
-class EngineOption:
-    """A rollout option that acts with some engines only (`engines`); with the others a value other than its
-    default is refused rather than ignored (RolloutConfig.check). A rollout server (`server_engine`) is started with
-    its own command line, which owns the setting there (`server_flag` of rollout/remote_server.py)."""
-
-    name: str
-    engines: tuple[str, ...]
-    server_engine: str | None = None
-    server_flag: str | None = None
-
-    def refusal(self, rollout) -> str | None:
-        """The message refusing this option of `rollout` (config.RolloutConfig), None where it acts or is left at
-        its default."""
-        field = next(f for f in dataclasses.fields(rollout) if f.name == self.name)
-        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        if rollout.engine in self.engines or getattr(rollout, self.name) == default:
-            return None
-        where = (f"; a {self.server_engine} server takes it from its own command line (python -m "
-                 f"megatron_gtpo.rollout.remote_server {self.server_flag})"
-                 if rollout.engine == self.server_engine else "")
-        return (f"rollout.{self.name}: acts with rollout.engine {' or '.join(self.engines)} only, and the "
-                f"{rollout.engine} engine would ignore it{where}; leave it at its default {default!r}")
-
-
-# Every rollout option that some engine ignores; the others act with every engine.
-ENGINE_OPTIONS = (
-    EngineOption("builtin_max_batch_tokens", ("builtin",), "builtin_remote", "--max-batch-tokens"),
-    EngineOption("vllm_gpu_memory_utilization", ("vllm",), "vllm_remote", "--gpu-memory-utilization"),
-    EngineOption("vllm_kv_cache_memory_bytes", ("vllm",), "vllm_remote", "--kv-cache-memory-bytes"),
-    EngineOption("vllm_hf_dir", ("vllm",), "vllm_remote", "--hf-dir"),
-    EngineOption("vllm_tensor_parallel", ("vllm",), "vllm_remote", "--tensor-parallel-size"),
-    EngineOption("remote_addresses", REMOTE_ENGINES),
-    EngineOption("remote_connect_timeout_s", REMOTE_ENGINES),
-    EngineOption("remote_request_timeout_s", REMOTE_ENGINES),
-    EngineOption("remote_reconnect_timeout_s", REMOTE_ENGINES),
-)

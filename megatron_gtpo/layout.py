@@ -62,7 +62,7 @@ class ParallelLayout:
 @dataclass(frozen=True)
 class RolloutLayout:
     """Where the rollout engines run: `engine` as rollout.engine; `engine_tensor_parallel` is a colocated vLLM
-    engine's TP size (rollout.vllm_tensor_parallel); `remote_servers` the number of rollout.remote_addresses."""
+    engine's TP size (rollout.vllm.tensor_parallel); `remote_servers` the number of rollout.remote.addresses."""
 
     engine: str
     engine_tensor_parallel: int = 1
@@ -105,10 +105,10 @@ def check_engine_tensor_parallel(*, tp: int, pp: int, engine_tp: int) -> None:
     """LayoutError unless colocated engines of `engine_tp` GPUs each tile a replica of TP x PP ranks
     (rollout/placement.py places them): `engine_tp` divides TP (TP / engine_tp engines per pipeline stage) or is a
     multiple of TP dividing TP x PP (one engine over whole stages)."""
-    _need(engine_tp >= 1, f"rollout.vllm_tensor_parallel: the engine's tensor parallel size must be >= 1, got "
+    _need(engine_tp >= 1, f"rollout.vllm.tensor_parallel: the engine's tensor parallel size must be >= 1, got "
                           f"{engine_tp}")
     _need(tp % engine_tp == 0 or (engine_tp % tp == 0 and pp % (engine_tp // tp) == 0),
-          f"rollout.vllm_tensor_parallel: a rollout engine at tensor parallel size {engine_tp} must divide the "
+          f"rollout.vllm.tensor_parallel: a rollout engine at tensor parallel size {engine_tp} must divide the "
           f"training tensor parallel size {tp} (engines per pipeline stage) or be a multiple of it dividing tensor x "
           f"pipeline = {tp * pp} (one engine over several whole stages)")
 
@@ -118,7 +118,7 @@ def check_engine_span(*, tp: int, engine_tp: int, dp: int, cp: int = 1) -> None:
     rank order (tp-cp-ep-dp-pp) puts the DP replicas and the CP ranks between two stages, so its GPUs would not be
     consecutive."""
     _need(engine_tp <= tp or dp * cp == 1,
-          f"rollout.vllm_tensor_parallel: an engine at tensor parallel size {engine_tp} spans pipeline stages, whose "
+          f"rollout.vllm.tensor_parallel: an engine at tensor parallel size {engine_tp} spans pipeline stages, whose "
           f"GPUs are consecutive only with one data-parallel replica and parallel.context 1 (got {dp} replicas, "
           f"context {cp}); use a divisor of parallel.tensor = {tp}")
 
@@ -200,13 +200,13 @@ def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, sha
         return
     if rollout.engine in ("vllm_remote", "builtin_remote"):
         _need(rollout.remote_servers == dp,
-              f"rollout.remote_addresses: {rollout.remote_servers} given, but there are {dp} data-parallel "
+              f"rollout.remote.addresses: {rollout.remote_servers} given, but there are {dp} data-parallel "
               f"replicas (one rollout server each)")
     if rollout.engine != "vllm":
         return
     vtp = rollout.engine_tensor_parallel
     _need(shape is None or (vtp >= 1 and shape.num_attention_heads % vtp == 0),
-          f"rollout.vllm_tensor_parallel: {vtp} must divide the model's {getattr(shape, 'num_attention_heads', 0)} "
+          f"rollout.vllm.tensor_parallel: {vtp} must divide the model's {getattr(shape, 'num_attention_heads', 0)} "
           f"attention heads")
     check_engine_tensor_parallel(tp=tp, pp=pp, engine_tp=vtp)
     check_engine_span(tp=tp, engine_tp=vtp, dp=dp, cp=cp)

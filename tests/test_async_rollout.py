@@ -64,8 +64,8 @@ def _overrides(address: str, steps: int, staleness: int, *extra) -> list[str]:
     # The rollout correction (staleness needs it). No warm start, and at most 100 prompts drawn: one pass over the
     # synthetic task's 100 problems, so a prompt seen twice would be a prompt trained twice.
     return ["parallel.tensor=1", f"steps={steps}", "warm_start.steps=0", "rollout.engine=builtin_remote",
-            f"rollout.remote_addresses=[{address}]", f"rollout.max_staleness={staleness}", "checkpoint.save_every=1",
-            "rollout.remote_connect_timeout_s=120", "algorithm.rollout_is=token", *extra]
+            f"rollout.remote.addresses=[{address}]", f"rollout.max_staleness={staleness}", "checkpoint.save_every=1",
+            "rollout.remote.connect_timeout_s=120", "algorithm.rollout_is=token", *extra]
 
 
 def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_checkpoint: int | None = None,
@@ -200,14 +200,14 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
 
 def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_stays_intact(tmp_path, server_model):
     """TP = 2 (both ranks of the replica talk through the one that holds the connection): SIGKILL of the rollout
-    server once a checkpoint exists, and no server back at its address within rollout.remote_reconnect_timeout_s,
+    server once a checkpoint exists, and no server back at its address within rollout.remote.reconnect_timeout_s,
     ends the run with one error naming the server, and that checkpoint verifies."""
     from megatron_gtpo.checkpoint.manifest import find_damage
 
     out = tmp_path / "died"
     server, address = _start_server(server_model, tmp_path / "died_server.log")
-    overrides = [*_overrides(address, 50, 1), "parallel.tensor=2", "rollout.remote_request_timeout_s=60",
-                 "rollout.remote_reconnect_timeout_s=2"]
+    overrides = [*_overrides(address, 50, 1), "parallel.tensor=2", "rollout.remote.request_timeout_s=60",
+                 "rollout.remote.reconnect_timeout_s=2"]
     trainer = subprocess.Popen(train_command(out, 2, overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     try:
@@ -227,7 +227,7 @@ def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_s
     assert len(errors) == 1, output[-3000:]  # one line for the node, whichever rank says it
     assert f"rollout server at {address}" in errors[0] and "did the server die?" in errors[0]
     assert errors[0].endswith("no server came back at the same address within 2 s "
-                              "(rollout.remote_reconnect_timeout_s)"), errors[0]
+                              "(rollout.remote.reconnect_timeout_s)"), errors[0]
     assert not worker_frames(output), output[-3000:]
     assert "[c10d]" not in output and "frame #" not in output, output[-3000:]  # no C++ report of torch's before it
     checkpoint = out / "checkpoints" / latest.read_text().strip()
@@ -296,7 +296,7 @@ def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in
     out = tmp_path / "outlived"
     try:
         trainer = subprocess.run(train_command(out, 1, _overrides(address, 6, 1, *WHOLE,
-                                                                  "rollout.remote_reconnect_timeout_s=300")),
+                                                                  "rollout.remote.reconnect_timeout_s=300")),
                                  capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     finally:
         for server in servers:

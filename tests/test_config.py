@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megatron_gtpo.config import ConfigError, TrainConfig, load_config, save_config, validate_layout
+from megatron_gtpo.config import MOVED_KEYS, ConfigError, TrainConfig, load_config, save_config, validate_layout
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
@@ -46,9 +46,9 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["algorithm.entropy_token_fraction=1.5"], "algorithm.entropy_token_fraction: must be in"),
     (BASE, ["algorithm.clip_cov_lb=5"], "algorithm.clip_cov_lb: must be < clip_cov_ub"),
     (BASE, ["algorithm.kl_cov_coef=-1"], "algorithm.kl_cov_coef: must be >= 0, got -1"),
-    (BASE, ["rollout.engine=vllm_remote"], "rollout.remote_addresses: the vllm_remote engine needs"),
-    (BASE, ["rollout.remote_addresses=host:1"], "rollout.remote_addresses: expected a list"),
-    (BASE, ["rollout.engine=builtin_remote"], "rollout.remote_addresses: the builtin_remote engine needs"),
+    (BASE, ["rollout.engine=vllm_remote"], "rollout.remote.addresses: the vllm_remote engine needs"),
+    (BASE, ["rollout.remote.addresses=host:1"], "rollout.remote.addresses: expected a list"),
+    (BASE, ["rollout.engine=builtin_remote"], "rollout.remote.addresses: the builtin_remote engine needs"),
     (BASE, ["rollout.max_staleness=1"], "rollout.max_staleness: 1 needs engines on processes of their own that "
                                         "generate while the trainer trains"),
     (BASE, ["rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
@@ -62,10 +62,16 @@ def test_overrides_are_typed_and_nested(tmp_path):
             "algorithm.name=grpo"], "rollout.partial_rollouts: needs dynamic sampling"),
     (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout.partial_segment_tokens=2"],
      "rollout.partial_rollouts: needs the rollout correction"),
-    (BASE, ["rollout.max_staleness=1", "rollout.engine=builtin_remote", "rollout.remote_addresses=[h:1]"],
+    (BASE, ["rollout.max_staleness=1", "rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"],
      "rollout.max_staleness: 1 needs the rollout correction .algorithm.rollout_is: token, or geometric for grpo_s"),
-    (BASE, ["rollout.vllm_kv_cache_memory_bytes=0"], "rollout.vllm_kv_cache_memory_bytes: must be > 0"),
-    (BASE, ["rollout.vllm_gpu_memory_utilization=1.5"], "rollout.vllm_gpu_memory_utilization: must be in (0, 1]"),
+    (BASE, ["rollout.engine=vllm", "rollout.vllm.kv_cache_memory_bytes=0"],
+     "rollout.vllm.kv_cache_memory_bytes: must be > 0"),
+    (BASE, ["rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=1.5"],
+     "rollout.vllm.gpu_memory_utilization: must be in (0, 1], got 1.5"),
+    (BASE, ["rollout.builtin.max_batch_tokens=64"], "rollout.builtin.max_batch_tokens: must exceed "
+                                                    "rollout.max_new_tokens = 64"),
+    (BASE, ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]", "rollout.remote.reconnect_timeout_s=-1"],
+     "rollout.remote.reconnect_timeout_s: must be >= 0"),
     (BASE, ["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: must be in [0, optim.lr = 0.1]"),
     (BASE, ["optim.warmup_steps=-1"], "optim.warmup_steps: must be >= 0"),
     (BASE, ["checkpoint.save_every=-2"], "checkpoint.save_every: must be >= -1"),
@@ -92,6 +98,27 @@ def test_errors_name_the_key(tmp_path, text, overrides, message):
         load_config(_write(tmp_path, text), overrides)
 
 
+def test_an_old_key_gets_one_line_naming_its_new_place(tmp_path):
+    text = BASE + "rollout: {engine: vllm, vllm_gpu_memory_utilization: 0.4}\n"
+    with pytest.raises(ConfigError) as error:
+        load_config(_write(tmp_path, text))
+    assert str(error.value) == "rollout.vllm_gpu_memory_utilization moved to rollout.vllm.gpu_memory_utilization"
+    with pytest.raises(ConfigError) as error:
+        load_config(_write(tmp_path, BASE), ["rollout.engine=builtin_remote", "rollout.remote_addresses=[h:1]"])
+    assert str(error.value) == "rollout.remote_addresses moved to rollout.remote.addresses"
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_each_moved_key_names_a_key_that_exists_and_is_refused_itself(old):
+    new = MOVED_KEYS[old]
+    node = TrainConfig()
+    for name in new.split("."):
+        node = getattr(node, name)  # the new place is a key of the config
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", f"{old}=null"])
+    assert str(error.value) == f"{old} moved to {new}"
+
+
 def test_the_warm_start_learning_rate_falls_linearly_to_final_lr():
     from megatron_gtpo.config import WarmStartConfig
     decayed = WarmStartConfig(steps=5, lr=0.004, final_lr=0.0)
@@ -101,8 +128,8 @@ def test_the_warm_start_learning_rate_falls_linearly_to_final_lr():
 
 def test_remote_vllm_needs_one_server_per_data_parallel_replica():
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.engine=vllm_remote",
-                             "rollout.remote_addresses=[node1:5000, node2:5000]", "data.prompts_per_step=8"])
-    assert cfg.rollout.remote_addresses == ["node1:5000", "node2:5000"]
+                             "rollout.remote.addresses=[node1:5000, node2:5000]", "data.prompts_per_step=8"])
+    assert cfg.rollout.remote.addresses == ["node1:5000", "node2:5000"]
     validate_layout(cfg, world_size=2)  # TP 1 x PP 1: one server per replica
     with pytest.raises(ConfigError, match="2 given, but there are 4 data-parallel replicas"):
         validate_layout(cfg, world_size=4)
@@ -122,7 +149,7 @@ def test_context_parallelism_fills_the_world_and_its_comm_kind_is_checked():
     base = ["model.tiny_synthetic=true", "data.source=synthetic"]
     assert load_config(None, base + ["parallel.context_comm=a2a"]).parallel.context_comm == "a2a"
     cfg = load_config(None, base + ["parallel.context=2", "rollout.engine=builtin_remote",
-                                    "rollout.remote_addresses=[h:1]"])
+                                    "rollout.remote.addresses=[h:1]"])
     validate_layout(cfg, world_size=2)
     with pytest.raises(ConfigError, match="not divisible by tensor x pipeline x context = 1 x 1 x 2"):
         validate_layout(cfg, world_size=3)
@@ -145,20 +172,21 @@ def test_the_model_must_split_at_the_layout():
 def test_colocated_vllm_engines_must_tile_their_replica():
     def config(vllm_tp):
         return load_config(None, ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl", "rollout.engine=vllm",
-                                  "parallel.tensor=2", "parallel.pipeline=2", f"rollout.vllm_tensor_parallel={vllm_tp}",
+                                  "parallel.tensor=2", "parallel.pipeline=2", f"rollout.vllm.tensor_parallel={vllm_tp}",
                                   "data.prompts_per_step=8"])
     validate_layout(config(4), world_size=4)  # one replica: one engine over its TP x PP = 4 consecutive GPUs
     validate_layout(config(2), world_size=8)  # an engine per stage
     validate_layout(config(1), world_size=8)  # two engines per stage
-    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: an engine at tensor parallel size 4 spans "
+    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel: an engine at tensor parallel size 4 spans "
                                           r"pipeline stages, .* \(got 2 replicas, context 1\); use a divisor of "
                                           r"parallel.tensor = 2"):
         validate_layout(config(4), world_size=8)
-    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel: a rollout engine at tensor parallel size 3 "
+    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel: a rollout engine at tensor parallel size 3 "
                                           r"must divide the training tensor parallel size 2"):
         validate_layout(config(3), world_size=4)
-    with pytest.raises(ConfigError, match="rollout.vllm_tensor_parallel: must be >= 1"):
-        load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.vllm_tensor_parallel=0"])
+    with pytest.raises(ConfigError, match="rollout.vllm.tensor_parallel: must be >= 1"):
+        load_config(None, ["model.hf_dir=/hf", "data.source=synthetic", "rollout.engine=vllm",
+                           "rollout.vllm.tensor_parallel=0"])
 
 
 def test_missing_file_is_named():

@@ -21,7 +21,7 @@ EXACT = ("reward_mean", "accuracy", "response_length_mean", "response_length_max
 # advantages over whole responses) on packed rows, two mini-batches: two optimizer steps per RL step.
 COMMON = ["parallel.tensor=1", "warm_start.steps=20", "data.prompts_per_step=8", "data.pack_sequences=true",
           "data.max_tokens_per_micro_batch=64", "steps=2", "checkpoint.save_every=1", "rollout.engine=builtin_remote",
-          "rollout.remote_connect_timeout_s=120"]
+          "rollout.remote.connect_timeout_s=120"]
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def server_address(tmp_path):
 
 
 def _train(out, context: int, address: str, *extra) -> str:
-    res = run_train(out, context, [*COMMON, f"parallel.context={context}", f"rollout.remote_addresses=[{address}]",
+    res = run_train(out, context, [*COMMON, f"parallel.context={context}", f"rollout.remote.addresses=[{address}]",
                                    *extra])
     assert res.returncode == 0, res.stderr[-4000:]
     return res.stderr

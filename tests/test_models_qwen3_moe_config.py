@@ -141,7 +141,7 @@ def test_planner_counts_equal_meta_device_models_at_expert_layouts():
 @pytest.mark.parametrize("overrides, message", [
     # Routing replay needs the routing recorded or returned at generation: layout.check_layout's one rule (whether
     # vLLM can return it is vllm_engine.routed_experts_unavailable's, when the engine starts).
-    (["rollout.engine=builtin_remote", "rollout.remote_addresses=[h:1]"],
+    (["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"],
      "rollout.engine: builtin_remote does not record routing for algorithm.routing_replay: rollout"),
 ])
 def test_routing_replay_is_refused_where_it_cannot_run(overrides, message):

@@ -403,7 +403,7 @@ def test_a_client_outlives_its_server_killed_in_a_generation_a_weight_sync_and_b
         servers.kill()  # the last: none comes back
         with pytest.raises(RuntimeError, match=rf"^rollout server at {address}, .*did the server die\?.*; no server "
                                                rf"came back at the same address within 1 s "
-                                               rf"\(rollout.remote_reconnect_timeout_s\)$"):
+                                               rf"\(rollout.remote.reconnect_timeout_s\)$"):
             _generate(client, [[1]])
     finally:
         servers.stop()

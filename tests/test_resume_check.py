@@ -9,7 +9,7 @@ import os
 import pytest
 
 from megatron_gtpo.config import load_config, parse_config, to_dict
-from megatron_gtpo.training.resume_check import check_resume
+from megatron_gtpo.training.resume_check import check_resume, check_rollout_schedule
 
 DEMO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.yaml")
 
@@ -55,6 +55,25 @@ def test_a_key_the_checkpoint_lacks_counts_as_its_default():
     check_resume(saved, load_config(DEMO_CONFIG), "ckpt")
     with pytest.raises(ValueError, match=r"\(algorithm.dual_clip None -> 3.0\)"):
         check_resume(saved, load_config(DEMO_CONFIG, ["algorithm.dual_clip=3.0"]), "ckpt")
+
+
+def test_a_checkpoint_saved_before_the_engine_sections_resumes():
+    """A checkpoint's config written with the flat engine keys (before rollout.builtin / vllm / remote) is read as
+    saved: its engine options are not fixed on resume, and the rollout schedule is read by key."""
+    saved = _saved(**{"rollout.engine": "builtin_remote", "rollout.max_staleness": 1, "algorithm.rollout_is": "token"})
+    for section in ("builtin", "vllm", "remote"):
+        del saved["rollout"][section]
+    saved["rollout"].update(builtin_max_batch_tokens=None, vllm_gpu_memory_utilization=0.5,
+                            vllm_kv_cache_memory_bytes=None, vllm_hf_dir=None, vllm_tensor_parallel=1,
+                            remote_addresses=["h:1"], remote_connect_timeout_s=600.0, remote_request_timeout_s=1800.0,
+                            remote_reconnect_timeout_s=0.0)
+    cfg = load_config(DEMO_CONFIG, ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:2]",
+                                    "rollout.max_staleness=1", "algorithm.rollout_is=token"])
+    check_resume(saved, cfg, "ckpt")
+    check_rollout_schedule(saved, cfg, "ckpt")
+    cfg.rollout.max_staleness = 2
+    with pytest.raises(ValueError, match=r"\(rollout.max_staleness 1 -> 2\)"):
+        check_rollout_schedule(saved, cfg, "ckpt")
 
 
 def _finished_run(output_dir, step: int) -> str:

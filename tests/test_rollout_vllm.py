@@ -554,7 +554,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
 MOE_RUN = ["model.tiny_synthetic=false", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
            "parallel.expert_tensor=1", "algorithm.name=gtpo", "steps=2", "warm_start.steps=40",
            "data.prompts_per_step=8", "checkpoint.save_every=0", "rollout.engine=vllm_remote",
-           "rollout.remote_connect_timeout_s=300"]
+           "rollout.remote.connect_timeout_s=300"]
 MOE_MISMATCH_BOUND = 1e-4
 
 
@@ -571,7 +571,7 @@ def test_gtpo_on_a_moe_model_at_ep2_with_vllm_rollouts(moe_checkpoints, tmp_path
     out = tmp_path / "run"
     try:
         run = subprocess.run(train_command(out, 2, [*MOE_RUN, f"model.hf_dir={megatron_dir}",
-                                                    f"rollout.remote_addresses=[{address}]"]),
+                                                    f"rollout.remote.addresses=[{address}]"]),
                              capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     finally:
         os.killpg(server.pid, signal.SIGKILL)

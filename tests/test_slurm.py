@@ -343,8 +343,8 @@ def test_disaggregated_job_splits_trainer_and_rollout_nodes(tmp_path):
     trainer = next(line for line in out.splitlines() if "megatron_gtpo.train" in line)
     assert "--nnodes=2" in trainer
     assert "rollout.engine=vllm_remote" in trainer and "rollout.max_staleness=1" in trainer
-    assert "rollout.remote_addresses=\\[n3:31000\\,n3:31001\\]" in trainer or \
-        "rollout.remote_addresses=[n3:31000,n3:31001]" in trainer
+    assert "rollout.remote.addresses=\\[n3:31000\\,n3:31001\\]" in trainer or \
+        "rollout.remote.addresses=[n3:31000,n3:31001]" in trainer
 
 
 def test_a_rollout_node_relaunches_a_server_that_dies_until_a_trainer_shuts_it_down(tmp_path):

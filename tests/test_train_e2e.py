@@ -319,8 +319,8 @@ def test_unreachable_remote_vllm_server_fails_fast_naming_the_address(tmp_path):
     address = f"127.0.0.1:{port}"
     start = time.monotonic()
     res = run_train(tmp_path, 2, ["parallel.tensor=2", "steps=1", "warm_start.steps=0", "rollout.engine=vllm_remote",
-                                  f"rollout.remote_addresses=[{address}]",
-                                  "rollout.remote_connect_timeout_s=2"], timeout=120)
+                                  f"rollout.remote.addresses=[{address}]",
+                                  "rollout.remote.connect_timeout_s=2"], timeout=120)
     assert res.returncode != 0 and address in res.stderr, res.stderr[-3000:]
     assert time.monotonic() - start < 90
 

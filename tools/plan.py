@@ -79,7 +79,7 @@ def parse_args(argv=None):
     mem.add_argument("--vllm-memory-fraction", type=float, help="vLLM's share of each GPU (default 0.5)")
     mem.add_argument("--no-vllm", action="store_true", help="no colocated vLLM engine")
     mem.add_argument("--vllm-tp", type=int, help="vLLM tensor parallel size of each colocated engine (default: the "
-                                                 "config's rollout.vllm_tensor_parallel, else the largest divisor of "
+                                                 "config's rollout.vllm.tensor_parallel, else the largest divisor of "
                                                  "TP that divides the attention heads, within a node: TP / it "
                                                  "engines per pipeline stage)")
     mem.add_argument("--vllm-overhead-gib", type=float, default=Settings.vllm_overhead_gib)
@@ -88,7 +88,7 @@ def parse_args(argv=None):
                      help="caching-allocator slack as a fraction of the transient allocations (default %(default)s)")
     mem.add_argument("--builtin-batch-tokens", type=int,
                      help="the built-in engine's KV-cache token slots per batch (default: the config's "
-                          "rollout.builtin_max_batch_tokens, else every row of a replica at once)")
+                          "rollout.builtin.max_batch_tokens, else every row of a replica at once)")
     mem.add_argument("--logprob-workspace-mib", type=float,
                      help="the vocab-parallel op's workspace budget (default: the config's, else 256)")
     split = p.add_argument_group("generating while training (--disaggregated; the rates are assumptions)")

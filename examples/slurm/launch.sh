@@ -48,7 +48,7 @@ if [[ -n "${RUN_DIR:-}" ]]; then train_args+=(--set "logging.output_dir=$RUN_DIR
 if [[ -n "${CHECKPOINT_DIR:-}" ]]; then train_args+=(--set "checkpoint.dir=$CHECKPOINT_DIR"); fi
 if [[ -n "${MODEL_DIR:-}" ]]; then train_args+=(--set "model.load=$MODEL_DIR" --set model.hf_dir=null); fi
 if [[ -n "${HF_MODEL_DIR:-}" ]]; then train_args+=(--set "model.hf_dir=$HF_MODEL_DIR" --set model.load=null); fi
-if [[ -n "${VLLM_HF_DIR:-}" ]]; then train_args+=(--set "rollout.vllm_hf_dir=$VLLM_HF_DIR"); fi
+if [[ -n "${VLLM_HF_DIR:-}" ]]; then train_args+=(--set "rollout.vllm.hf_dir=$VLLM_HF_DIR"); fi
 if [[ -n "${DATA_PATH:-}" ]]; then train_args+=(--set "data.path=$DATA_PATH"); fi
 read -r -a extra_args <<< "${EXTRA_ARGS:-}"
 train_args+=("${extra_args[@]}")

@@ -1,9 +1,9 @@
 #!/bin/bash
 # One rollout node of a disaggregated job (disaggregated.sbatch): SERVERS_PER_NODE rollout servers, server i on GPUs
 # i x SERVER_TP .. (i + 1) x SERVER_TP - 1 of this node, listening on $(hostname):$((ROLLOUT_PORT + i)). The trainer
-# connects to them (rollout.remote_addresses) and syncs its weights into them; they run until it shuts them down or
+# connects to them (rollout.remote.addresses) and syncs its weights into them; they run until it shuts them down or
 # the job ends. A server that dies (any exit but a trainer's shutdown, status 0) is relaunched at its address, at most
-# SERVER_RESTARTS times: a trainer with rollout.remote_reconnect_timeout_s waits for it, sends it its weights and
+# SERVER_RESTARTS times: a trainer with rollout.remote.reconnect_timeout_s waits for it, sends it its weights and
 # goes on (docs/remote_rollout.md).
 #
 # Environment: PYTHON, HF_MODEL_DIR (what the engines start from), ROLLOUT_ENGINE (vllm | builtin), SERVER_TP,

@@ -150,7 +150,7 @@ def _reasons(stages: list[StageMemory], worst: StageMemory, workload: Workload, 
     elif generation_peak > gpu:
         reasons.append(f"generation on the built-in engine needs {generation_peak / GIB:.1f} GiB (trainer state "
                        f"{state_gib:.1f} + a KV cache of {rollout.builtin_tokens:,} token slots + overhead), more "
-                       f"than the GPU; lower rollout.builtin_max_batch_tokens")
+                       f"than the GPU; lower rollout.builtin.max_batch_tokens")
     return reasons
 
 

@@ -12,7 +12,7 @@ it), and the generation is of the weights that were current when it was submitte
 flight instead: their later tokens are sampled by the new weights, and each token says how many updates came before
 it (`Responses.weight_updates_T`, counted from the weights the request was made with).
 
-A client that outlives its server (`reconnect_timeout_s` > 0, rollout.remote_reconnect_timeout_s): when the
+A client that outlives its server (`reconnect_timeout_s` > 0, rollout.remote.reconnect_timeout_s): when the
 connection to the server is lost (the server died), it says so in one line, waits that long for a server at the same
 address (a progress line every 30 s), sends it the weights of the last sync and asks again, with the same seeds,
 for the generations in flight; past the bound it raises the error it would have raised at once. For this it keeps a
@@ -56,7 +56,7 @@ from .weight_sync import DEFAULT_BUCKET_BYTES, is_sync_destination
 _ENDED_CHECK_S = 0.5  # how often a client waiting for a reply looks whether the server gave its session away
 _NONCE_WAIT_S = 30.0  # a store that holds no nonce this long after it answered is no server of this protocol
 _PROGRESS_S = 30.0  # how often a client waiting for a server to come back says so
-RECONNECT_SETTING = "rollout.remote_reconnect_timeout_s"
+RECONNECT_SETTING = "rollout.remote.reconnect_timeout_s"
 
 
 class ServerLost(RuntimeError):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from megatron_gtpo.config import TrainConfig
+from megatron_gtpo.config import RemoteEngineConfig, TrainConfig, VLLMEngineConfig
+from megatron_gtpo.config_rules import REMOTE_ENGINES
 from megatron_gtpo.distributed import ParallelGroups
 
 from .model_setup import PolicyModel
@@ -13,20 +14,21 @@ from .task import Task
 
 
 def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups):
-    """The engine of rollout.engine started from the policy's weights. For routing replay (algorithm.routing_replay:
-    rollout) the built-in engine records each token's experts, vLLM engines return them (their rollouts carry them)."""
+    """The engine of rollout.engine started from the policy's weights, built from its own section of the rollout
+    config (rollout.builtin, rollout.vllm or rollout.remote; the others are not read). For routing replay
+    (algorithm.routing_replay: rollout) the built-in engine records each token's experts, vLLM engines return them
+    (their rollouts carry them)."""
     from megatron_gtpo.models.moe_routing import routed_layers
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
+    r = cfg.rollout
     replay = cfg.algorithm.replays_routing
     layers = routed_layers(policy.chunks) if replay else None
     engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
-                                               max_batch_tokens=cfg.rollout.builtin_max_batch_tokens,
-                                               record_routing=replay),
-              "vllm": lambda: _vllm_engine(cfg, task, parallel, layers),
-              "vllm_remote": lambda: _remote_engine(cfg, shape, parallel, layers),
-              "builtin_remote": lambda: _remote_engine(cfg, shape, parallel, layers)}[cfg.rollout.engine]()
-    r = cfg.rollout
+                                               max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay),
+              "vllm": lambda: _vllm_engine(r.vllm, cfg, parallel, layers),
+              **dict.fromkeys(REMOTE_ENGINES, lambda: _remote_engine(r.remote, r.update_during_generation, shape,
+                                                                     parallel, layers))}[r.engine]()
     if r.engine in ("vllm", "vllm_remote") and (r.top_k or r.top_p < 1) and parallel.world_rank == 0:
         print("warning: with top_k / top_p, vLLM reports log-probs of the truncated distribution, the builtin engine "
               "and the old-policy pass those of the full one (rollout/engine.py): rollout_logprob_mismatch then "
@@ -34,25 +36,27 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
     return engine
 
 
-def _vllm_engine(cfg: TrainConfig, task: Task, parallel: ParallelGroups, routed_layers):
+def _vllm_engine(options: VLLMEngineConfig, cfg: TrainConfig, parallel: ParallelGroups, routed_layers):
+    """Colocated vLLM engines of `options` (rollout.vllm), started from the model's HF directory unless the section
+    names one, in the model's dtype and seeded by the run's seed."""
     from megatron_gtpo.rollout.vllm_engine import VLLMEngine
 
-    r = cfg.rollout
-    return VLLMEngine.create(r.vllm_hf_dir or cfg.model.hf_dir, parallel, dtype=cfg.model.dtype,
-                             gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                             kv_cache_memory_bytes=r.vllm_kv_cache_memory_bytes,
-                             tensor_parallel_size=r.vllm_tensor_parallel, seed=cfg.seed, routed_layers=routed_layers)
+    return VLLMEngine.create(options.hf_dir or cfg.model.hf_dir, parallel, dtype=cfg.model.dtype,
+                             gpu_memory_utilization=options.gpu_memory_utilization,
+                             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+                             tensor_parallel_size=options.tensor_parallel, seed=cfg.seed, routed_layers=routed_layers)
 
 
-def _remote_engine(cfg: TrainConfig, shape, parallel: ParallelGroups, routed_layers):
+def _remote_engine(options: RemoteEngineConfig, update_during_generation: bool, shape, parallel: ParallelGroups,
+                   routed_layers):
+    """This data-parallel replica's rollout server of `options` (rollout.remote)."""
     from megatron_gtpo.rollout.remote_channel import parse_address
     from megatron_gtpo.rollout.remote_client import RemoteEngine
 
-    r = cfg.rollout
-    for address in r.remote_addresses:
+    for address in options.addresses:
         parse_address(address)  # every rank fails alike on a malformed address
-    return RemoteEngine.connect(r.remote_addresses[parallel.dp_rank], parallel, shape,
-                                connect_timeout_s=r.remote_connect_timeout_s,
-                                request_timeout_s=r.remote_request_timeout_s, routed_layers=routed_layers,
-                                update_during_generation=r.update_during_generation,
-                                reconnect_timeout_s=r.remote_reconnect_timeout_s)
+    return RemoteEngine.connect(options.addresses[parallel.dp_rank], parallel, shape,
+                                connect_timeout_s=options.connect_timeout_s,
+                                request_timeout_s=options.request_timeout_s, routed_layers=routed_layers,
+                                update_during_generation=update_during_generation,
+                                reconnect_timeout_s=options.reconnect_timeout_s)

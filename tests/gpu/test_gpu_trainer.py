@@ -116,7 +116,7 @@ def test_rl_steps_with_colocated_vllm(tmp_path):
     res = run_train(tmp_path / "run", 1, [*ONE_GPU_BF16, "steps=2", "checkpoint.save_every=0",
                                           "algorithm.dynamic_sampling=false",
                                           "model.tiny_synthetic=false", f"model.hf_dir={hf_dir}",
-                                          "rollout.engine=vllm", "rollout.vllm_gpu_memory_utilization=0.3"])
+                                          "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=0.3"])
     assert res.returncode == 0, res.stderr[-4000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]

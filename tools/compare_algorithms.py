@@ -108,7 +108,10 @@ STUDIES = {
                 (101, 102), "algorithms.md", (("accuracy", "training accuracy (outcome reward)"), *DYNAMICS),
                 V1_ABLATIONS),
     "v2": Study(os.path.join(EXAMPLES, "algorithm_study_v2.yaml"),
-                (*(Variant(a, a) for a in ("grpo", "dapo", "gtpo", "grpo_s", "clip_cov", "kl_cov")),
+                (Variant("grpo", "grpo"), Variant("dapo", "dapo"),
+                 # DAPO's control without its overlong penalty, which GRPO, GTPO, GRPO-S, Clip-Cov and KL-Cov lack
+                 Variant("dapo-no-overlong", "dapo", ("algorithm.length_penalty=none",)),
+                 *(Variant(a, a) for a in ("gtpo", "grpo_s", "clip_cov", "kl_cov")),
                  Variant("dapo+entropy_frac0.2", "dapo", ("algorithm.entropy_token_fraction=0.2",)),
                  Variant(f"dapo+entropy_bonus{ENTROPY_BONUS}", "dapo", (f"algorithm.entropy_coef={ENTROPY_BONUS}",))),
                 "dapo", (1, 2, 3, 4, 5), 64, (1, 4, 16, 64), (101, 102, 103, 104), "algorithms_v2.md",

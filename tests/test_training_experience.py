@@ -46,7 +46,7 @@ def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0):
                                                    "stop") for j in range(G)] for p in prompts])
 
         # The round index stands in for the policy version that sampled the round.
-        return lambda: SampledGroups.sampled(prompts, Rollout(generate()), round_index)
+        return lambda: SampledGroups.sampled(prompts, Rollout(generate()), round_index), round_index == 0
 
     def reward_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)

@@ -6,7 +6,11 @@ for at step max(0, k - N), once that step's own batch has arrived, so it is gene
 max(0, k - N) (the weights after that many steps) while the trainer trains the steps in between, and no batch is
 trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
 whatever the engines' speed. N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
-Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot, with the weights of now.
+Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot, with the weights of now, or with
+rollout.rounds_ahead = K served from the rounds asked for ahead (`ahead`): after each step's rounds, further rounds
+are asked for with the weights of then until K rounds young enough for the next step are held, and the next steps
+take them oldest first while at most N versions old (older ones are waited for and dropped, their groups counted).
+That schedule is fixed too: what is asked, with which version and seeds, depends on the rewards only.
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
 batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the
@@ -21,13 +25,14 @@ trainer is unchanged.
 
 The queue hands the trainer each step's experience (`experience`: experience.collect_experience over the carried
 groups and the step's rounds) with its statistics, the queue's own among them: the tokens the engines generated in
-the answers the step waited for, the groups carried over, dropped as too old and left unfinished. The step's wait for
-its rounds is its "generate" phase, the rewards its "reward" phase. What a round is served from stays inside the
-queue: a batch asked for ahead (`asked`) or a round asked for on the spot (`rounds`).
+the answers the step waited for, the groups carried over, dropped as too old and left unfinished, and with K the
+further rounds served from those asked for ahead and asked for on the spot, and the groups held ahead. The step's
+wait for its rounds is its "generate" phase, the rewards its "reward" phase. What a round is served from stays inside
+the queue: a batch asked for ahead (`asked`), a further round asked for ahead (`ahead`) or on the spot (`rounds`).
 
-A checkpoint holds the batches asked for and not yet trained on (`state_dict` waits for them: the prompts, the
-version that generated them, their rollouts and the groups they continue), the unfinished groups and the carried
-ones, so a resumed run trains on the very batches an uninterrupted one would, in the same order.
+A checkpoint holds the batches and further rounds asked for and not yet trained on (`state_dict` waits for them: the
+prompts, the version that generated them, their rollouts and the groups they continue), the unfinished groups and
+the carried ones, so a resumed run trains on the very batches an uninterrupted one would, in the same order.
 """
 from __future__ import annotations
 

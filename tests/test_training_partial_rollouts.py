@@ -146,6 +146,7 @@ def test_a_prompt_and_a_whole_response_must_fit_the_model_at_start():
      r"rollout.max_staleness 1 -> 2, rollout.partial_segment_tokens 2 -> 1\)"),
     (dict(partial_rollouts=True, partial_segment_tokens=2), dict(),
      r"rollout.partial_rollouts True -> False, rollout.partial_segment_tokens 2 -> None\)"),
+    (dict(max_staleness=1, rounds_ahead=2), dict(max_staleness=1), r"rollout.rounds_ahead 2 -> 0\)"),
     (dict(max_staleness=1), dict(max_staleness=1), None),
     (dict(), dict(max_staleness=2), None),  # nothing in flight: the new schedule starts afresh
 ])

@@ -13,7 +13,8 @@ schedule only):
   rollout.max_staleness 0 and 1, partial rollouts off and on, and with --no-drain at staleness 1 with
   `rollout.update_during_generation: true` (partial rollouts off and on), and at staleness 1 with one further
   loader batch in each batch asked for ahead (`rollout.oversample_batches: 1`: fewer of dynamic sampling's rounds
-  generated on the spot);
+  generated on the spot), and at staleness 1 with 3 further rounds kept asked for ahead (`rollout.rounds_ahead: 3`,
+  the demo's algorithm.max_resample_rounds: the server generates them while the trainer trains);
 - colocated: `rollout.engine: builtin` at staleness 0, the trainer generating on its own ranks, pinned to cores 0
   and 1 with two threads (OMP_NUM_THREADS=2): what a user of this machine runs.
 Tasks: `demo`, the demo's (responses of at most 4 tokens, 2-token segments), and `long`, the demo's task with a
@@ -21,12 +22,13 @@ Tasks: `demo`, the demo's (responses of at most 4 tokens, 2-token segments), and
 tokens, a tail runs to 15-30; 8-token segments).
 Reported per run, over the RL steps after the first two: the mean step wall time (from one metrics row to the next),
 tokens/s (`tokens_generated`, every token of the step's engine answers, over the wall time), the means per step of
-`tokens_generated`, `groups_kept`, `sampling_rounds`, `optimizer_steps`, `groups_from_carry` and
-`groups_dropped_stale`, the trainer's phases (medians of `time_*_s`; the wait for rollouts is `time_generate_s`), the
-mean staleness and the fraction of responses continued; per task the response lengths (`response_length_mean`,
-`response_length_max`, `response_clip_ratio`).
+`tokens_generated`, `groups_kept`, `sampling_rounds`, `rounds_served_ahead` (0 without rounds ahead),
+`optimizer_steps`, `groups_from_carry` and `groups_dropped_stale`, the trainer's phases (medians of `time_*_s`; the
+wait for rollouts is `time_generate_s`), the mean staleness and the fraction of responses continued; per task the
+response lengths (`response_length_mean`, `response_length_max`, `response_clip_ratio`).
 With --learn-steps, learning runs of the demo's task (disaggregated; --learn: by default staleness 0, staleness 1
-with partial rollouts off and on; also staleness 1 with `rollout.oversample_batches: 1`) for each of --seeds (the
+with partial rollouts off and on; also staleness 1 with `rollout.oversample_batches: 1` and with
+`rollout.rounds_ahead: 3`) for each of --seeds (the
 config's `seed`: the model's initialisation and the sampling seeds): the reward rise (the mean reward of the last 10
 RL steps minus that of the first 10; the demo requires >= 0.3 over its 250 steps) and, averaged over the seeds, the
 figures of the runs above (step time, phases, rounds...). Appends a dated section to --out.
@@ -66,27 +68,31 @@ class Run:
     no_drain: bool = False
     colocated: bool = False
     oversample: int = 0  # rollout.oversample_batches
+    ahead: int = 0  # rollout.rounds_ahead
 
     @property
     def label(self) -> str:
         where = "colocated" if self.colocated else "disaggregated"
         return (f"{where}, staleness {self.staleness}" + (", partial" if self.partial else "")
                 + (", no drain" if self.no_drain else "")
-                + (f", oversample {self.oversample}" if self.oversample else ""))
+                + (f", oversample {self.oversample}" if self.oversample else "")
+                + (f", {self.ahead} rounds ahead" if self.ahead else ""))
 
     def overrides(self, segment: int) -> list[str]:
         return [f"rollout.max_staleness={self.staleness}",
                 *(("rollout.partial_rollouts=true", f"rollout.partial_segment_tokens={segment}")
                   if self.partial else ()), *((NO_DRAIN,) if self.no_drain else ()),
-                *((f"rollout.oversample_batches={self.oversample}",) if self.oversample else ())]
+                *((f"rollout.oversample_batches={self.oversample}",) if self.oversample else ()),
+                *((f"rollout.rounds_ahead={self.ahead}",) if self.ahead else ())]
 
 
-TIMED = (Run(0, colocated=True), Run(0), Run(1), Run(0, partial=True), Run(1, partial=True), Run(1, oversample=1))
+TIMED = (Run(0, colocated=True), Run(0), Run(1), Run(0, partial=True), Run(1, partial=True), Run(1, oversample=1),
+         Run(1, ahead=3))
 TIMED_NO_DRAIN = (Run(1, no_drain=True), Run(1, partial=True, no_drain=True))
 # The learning runs (--learn), by name; the first three by default. A run's rewards do not depend on the machine's
 # speed (the schedule is fixed), so the rises of separate invocations compare; their step times do not.
 LEARNING = {"staleness0": Run(0), "staleness1": Run(1), "staleness1_partial": Run(1, partial=True),
-            "staleness1_oversample": Run(1, oversample=1)}
+            "staleness1_oversample": Run(1, oversample=1), "staleness1_ahead": Run(1, ahead=3)}
 
 
 def _free_port() -> int:
@@ -163,6 +169,7 @@ def summary(rows: list[dict]) -> dict:
     return {"step_s": wall_s / (len(timed) - 1), "tokens_per_s": tokens / wall_s,
             **{key: mean(key) for key in ("tokens_generated", "groups_kept", "sampling_rounds", "optimizer_steps",
                                           "groups_from_carry", "groups_dropped_stale")},
+            "rounds_served_ahead": statistics.mean(r.get("rounds_served_ahead", 0) for r in timed),
             **{p: statistics.median(r[f"time_{p}_s"] for r in timed) for p in PHASES},
             "staleness_mean": mean("staleness_mean", kept), "continued": mean("continued_fraction", kept),
             "length_mean": mean("response_length_mean", scored),
@@ -181,13 +188,14 @@ def reward_rise(rows: list[dict]) -> float:
 def _timed_table(task: str, results: dict[Run, dict]) -> list[str]:
     base = results[Run(0)]
     lines = [f"\nTask `{task}`: {args_text(task)}.\n",
-             "| run | step s | x staleness 0 | tokens/s | tokens / step | groups kept | rounds | optimizer steps | "
-             "from carry | dropped stale | wait for rollouts s | sync s | update s | old_logprob s | reward s | "
-             "staleness | continued |", "|:---|" + "---:|" * 16]
+             "| run | step s | x staleness 0 | tokens/s | tokens / step | groups kept | rounds | served ahead | "
+             "optimizer steps | from carry | dropped stale | wait for rollouts s | sync s | update s | old_logprob s | "
+             "reward s | staleness | continued |", "|:---|" + "---:|" * 17]
     for spec, r in results.items():
         lines.append(f"| {spec.label} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {r['tokens_generated']:.0f} | {r['groups_kept']:.1f} | "
-                     f"{r['sampling_rounds']:.2f} | {r['optimizer_steps']:.1f} | {r['groups_from_carry']:.1f} | "
+                     f"{r['sampling_rounds']:.2f} | {r['rounds_served_ahead']:.2f} | {r['optimizer_steps']:.1f} | "
+                     f"{r['groups_from_carry']:.1f} | "
                      f"{r['groups_dropped_stale']:.1f} | {r['generate']:.3f} | {r['sync']:.3f} | {r['update']:.3f} | "
                      f"{r['old_logprob']:.3f} | {r['reward']:.3f} | {r['staleness_mean']:.2f} | "
                      f"{r['continued']:.2f} |")

@@ -187,6 +187,13 @@ class RolloutConfig:
     # the fixed schedule: which tokens each version samples depends on the engines' speed, so a resumed run trains
     # on other tokens than an uninterrupted one. Needs a rollout server and max_staleness >= 1.
     update_during_generation: bool = False
+    # Dynamic sampling's further rounds generated ahead (docs/algorithms.md, "Generating ahead"): after each step's
+    # rounds, the queue asks the servers for K more rounds of the loader's next prompts with the weights of then, so
+    # they generate while the trainer trains and the next steps' further rounds are served from them (oldest first,
+    # while at most max_staleness versions old; older ones are dropped and counted). A fixed schedule: what is asked,
+    # with which version and seeds, does not depend on the engines' speed. 0: every further round on the spot. Needs
+    # a rollout server, max_staleness >= 1, dynamic sampling, and K <= algorithm.max_resample_rounds.
+    rounds_ahead: int = 0
 
     def check(self) -> None:
         _need(self.num_responses_per_prompt >= 2,

@@ -107,6 +107,26 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "a response's routing would span the prefills of two weight versions",
          "rollout.update_during_generation: not with algorithm.routing_replay: rollout (a response's routing would "
          "span two weight versions)"),
+    Rule("rounds ahead are a count",
+         lambda f: f.rollout.rounds_ahead < 0,
+         "a number of rounds",
+         "rollout.rounds_ahead: must be >= 0, got {rollout.rounds_ahead}"),
+    Rule("rounds ahead need staleness",
+         lambda f: f.rollout.rounds_ahead >= 1 and f.rollout.max_staleness == 0,
+         "a round asked for after a step's rounds is one version old at the next step (and staleness needs rollout "
+         "servers: its own row)",
+         "rollout.rounds_ahead: {rollout.rounds_ahead} needs rollout.max_staleness >= 1 (a round asked for ahead "
+         "is one version old when the next step takes it; at 0 every one would be dropped)"),
+    Rule("rounds ahead need dynamic sampling",
+         lambda f: f.rollout.rounds_ahead >= 1 and not f.dynamic_sampling,
+         "the rounds asked for ahead are dynamic sampling's further rounds",
+         "rollout.rounds_ahead: {rollout.rounds_ahead} needs dynamic sampling (algorithm.dynamic_sampling: true), "
+         "whose further rounds they are; {algorithm.name} has it off"),
+    Rule("rounds ahead within the rounds a step may take",
+         lambda f: f.rollout.rounds_ahead > f.algorithm.max_resample_rounds,
+         "a step takes at most algorithm.max_resample_rounds further rounds; more asked ahead would be dropped",
+         "rollout.rounds_ahead: {rollout.rounds_ahead} exceeds algorithm.max_resample_rounds "
+         "{algorithm.max_resample_rounds}, the most further rounds a step takes"),
     Rule("routing replay needs CP = 1",
          lambda f: f.parallel.context > 1 and f.algorithm.replays_routing,
          "the routing record holds whole rows, and splitting it over the context-parallel ranks as the tokens are "

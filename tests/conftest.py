@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+import torch.distributed as dist
 
 # The distributed harness lives next to the tests and is imported by module name in spawned ranks.
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -55,3 +56,12 @@ def pytest_collection_modifyitems(config, items):
         fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
         if any(starts_processes(fn) for fn in (item.function, *fixtures)):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def world_of_one():
+    """The default process group of this process alone (gloo): a rollout queue's experience agrees on its rounds over
+    the data-parallel group."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

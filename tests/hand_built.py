@@ -47,12 +47,14 @@ class ScriptedEngine:
 
 
 def scripted_queue(answer, requests, *, max_staleness: int, steps: int, group_size: int, prompts_per_draw: int = 1,
-                   selection: GroupSelection | None = None, reward=None, dp_group=None) -> RolloutQueue:
-    """A rollout queue over a `ScriptedEngine` (`queue.source.engine`): draw i gives prompts 1000 + i x
-    `prompts_per_draw` ... (one token each, ids "p<index>"), round r of step k is asked with seed 10 k + r.
-    `selection`, `reward(prompts, responses) -> [N, G]` and the data-parallel group `dp_group` for its `experience` (by
-    default one group a step, every response correct, no group)."""
-    draws = iter(range(10**6))
+                   selection: GroupSelection | None = None, reward=None, dp_group=None, rounds_ahead: int = 0,
+                   first_draw: int = 0) -> RolloutQueue:
+    """A rollout queue over a `ScriptedEngine` (`queue.source.engine`): draw i (from `first_draw`, as a resumed
+    loader) gives prompts 1000 + i x `prompts_per_draw` ... (one token each, ids "p<index>"), round r of step k is
+    asked with seed 10 k + r. `selection`, `reward(prompts, responses) -> [N, G]` and the data-parallel group
+    `dp_group` for its `experience` (by default one group a step, every response correct, no group);
+    `rounds_ahead` as rollout.rounds_ahead."""
+    draws = iter(range(first_draw, 10**6))
 
     def draw_prompts():
         first = next(draws) * prompts_per_draw
@@ -64,4 +66,4 @@ def scripted_queue(answer, requests, *, max_staleness: int, steps: int, group_si
     return RolloutQueue(source, selection or GroupSelection(1, True, 0, None),
                         reward or (lambda prompts, responses: torch.ones(responses.num_prompts, group_size)),
                         ParallelGroups.data_parallel_rank(dp_group, torch.device("cpu")), max_staleness=max_staleness,
-                        steps=steps)
+                        steps=steps, rounds_ahead=rounds_ahead)

@@ -29,7 +29,8 @@ COMPARED = ("reward_mean", "accuracy", "response_length_mean", "groups_kept", "s
             "stale_token_fraction", "continued_fraction", "groups_unfinished", "trained_prompt_ids",
             "rollout_is_capped_fraction", "log_ratio_mean/staleness_0", "log_ratio_mean/staleness_1",
             "rollout_logprob_mismatch_current", "mismatch_kl_current", "groups_from_carry", "groups_carried",
-            "groups_dropped_stale", "tokens_generated")
+            "groups_dropped_stale", "tokens_generated", "rounds_served_ahead", "rounds_on_the_spot",
+            "groups_asked_ahead")
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,10 @@ def _rows(out) -> dict[int, dict]:
 
 
 # N = 1 with dynamic sampling and a warm start (so that some groups hold both outcomes and steps train: dynamic
-# sampling keeps only those), 6 steps: the uninterrupted run that the interrupted ones must equal.
-WHOLE = ("data.prompts_per_step=8", "warm_start.steps=30")
+# sampling keeps only those), 6 steps; WHOLE also keeps one further round asked for ahead (rollout.rounds_ahead): the
+# uninterrupted run that the interrupted ones must equal.
+DYNAMIC = ("data.prompts_per_step=8", "warm_start.steps=30")
+WHOLE = (*DYNAMIC, "rollout.rounds_ahead=1")
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +147,19 @@ def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, s
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole_responses", "partial_rollouts"])
 def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_path, server_model, partial, request):
-    """N = 1 with dynamic sampling (further rounds generated on the spot): SIGKILL of the trainer after the step-3
-    checkpoint, then a relaunch trains steps 3-5 on what the uninterrupted run did. Whole responses: the server
+    """N = 1 with dynamic sampling: SIGKILL of the trainer after the step-3 checkpoint, then a relaunch trains steps
+    3-5 on what the uninterrupted run did. Whole responses, one further round kept asked for ahead: the server
     survives, and serves the relaunched trainer's session (pre-empting the dead one's work); the informative groups a
-    step did not need are carried over to the next, also through the checkpoint the run resumes from. Partial
+    step did not need are carried over to the next, and the round asked for ahead is served to the next step, also
+    through the checkpoint the run resumes from. Partial
     rollouts (2-token segments of the 4-token budget, batches asked for with twice the prompts:
-    rollout.oversample_batches): the server is killed too and the relaunch starts a new one; the checkpoint also
-    holds the unfinished groups, and responses continued over two engine calls are trained on."""
+    rollout.oversample_batches, further rounds generated on the spot): the server is killed too and the relaunch
+    starts a new one; the checkpoint also holds the unfinished groups, and responses continued over two engine calls
+    are trained on."""
     extra = WHOLE
     if partial:
-        extra += ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "rollout.oversample_batches=1")
+        extra = DYNAMIC + ("rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2",
+                              "rollout.oversample_batches=1")
         _train(tmp_path, "whole", server_model, 6, 1, *extra)
     server = None if partial else _start_server(server_model, tmp_path / "killed_server.log")
     try:
@@ -162,7 +168,7 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
         state = json.loads((tmp_path / "killed" / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
         assert state["step"] == 3
         in_flight = tmp_path / "killed" / "checkpoints" / "step_00000003" / "rollouts" / "rank_00000.pt"
-        carried = torch.load(in_flight, weights_only=False)["carried"]
+        held = torch.load(in_flight, weights_only=False)
         _train(tmp_path, "killed", server_model, 6, 1, *extra, server=server)  # resumes from the step-3 checkpoint
     finally:
         if server is not None:
@@ -174,7 +180,13 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
     for step in range(6):
         assert {k: resumed[step].get(k) for k in COMPARED} == {k: whole[step].get(k) for k in COMPARED}, step
     if not partial:  # step 2 carried groups over to step 3, through the checkpoint: the resumed step 3 trains them
+        carried = held["carried"]
         assert carried is not None and whole[3]["groups_from_carry"] == carried.num_groups == whole[2]["groups_carried"]
+        # The round step 2 asked for ahead, through the checkpoint; further rounds were served from such rounds.
+        assert len(held["ahead"]) == 1 and whole[2]["groups_asked_ahead"] == len(held["ahead"][0]["prompts"])
+        assert sum(whole[k]["rounds_served_ahead"] for k in range(6)) > 0
+    else:
+        assert "ahead" not in held and "rounds_served_ahead" not in whole[0]
     assert sum(whole[k]["groups_carried"] + whole[k]["groups_dropped_stale"] for k in range(6)) > 0
     # Steps trained on batches of the step before (staleness 1) and on rounds generated on the spot (0).
     assert max(whole[k].get("staleness_max", 0) for k in range(1, 6)) >= 1

@@ -35,6 +35,15 @@ EXAMPLES = {
         TINY + REMOTE + ["rollout.update_during_generation=true", "rollout.max_staleness=1",
                          "algorithm.rollout_is=token", "algorithm.routing_replay=rollout"],
         ["algorithm.routing_replay=none"]),
+    "rounds ahead are a count": (TINY + ["rollout.rounds_ahead=-1"], ["rollout.rounds_ahead=0"]),
+    "rounds ahead need staleness": (TINY + REMOTE + ["rollout.rounds_ahead=1"],
+                                    ["rollout.max_staleness=1", "algorithm.rollout_is=token"]),
+    "rounds ahead need dynamic sampling": (
+        TINY + REMOTE + ["rollout.rounds_ahead=1", "rollout.max_staleness=1", "algorithm.rollout_is=token",
+                         "algorithm.name=grpo"], ["algorithm.dynamic_sampling=true"]),
+    "rounds ahead within the rounds a step may take": (
+        TINY + REMOTE + ["rollout.rounds_ahead=3", "rollout.max_staleness=1", "algorithm.rollout_is=token",
+                         "algorithm.max_resample_rounds=2"], ["algorithm.max_resample_rounds=3"]),
     "routing replay needs CP = 1": (TINY + ["parallel.context=2", "algorithm.routing_replay=rollout",
                                             "rollout.engine=vllm_remote", "rollout.remote.addresses=[h:1]"],
                                     ["algorithm.routing_replay=none"]),

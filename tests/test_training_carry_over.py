@@ -4,7 +4,6 @@ rollout.max_staleness), what is dropped and counted, and the carried groups thro
 statistics an experience records."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from hand_built import prompt_samples
 from megatron_gtpo.rollout.responses import Response, Responses
@@ -42,15 +41,6 @@ def test_groups_young_enough_for_the_next_step_are_carried_in_order_and_the_othe
     assert carry_over(_surplus(), 6, 4)[1] == 0  # versions >= 2: all three
     assert carry_over(_surplus(), 7, 0) == (None, 3)  # on policy: nothing sampled before step 7 is young enough
     assert carry_over(None, 7, 2) == (None, 0)
-
-
-@pytest.fixture
-def world_of_one():
-    """The default process group of this process alone (gloo): the queue's experience agrees on its rounds over the
-    data-parallel group."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _queue(dp_group):

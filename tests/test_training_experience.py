@@ -21,7 +21,8 @@ SCRIPTS = {
 }
 
 
-def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0):
+def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0, ahead_rounds=1):
+    """Rounds below `ahead_rounds` were asked for ahead (round 0 always; rollout.rounds_ahead further ones)."""
     import torch.distributed as dist
 
     from hand_built import prompt_samples
@@ -46,7 +47,7 @@ def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0):
                                                    "stop") for j in range(G)] for p in prompts])
 
         # The round index stands in for the policy version that sampled the round.
-        return lambda: SampledGroups.sampled(prompts, Rollout(generate()), round_index)
+        return lambda: SampledGroups.sampled(prompts, Rollout(generate()), round_index), round_index < ahead_rounds
 
     def reward_groups(prompts, responses):
         return torch.tensor(script[min(len(calls["generate"]) - 1, len(script) - 1)], dtype=torch.float32)
@@ -75,7 +76,7 @@ def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0):
 def collected():
     """(scenario, dynamic sampling) -> each rank's `_collect`, all in one set of 2 ranks."""
     return run_cases(_collect, 2, [("fills", True), ("bounded", True), ("bounded", False), ("fills", True, 1),
-                                   ("fills", True, 3)], timeout_s=180)
+                                   ("fills", True, 3), ("fills", True, 0, 2)], timeout_s=180)
 
 
 def test_dynamic_sampling_fills_the_batch_in_lockstep_over_data_parallel_ranks(collected):
@@ -116,6 +117,15 @@ def test_carried_groups_are_kept_first_and_round_0_is_never_lost(collected):
         assert out["prompts"] == [900, 901] and out["generate_rounds"] == [0]
         assert out["surplus"] == [902, *([0, 2] if rank == 0 else [102])]
         assert out["stats"]["groups_from_carry"] == 2 and out["stats"]["groups_generated"] == 3
+
+
+def test_a_round_asked_for_ahead_is_rewarded_by_a_rank_that_needs_it_not(collected):
+    """Round 1 asked for ahead (rollout.rounds_ahead): rank 0, full after round 0, rewards it all the same rather
+    than standing by, and its informative groups (prompts 10, 12) are surplus for the next step."""
+    rank0, rank1 = collected["fills", True, 0, 2]
+    assert rank0["generate_rounds"] == rank1["generate_rounds"] == [0, 1] and rank0["stand_by"] == 0
+    assert rank0["prompts"] == [0, 2] and rank0["surplus"] == [10, 12]
+    assert rank0["stats"]["groups_generated"] == 6
 
 
 def test_dynamic_sampling_stops_after_the_extra_round_bound(collected):

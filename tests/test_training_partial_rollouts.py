@@ -146,6 +146,7 @@ def test_a_prompt_and_a_whole_response_must_fit_the_model_at_start():
      r"rollout.max_staleness 1 -> 2, rollout.partial_segment_tokens 2 -> 1\)"),
     (dict(partial_rollouts=True, partial_segment_tokens=2), dict(),
      r"rollout.partial_rollouts True -> False, rollout.partial_segment_tokens 2 -> None\)"),
+    (dict(max_staleness=1, rounds_ahead=2), dict(max_staleness=1), r"rollout.rounds_ahead 2 -> 0\)"),
     (dict(max_staleness=1), dict(max_staleness=1), None),
     (dict(), dict(max_staleness=2), None),  # nothing in flight: the new schedule starts afresh
 ])
@@ -207,8 +208,8 @@ def test_a_step_counts_every_token_of_its_engine_answers_once():
     # Draws: A (step 0's batch), B (batch 1, asked at step 0), C (step 0's round 1).
     queue = scripted_queue(answer, PARTIAL, max_staleness=1, steps=2, group_size=G)
     sample_round = queue.rounds(0, PhaseTimer())
-    assert sample_round(0)().num_groups == 0 and queue.tokens_generated == 3  # A left unfinished
-    assert [p.id for p in sample_round(1)().prompts] == ["p2"] and queue.tokens_generated == 3 + 3
+    assert sample_round(0)[0]().num_groups == 0 and queue.tokens_generated == 3  # A left unfinished
+    assert [p.id for p in sample_round(1)[0]().prompts] == ["p2"] and queue.tokens_generated == 3 + 3
     queue.state_dict()  # waits for batch 1 (asked for at step 0) without counting it
     assert queue.tokens_generated == 6
     assert [p.id for p in queue.take(1).prompts] == ["p0", "p1"] and queue.tokens_generated == 2 + 3

@@ -71,6 +71,12 @@ METRICS: dict[str, Metric] = {
     "groups_from_carry": Metric(Reduce.SUM, kind=int),
     "groups_carried": Metric(Reduce.SUM, kind=int),
     "groups_dropped_stale": Metric(Reduce.SUM, kind=int),
+    # Further rounds asked for ahead (rollout.rounds_ahead; logged only then, rollout_queue.py): the step's further
+    # rounds served from them and asked for on the spot (the same on every rank), and the prompt groups of the rounds
+    # held for the next steps.
+    "rounds_served_ahead": Metric(Reduce.MAX, kind=int, optional=True),
+    "rounds_on_the_spot": Metric(Reduce.MAX, kind=int, optional=True),
+    "groups_asked_ahead": Metric(Reduce.SUM, kind=int, optional=True),
     # The old-policy pass over the kept response tokens: weighted by tokens (correct / failed: those tokens only).
     "entropy_mean": _mean("tokens"),
     "entropy_correct_mean": _mean("correct_tokens"),

@@ -62,7 +62,7 @@ def holds_rollouts(rollout: RolloutConfig) -> bool:
     return bool(rollout.max_staleness or rollout.partial_rollouts)
 
 
-ROLLOUT_SCHEDULE_KEYS = ("max_staleness", "partial_rollouts", "partial_segment_tokens")
+ROLLOUT_SCHEDULE_KEYS = ("max_staleness", "partial_rollouts", "partial_segment_tokens", "rounds_ahead")
 
 
 def check_rollout_schedule(saved_config: dict, cfg, directory: str) -> None:

@@ -6,7 +6,11 @@ for at step max(0, k - N), once that step's own batch has arrived, so it is gene
 max(0, k - N) (the weights after that many steps) while the trainer trains the steps in between, and no batch is
 trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
 whatever the engines' speed. N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
-Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot, with the weights of now.
+Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot, with the weights of now, or with
+rollout.rounds_ahead = K served from the rounds asked for ahead (`ahead`): after each step's rounds, further rounds
+are asked for with the weights of then until K rounds young enough for the next step are held, and the next steps
+take them oldest first while at most N versions old (older ones are waited for and dropped, their groups counted).
+That schedule is fixed too: what is asked, with which version and seeds, depends on the rewards only.
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
 batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the
@@ -21,13 +25,14 @@ trainer is unchanged.
 
 The queue hands the trainer each step's experience (`experience`: experience.collect_experience over the carried
 groups and the step's rounds) with its statistics, the queue's own among them: the tokens the engines generated in
-the answers the step waited for, the groups carried over, dropped as too old and left unfinished. The step's wait for
-its rounds is its "generate" phase, the rewards its "reward" phase. What a round is served from stays inside the
-queue: a batch asked for ahead (`asked`) or a round asked for on the spot (`rounds`).
+the answers the step waited for, the groups carried over, dropped as too old and left unfinished, and with K the
+further rounds served from those asked for ahead and asked for on the spot, and the groups held ahead. The step's
+wait for its rounds is its "generate" phase, the rewards its "reward" phase. What a round is served from stays inside
+the queue: a batch asked for ahead (`asked`), a further round asked for ahead (`ahead`) or on the spot (`rounds`).
 
-A checkpoint holds the batches asked for and not yet trained on (`state_dict` waits for them: the prompts, the
-version that generated them, their rollouts and the groups they continue), the unfinished groups and the carried
-ones, so a resumed run trains on the very batches an uninterrupted one would, in the same order.
+A checkpoint holds the batches and further rounds asked for and not yet trained on (`state_dict` waits for them: the
+prompts, the version that generated them, their rollouts and the groups they continue), the unfinished groups and
+the carried ones, so a resumed run trains on the very batches an uninterrupted one would, in the same order.
 """
 from __future__ import annotations
 
@@ -54,11 +59,11 @@ class RolloutQueue:
     `reward(prompts, responses) -> [N, G]` the verifier's rewards on the host; `parallel`: this rank's groups (the
     data-parallel ranks agree on a step's rounds; a restored state goes to the training device); `max_staleness`
     (rollout.max_staleness): how far ahead batches are asked for; `steps`: the run's (no batch is asked for beyond its
-    last step)."""
+    last step); `rounds_ahead` (rollout.rounds_ahead): further rounds kept asked for ahead."""
 
     def __init__(self, source: RolloutSource, selection: GroupSelection,
                  reward: Callable[[list, Responses], torch.Tensor], parallel: ParallelGroups, *, max_staleness: int,
-                 steps: int):
+                 steps: int, rounds_ahead: int = 0):
         self.source = source
         self.requests = source.requests
         self.selection = selection
@@ -66,7 +71,11 @@ class RolloutQueue:
         self.parallel = parallel
         self.max_staleness = max_staleness
         self.steps = steps
+        self.rounds_ahead = rounds_ahead
         self.asked: dict[int, AskedBatch] = {}
+        self.ahead: list[AskedBatch] = []  # further rounds asked for ahead, oldest first
+        self.served_ahead = 0  # this step's further rounds served from `ahead`
+        self.dropped_ahead = 0  # this step's groups of rounds asked for ahead and too old for it
         self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
         self.carried: RewardedGroups | None = None  # complete groups kept for the next step
         # Every token of the engine answers folded in since this step's `take` (the step's answers): continued
@@ -76,8 +85,10 @@ class RolloutQueue:
     def experience(self, step: int, timer: PhaseTimer) -> Experience:
         """Step `step`'s experience (experience.collect_experience): the groups carried over to it first, then its
         rounds (`rounds`); the informative groups it did not need are carried over to the next step, those young
-        enough for it (`carry_over`). Its statistics include the queue's: the tokens generated, the groups carried
-        over, dropped as too old, and left unfinished. Times the "generate" and "reward" phases."""
+        enough for it (`carry_over`); with `rounds_ahead`, further rounds are then asked for ahead (`_ask_ahead`). Its
+        statistics include the queue's: the tokens generated, the groups carried over, dropped as too old, and left
+        unfinished; with `rounds_ahead` the further rounds served from those asked for ahead and asked for on the
+        spot, and the groups held ahead. Times the "generate" and "reward" phases."""
         def reward(prompts, responses):
             with timer("reward"):
                 return self.reward(prompts, responses)
@@ -87,9 +98,14 @@ class RolloutQueue:
         exp, surplus = collect_experience(sample_round, reward, self.selection, self.parallel,
                                           stand_by=self.source.stand_by, carried=carried)
         self.carried, dropped = carry_over(surplus, step + 1, self.max_staleness)
-        exp.stats.update(tokens_generated=self.tokens_generated, groups_dropped_stale=dropped,
+        exp.stats.update(tokens_generated=self.tokens_generated, groups_dropped_stale=dropped + self.dropped_ahead,
                          groups_carried=self.carried.num_groups if self.carried is not None else 0,
                          **self.requests.metrics(self.unfinished))
+        if self.rounds_ahead:
+            self._ask_ahead(step)
+            exp.stats.update(rounds_served_ahead=self.served_ahead,
+                             rounds_on_the_spot=exp.stats["sampling_rounds"] - 1 - self.served_ahead,
+                             groups_asked_ahead=sum(len(asked.prompts) for asked in self.ahead))
         return exp
 
     def take(self, step: int) -> SampledGroups:
@@ -109,23 +125,52 @@ class RolloutQueue:
                 self._ask(later, step)
         return groups
 
-    def rounds(self, step: int, timer: PhaseTimer) -> Callable[[int], Callable[[], SampledGroups]]:
+    def rounds(self, step: int, timer: PhaseTimer) -> Callable[[int], tuple[Callable[[], SampledGroups], bool]]:
         """Step `step`'s sampling rounds for experience.collect_experience: round 0 is batch `step` (`take`, waited
-        for now); round r >= 1 draws its prompts when called and is generated by the weights of now when waited
-        for. The waits are timed as the "generate" phase."""
+        for now); round r >= 1 is the oldest round asked for ahead (`ahead`) or else draws its prompts when called and
+        is generated by the weights of now when waited for. The rounds asked for ahead that are more than
+        max_staleness versions old for this step are dropped first (`_dropped`). The waits are timed as the
+        "generate" phase."""
+        self.served_ahead = 0
         with timer("generate"):
             first = self.take(step)
+            stale = [asked for asked in self.ahead if asked.version < step - self.max_staleness]
+            self.ahead = self.ahead[len(stale):]  # oldest first, so the stale ones lead
+            self.dropped_ahead = sum(self._dropped(asked) for asked in stale)
 
-        def sample_round(round_index: int) -> Callable[[], SampledGroups]:
+        def sample_round(round_index: int) -> tuple[Callable[[], SampledGroups], bool]:
             if not round_index:
-                return lambda: first
-            asked = self.source.ask(step, step, None, round_index)
+                return (lambda: first), True
+            asked_ahead = bool(self.ahead)
+            if asked_ahead:
+                self.served_ahead += 1
+                asked = self.ahead.pop(0)
+            else:
+                asked = self.source.ask(step, step, None, round_index, on_the_spot=True)
 
             def wait():
                 with timer("generate"):
                     return self.groups(asked)
-            return wait
+            return wait, asked_ahead
         return sample_round
+
+    def _dropped(self, asked: AskedBatch) -> int:
+        """Waits for a round asked for ahead and too old to train on (its tokens counted in `tokens_generated`) and
+        drops its groups, those left unfinished by partial rollouts too: how many."""
+        self.tokens_generated += asked.wait().responses.num_tokens
+        return len(asked.prompts)
+
+    def _ask_ahead(self, step: int) -> None:
+        """After step `step`'s rounds: asks for further rounds with the weights of now (version `step`) until
+        `rounds_ahead` rounds young enough for the next step are held, unless `step` is the run's last. The engine
+        generates them while this step trains; the next steps take them (`rounds`). Their seeds are those of rounds
+        max_extra_rounds + 1, + 2, ... of step `step`, which its own rounds never use."""
+        if step + 1 >= self.steps:
+            return
+        held = sum(asked.version >= step + 1 - self.max_staleness for asked in self.ahead)
+        first_index = self.selection.max_extra_rounds + 1
+        for index in range(first_index, first_index + self.rounds_ahead - held):
+            self.ahead.append(self.source.ask(step, step, None, index))
 
     def _ask(self, step: int, version: int) -> None:
         continued, self.unfinished = self.unfinished, None
@@ -143,26 +188,23 @@ class RolloutQueue:
         return complete
 
     def state_dict(self) -> dict:
-        """Every batch asked for, waited for (collective over the model replica), the unfinished groups and the
-        carried ones, on the host."""
+        """Every batch and further round asked for, waited for (collective over the model replica), the unfinished
+        groups and the carried ones, on the host."""
         cpu = torch.device("cpu")
         batches = {}
         for step, batch in sorted(self.asked.items()):
-            rollout = batch.wait()
-            self.asked[step] = AskedBatch(step, batch.version, batch.prompts, lambda r=rollout: r, batch.continued)
-            batches[step] = {"version": batch.version, "prompts": batch.prompts, "responses": rollout.responses.to(cpu),
-                             "routed_experts": _routes_to_host(rollout.routed_experts),
-                             "continued": _moved(batch.continued, cpu)}
-        return {"batches": batches, "unfinished": _moved(self.unfinished, cpu), "carried": _moved(self.carried, cpu)}
+            self.asked[step], batches[step] = _answered(batch)
+        answered = [_answered(asked) for asked in self.ahead]
+        self.ahead, ahead = [asked for asked, _ in answered], [held for _, held in answered]
+        state = {"batches": batches, "unfinished": _moved(self.unfinished, cpu), "carried": _moved(self.carried, cpu)}
+        return {**state, "ahead": ahead} if self.rounds_ahead else state
 
     def load_state_dict(self, state: dict) -> None:
         """From `state_dict()`'s host state, moved to the training device (a checkpoint written before groups were
-        carried holds none)."""
+        carried, or rounds asked for ahead, holds none)."""
         device = self.parallel.device
-        self.asked = {step: AskedBatch(step, b["version"], b["prompts"],
-                                       lambda r=Rollout(b["responses"].to(device), b.get("routed_experts")): r,
-                                       _moved(b["continued"], device))
-                      for step, b in state["batches"].items()}
+        self.asked = {step: _restored(b, step, device) for step, b in state["batches"].items()}
+        self.ahead = [_restored(b, b["step"], device) for b in state.get("ahead", [])]
         self.unfinished = _moved(state["unfinished"], device)
         self.carried = _moved(state.get("carried"), device)
 
@@ -175,6 +217,22 @@ def carry_over(surplus: RewardedGroups | None, step: int, max_staleness: int) ->
     young_N = surplus.groups.newest_versions_N() >= step - max_staleness
     kept = surplus.select(young_N.nonzero().flatten())
     return (kept if kept.num_groups else None), surplus.num_groups - kept.num_groups
+
+
+def _answered(batch: AskedBatch) -> tuple[AskedBatch, dict]:
+    """(`batch` waited for, its answer kept; the same on the host, for a checkpoint)."""
+    cpu = torch.device("cpu")
+    rollout = batch.wait()
+    answered = AskedBatch(batch.step, batch.version, batch.prompts, lambda: rollout, batch.continued)
+    return answered, {"step": batch.step, "version": batch.version, "prompts": batch.prompts,
+                      "responses": rollout.responses.to(cpu), "routed_experts": _routes_to_host(rollout.routed_experts),
+                      "continued": _moved(batch.continued, cpu)}
+
+
+def _restored(held: dict, step: int, device: torch.device) -> AskedBatch:
+    """`_answered`'s host copy of a batch, answered, on `device`."""
+    rollout = Rollout(held["responses"].to(device), held.get("routed_experts"))
+    return AskedBatch(step, held["version"], held["prompts"], lambda: rollout, _moved(held["continued"], device))
 
 
 def _routes_to_host(routes: list[torch.Tensor] | None) -> list[torch.Tensor] | None:

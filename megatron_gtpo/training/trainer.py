@@ -86,7 +86,7 @@ class Trainer:
         selection = GroupSelection(cfg.data.prompts_per_step // self.parallel.dp_size, self.algorithm.dynamic_sampling,
                                    cfg.algorithm.max_resample_rounds, self.algorithm.length_penalty)
         self.rollouts = RolloutQueue(self.source, selection, self.reward_responses, self.parallel,
-                                     max_staleness=r.max_staleness, steps=cfg.steps)
+                                     max_staleness=r.max_staleness, steps=cfg.steps, rounds_ahead=r.rounds_ahead)
         # Rollouts in flight between steps (bounded staleness, partial rollouts): checkpointed, and each token's
         # staleness counted in the step batch.
         self.holds_rollouts = holds_rollouts(r)

@@ -1,0 +1,76 @@
+"""Dynamic sampling's further rounds asked for ahead (rollout.rounds_ahead, RolloutQueue) over a scripted engine: the
+fixed schedule of what is asked (prompts, seeds, versions), which rounds a step takes from the buffer and which on the
+spot, the rounds dropped as too old, the metrics, and a queue restored from a checkpoint's state going on as the
+uninterrupted one."""
+import torch
+
+from hand_built import scripted_queue
+from megatron_gtpo.rollout.engine import Rollout
+from megatron_gtpo.rollout.responses import Response, Responses
+from megatron_gtpo.training.experience import GroupSelection
+from megatron_gtpo.training.metrics import PhaseTimer
+from megatron_gtpo.training.partial_rollouts import WholeResponses
+
+# Draws whose prompt gets one correct and one wrong response (informative); every other prompt gets two wrong ones.
+INFORMATIVE = {3, 4, 8, 9}
+STATS = ("sampling_rounds", "rounds_served_ahead", "rounds_on_the_spot", "groups_asked_ahead", "groups_dropped_stale",
+         "groups_generated", "tokens_generated")
+
+
+def _queue(dp_group, *, first_draw: int = 0):
+    """Staleness 1, 2 rounds ahead, 4 steps of one group each, at most 2 further rounds a step, one prompt a draw."""
+    def answer(rows, params):
+        return Rollout(Responses.from_lists([
+            [Response([1], [-0.1], "stop"), Response([0, 0], [-0.2, -0.3], "stop")] if row[0] - 1000 in INFORMATIVE
+            else [Response([0], [-0.1], "stop"), Response([0, 0], [-0.2, -0.3], "stop")] for row in rows]))
+
+    def reward(prompts, responses):  # a one-token response starting with 1 is correct
+        first = [ids[:1] == [1] for ids in responses.token_id_lists()]
+        return torch.tensor(first, dtype=torch.float32).view(len(prompts), 2)
+
+    return scripted_queue(answer, WholeResponses(), max_staleness=1, steps=4, group_size=2,
+                          selection=GroupSelection(1, True, 2, None), reward=reward, dp_group=dp_group,
+                          rounds_ahead=2, first_draw=first_draw)
+
+
+def _step(queue, step):
+    exp = queue.experience(step, PhaseTimer())
+    return ([p.id for p in exp.kept.groups.prompts], exp.kept.groups.start_versions_R.tolist(),
+            {k: exp.stats[k] for k in STATS})
+
+
+def test_further_rounds_are_asked_ahead_on_a_fixed_schedule_and_served_oldest_first(world_of_one):
+    """Draws (prompt p<i>): step 0 takes batch p0, asks batch 1 (p1), generates rounds p2, p3 on the spot and then
+    asks p4, p5 ahead (version 0, seeds of its rounds 3, 4). Step 1 takes p1, asks batch 2 (p6), serves its round from
+    p4 (version 0: one version old, within the bound), leaves p5, asks p7, p8 (version 1). Step 2 takes p6, asks batch
+    3 (p9), drops p5 (two versions old), serves p7, p8, asks p10, p11. Step 3 takes p9; the run's last step asks
+    nothing."""
+    queue = _queue(world_of_one)
+    steps = [_step(queue, step) for step in range(4)]
+    assert [kept for kept, _, _ in steps] == [["p3"], ["p4"], ["p8"], ["p9"]]
+    assert [versions for _, versions, _ in steps] == [[0, 0], [0, 0], [1, 1], [2, 2]]
+    assert [stats for _, _, stats in steps] == [
+        {"sampling_rounds": 3, "rounds_served_ahead": 0, "rounds_on_the_spot": 2, "groups_asked_ahead": 2,
+         "groups_dropped_stale": 0, "groups_generated": 3, "tokens_generated": 9},
+        {"sampling_rounds": 2, "rounds_served_ahead": 1, "rounds_on_the_spot": 0, "groups_asked_ahead": 3,
+         "groups_dropped_stale": 0, "groups_generated": 2, "tokens_generated": 6},
+        {"sampling_rounds": 3, "rounds_served_ahead": 2, "rounds_on_the_spot": 0, "groups_asked_ahead": 2,
+         "groups_dropped_stale": 1, "groups_generated": 3, "tokens_generated": 12},
+        {"sampling_rounds": 1, "rounds_served_ahead": 0, "rounds_on_the_spot": 0, "groups_asked_ahead": 2,
+         "groups_dropped_stale": 0, "groups_generated": 1, "tokens_generated": 3}]
+    # Seeds in the order asked: round r of step k is 10 k + r; rounds asked ahead after step k are its rounds 3, 4.
+    assert [params.seed for params in queue.source.engine.asked] == [0, 10, 1, 2, 3, 4, 20, 13, 14, 30, 23, 24]
+
+
+def test_a_queue_restored_after_a_step_goes_on_as_the_uninterrupted_one(world_of_one):
+    """The checkpoint state after step 1 holds the round p5 left from step 0 and p7, p8 asked after step 1: a queue
+    restored from it (its loader at draw 9, as the checkpointed loader) gives steps 2 and 3 the same experience and
+    asks the engine the same rounds."""
+    whole = _queue(world_of_one)
+    for step in range(2):
+        _step(whole, step)
+    restored = _queue(world_of_one, first_draw=9)
+    restored.load_state_dict(whole.state_dict())
+    assert [[p.id for p in asked.prompts] for asked in restored.ahead] == [["p5"], ["p7"], ["p8"]]
+    assert [_step(restored, step) for step in (2, 3)] == [_step(whole, step) for step in (2, 3)]
+    assert [p.seed for p in restored.source.engine.asked] == [p.seed for p in whole.source.engine.asked[9:]]

@@ -268,8 +268,9 @@ def dying(cls, name):
         result = original(self, *args)
         if moment == "between" and result == "finish":
             calls.append(result)
-            while len(calls) == count and self.channel.store.check([f"{args[0]}/rep"]):
-                time.sleep(0.001)  # until the trainer took the reply
+            reply = f"{args[0]}/rep"  # its header, then its chunk (a short reply has one), deleted as taken
+            while len(calls) == count and self.channel.store.check([reply]) or self.channel.store.check([reply + "/0"]):
+                time.sleep(0.001)  # until the trainer took the whole reply
             if len(calls) == count:
                 os.kill(os.getpid(), signal.SIGKILL)
         return result

@@ -82,7 +82,7 @@ def _failing_engine(rank, world_size):
     groups = initialize_parallel(1, 2)
 
     class Server:
-        def generate(self, prompts, params, first_prompt=0):
+        def submit(self, prompts, params, *, first_prompt=0, between_steps=None):
             raise MemoryError("no room for the KV cache")
 
     engine = ServerEngine(Server() if groups.pp_rank == 0 else None, groups,

@@ -269,7 +269,8 @@ def dying(cls, name):
         if moment == "between" and result == "finish":
             calls.append(result)
             reply = f"{args[0]}/rep"  # its header, then its chunk (a short reply has one), deleted as taken
-            while len(calls) == count and self.channel.store.check([reply]) or self.channel.store.check([reply + "/0"]):
+            while len(calls) == count and (self.channel.store.check([reply])
+                                           or self.channel.store.check([reply + "/0"])):
                 time.sleep(0.001)  # until the trainer took the whole reply
             if len(calls) == count:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -117,7 +117,7 @@ STUDIES = {
                 "dapo", (1, 2, 3, 4, 5), 64, (1, 4, 16, 64), (101, 102, 103, 104), "algorithms_v2.md",
                 (("accuracy", "training accuracy (outcome reward)"), *DYNAMICS, *TOKEN_SELECTION),
                 # Pinned: the order of demonstrations decides whether the warm start learns to keep trying (Pass@1
-                # 0.12, 77 tokens) or not (0.02-0.04, 45 tokens) at 4000 steps (algorithms_v2.md, "Qualification").
+                # 0.12, 77 tokens) or not (0.02-0.04, 45 tokens) at 4000 steps (the table atop algorithms_v2.md).
                 warm_start_data_seed=1234),
 }
 # --smoke: the reference and the last variant (v2: an override on DAPO), seconds per run.

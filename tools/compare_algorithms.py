@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from megatron_gtpo.atomic_files import write_atomically
 from megatron_gtpo.cli import run_cli
 from megatron_gtpo.config import load_config
+from megatron_gtpo.distributed import free_local_port
 from megatron_gtpo.reporting import (mean_and_spread, normalized_auc, paired_difference, plot_bands, read_rl_metrics,
                                      window_means)
 
@@ -125,18 +125,12 @@ SMOKE = {"steps": 2, "seeds": [1, 2], "eval_samples": 4, "pass_k": [1, 2, 4], "h
          "noise_seeds": [101], "overrides": ["warm_start.steps=3", "data.prompts_per_step=4"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str], log_path: str, tries: int = 3) -> float:
     """One process on one thread, its own rendezvous port; output to a log file (named in the error if it fails).
-    Returns its wall time in seconds. A port taken by another process between `_free_port` and the child's bind is
-    retried on a new port (`tries` in all); any other failure is raised."""
+    Returns its wall time in seconds. A port taken by another process between `free_local_port` and the child's bind
+    is retried on a new port (`tries` in all); any other failure is raised."""
     for _ in range(tries):
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_local_port()))
         start = time.monotonic()
         with open(log_path, "w", encoding="utf-8") as log:
             res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

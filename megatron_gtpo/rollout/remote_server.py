@@ -32,14 +32,13 @@ import dataclasses
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from megatron_gtpo.distributed import set_nccl_environment
+from megatron_gtpo.distributed import free_local_port, set_nccl_environment
 
 from typing import Protocol
 
@@ -433,11 +432,8 @@ def _own_world() -> None:
     Said in torchrun's variables, which the start-up prefers (distributed.read_launch_env) to srun's: a server that
     srun starts on each of several rollout nodes inherits SLURM_PROCID / SLURM_NTASKS, and would otherwise wait for
     the other nodes' servers as ranks of one world."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(free_local_port()))
 
 
 if __name__ == "__main__":

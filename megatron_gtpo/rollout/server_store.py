@@ -26,6 +26,7 @@ import torch.distributed as dist
 _C10D_REPORT = re.compile(r"(\[rank\d+\]:)?\[[WE]\d{4} [\d:.]+ \w+\.cpp:\d+\] \[c10d\] ")
 _STACK_LINE = re.compile(r"(\[rank\d+\]:)?(Exception raised from |frame #\d+: |<omitting python frames>)")
 _redirected = threading.Lock()  # one call at a time redirects the process's stderr
+_capture = None  # _capture_file's, made at the first call
 
 
 def without_c10d_reports(text: str) -> str:
@@ -40,10 +41,19 @@ def without_c10d_reports(text: str) -> str:
     return "".join(kept)
 
 
+def _capture_file():
+    """The one file the calls' stderr goes to, emptied after each (a poll of the store is a call: no file per call)."""
+    global _capture
+    if _capture is None:
+        _capture = tempfile.TemporaryFile()
+    return _capture
+
+
 def quietly(call):
     """`call()`, without torch's reports of failed connections in what it prints unless it fails otherwise than with
     `DistNetworkError` (module doc)."""
-    with _redirected, tempfile.TemporaryFile() as capture:
+    with _redirected:
+        capture = _capture_file()
         sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(capture.fileno(), 2)
@@ -61,6 +71,8 @@ def quietly(call):
             os.close(saved)
             capture.seek(0)
             printed = capture.read()
+            capture.seek(0)
+            capture.truncate()
             if not failed_otherwise:
                 printed = without_c10d_reports(printed.decode(errors="replace")).encode()
             while printed:

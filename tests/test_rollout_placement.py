@@ -1,7 +1,7 @@
 """Where a replica's rollout engines run and which prompts each serves (rollout/placement.py): pure arithmetic on
 ranks and lists, checked against hand-written layouts; no GPU needed. Then the engine group logic
 (server_engine.ServerEngine) on 2-4 gloo ranks with stand-in servers: the prompt split across hosts, responses
-reassembled in prompt order on every rank, with routing replay each rank's layers of the routing the hosts report,
+reassembled in prompt order on every rank with the longest host's generation seconds, with routing replay each rank's layers of the routing the hosts report,
 and the memory release before a colocated engine wakes."""
 from types import SimpleNamespace
 
@@ -80,7 +80,7 @@ def test_engines_that_do_not_fit_their_gpus_are_refused(kwargs, message):
 class _EchoServer:
     """A stand-in engine: each prompt's response repeats its ids, tagged with the serving host (the last token is
     the host's index). Each call takes 0.5 s and records when it ran, so that the test can see the engines generate
-    at the same time rather than one after the other."""
+    at the same time rather than one after the other; it says it generated for `_seconds(index)` s."""
 
     def __init__(self, index):
         self.index = index
@@ -102,8 +102,13 @@ class _EchoServer:
         rollout = Rollout(Responses.from_lists([[Response(list(p) + [self.index], [-0.5] * (len(p) + 1), "length")]
                                                 for p in prompts]),
                           [_experts(first_prompt + i, 2 * len(p), range(1, 4))  # P + R - 1, R = P + 1
-                           for i, p in enumerate(prompts)])
+                           for i, p in enumerate(prompts)], _seconds(self.index))
         return lambda: rollout
+
+
+def _seconds(host_index: int) -> float:
+    """The generation seconds host `host_index`'s stand-in reports: a later host's longer."""
+    return 0.25 * (host_index + 1)
 
 
 def _experts(prompt_index, rows, layers):
@@ -147,6 +152,7 @@ def _split_across_hosts(rank, world_size):
             assert experts.device.type == "cpu"
             assert torch.equal(experts, _experts(i, 2 * len(prompt), layers)), (tp, pp, engine_tp, i)
         assert len(routes) == num_prompts
+        out[-1] += (rollout.generation_s,)
     return out
 
 
@@ -156,14 +162,18 @@ def test_prompts_are_split_across_hosts_and_come_back_in_order():
         counts = split_counts(num_prompts, len(engine_hosts(tp=tp, pp=pp, engine_tp=engine_tp)))
         serving = [i for i, c in enumerate(counts) for _ in range(c)]
         expected = [[i, i + 1, engine] for i, engine in enumerate(serving)]
-        for tokens, _, _ in results:  # every rank holds every response, in prompt order, from the engine that served
+        for tokens, _, _, _ in results:  # every rank holds every response, in prompt order, from the engine that served
             assert tokens == expected, (tp, pp, engine_tp)
+        # Every rank's rollout took the longest generation seconds of the hosts that served (hosts without prompts
+        # generate nothing).
+        busiest = max(_seconds(i) for i, c in enumerate(counts) if c)
+        assert [seconds for *_, seconds in results] == [busiest] * len(results), (tp, pp, engine_tp)
         # Each host served its contiguous part once, told where it starts (seeds); empty parts call nothing.
         starts = [sum(counts[:i]) for i in range(len(counts))]
-        calls = [c for _, c, _ in results if c is not None]
+        calls = [c for _, c, _, _ in results if c is not None]
         assert sorted(calls) == sorted([[(c, s)] if c else [] for c, s in zip(counts, starts)]), (tp, pp, engine_tp)
         # The engines generated at the same time: every call began before any ended.
-        intervals = [i for _, _, ivs in results if ivs for i in ivs]
+        intervals = [i for _, _, ivs, _ in results if ivs for i in ivs]
         assert max(start for start, _ in intervals) < min(end for _, end in intervals), (tp, pp, engine_tp)
 
 

@@ -1,6 +1,6 @@
 """The rollout record between ranks (rollout/transport.py): exact round trips of ragged groups, empty responses and
-a record without prompts, over gloo from a non-zero source rank, and errors (the engine's, or a record that cannot be
-sent) that reach every rank as one error."""
+a record without prompts, over gloo from a non-zero source rank, with the source's generation seconds (to the
+microsecond), and errors (the engine's, or a record that cannot be sent) that reach every rank as one error."""
 import dataclasses
 import random
 
@@ -37,18 +37,22 @@ def _broadcast(rank, world_size, src):
     results, stamps = [], None
     ragged = Responses.from_lists(_responses(1))
     ragged = dataclasses.replace(ragged, weight_updates_T=_stamps(ragged.num_tokens))  # a server's, mid-generation
-    for outcome in [("ok", ragged),
-                    ("ok", Responses.from_lists([[Response([], [], FINISH_LENGTH)],
-                                                 [Response([7], [-1 / 3], FINISH_STOP)]])),
-                    ("ok", Responses.empty()),  # an engine host without prompts
-                    ("error", "ValueError: out of KV cache"),
-                    ("ok", bad_code),  # cannot be sent: an error everywhere
-                    ("ok", [[Response([1], [-0.5], FINISH_STOP)]])]:  # no record: an error everywhere
-        status, payload = broadcast_responses(outcome if rank == src else None, src, dist.group.WORLD, device)
+    for outcome, seconds in [(("ok", ragged), SECONDS),
+                             (("ok", Responses.from_lists([[Response([], [], FINISH_LENGTH)],
+                                                           [Response([7], [-1 / 3], FINISH_STOP)]])), 0.0),
+                             (("ok", Responses.empty()), 0.0),  # an engine host without prompts
+                             (("error", "ValueError: out of KV cache"), 2.5),
+                             (("ok", bad_code), 0.0),  # cannot be sent: an error everywhere
+                             (("ok", [[Response([1], [-0.5], FINISH_STOP)]]), 0.0)]:  # no record: an error everywhere
+        status, payload, generation_s = broadcast_responses(outcome if rank == src else None, src, dist.group.WORLD,
+                                                            device, generation_s=seconds if rank == src else 0.0)
         results.append((status, payload.to_lists() if status == "ok" else payload,
-                        [str(t.dtype) for t in payload.tensors()] if status == "ok" else None))
+                        [str(t.dtype) for t in payload.tensors()] if status == "ok" else None, generation_s))
         stamps = payload.weight_updates_T.tolist() if stamps is None else stamps  # the ragged record's
     return results, stamps
+
+
+SECONDS = 1234.5678914  # the ragged record's generation seconds: 1234.567891 s to the microsecond
 
 
 def _stamps(num_tokens: int) -> torch.Tensor:
@@ -60,14 +64,14 @@ def test_broadcast_reaches_every_rank_exactly_and_errors_stay_errors():
     dtypes = ["torch.int64"] * 3 + ["torch.int32", "torch.float32", "torch.int32"]
     for results, stamps in per_rank:
         ragged, tiny, empty, error, bad_code, no_record = results
-        assert ragged == ("ok", _responses(1), dtypes)
+        assert ragged == ("ok", _responses(1), dtypes, 1234.567891)
         assert stamps == _stamps(len(stamps)).tolist() and max(stamps) == 2
         # -1/3 is not a float32: every rank, the source included, holds the same float32-rounded value.
         assert tiny == ("ok", [[Response([], [], FINISH_LENGTH)],
                                [Response([7], [float(torch.tensor(-1 / 3, dtype=torch.float32))], FINISH_STOP)]],
-                        dtypes)
-        assert empty == ("ok", [], dtypes)
-        assert error == ("error", "ValueError: out of KV cache", None)
+                        dtypes, 0.0)
+        assert empty == ("ok", [], dtypes, 0.0)
+        assert error == ("error", "ValueError: out of KV cache", None, 2.5)  # a failed generation took time too
         assert bad_code[0] == "error" and "finish codes outside" in bad_code[1], bad_code
         assert no_record[0] == "error" and "not a Responses record" in no_record[1], no_record
 

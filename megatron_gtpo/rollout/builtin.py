@@ -64,6 +64,7 @@ duration of a call (decode steps have one token, which cannot be split over TP r
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable
 
 import torch
@@ -148,8 +149,10 @@ class BuiltinEngine:
         """The rollout, generated now (the engine runs on the trainer's own ranks), given when asked: the record
         (responses.py) of params.n responses per prompt, on the group's device on every rank, and with
         `record_routing` (a mixture-of-experts model) the experts each response's fed tokens went to at this rank's
-        MoE layers (`Rollout`; M ordered as moe_routing.routed_layers). The routing differs between pipeline stages
-        (each rank records its own layers), so it stays rank-local, beside the record: never sent between ranks.
+        MoE layers (`Rollout`; M ordered as moe_routing.routed_layers), and the seconds this rank spent in the
+        decode loop (`Rollout.generation_s`; expert-parallel peers' steps after its own rows included). The routing
+        differs between pipeline stages (each rank records its own layers), so it stays rank-local, beside the
+        record: never sent between ranks.
         `between_steps`: called before every forward step (module doc; None: nothing)."""
         rollout = self._generate(prompts, params, between_steps or _no_update)
         return lambda: rollout
@@ -172,6 +175,8 @@ class BuiltinEngine:
         parts: list[tuple[torch.Tensor, ...]] = []  # per batch: (tokens_T, logprobs_T, updates_T, lengths_R, finish_R)
         routed: list[torch.Tensor] | None = [] if self.record_routing else None
         self._between_steps, self._updates_taken = between_steps, 0  # this call's, and the updates it took
+        # No device sync for the end time: every decode step reads the count of live rows back from the device.
+        start_s = time.perf_counter()
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
                 tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
             for batch in batches:
@@ -182,13 +187,14 @@ class BuiltinEngine:
                     routed += batch_routes if batch_routes is not None else [None] * len(batch)
                 bar.update(len(batch))
             self._stand_by()
+        generation_s = time.perf_counter() - start_s
         if routed is not None and any(r is None for r in routed):
             routed = None  # a model without experts records nothing
         tokens_T, logprobs_T, updates_T, lengths_R, finish_R = (torch.cat(p) for p in zip(*parts))
         record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=self.parallel.device),
                            lengths_R=lengths_R, finish_R=finish_R, token_ids_T=tokens_T, logprobs_T=logprobs_T,
                            weight_updates_T=updates_T)
-        return Rollout(record, routed)
+        return Rollout(record, routed, generation_s)
 
     @torch.no_grad()
     def stand_by(self) -> None:

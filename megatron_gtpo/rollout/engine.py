@@ -84,10 +84,14 @@ class Rollout:
     fed back (models/moe_routing.py). A trainer's engine (the built-in engine with `record_routing`, a server
     engine with `routed_layers`) gives this rank's MoE layers (rank-local, for routing replay); a rollout server
     (server_engine.RolloutServer) every layer of the model. None: no routing recorded (the routers choose in
-    training)."""
+    training). `generation_s`: the wall seconds the engine that answered spent generating this call (from the start
+    of its generation to its end, on the machine that generated; the longest of a call's engines where several
+    answer it), what the trainer's `rollout_busy_fraction` counts; 0 where nothing was generated (a record restored
+    from a checkpoint, a host without prompts)."""
 
     responses: Responses
     routed_experts: list[torch.Tensor] | None = None
+    generation_s: float = 0.0
 
 
 class RolloutEngine(Protocol):

@@ -45,9 +45,10 @@ class RolloutServer(Protocol):
     def submit(self, prompts: list[list[int]], params: SamplingParams, *, first_prompt: int = 0,
                between_steps: Callable[[], int] | None = None) -> Callable[[], Rollout]:
         """Ask for params.n responses per prompt; the returned function waits for them and gives the rollout: the
-        record (responses.py) and, from a server that returns routing (a VLLMServer built with
-        `return_routed_experts`, a RemoteClient of such a server), per response the experts its fed tokens went to
-        at every layer of the model, int16 [P + R - 1, num_layers, k] on the host (else None). `first_prompt`: the
+        record (responses.py), the seconds the server spent generating it (`Rollout.generation_s`) and, from a
+        server that returns routing (a VLLMServer built with `return_routed_experts`, a RemoteClient of such a
+        server), per response the experts its fed tokens went to at every layer of the model, int16
+        [P + R - 1, num_layers, k] on the host (else None). `first_prompt`: the
         index of prompts[0] among the replica's prompts (seeds differ across engines). A server in this process
         generates within the call; a RemoteClient's generates meanwhile on its own node. `between_steps` (a server
         that generates in this process): called before every decode step; it may take weight updates and returns
@@ -111,7 +112,8 @@ class ServerEngine:
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> Callable[[], Rollout]:
         """`generate` in two halves, both collective: this call hands every host's server its part of the prompts
         (`RolloutServer.submit`), the returned function waits for the answers and shares them, with the routing of
-        this rank's MoE layers when the engine was built for routing replay (`routed_layers`). A remote server
+        this rank's MoE layers when the engine was built for routing replay (`routed_layers`), and the longest of
+        the servers' generation seconds (`Rollout.generation_s`, in the records' broadcast). A remote server
         generates in between; a server in this process answers within this call."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -132,15 +134,18 @@ class ServerEngine:
                     answered, waiting = None, answered[1]
 
         def wait() -> Rollout:
-            mine, experts = None, None
+            mine, experts, my_seconds = None, None, 0.0
             if self.server is not None:
-                mine, experts = self._checked(attempt(waiting) if waiting is not None else answered,
-                                              parts[self.hosts.index(me)], params.n)
-            records, routes, failures = [], [], []
+                outcome = attempt(waiting) if waiting is not None else answered
+                mine, experts = self._checked(outcome, parts[self.hosts.index(me)], params.n)
+                my_seconds = outcome[1].generation_s if outcome[0] == "ok" else 0.0
+            records, routes, failures, generation_s = [], [], [], 0.0
             for index, host in enumerate(self.hosts):
                 # Every engine's answer goes to every rank of the replica, failed or not, so the collectives match.
-                status, payload = broadcast_responses(mine if host == me else None, self._global_rank(host),
-                                                      self.parallel.mp_group, self.parallel.device)
+                status, payload, seconds = broadcast_responses(
+                    mine if host == me else None, self._global_rank(host), self.parallel.mp_group,
+                    self.parallel.device, generation_s=my_seconds if host == me else 0.0)
+                generation_s = max(generation_s, seconds)  # the hosts generate at once: the call's is the longest
                 if status == "ok":
                     records.append(payload)
                     if self.routed_layers is not None:
@@ -151,7 +156,7 @@ class ServerEngine:
             if failures:
                 raise RolloutEngineError(f"the rollout engine failed on {len(failures)} of {len(self.hosts)} host "
                                          f"rank(s): " + "; ".join(failures))
-            return Rollout(Responses.cat(records), routes if self.routed_layers is not None else None)
+            return Rollout(Responses.cat(records), routes if self.routed_layers is not None else None, generation_s)
 
         return wait
 

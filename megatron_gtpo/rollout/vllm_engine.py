@@ -31,6 +31,7 @@ import math
 import os
 import pickle
 import re
+import time
 from contextlib import contextmanager
 from typing import Callable
 
@@ -195,17 +196,20 @@ class VLLMServer:
         """`server_engine.RolloutServer.submit`: generated within the call, the record on the host; with
         `return_routed_experts` each response's experts at every layer: its prompt's P positions and all its tokens
         but the last, int16 [P + R - 1, num_layers, k] on the host (models/moe_routing.record_from_vllm checks each
-        response's rows). `between_steps` runs before every engine step. ValueError for a finish reason other than
-        stop / length."""
+        response's rows). `between_steps` runs before every engine step. The rollout's `generation_s`: the wall time
+        of the generation, waking and putting the engine to sleep included. ValueError for a finish reason other
+        than stop / length."""
         made_with = self.policy_version
+        start_s = time.perf_counter()
         outputs = self._generate(prompts, params, first_prompt, between_steps)
+        generation_s = time.perf_counter() - start_s
         routed = None
         if self.return_routed_experts:
             layers = tuple(range(1, self.num_layers + 1))
             routed = [record_from_vllm(sample.routed_experts, prompt_length=len(prompt),
                                        response_length=len(sample.token_ids), layers=layers, topk=self.topk)
                       for prompt, out in zip(prompts, outputs) for sample in out.outputs]
-        rollout = Rollout(_record(outputs, made_with), routed)
+        rollout = Rollout(_record(outputs, made_with), routed, generation_s)
         return lambda: rollout
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, first_prompt: int = 0) -> Responses:

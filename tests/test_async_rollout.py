@@ -407,7 +407,8 @@ def test_a_server_takes_a_weight_update_between_decode_steps_and_stamps_every_to
     are asked for, then a weight update is sent. The server takes it during A (in drain mode it would wait for A and
     B): A's later tokens count it; B, asked for before the update but started after it, counts it on every token and
     equals a generation C asked for after the update (same seed: the new weights sampled it), whose tokens count
-    nothing. Both answers say they were asked for with the version before the update."""
+    nothing. Both answers say they were asked for with the version before the update. C's answer says how long the
+    server generated it, within the call's wall time."""
     import torch
     from safetensors.torch import load_file
 
@@ -431,7 +432,10 @@ def test_a_server_takes_a_weight_update_between_decode_steps_and_stamps_every_to
         client.load_bucket(list(weights.items()))
         assert client.finish_weight_update({n: tensor_checksum(t) for n, t in weights.items()}) == version + 1
         a, b = wait_a().responses, wait_b().responses  # each checks it was asked for with `version`
-        c = client.submit([[8, 9]], SamplingParams(n=2, max_new_tokens=8, seed=2))().responses
+        start = time.monotonic()
+        rollout_c = client.submit([[8, 9]], SamplingParams(n=2, max_new_tokens=8, seed=2))()
+        call_s, c = time.monotonic() - start, rollout_c.responses
+        assert 0 < rollout_c.generation_s <= call_s  # the server's seconds generating, within the call's
         stamps = a.weight_updates_T.tolist()
         assert set(stamps) <= {0, 1} and stamps == sorted(stamps[:60]) + stamps[60:], stamps[:60]
         assert stamps[-1] == 1, "the update waited for the generation in flight"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_gtpo.rollout.engine import SamplingParams
 from megatron_gtpo.rollout.remote_channel import Channel, MalformedMessage, Unsigned, publish_nonce, read_token
-from megatron_gtpo.rollout.remote_messages import dumps, loads
+from megatron_gtpo.rollout.remote_messages import check_generate_reply, dumps, loads
 from megatron_gtpo.rollout.responses import Responses
 
 
@@ -44,10 +44,11 @@ def _same(a, b) -> bool:
 
 
 MESSAGES = [
-    ("ok", (_record(), None, 7)),  # generate's reply: the record, no routing, the version it was made with
+    # generate's reply: the record, no routing, the version it was made with, the seconds it took
+    ("ok", (_record(), None, 7, 0.123456789)),
     ("ok", (_record(), [torch.randint(0, 64, (4, 2, 4), dtype=torch.int16),
-                        torch.randint(0, 64, (2, 2, 4), dtype=torch.int16)], 3)),  # with each response's routing
-    ("ok", (Responses.empty(), [], 0)),
+                        torch.randint(0, 64, (2, 2, 4), dtype=torch.int16)], 3, 1e-300)),  # with its routing
+    ("ok", (Responses.empty(), [], 0, 0.0)),
     {"op": "generate", "payload": ([[1, 2, 3], [4]], SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5,
                                                                    max_new_tokens=9, stop_token_ids=(0, 3),
                                                                    seed=-11, per_request_seeds=False), 4)},
@@ -94,6 +95,22 @@ def test_a_record_that_does_not_check_out_is_refused():
     bad = dataclasses.replace(_record(), lengths_R=torch.tensor([3, 0, 9]))
     with pytest.raises(MalformedMessage, match="lengths_R sums to 12"):
         loads(dumps(bad))
+
+
+@pytest.mark.parametrize("reply", [message[1] for message in MESSAGES[:3]])
+def test_generate_replies_of_the_declared_types_pass(reply):
+    check_generate_reply(loads(dumps(reply)))
+
+
+@pytest.mark.parametrize("reply", [
+    (_record(), None, 7),  # protocol 7's reply: no seconds
+    (_record(), None, 7, -0.5), (_record(), None, 7, float("nan")), (_record(), None, 7, float("inf")),
+    (_record(), None, 7, 1), (_record(), None, 7, True), (_record(), None, 7, "0.5"), (_record(), None, 7, None),
+    (_record(), None, 7.0, 0.5), (_record(), [1], 7, 0.5), (None, None, 7, 0.5), [_record(), None, 7, 0.5],
+])
+def test_generate_replies_outside_the_declared_types_are_refused(reply):
+    with pytest.raises(MalformedMessage, match="'generate' answers"):
+        check_generate_reply(loads(dumps(reply)))
 
 
 @pytest.fixture()

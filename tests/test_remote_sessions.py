@@ -39,11 +39,14 @@ SHAPE = ModelShape.from_hf(tiny_model_hf_config())
 CPU = torch.device("cpu")
 
 
+GENERATION_S = 0.1 + 0.2  # not a round number: the seconds cross bit for bit
+
+
 class FakeServer:
     """A server object whose generation samples, at decode step s of every response, token id
     100 * (policy version) + s; its weight updates receive the trainer's tensors for real (gloo) and bump the
     version. `hold`: {decode step: predicate}: the generation waits (at most 10 s) before that step until the
-    predicate holds, and says so (`holding`)."""
+    predicate holds, and says so (`holding`). Each generation says it took GENERATION_S seconds."""
 
     num_workers, device_type, dtype, return_routed_experts = 1, "cpu", torch.float32, False
 
@@ -72,7 +75,7 @@ class FakeServer:
                            weight_updates_T=torch.tensor([v - steps[0] for v in steps] * rows, dtype=torch.int32))
         routing = [_experts(prompt, len(steps)) for prompt in prompts for _ in range(params.n)] \
             if self.return_routed_experts else None
-        return lambda: Rollout(record, routing)
+        return lambda: Rollout(record, routing, GENERATION_S)
 
     def sampler(self) -> int:
         """What the tokens say sampled them: the policy version."""
@@ -231,6 +234,7 @@ def test_routing_crosses_to_the_trainers_that_ask_for_it_at_their_hello(served):
     server.return_routed_experts = True
     rollout = _client(address, routed=True).submit([[1, 2], [3]], PARAMS)()
     assert rollout.responses.num_responses == 4 and len(rollout.routed_experts) == 4
+    assert rollout.generation_s == GENERATION_S  # the server's generation seconds come with every rollout
     for got, prompt in zip(rollout.routed_experts, [[1, 2], [1, 2], [3], [3]]):
         assert got.dtype == torch.int16 and torch.equal(got, _experts(prompt, 4))
     plain = _client(address)
@@ -242,13 +246,13 @@ def test_routing_crosses_to_the_trainers_that_ask_for_it_at_their_hello(served):
 def test_an_older_clients_hello_is_refused_for_its_protocol():
     """A protocol 6 hello (no `routed` yet) is told to update both, not that its fields are wrong."""
     older = dict(protocol=6, shape=dataclasses.asdict(SHAPE), device_type="cpu", update_during_generation=False)
-    with pytest.raises(ValueError, match=r"^protocol 6 is not this server's 7: update both$"):
+    with pytest.raises(ValueError, match=r"^protocol 6 is not this server's 8: update both$"):
         check_hello(older, dataclasses.asdict(SHAPE), "cpu")
 
 
 @pytest.mark.parametrize("refused, message", [
     (dict(token="wrong"), r"not signed with this trainer's token \(set GTPO_REMOTE_TOKEN or GTPO_REMOTE_TOKEN_FILE"),
-    (dict(protocol=5), "refused: protocol 5 is not this server's 7: update both"),
+    (dict(protocol=5), "refused: protocol 5 is not this server's 8: update both"),
     (dict(shape=ModelShape.from_hf(tiny_model_hf_config(vocab_size=40))), r"differs from the server's in .*vocab_size"),
 ])
 def test_a_refused_hello_leaves_the_active_session_alone(served, monkeypatch, refused, message):
@@ -316,7 +320,7 @@ def test_each_abandoned_weight_group_is_released_on_its_own():
 def test_a_store_without_a_servers_nonce_is_named_as_no_server_of_this_protocol():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # an older server's, say
     with pytest.raises(ConnectionError, match=r"holds no rollout server's nonce after 1 s: not a server of protocol "
-                                              r"7 \(an older one\? update both\)"):
+                                              r"8 \(an older one\? update both\)"):
         RemoteClient(f"127.0.0.1:{store.port}", SHAPE, CPU, connect_timeout_s=1)
 
 
@@ -429,7 +433,9 @@ def test_a_generation_asked_before_an_update_is_asked_again_after_it_with_its_to
         assert _sync(client, {"v": torch.tensor([1.0])}) == 1
         in_flight = client.submit([[1]], PARAMS)
         assert _sync(client, {"v": torch.tensor([2.0])}) == 2
-        record = in_flight().responses
+        rollout = in_flight()
+        record = rollout.responses
         assert _steps(record) == [2, 2, 2, 2] and record.weight_updates_T.tolist() == [1] * 8
+        assert rollout.generation_s == GENERATION_S  # the new server's, kept when its tokens are re-counted
     finally:
         servers.stop()

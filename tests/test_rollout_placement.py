@@ -1,8 +1,8 @@
 """Where a replica's rollout engines run and which prompts each serves (rollout/placement.py): pure arithmetic on
 ranks and lists, checked against hand-written layouts; no GPU needed. Then the engine group logic
 (server_engine.ServerEngine) on 2-4 gloo ranks with stand-in servers: the prompt split across hosts, responses
-reassembled in prompt order on every rank with the longest host's generation seconds, with routing replay each rank's layers of the routing the hosts report,
-and the memory release before a colocated engine wakes."""
+reassembled in prompt order on every rank with the longest host's generation seconds, with routing replay each
+rank's layers of the routing the hosts report, and the memory release before a colocated engine wakes."""
 from types import SimpleNamespace
 
 import pytest

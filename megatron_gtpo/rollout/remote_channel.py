@@ -26,11 +26,12 @@ import torch.distributed as dist
 
 from .remote_messages import MalformedMessage, dumps, loads
 
-PROTOCOL = 7  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py);
+PROTOCOL = 8  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py);
 # 4: generate_routed, and hello says whether the server returns routed experts; 5: a request's op readable on its own
 # (`peek_request`), hello says whether the trainer sends weight updates during generation; 6: messages in the
 # declared format of remote_messages.py, signed with the shared token (no pickle); 7: one generate op (no
-# generate_routed), answered with the record, its routing where hello asked for it (`routed`), and the version
+# generate_routed), answered with the record, its routing where hello asked for it (`routed`), and the version;
+# 8: generate's answer also holds the seconds the server spent generating (remote_messages.check_generate_reply)
 ROOT = "gtpo_remote"
 MAX_REQUEST_BYTES = 2**30  # what a server reads of one request at most (a generation's prompts are far smaller)
 TOKEN_SETTINGS = "GTPO_REMOTE_TOKEN or GTPO_REMOTE_TOKEN_FILE"

@@ -16,13 +16,14 @@ message's values in this grammar, and nothing else:
 
 Anything else in a body is refused (`MalformedMessage`); so is a body or a file that does not parse. A request is
 {"op": str, "payload": ...}, its payload of the types `check_request` declares for its op; a reply is ("ok",
-value) or ("error", text).
+value) or ("error", text), a generate's value of the types `check_generate_reply` declares.
 Floats cross as Python's shortest round-tripping repr, so values are equal after the trip, bit for bit.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -151,3 +152,15 @@ def check_request(op: str, payload) -> None:
     expected, holds = declared[op]
     if not holds():
         raise TypeError(f"{op!r} takes {expected}, got {str(payload)[:80]}")
+
+
+def check_generate_reply(value) -> None:
+    """MalformedMessage unless `value` is what a server answers a generate with: (the record, its routing (a list of
+    tensors) or null, the policy version the request was made with, the seconds the server spent generating it (a
+    finite float >= 0)). (Whether the routing fits the record, server_engine.ServerEngine checks.)"""
+    if not (isinstance(value, tuple) and len(value) == 4 and isinstance(value[0], Responses)
+            and (value[1] is None or isinstance(value[1], list) and all(isinstance(e, torch.Tensor) for e in value[1]))
+            and isinstance(value[2], int) and not isinstance(value[2], bool)
+            and isinstance(value[3], float) and math.isfinite(value[3]) and value[3] >= 0):
+        raise MalformedMessage(f"'generate' answers (record, routing: [tensor] or null, made_with: int, "
+                               f"generation_s: finite float >= 0), got {str(value)[:120]}")

@@ -179,8 +179,9 @@ class _Session:
 
     def generate(self, prompts: list[list[int]], params, first_prompt: int) -> tuple:
         """(the record, its routing where the trainer asked for it at hello (else None), the policy version the
-        request was made with): the current one, less the updates taken ahead of it (whose tokens count them
-        all)."""
+        request was made with: the current one, less the updates taken ahead of it (whose tokens count them all),
+        the seconds the server spent generating it (`Rollout.generation_s`; the updates it took meanwhile
+        included)): remote_messages.check_generate_reply."""
         self.finished_ahead = [f for f in self.finished_ahead if f > self.seq]
         ahead = len(self.finished_ahead)
         made_with = self.server.policy_version - ahead
@@ -193,7 +194,7 @@ class _Session:
         record = rollout.responses
         if ahead:  # started under weights newer than asked for: every token counts those updates
             record = dataclasses.replace(record, weight_updates_T=record.weight_updates_T + ahead)
-        return record, rollout.routed_experts if self.routed else None, made_with
+        return record, rollout.routed_experts if self.routed else None, made_with, rollout.generation_s
 
     def between_steps(self) -> int:
         """Before each decode step of the session's generation: pre-emption by a newer session, and

@@ -24,7 +24,9 @@ REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip
             "rollout_logprob_mismatch", "time_generate_s", "time_reward_s", "time_old_logprob_s", "time_update_s",
             "time_sync_s", "padding_fraction", "lr", "dual_clip_frac", "ratio_mean", "ratio_min", "ratio_max",
             "update_successful", "optimizer_steps", "empty_mini_batches", "mismatch_kl", "token_mult_prob_error",
-            "rollout_is_weight_mean", "rollout_is_capped_fraction", "rollout_rs_masked_fraction", "tokens_generated")
+            "rollout_is_weight_mean", "rollout_is_capped_fraction", "rollout_rs_masked_fraction", "tokens_generated",
+            "rollout_busy_s", "rollout_busy_fraction", "rollout_busy_fraction_min")
+PHASES = ("generate", "reward", "old_logprob", "advantages", "update", "sync")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 
@@ -78,9 +80,21 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and row["rollout_rs_masked_fraction"] == 0
         assert row["rollout_is_capped_fraction"] == 0
         assert 0.0 <= row["padding_fraction"] < 0.5
+        _check_busy(row, replicas=2 if layout == "parallel.tensor=1" else 1)
         for key in _selection_metrics(algorithm, options):
             assert 0 < row[key] and (key == "entropy_kept_threshold" or row[key] <= 1), (key, row[key])
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
+
+
+def _check_busy(row: dict, replicas: int) -> None:
+    """The built-in engine's busy metrics: generation within the generate phase, a fraction of each replica's step
+    time, which lies between half and all of `slowest`, the sum of the phases' slowest ranks' times (the ranks meet
+    in collectives every phase)."""
+    busy_s, mean, least = row["rollout_busy_s"], row["rollout_busy_fraction"], row["rollout_busy_fraction_min"]
+    slowest = sum(row[f"time_{phase}_s"] for phase in PHASES)
+    assert 0 < busy_s <= replicas * row["time_generate_s"], row
+    assert 0 < least <= mean + 1e-12 < 1.5, row
+    assert busy_s / (replicas * slowest) <= mean * (1 + 1e-9) and mean <= 2 * busy_s / (replicas * slowest), row
 
 
 def _selection_metrics(algorithm: str, options: list[str]) -> list[str]:

@@ -17,12 +17,19 @@ STATS = ("sampling_rounds", "rounds_served_ahead", "rounds_on_the_spot", "groups
          "groups_generated", "tokens_generated")
 
 
+def _seconds(seed: int) -> float:
+    """The generation seconds of the engine answer asked with `seed` (sums of them are exact)."""
+    return 0.5 + seed / 8
+
+
 def _queue(dp_group, *, first_draw: int = 0):
-    """Staleness 1, 2 rounds ahead, 4 steps of one group each, at most 2 further rounds a step, one prompt a draw."""
+    """Staleness 1, 2 rounds ahead, 4 steps of one group each, at most 2 further rounds a step, one prompt a draw; an
+    answer took `_seconds(its seed)`."""
     def answer(rows, params):
         return Rollout(Responses.from_lists([
             [Response([1], [-0.1], "stop"), Response([0, 0], [-0.2, -0.3], "stop")] if row[0] - 1000 in INFORMATIVE
-            else [Response([0], [-0.1], "stop"), Response([0, 0], [-0.2, -0.3], "stop")] for row in rows]))
+            else [Response([0], [-0.1], "stop"), Response([0, 0], [-0.2, -0.3], "stop")] for row in rows]),
+            generation_s=_seconds(params.seed))
 
     def reward(prompts, responses):  # a one-token response starting with 1 is correct
         first = [ids[:1] == [1] for ids in responses.token_id_lists()]
@@ -33,10 +40,10 @@ def _queue(dp_group, *, first_draw: int = 0):
                           rounds_ahead=2, first_draw=first_draw)
 
 
-def _step(queue, step):
+def _step(queue, step, stats=STATS):
     exp = queue.experience(step, PhaseTimer())
     return ([p.id for p in exp.kept.groups.prompts], exp.kept.groups.start_versions_R.tolist(),
-            {k: exp.stats[k] for k in STATS})
+            {k: exp.stats[k] for k in stats})
 
 
 def test_further_rounds_are_asked_ahead_on_a_fixed_schedule_and_served_oldest_first(world_of_one):
@@ -46,7 +53,11 @@ def test_further_rounds_are_asked_ahead_on_a_fixed_schedule_and_served_oldest_fi
     3 (p9), drops p5 (two versions old), serves p7, p8, asks p10, p11. Step 3 takes p9; the run's last step asks
     nothing."""
     queue = _queue(world_of_one)
-    steps = [_step(queue, step) for step in range(4)]
+    steps = [_step(queue, step, (*STATS, "rollout_busy_s")) for step in range(4)]
+    # A step's busy seconds are those of the answers it waited for (by seed): its batch, its rounds on the spot and
+    # served from ahead, and the round it dropped as too old (step 2: p5, seed 4).
+    busy = [sum(map(_seconds, seeds)) for seeds in [(0, 1, 2), (10, 3), (20, 4, 13, 14), (30,)]]
+    assert [stats.pop("rollout_busy_s") for _, _, stats in steps] == busy
     assert [kept for kept, _, _ in steps] == [["p3"], ["p4"], ["p8"], ["p9"]]
     assert [versions for _, versions, _ in steps] == [[0, 0], [0, 0], [1, 1], [2, 2]]
     assert [stats for _, _, stats in steps] == [

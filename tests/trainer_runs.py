@@ -53,10 +53,10 @@ def checkpoint_tensors(checkpoint_dir) -> dict:
 
 
 def comparable(row: dict) -> dict:
-    """A metrics row without what depends on the machine's speed (phase times, tokens per second); lists (the prompt
-    ids) as tuples, compared exactly, not with approx."""
+    """A metrics row without what depends on the machine's speed (phase times, tokens per second, the rollout
+    engine's busy seconds and fractions); lists (the prompt ids) as tuples, compared exactly, not with approx."""
     return {k: tuple(v) if isinstance(v, list) else v for k, v in row.items()
-            if not k.startswith("time_") and k != "tokens_per_s"}
+            if not k.startswith(("time_", "rollout_busy_")) and k != "tokens_per_s"}
 
 
 def assert_resumed_run_equals(full, part, checkpoint: str, *, resumed_at: int | None = None) \

@@ -120,6 +120,11 @@ METRICS: dict[str, Metric] = {
     # over included; rollout_queue.py), and per second of the step: each replica's, summed (the run's throughput).
     "tokens_generated": Metric(Reduce.SUM, kind=int),
     "tokens_per_s": SUM,
+    # The seconds the rollout engines spent generating the step's answers, each replica's (its engine's, a server's
+    # generation wall time), summed; and per second of the step: the mean over replicas, and the least busy one's.
+    "rollout_busy_s": SUM,
+    "rollout_busy_fraction": _mean("replicas"),
+    "rollout_busy_fraction_min": MIN,
 }
 def moe_metrics(num_layers: int) -> dict[str, Metric]:
     """A mixture-of-experts model's routing metrics (of the old-policy pass, `moe_layer_values`) per layer 1..

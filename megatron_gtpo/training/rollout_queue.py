@@ -79,8 +79,10 @@ class RolloutQueue:
         self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
         self.carried: RewardedGroups | None = None  # complete groups kept for the next step
         # Every token of the engine answers folded in since this step's `take` (the step's answers): continued
-        # segments and groups later dropped, carried over or left unfinished included, each counted once.
+        # segments and groups later dropped, carried over or left unfinished included, each counted once; and the
+        # seconds the engine spent generating those answers.
         self.tokens_generated = 0
+        self.generation_s = 0.0
 
     def experience(self, step: int, timer: PhaseTimer) -> Experience:
         """Step `step`'s experience (experience.collect_experience): the groups carried over to it first, then its
@@ -98,7 +100,8 @@ class RolloutQueue:
         exp, surplus = collect_experience(sample_round, reward, self.selection, self.parallel,
                                           stand_by=self.source.stand_by, carried=carried)
         self.carried, dropped = carry_over(surplus, step + 1, self.max_staleness)
-        exp.stats.update(tokens_generated=self.tokens_generated, groups_dropped_stale=dropped + self.dropped_ahead,
+        exp.stats.update(tokens_generated=self.tokens_generated, rollout_busy_s=self.generation_s,
+                         groups_dropped_stale=dropped + self.dropped_ahead,
                          groups_carried=self.carried.num_groups if self.carried is not None else 0,
                          **self.requests.metrics(self.unfinished))
         if self.rounds_ahead:
@@ -116,7 +119,7 @@ class RolloutQueue:
         N >= 1 it costs no time, since the batch was generated before the weight update that ended the last step
         (the update drains the engine; with rollout.update_during_generation it need not, and the wait is for the
         rest of the batch, sampled by the newer weights). Starts the step's count of `tokens_generated`."""
-        self.tokens_generated = 0
+        self.tokens_generated, self.generation_s = 0, 0.0
         if step not in self.asked:
             self._ask(step, step)
         groups = self.groups(self.asked.pop(step))
@@ -157,7 +160,9 @@ class RolloutQueue:
     def _dropped(self, asked: AskedBatch) -> int:
         """Waits for a round asked for ahead and too old to train on (its tokens counted in `tokens_generated`) and
         drops its groups, those left unfinished by partial rollouts too: how many."""
-        self.tokens_generated += asked.wait().responses.num_tokens
+        rollout = asked.wait()
+        self.tokens_generated += rollout.responses.num_tokens
+        self.generation_s += rollout.generation_s
         return len(asked.prompts)
 
     def _ask_ahead(self, step: int) -> None:
@@ -181,6 +186,7 @@ class RolloutQueue:
         unfinished response (partial rollouts) wait for the next batch asked for."""
         rollout = asked.wait()
         self.tokens_generated += rollout.responses.num_tokens
+        self.generation_s += rollout.generation_s
         complete, unfinished = self.requests.merge(asked.continued, asked.prompts, rollout, asked.version)
         if unfinished is not None:
             self.unfinished = unfinished if self.unfinished is None else SampledGroups.cat([self.unfinished,

@@ -224,16 +224,21 @@ class Trainer:
 
     def log_metrics(self, step: int, exp: Experience, batch: StepBatch, metrics: MetricReducer,
                     timer: PhaseTimer) -> None:
-        """Records the old-policy pass's token metrics, the learning rate and the timings, reduces the metrics over
+        """Records the old-policy pass's token metrics, the learning rate, the timings and the rollout engine's
+        throughput and busy fraction (its generation seconds over the step's time), reduces the metrics over
         the data-parallel ranks and the timings over all ranks (reduction.py; collective over every rank) and logs
         them."""
         if batch.entropy_ST is not None:  # the last pipeline stage
             metrics.add_totals(*_token_totals(batch))
         step_time = sum(timer.seconds.values())
-        generated_tokens = exp.stats["tokens_generated"]  # the step's engine answers (rollout_queue.py)
+        # The step's engine answers (rollout_queue.py): their tokens, and the seconds the engine spent generating them.
+        generated_tokens, busy_s = exp.stats["tokens_generated"], exp.stats["rollout_busy_s"]
+        busy_fraction = busy_s / step_time if step_time else float("nan")
         metrics.add({"lr": self.policy.optimizer.param_groups[0]["lr"],
                      "tokens_per_s": generated_tokens / step_time if step_time else float("nan"),
-                     **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()}})
+                     "rollout_busy_fraction": busy_fraction, "rollout_busy_fraction_min": busy_fraction,
+                     **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()}},
+                    {"replicas": 1})
         reduced = metrics.reduce(self.parallel.dp_group)
         reduced["no_group_kept"] = int(reduced["groups_kept"] == 0)  # then the token and update metrics are NaN
         ids = [None] * self.parallel.dp_size  # which prompts the step trained on: none twice, none skipped

@@ -143,6 +143,9 @@ def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, s
     # The engine generated the next batches while the trainer trained: after the first step the wait for the
     # rollouts is a small part of the step.
     assert max(rows[k]["time_generate_s"] for k in range(2, 5)) < rows[0]["time_generate_s"]
+    # The server's generation seconds reach the trainer's log: step 0 waited for its batch's whole generation.
+    assert 0 < rows[0]["rollout_busy_s"] <= rows[0]["time_generate_s"]
+    assert all(rows[k]["rollout_busy_s"] > 0 and rows[k]["rollout_busy_fraction"] > 0 for k in range(5))
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole_responses", "partial_rollouts"])

@@ -9,6 +9,7 @@ Tolerance for log-probs: 1e-4 absolute (fp32; vLLM's CPU attention and matmul ke
 """
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -770,7 +771,7 @@ def test_routing_replay_is_refused_at_start_where_vllm_cannot_return_experts(tmp
 def test_a_routing_servers_rollout_gives_each_response_its_fed_positions():
     """VLLMServer.submit with return_routed_experts on a stand-in for vllm.LLM whose samples carry `routed_experts`
     (vLLM's numpy uint8 [P + R - 1, layers, k]): each response's experts in record order (prompt-major), int16, and
-    an output whose rows are not its fed positions refused."""
+    an output whose rows are not its fed positions refused. The rollout says how long the generation took."""
     import numpy as np
 
     from megatron_gtpo.rollout import SamplingParams
@@ -795,7 +796,9 @@ def test_a_routing_servers_rollout_gives_each_response_its_fed_positions():
     server.llm = RoutedLLM()
     server.llm.extra_rows = 0
     server.return_routed_experts, server.num_layers, server.topk = True, 3, 2
+    start = time.perf_counter()
     rollout = server.submit([[1, 2, 3], [4]], SamplingParams(n=2, max_new_tokens=2))()
+    assert 0 < rollout.generation_s <= time.perf_counter() - start  # the generation's seconds, within the call's
     assert rollout.responses.lengths_R.tolist() == [1, 2, 1, 2]
     rows = [3, 4, 1, 2]  # P + R - 1 per response, prompt-major
     expected = [torch.full((r, 3, 2), v, dtype=torch.int16) for r, v in zip(rows, [0, 1, 10, 11])]

@@ -23,7 +23,7 @@ among the requests already sent, past further generations, for a weight update, 
 (`server.pause_generation`, its begin / bucket / finish, `server.resume_generation`). The generation goes on under
 the new weights; its later tokens count the update (`Responses.weight_updates_T`), and a generation asked for before
 the update but started after it counts it on all its tokens. Each generation is answered with the policy version
-it was asked for with (what the trainer's client checks).
+it was asked for with (what the trainer's client checks) and the seconds the server spent generating it.
 """
 from __future__ import annotations
 

@@ -69,6 +69,7 @@ class Run:
     colocated: bool = False
     oversample: int = 0  # rollout.oversample_batches
     ahead: int = 0  # rollout.rounds_ahead
+    when_idle: bool = False  # rollout.ahead_schedule: when_idle
 
     @property
     def label(self) -> str:
@@ -76,14 +77,15 @@ class Run:
         return (f"{where}, staleness {self.staleness}" + (", partial" if self.partial else "")
                 + (", no drain" if self.no_drain else "")
                 + (f", oversample {self.oversample}" if self.oversample else "")
-                + (f", {self.ahead} rounds ahead" if self.ahead else ""))
+                + (f", {self.ahead} rounds ahead" if self.ahead else "") + (" when idle" if self.when_idle else ""))
 
     def overrides(self, segment: int) -> list[str]:
         return [f"rollout.max_staleness={self.staleness}",
                 *(("rollout.partial_rollouts=true", f"rollout.partial_segment_tokens={segment}")
                   if self.partial else ()), *((NO_DRAIN,) if self.no_drain else ()),
                 *((f"rollout.oversample_batches={self.oversample}",) if self.oversample else ()),
-                *((f"rollout.rounds_ahead={self.ahead}",) if self.ahead else ())]
+                *((f"rollout.rounds_ahead={self.ahead}",) if self.ahead else ()),
+                *(("rollout.ahead_schedule=when_idle",) if self.when_idle else ())]
 
 
 TIMED = (Run(0, colocated=True), Run(0), Run(1), Run(0, partial=True), Run(1, partial=True), Run(1, oversample=1),

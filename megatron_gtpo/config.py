@@ -194,6 +194,11 @@ class RolloutConfig:
     # with which version and seeds, does not depend on the engines' speed. 0: every further round on the spot. Needs
     # a rollout server, max_staleness >= 1, dynamic sampling, and K <= algorithm.max_resample_rounds.
     rounds_ahead: int = 0
+    # When the rounds ahead are asked for: "fixed" (the default: after each step's rounds, until K are held; a
+    # resumed run equals an uninterrupted one) or "when_idle" (one at a time, at the step's phase boundaries, whenever
+    # every rollout server has answered all it was asked, up to K held: which prompts each version samples then
+    # depends on the engines' speed, as with update_during_generation). docs/algorithms.md, "Generating ahead".
+    ahead_schedule: str = "fixed"
 
     def check(self) -> None:
         _need(self.num_responses_per_prompt >= 2,
@@ -423,6 +428,7 @@ class TrainConfig:
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", *REMOTE_ENGINES),
+    "rollout.ahead_schedule": ("fixed", "when_idle"),
     "algorithm.name": ALGORITHM_NAMES,  # the registry's names (algorithms/registry.py): the only list of them
     "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
     "algorithm.length_penalty": ("none", "overlong", "group_relative"),

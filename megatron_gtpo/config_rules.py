@@ -127,6 +127,11 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "a step takes at most algorithm.max_resample_rounds further rounds; more asked ahead would be dropped",
          "rollout.rounds_ahead: {rollout.rounds_ahead} exceeds algorithm.max_resample_rounds "
          "{algorithm.max_resample_rounds}, the most further rounds a step takes"),
+    Rule("an ahead schedule needs rounds ahead",
+         lambda f: f.rollout.ahead_schedule != "fixed" and f.rollout.rounds_ahead == 0,
+         "the schedule says when the rounds ahead are asked for",
+         "rollout.ahead_schedule: {rollout.ahead_schedule} needs rollout.rounds_ahead >= 1 (the most rounds held "
+         "ahead); at 0 none is asked for"),
     Rule("routing replay needs CP = 1",
          lambda f: f.parallel.context > 1 and f.algorithm.replays_routing,
          "the routing record holds whole rows, and splitting it over the context-parallel ranks as the tokens are "

@@ -36,11 +36,16 @@ class ScriptedEngine:
         self.answer = answer
         self.asked: list[SamplingParams] = []
         self.stand_bys = 0
+        self.idle_answers: list[bool] = []
 
     def submit(self, prompts: list[list[int]], params: SamplingParams):
         self.asked.append(params)
         rollout = self.answer(prompts, params)
         return lambda: rollout
+
+    def idle(self) -> bool:
+        """The next of `idle_answers` (set by a test of rollout.ahead_schedule when_idle)."""
+        return self.idle_answers.pop(0)
 
     def stand_by(self) -> None:
         self.stand_bys += 1
@@ -48,12 +53,12 @@ class ScriptedEngine:
 
 def scripted_queue(answer, requests, *, max_staleness: int, steps: int, group_size: int, prompts_per_draw: int = 1,
                    selection: GroupSelection | None = None, reward=None, dp_group=None, rounds_ahead: int = 0,
-                   first_draw: int = 0) -> RolloutQueue:
+                   first_draw: int = 0, when_idle: bool = False) -> RolloutQueue:
     """A rollout queue over a `ScriptedEngine` (`queue.source.engine`): draw i (from `first_draw`, as a resumed
     loader) gives prompts 1000 + i x `prompts_per_draw` ... (one token each, ids "p<index>"), round r of step k is
     asked with seed 10 k + r. `selection`, `reward(prompts, responses) -> [N, G]` and the data-parallel group
     `dp_group` for its `experience` (by default one group a step, every response correct, no group);
-    `rounds_ahead` as rollout.rounds_ahead."""
+    `rounds_ahead` as rollout.rounds_ahead, `when_idle` as its schedule "when_idle"."""
     draws = iter(range(first_draw, 10**6))
 
     def draw_prompts():
@@ -66,4 +71,4 @@ def scripted_queue(answer, requests, *, max_staleness: int, steps: int, group_si
     return RolloutQueue(source, selection or GroupSelection(1, True, 0, None),
                         reward or (lambda prompts, responses: torch.ones(responses.num_prompts, group_size)),
                         ParallelGroups.data_parallel_rank(dp_group, torch.device("cpu")), max_staleness=max_staleness,
-                        steps=steps, rounds_ahead=rounds_ahead)
+                        steps=steps, rounds_ahead=rounds_ahead, when_idle=when_idle)

@@ -87,6 +87,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["algorithm.name=grpo_s", "algorithm.length_penalty=overlong"], "algorithm.length_penalty: overlong is "
                                                                            "not available with grpo_s"),
     (BASE, ["algorithm.rollout_is=tokens"], "algorithm.rollout_is: 'tokens' is not one of none, token, sequence"),
+    (BASE, ["rollout.ahead_schedule=idle"], "rollout.ahead_schedule: 'idle' is not one of fixed, when_idle"),
     (BASE, ["algorithm.rollout_rs_bounds=[2, 1]"], "algorithm.rollout_rs_bounds: need [low, high]"),
     (BASE, ["algorithm.rollout_is_cap=0"], "algorithm.rollout_is_cap: must be > 0"),
     (BASE, ["data.pack_sequences=true"], "data.pack_sequences: needs data.max_tokens_per_micro_batch"),

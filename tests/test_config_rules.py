@@ -44,6 +44,9 @@ EXAMPLES = {
     "rounds ahead within the rounds a step may take": (
         TINY + REMOTE + ["rollout.rounds_ahead=3", "rollout.max_staleness=1", "algorithm.rollout_is=token",
                          "algorithm.max_resample_rounds=2"], ["algorithm.max_resample_rounds=3"]),
+    "an ahead schedule needs rounds ahead": (
+        TINY + REMOTE + ["rollout.ahead_schedule=when_idle", "rollout.max_staleness=1", "algorithm.rollout_is=token"],
+        ["rollout.rounds_ahead=1"]),
     "routing replay needs CP = 1": (TINY + ["parallel.context=2", "algorithm.routing_replay=rollout",
                                             "rollout.engine=vllm_remote", "rollout.remote.addresses=[h:1]"],
                                     ["algorithm.routing_replay=none"]),

@@ -201,10 +201,12 @@ def test_without_update_during_generation_the_update_waits_for_the_generation(se
     server.hold = {2: lambda: store.check([f"{begin_key}/req"])}
     during = client.submit([[1]], PARAMS)
     assert server.holding.wait(10)
+    assert not client.idle()  # generating (rollout.ahead_schedule when_idle asks no round of it)
     # The begin sent while the generation runs (the client's begin_weight_update would take its answer first).
     client._call("begin", None, 20)
     client.load_bucket([("a", torch.ones(2))])
     assert client.finish_weight_update({"w": (0.1, 1 / 3)}) == 1
+    assert client.idle()  # the generation's answer is in, not yet taken
     assert _steps(during().responses) == [0, 0, 0, 0] and "pause" not in server.events
 
 

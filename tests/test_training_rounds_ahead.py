@@ -3,7 +3,9 @@ fixed schedule of what is asked (prompts, seeds, versions), which rounds a step 
 spot, the rounds dropped as too old, the metrics, and a queue restored from a checkpoint's state going on as the
 uninterrupted one."""
 import torch
+import torch.distributed as dist
 
+from distributed_harness import run_distributed
 from hand_built import scripted_queue
 from megatron_gtpo.rollout.engine import Rollout
 from megatron_gtpo.rollout.responses import Response, Responses
@@ -22,7 +24,7 @@ def _seconds(seed: int) -> float:
     return 0.5 + seed / 8
 
 
-def _queue(dp_group, *, first_draw: int = 0):
+def _queue(dp_group, *, first_draw: int = 0, when_idle: bool = False):
     """Staleness 1, 2 rounds ahead, 4 steps of one group each, at most 2 further rounds a step, one prompt a draw; an
     answer took `_seconds(its seed)`."""
     def answer(rows, params):
@@ -37,7 +39,7 @@ def _queue(dp_group, *, first_draw: int = 0):
 
     return scripted_queue(answer, WholeResponses(), max_staleness=1, steps=4, group_size=2,
                           selection=GroupSelection(1, True, 2, None), reward=reward, dp_group=dp_group,
-                          rounds_ahead=2, first_draw=first_draw)
+                          rounds_ahead=2, first_draw=first_draw, when_idle=when_idle)
 
 
 def _step(queue, step, stats=STATS):
@@ -85,3 +87,52 @@ def test_a_queue_restored_after_a_step_goes_on_as_the_uninterrupted_one(world_of
     assert [[p.id for p in asked.prompts] for asked in restored.ahead] == [["p5"], ["p7"], ["p8"]]
     assert [_step(restored, step) for step in (2, 3)] == [_step(whole, step) for step in (2, 3)]
     assert [p.seed for p in restored.source.engine.asked] == [p.seed for p in whole.source.engine.asked[9:]]
+
+
+def _idle_step(queue, step, idle_answers):
+    """Step `step` as the trainer runs it under rollout.ahead_schedule when_idle: its experience (which polls the
+    servers after its rounds), then the polls after its old-policy pass and its update; `idle_answers`: what the
+    scripted servers say at the polls that ask them."""
+    queue.source.engine.idle_answers = list(idle_answers)
+    timer = PhaseTimer()
+    kept = _step(queue, step)
+    queue.ask_if_idle(step, timer)
+    queue.ask_if_idle(step, timer)
+    assert not queue.source.engine.idle_answers, "a poll that should have asked the servers did not"
+    return kept
+
+
+def test_when_idle_rounds_are_asked_one_at_a_time_when_the_servers_are_idle(world_of_one):
+    """rollout.ahead_schedule when_idle, 2 rounds ahead: step 0's servers are busy after its rounds, idle after its
+    old-policy pass and its update: p4, p5 are asked there (seeds of its rounds 3, 4). Step 1 serves p4; p5 (version
+    0) is too old for step 2, so it polls: busy, then idle (p7, seed 13), idle again (p8, seed 14). Step 2 drops p5,
+    serves p7, p8; its first two polls find the servers idle (p10, p11), the third asks no server (two rounds held).
+    The last step asks nothing and polls nothing."""
+    queue = _queue(world_of_one, when_idle=True)
+    answers = [[False, True, True], [False, True, True], [True, True], []]
+    steps = [_idle_step(queue, step, idle) for step, idle in enumerate(answers)]
+    assert [kept for kept, _, _ in steps] == [["p3"], ["p4"], ["p8"], ["p9"]]
+    assert [stats["rounds_served_ahead"] for _, _, stats in steps] == [0, 1, 2, 0]
+    assert [params.seed for params in queue.source.engine.asked] == [0, 10, 1, 2, 3, 4, 20, 13, 14, 30, 23, 24]
+
+
+def test_the_fixed_schedule_never_polls_the_servers(world_of_one):
+    """Without when_idle, `ask_if_idle` neither asks the servers (an empty script would raise) nor asks a round, also
+    where fewer rounds than rollout.rounds_ahead are held (before the first step's)."""
+    queue = _queue(world_of_one)
+    queue.ask_if_idle(0, PhaseTimer())
+    assert not queue.source.engine.asked and not queue.ahead
+
+
+def _two_replicas(rank, world_size):
+    """Step 0 under when_idle on two data-parallel ranks: after the rounds both servers are busy; after the old-policy
+    pass only rank 0's is idle; after the update both are. What each rank asked for ahead."""
+    queue = _queue(dist.group.WORLD, when_idle=True)
+    _idle_step(queue, 0, [False, rank == 0, True])
+    return [p.id for asked in queue.ahead for p in asked.prompts]
+
+
+def test_when_idle_asks_only_when_every_replicas_servers_are_idle():
+    """The loaders of the data-parallel ranks draw together: a round is asked for ahead on every rank or on none,
+    only once every rank's servers are idle (here after the update: one round each, p4)."""
+    assert run_distributed(_two_replicas, world_size=2, timeout_s=120) == [["p4"], ["p4"]]

@@ -196,6 +196,10 @@ class BuiltinEngine:
                            weight_updates_T=updates_T)
         return Rollout(record, routed, generation_s)
 
+    def idle(self) -> bool:
+        """True: the engine answers within the call."""
+        return True
+
     @torch.no_grad()
     def stand_by(self) -> None:
         """Generate nothing, but take part in the forward steps of the expert-parallel peers that generate (a rank

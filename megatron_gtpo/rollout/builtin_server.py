@@ -86,6 +86,10 @@ class BuiltinServer:
                              f"{first_prompt}")
         return self.engine.submit(prompts, params, between_steps=between_steps)
 
+    def idle(self) -> bool:
+        """True: generated within the call."""
+        return True
+
     def pause_generation(self) -> None:
         """Nothing: the engine waits inside `between_steps` while the update is taken."""
 

@@ -108,6 +108,12 @@ class RolloutEngine(Protocol):
         rollout.max_staleness); an engine on the trainer's ranks answers at once."""
         ...
 
+    def idle(self) -> bool:
+        """Whether this rank's server (an engine host's) has answered every generation asked of it: True on a rank
+        that hosts none and for an engine that answers within the call. Not collective (rollout_queue.py agrees on it
+        over every rank)."""
+        ...
+
     def stand_by(self) -> None:
         """Generate nothing this time, collectively with the ranks that do (a rank with enough groups in a round of
         dynamic sampling): the built-in engine takes part in its expert-parallel peers' forward steps; a no-op for

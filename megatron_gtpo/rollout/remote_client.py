@@ -164,6 +164,16 @@ class RemoteClient:
             self._revive(lost)  # which asks again for every generation in flight, this one included
         return lambda: self._answer(ticket)
 
+    def idle(self) -> bool:
+        """Whether the server has answered every generation asked of it: the newest one's reply is there (it answers
+        in order). False when the store does not answer (the wait for the reply then says why)."""
+        if not self._asked:
+            return True
+        try:
+            return self.channel.arrived(self._asked[max(self._asked)].reply_key, 0)
+        except Exception:  # noqa: BLE001 - a lost server: `_take` revives it or raises
+            return False
+
     def _answer(self, ticket: int):
         """The answer to generation `ticket` (raised if it is an error)."""
         self._take(ticket)

@@ -56,6 +56,10 @@ class RolloutServer(Protocol):
         generation (a remote server's pre-emption by a newer trainer). None: nothing runs between the steps."""
         ...
 
+    def idle(self) -> bool:
+        """Whether it has answered every generation asked of it (a server in this process: always)."""
+        ...
+
     def begin_weight_update(self) -> None:
         ...
 
@@ -159,6 +163,10 @@ class ServerEngine:
             return Rollout(Responses.cat(records), routes if self.routed_layers is not None else None, generation_s)
 
         return wait
+
+    def idle(self) -> bool:
+        """This rank's server's `RolloutServer.idle` (True on a rank that hosts none); not collective."""
+        return self.server is None or self.server.idle()
 
     def stand_by(self) -> None:
         """Nothing to take part in: a server's engine has no expert-parallel peers among the trainer's ranks."""

@@ -262,6 +262,10 @@ class VLLMServer:
             return client.call_utility(method, *args)
         return getattr(client.engine_core, method)(*args)
 
+    def idle(self) -> bool:
+        """True: generated within the call."""
+        return True
+
     def begin_weight_update(self) -> None:
         self._wake(["weights"])
 

@@ -10,7 +10,10 @@ Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot
 rollout.rounds_ahead = K served from the rounds asked for ahead (`ahead`): after each step's rounds, further rounds
 are asked for with the weights of then until K rounds young enough for the next step are held, and the next steps
 take them oldest first while at most N versions old (older ones are waited for and dropped, their groups counted).
-That schedule is fixed too: what is asked, with which version and seeds, depends on the rewards only.
+That schedule is fixed too: what is asked, with which version and seeds, depends on the rewards only. With
+rollout.ahead_schedule "when_idle" the rounds ahead are asked for one at a time instead, at the boundaries of the
+step's phases (`ask_if_idle`), whenever every rollout server of the run has answered all it was asked, up to K held:
+what each version samples then depends on the engines' speed (a resumed run trains on other rounds).
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
 batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the
@@ -39,6 +42,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from megatron_gtpo.distributed import ParallelGroups
 from megatron_gtpo.rollout.engine import Rollout
@@ -59,11 +63,12 @@ class RolloutQueue:
     `reward(prompts, responses) -> [N, G]` the verifier's rewards on the host; `parallel`: this rank's groups (the
     data-parallel ranks agree on a step's rounds; a restored state goes to the training device); `max_staleness`
     (rollout.max_staleness): how far ahead batches are asked for; `steps`: the run's (no batch is asked for beyond its
-    last step); `rounds_ahead` (rollout.rounds_ahead): further rounds kept asked for ahead."""
+    last step); `rounds_ahead` (rollout.rounds_ahead): further rounds kept asked for ahead; `when_idle`
+    (rollout.ahead_schedule "when_idle"): asked for when the servers are idle, not on the fixed schedule."""
 
     def __init__(self, source: RolloutSource, selection: GroupSelection,
                  reward: Callable[[list, Responses], torch.Tensor], parallel: ParallelGroups, *, max_staleness: int,
-                 steps: int, rounds_ahead: int = 0):
+                 steps: int, rounds_ahead: int = 0, when_idle: bool = False):
         self.source = source
         self.requests = source.requests
         self.selection = selection
@@ -72,6 +77,8 @@ class RolloutQueue:
         self.max_staleness = max_staleness
         self.steps = steps
         self.rounds_ahead = rounds_ahead
+        self.when_idle = when_idle
+        self.asked_ahead_in_step = 0  # further rounds asked for ahead during this step (their seeds' indices)
         self.asked: dict[int, AskedBatch] = {}
         self.ahead: list[AskedBatch] = []  # further rounds asked for ahead, oldest first
         self.served_ahead = 0  # this step's further rounds served from `ahead`
@@ -105,7 +112,10 @@ class RolloutQueue:
                          groups_carried=self.carried.num_groups if self.carried is not None else 0,
                          **self.requests.metrics(self.unfinished))
         if self.rounds_ahead:
-            self._ask_ahead(step)
+            if self.when_idle:
+                self.ask_if_idle(step, timer)
+            else:
+                self._ask_ahead(step)
             exp.stats.update(rounds_served_ahead=self.served_ahead,
                              rounds_on_the_spot=exp.stats["sampling_rounds"] - 1 - self.served_ahead,
                              groups_asked_ahead=sum(len(asked.prompts) for asked in self.ahead))
@@ -120,6 +130,7 @@ class RolloutQueue:
         (the update drains the engine; with rollout.update_during_generation it need not, and the wait is for the
         rest of the batch, sampled by the newer weights). Starts the step's count of `tokens_generated`."""
         self.tokens_generated, self.generation_s = 0, 0.0
+        self.asked_ahead_in_step = 0
         if step not in self.asked:
             self._ask(step, step)
         groups = self.groups(self.asked.pop(step))
@@ -165,17 +176,36 @@ class RolloutQueue:
         self.generation_s += rollout.generation_s
         return len(asked.prompts)
 
-    def _ask_ahead(self, step: int) -> None:
-        """After step `step`'s rounds: asks for further rounds with the weights of now (version `step`) until
-        `rounds_ahead` rounds young enough for the next step are held, unless `step` is the run's last. The engine
-        generates them while this step trains; the next steps take them (`rounds`). Their seeds are those of rounds
-        max_extra_rounds + 1, + 2, ... of step `step`, which its own rounds never use."""
+    def ask_if_idle(self, step: int, timer: PhaseTimer) -> None:
+        """With `when_idle`, at a boundary of step `step`'s phases (its rounds' end included): one further round
+        asked for ahead, as `_ask_ahead` asks them, if fewer than `rounds_ahead` young enough for the next step are
+        held and every rollout server of the run has answered all it was asked. The servers are asked on every rank
+        and the answer agreed over all of them, so that every data-parallel rank draws the same rounds and the loaders
+        stay aligned: collective over every rank (nothing, and no collective, without `when_idle`). Timed as
+        "generate"."""
+        if not self.when_idle or step + 1 >= self.steps or self._held(step) >= self.rounds_ahead:
+            return
+        with timer("generate"):
+            idle = torch.tensor(int(self.source.engine.idle()), device=self.parallel.device)
+            dist.all_reduce(idle, op=dist.ReduceOp.MIN, group=dist.group.WORLD)
+            if idle.item():
+                self._ask_ahead(step, rounds=1)
+
+    def _ask_ahead(self, step: int, rounds: int | None = None) -> None:
+        """Asks for `rounds` further rounds (default: until `rounds_ahead` young enough for the next step are held)
+        with the weights of now (version `step`), unless `step` is the run's last. The engine generates them while
+        this step trains; the next steps take them (`rounds`). Their seeds are those of rounds max_extra_rounds + 1,
+        + 2, ... of step `step`, which its own rounds never use."""
         if step + 1 >= self.steps:
             return
-        held = sum(asked.version >= step + 1 - self.max_staleness for asked in self.ahead)
         first_index = self.selection.max_extra_rounds + 1
-        for index in range(first_index, first_index + self.rounds_ahead - held):
-            self.ahead.append(self.source.ask(step, step, None, index))
+        for _ in range(self.rounds_ahead - self._held(step) if rounds is None else rounds):
+            self.ahead.append(self.source.ask(step, step, None, first_index + self.asked_ahead_in_step))
+            self.asked_ahead_in_step += 1
+
+    def _held(self, step: int) -> int:
+        """The rounds asked for ahead young enough for step `step` + 1."""
+        return sum(asked.version >= step + 1 - self.max_staleness for asked in self.ahead)
 
     def _ask(self, step: int, version: int) -> None:
         continued, self.unfinished = self.unfinished, None

@@ -86,7 +86,8 @@ class Trainer:
         selection = GroupSelection(cfg.data.prompts_per_step // self.parallel.dp_size, self.algorithm.dynamic_sampling,
                                    cfg.algorithm.max_resample_rounds, self.algorithm.length_penalty)
         self.rollouts = RolloutQueue(self.source, selection, self.reward_responses, self.parallel,
-                                     max_staleness=r.max_staleness, steps=cfg.steps, rounds_ahead=r.rounds_ahead)
+                                     max_staleness=r.max_staleness, steps=cfg.steps, rounds_ahead=r.rounds_ahead,
+                                     when_idle=r.ahead_schedule == "when_idle")
         # Rollouts in flight between steps (bounded staleness, partial rollouts): checkpointed, and each token's
         # staleness counted in the step batch.
         self.holds_rollouts = holds_rollouts(r)
@@ -124,10 +125,12 @@ class Trainer:
             with timer("old_logprob"):
                 batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
                 self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
+            self.rollouts.ask_if_idle(step, timer)  # rollout.ahead_schedule when_idle: an idle server gets a round
             with timer("advantages"):
                 self.compute_advantages(batch, step, metrics)  # over the global batch; the token selection
             with timer("update"):
                 self.update(batch, metrics)
+            self.rollouts.ask_if_idle(step, timer)
             with timer("sync"):
                 self.sync_weights()
             self.log_metrics(step, experience, batch, metrics, timer)

@@ -48,9 +48,9 @@ class RolloutServer(Protocol):
         record (responses.py), the seconds the server spent generating it (`Rollout.generation_s`) and, from a
         server that returns routing (a VLLMServer built with `return_routed_experts`, a RemoteClient of such a
         server), per response the experts its fed tokens went to at every layer of the model, int16
-        [P + R - 1, num_layers, k] on the host (else None). `first_prompt`: the
-        index of prompts[0] among the replica's prompts (seeds differ across engines). A server in this process
-        generates within the call; a RemoteClient's generates meanwhile on its own node. `between_steps` (a server
+        [P + R - 1, num_layers, k] on the host (else None). `first_prompt`: the index of prompts[0] among the
+        replica's prompts (seeds differ across engines). A server in this process generates within the call; a
+        RemoteClient's generates meanwhile on its own node. `between_steps` (a server
         that generates in this process): called before every decode step; it may take weight updates and returns
         how many (the later tokens count them: `Responses.weight_updates_T`), and what it raises abandons the
         generation (a remote server's pre-emption by a newer trainer). None: nothing runs between the steps."""

@@ -14,7 +14,8 @@ schedule only):
   `rollout.update_during_generation: true` (partial rollouts off and on), and at staleness 1 with one further
   loader batch in each batch asked for ahead (`rollout.oversample_batches: 1`: fewer of dynamic sampling's rounds
   generated on the spot), and at staleness 1 with 3 further rounds kept asked for ahead (`rollout.rounds_ahead: 3`,
-  the demo's algorithm.max_resample_rounds: the server generates them while the trainer trains);
+  the demo's algorithm.max_resample_rounds: the server generates them while the trainer trains) on the fixed
+  schedule and asked whenever the server is idle (`rollout.ahead_schedule: when_idle`), also with --no-drain;
 - colocated: `rollout.engine: builtin` at staleness 0, the trainer generating on its own ranks, pinned to cores 0
   and 1 with two threads (OMP_NUM_THREADS=2): what a user of this machine runs.
 Tasks: `demo`, the demo's (responses of at most 4 tokens, 2-token segments), and `long`, the demo's task with a
@@ -28,7 +29,7 @@ wait for rollouts is `time_generate_s`), the mean staleness and the fraction of 
 response lengths (`response_length_mean`, `response_length_max`, `response_clip_ratio`).
 With --learn-steps, learning runs of the demo's task (disaggregated; --learn: by default staleness 0, staleness 1
 with partial rollouts off and on; also staleness 1 with `rollout.oversample_batches: 1` and with
-`rollout.rounds_ahead: 3`) for each of --seeds (the
+`rollout.rounds_ahead: 3`, fixed and when idle) for each of --seeds (the
 config's `seed`: the model's initialisation and the sampling seeds): the reward rise (the mean reward of the last 10
 RL steps minus that of the first 10; the demo requires >= 0.3 over its 250 steps) and, averaged over the seeds, the
 figures of the runs above (step time, phases, rounds...). Appends a dated section to --out.
@@ -89,12 +90,14 @@ class Run:
 
 
 TIMED = (Run(0, colocated=True), Run(0), Run(1), Run(0, partial=True), Run(1, partial=True), Run(1, oversample=1),
-         Run(1, ahead=3))
-TIMED_NO_DRAIN = (Run(1, no_drain=True), Run(1, partial=True, no_drain=True))
+         Run(1, ahead=3), Run(1, ahead=3, when_idle=True))
+TIMED_NO_DRAIN = (Run(1, no_drain=True), Run(1, partial=True, no_drain=True), Run(1, ahead=3, no_drain=True),
+                  Run(1, ahead=3, when_idle=True, no_drain=True))
 # The learning runs (--learn), by name; the first three by default. A run's rewards do not depend on the machine's
 # speed (the schedule is fixed), so the rises of separate invocations compare; their step times do not.
 LEARNING = {"staleness0": Run(0), "staleness1": Run(1), "staleness1_partial": Run(1, partial=True),
-            "staleness1_oversample": Run(1, oversample=1), "staleness1_ahead": Run(1, ahead=3)}
+            "staleness1_oversample": Run(1, oversample=1), "staleness1_ahead": Run(1, ahead=3),
+            "staleness1_ahead_when_idle": Run(1, ahead=3, when_idle=True)}
 
 
 def _free_port() -> int:

@@ -262,12 +262,12 @@ def _answered(batch: AskedBatch) -> tuple[AskedBatch, dict]:
     answered = AskedBatch(batch.step, batch.version, batch.prompts, lambda: rollout, batch.continued)
     return answered, {"step": batch.step, "version": batch.version, "prompts": batch.prompts,
                       "responses": rollout.responses.to(cpu), "routed_experts": _routes_to_host(rollout.routed_experts),
-                      "continued": _moved(batch.continued, cpu)}
+                      "generation_s": rollout.generation_s, "continued": _moved(batch.continued, cpu)}
 
 
 def _restored(held: dict, step: int, device: torch.device) -> AskedBatch:
     """`_answered`'s host copy of a batch, answered, on `device`."""
-    rollout = Rollout(held["responses"].to(device), held.get("routed_experts"))
+    rollout = Rollout(held["responses"].to(device), held.get("routed_experts"), held.get("generation_s", 0.0))
     return AskedBatch(step, held["version"], held["prompts"], lambda: rollout, _moved(held["continued"], device))
 
 

@@ -13,16 +13,19 @@ schedule only):
   rollout.max_staleness 0 and 1, partial rollouts off and on, and with --no-drain at staleness 1 with
   `rollout.update_during_generation: true` (partial rollouts off and on), and at staleness 1 with one further
   loader batch in each batch asked for ahead (`rollout.oversample_batches: 1`: fewer of dynamic sampling's rounds
-  generated on the spot), and at staleness 1 with 3 further rounds kept asked for ahead (`rollout.rounds_ahead: 3`,
-  the demo's algorithm.max_resample_rounds: the server generates them while the trainer trains) on the fixed
-  schedule and asked whenever the server is idle (`rollout.ahead_schedule: when_idle`), also with --no-drain;
+  generated on the spot), and at staleness 1 with 1 and 3 further rounds kept asked for ahead
+  (`rollout.rounds_ahead`; 3 is the demo's algorithm.max_resample_rounds: the server generates them while the trainer
+  trains) on the fixed schedule, and 3 asked whenever the server is idle (`rollout.ahead_schedule: when_idle`), also
+  with --no-drain;
 - colocated: `rollout.engine: builtin` at staleness 0, the trainer generating on its own ranks, pinned to cores 0
   and 1 with two threads (OMP_NUM_THREADS=2): what a user of this machine runs.
 Tasks: `demo`, the demo's (responses of at most 4 tokens, 2-token segments), and `long`, the demo's task with a
 32-token budget after a 5-step warm start (the policy has not yet learned to stop at once: most responses are a few
 tokens, a tail runs to 15-30; 8-token segments).
 Reported per run, over the RL steps after the first two: the mean step wall time (from one metrics row to the next),
-tokens/s (`tokens_generated`, every token of the step's engine answers, over the wall time), the means per step of
+tokens/s (`tokens_generated`, every token of the step's engine answers, over the wall time), the server's busy
+fraction (its generation seconds, `rollout_busy_s`, over the same wall time; colocated: the share spent generating),
+the means per step of
 `tokens_generated`, `groups_kept`, `sampling_rounds`, `rounds_served_ahead` (0 without rounds ahead),
 `optimizer_steps`, `groups_from_carry` and `groups_dropped_stale`, the trainer's phases (medians of `time_*_s`; the
 wait for rollouts is `time_generate_s`), the mean staleness and the fraction of responses continued; per task the
@@ -90,7 +93,7 @@ class Run:
 
 
 TIMED = (Run(0, colocated=True), Run(0), Run(1), Run(0, partial=True), Run(1, partial=True), Run(1, oversample=1),
-         Run(1, ahead=3), Run(1, ahead=3, when_idle=True))
+         Run(1, ahead=1), Run(1, ahead=3), Run(1, ahead=3, when_idle=True))
 TIMED_NO_DRAIN = (Run(1, no_drain=True), Run(1, partial=True, no_drain=True), Run(1, ahead=3, no_drain=True),
                   Run(1, ahead=3, when_idle=True, no_drain=True))
 # The learning runs (--learn), by name; the first three by default. A run's rewards do not depend on the machine's
@@ -175,6 +178,8 @@ def summary(rows: list[dict]) -> dict:
             **{key: mean(key) for key in ("tokens_generated", "groups_kept", "sampling_rounds", "optimizer_steps",
                                           "groups_from_carry", "groups_dropped_stale")},
             "rounds_served_ahead": statistics.mean(r.get("rounds_served_ahead", 0) for r in timed),
+            # The server's generation seconds over the wall time of the same steps (3..: as tokens/s).
+            "busy": sum(r["rollout_busy_s"] for r in timed[1:]) / wall_s,
             **{p: statistics.median(r[f"time_{p}_s"] for r in timed) for p in PHASES},
             "staleness_mean": mean("staleness_mean", kept), "continued": mean("continued_fraction", kept),
             "length_mean": mean("response_length_mean", scored),
@@ -193,11 +198,12 @@ def reward_rise(rows: list[dict]) -> float:
 def _timed_table(task: str, results: dict[Run, dict]) -> list[str]:
     base = results[Run(0)]
     lines = [f"\nTask `{task}`: {args_text(task)}.\n",
-             "| run | step s | x staleness 0 | tokens/s | tokens / step | groups kept | rounds | served ahead | "
+             "| run | step s | x staleness 0 | server busy | tokens/s | tokens / step | groups kept | rounds | "
+             "served ahead | "
              "optimizer steps | from carry | dropped stale | wait for rollouts s | sync s | update s | old_logprob s | "
-             "reward s | staleness | continued |", "|:---|" + "---:|" * 17]
+             "reward s | staleness | continued |", "|:---|" + "---:|" * 18]
     for spec, r in results.items():
-        lines.append(f"| {spec.label} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | "
+        lines.append(f"| {spec.label} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | {r['busy']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {r['tokens_generated']:.0f} | {r['groups_kept']:.1f} | "
                      f"{r['sampling_rounds']:.2f} | {r['rounds_served_ahead']:.2f} | {r['optimizer_steps']:.1f} | "
                      f"{r['groups_from_carry']:.1f} | "

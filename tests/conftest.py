@@ -11,7 +11,7 @@ import types
 import pytest
 import torch.distributed as dist
 
-# The distributed harness lives next to the tests and is imported by module name in spawned ranks.
+# The distributed harness lives next to the tests and is imported by module name in the ranks it starts.
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
 

@@ -2,9 +2,10 @@
 
     results = run_distributed(fn, world_size=2, args=(...,), timeout_s=300)
 
-`fn(rank, world_size, *args, **kwargs)` must be a module-level function (it is pickled by reference into
-spawned processes). Before calling it, each rank has MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set
-and, unless `init_process_group=False`, a gloo default process group. The return values (picklable; tensors
+`fn(rank, world_size, *args, **kwargs)` must be a module-level function (it is pickled by reference into the
+new processes, forked from a server that has imported torch and megatron.core once: `_context`). Before calling it,
+each rank has the caller's environment of the call, MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set and,
+unless `init_process_group=False`, a gloo default process group. The return values (picklable; tensors
 are fine) come back as a list indexed by rank. A rank that raises makes the whole call raise with that rank's
 traceback; a rank that hangs makes it raise TimeoutError after `timeout_s`, naming the ranks that never
 reported. Every child is terminated before the call returns or raises, so a failing test cannot leak ranks.
@@ -26,7 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result_queue):
+def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result_queue, environ):
+    os.environ.clear()  # the caller's environment of now, not the fork server's of its start
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -51,11 +54,14 @@ def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result
 
 
 def run_distributed(fn, world_size: int, args=(), kwargs=None, *, timeout_s: float = 300.0,
-                    init_process_group: bool = True) -> list:
+                    init_process_group: bool = True, fresh_interpreter: bool = False) -> list:
+    """(Module doc.) `fresh_interpreter`: ranks that import everything themselves (spawned), for a test whose ranks
+    must set something up before megatron-core is imported (the TE stand-in)."""
     attempt = 1
     while True:
         try:
-            return _run_once(fn, world_size, args, kwargs, timeout_s, init_process_group, free_port())
+            return _run_once(fn, world_size, args, kwargs, timeout_s, init_process_group, free_port(),
+                             fresh_interpreter)
         except (RuntimeError, TimeoutError) as error:
             # The port was free when chosen and taken by another process before rank 0 bound it (other tests or
             # jobs on the machine): a race of the harness, not of the code under test. Again on a new port.
@@ -90,12 +96,24 @@ def _each_case(rank, world_size, fn, cases):
     return [fn(rank, world_size, *case) for case in cases]
 
 
-def _run_once(fn, world_size: int, args, kwargs, timeout_s: float, init_process_group: bool, port: int) -> list:
-    ctx = mp.get_context("spawn")
+def _context():
+    """Fresh processes forked from a server that has imported torch and megatron.core once (multiprocessing's
+    forkserver), not spawned interpreters that each import them again (3 s a rank on 2 cores): a 4-rank test starts
+    in about a second. The server is started by the first call; neither import starts a thread, so none runs in it
+    when it forks. What a test changes in its own process (monkeypatch) reaches no rank, as with spawn; its
+    environment does (`_worker`)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "megatron.core"])
+    return ctx
+
+
+def _run_once(fn, world_size: int, args, kwargs, timeout_s: float, init_process_group: bool, port: int,
+              fresh_interpreter: bool) -> list:
+    ctx = mp.get_context("spawn") if fresh_interpreter else _context()
     result_queue = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs or {},
-                                          init_process_group, result_queue), daemon=False)
+                                          init_process_group, result_queue, dict(os.environ)), daemon=False)
         for rank in range(world_size)
     ]
     for p in procs:

@@ -148,6 +148,18 @@ def test_batches_are_generated_ahead_by_the_policy_of_n_steps_before(tmp_path, s
     assert all(rows[k]["rollout_busy_s"] > 0 and rows[k]["rollout_busy_fraction"] > 0 for k in range(5))
 
 
+def test_rounds_asked_when_the_server_is_idle_are_served_to_later_steps(tmp_path, server_model):
+    """rollout.ahead_schedule when_idle (one round kept ahead) against a real server: the trainer asks a round ahead
+    at its phase boundaries once the server has answered everything (it generates a step's batch in a fraction of the
+    trainer's update), and later steps are served from those rounds."""
+    _train(tmp_path, "when_idle", server_model, 5, 1, *DYNAMIC, "rollout.rounds_ahead=1",
+           "rollout.ahead_schedule=when_idle", "checkpoint.save_every=0")
+    rows = _rows(tmp_path / "when_idle")
+    assert sorted(rows) == list(range(5))
+    assert sum(rows[k]["rounds_served_ahead"] for k in rows) > 0
+    assert all(rows[k]["groups_kept"] > 0 for k in rows)
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["whole_responses", "partial_rollouts"])
 def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_path, server_model, partial, request):
     """N = 1 with dynamic sampling: SIGKILL of the trainer after the step-3 checkpoint, then a relaunch trains steps

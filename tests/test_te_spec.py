@@ -154,7 +154,7 @@ def _merged(results, key):
 
 @pytest.mark.slow
 def test_te_spec_matches_the_local_spec_at_every_layout(hf_dirs):
-    results = run_distributed(_parity_ranks, 2, args=(hf_dirs, PARITY), timeout_s=600)
+    results = run_distributed(_parity_ranks, 2, args=(hf_dirs, PARITY), timeout_s=600, fresh_interpreter=True)
     for case in PARITY:
         for plan in case[-1]:
             what = f"{case[0]} TE (TP, PP, EP, SP) = {case[1]} vs local {case[2]}, plan {plan}"
@@ -293,7 +293,8 @@ def test_checkpoints_weight_sync_and_export_across_the_local_and_te_specs(hf_dir
     converted = {family: str(tmp_path / f"converted-{family}") for family in ("qwen3", "qwen3_moe")}
     for family, directory in converted.items():
         convert_hf_to_megatron(hf_dirs[family], directory, progress=False)
-    out = run_distributed(_checkpoint_ranks, 2, args=(hf_dirs, converted, str(tmp_path)), timeout_s=600)[0]
+    out = run_distributed(_checkpoint_ranks, 2, args=(hf_dirs, converted, str(tmp_path)), timeout_s=600,
+                          fresh_interpreter=True)[0]
     # Finding 1: TE's grouped experts ask for _extra_state1.. of local experts 1..3; converter output has none.
     assert out["grouped_extra_state"] == ["_extra_state", "_extra_state1", "_extra_state2", "_extra_state3"]
     for family in converted:

@@ -3,7 +3,7 @@ generation, on two tasks, and the learning they give.
 
     python benchmarks/async_bench.py [--steps 16] [--tasks demo long] [--no-drain] [--learn-steps 250]
                                      [--seeds 7 8 9] [--learn NAME ...]
-                                     [--out benchmarks/results/async.md]
+                                     [--out benchmarks/results/async.md] [--runs FILE]
 
 The runs (every one of examples/cpu_demo.yaml at TP = 1, its warm start included, with the token-level rollout
 correction `algorithm.rollout_is: token`, which staleness and partial rollouts need, so that the runs differ in the
@@ -143,7 +143,7 @@ def train(root: str, model_dir: str, spec: Run, steps: int, extra: list[str]) ->
         while trainer.poll() is None:  # time each step's row as it is written
             rows += _new_rows(metrics_path, len(rows))
             time.sleep(0.01)
-        rows += _new_rows(metrics_path, len(rows))  # those written just before the trainer exited
+        rows += _new_rows(metrics_path, len(rows), final=True)  # those written just before the trainer exited
         if trainer.returncode != 0:
             raise RuntimeError(f"{spec.label}: the trainer failed:\n{trainer.stdout.read()[-3000:]}")
     finally:
@@ -153,14 +153,23 @@ def train(root: str, model_dir: str, spec: Run, steps: int, extra: list[str]) ->
     return [r for r in rows if r["step"] >= 0]
 
 
-def _new_rows(metrics_path: str, seen: int) -> list[dict]:
-    """The complete rows of the metrics file after the first `seen`, stamped with the time they were read (a line
-    the trainer is still writing is left for the next read)."""
+def _new_rows(metrics_path: str, seen: int, *, final: bool = False) -> list[dict]:
+    """The complete rows of the metrics file after the first `seen`, stamped with the time they were read. A line the
+    trainer is still writing (no newline yet, or not yet JSON: a long row is appended in several writes) and those
+    after it are left for the next read, unless `final` (the trainer has exited: then it is an error)."""
     if not os.path.exists(metrics_path):
         return []
     with open(metrics_path, encoding="utf-8") as f:
-        lines = [line for line in f if line.endswith("\n") and line.strip()]
-    return [{**json.loads(line), "arrived_s": time.monotonic()} for line in lines[seen:]]
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for line in lines[seen:]:
+        try:
+            rows.append({**json.loads(line), "arrived_s": time.monotonic()})
+        except json.JSONDecodeError:
+            if final:
+                raise
+            break
+    return rows
 
 
 def summary(rows: list[dict]) -> dict:
@@ -255,6 +264,22 @@ def _learning_table(learned: dict[Run, dict[int, tuple[float, dict]]], steps: in
     return lines
 
 
+def _finished_runs(path: str | None) -> dict[str, object]:
+    """The results of `--runs`, by their key (as JSON text)."""
+    if path is None or not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return {json.dumps(record["key"]): record["result"] for record in map(json.loads, f) if record}
+
+
+def _record_run(path: str | None, key: list, result) -> None:
+    if path is not None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"key": key, "result": result}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=16)
@@ -264,7 +289,10 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9])
     p.add_argument("--learn", nargs="+", choices=list(LEARNING), default=list(LEARNING)[:3])
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "async.md"))
+    p.add_argument("--runs", help="a JSON-lines file of the finished runs, appended as each ends; runs already in it "
+                                  "are not run again (a benchmark cut short resumes where it stopped)")
     args = p.parse_args()
+    done = _finished_runs(args.runs)
     specs = TIMED + (TIMED_NO_DRAIN if args.no_drain else ())
     timed: dict[str, dict[Run, dict]] = {}
     learned: dict[Run, dict[int, tuple[float, dict]]] = {}
@@ -274,14 +302,22 @@ def main() -> None:
             overrides, segment = TASKS[task]
             timed[task] = {}
             for spec in specs:
-                timed[task][spec] = summary(train(root, model_dir, spec, args.steps,
-                                                  [*overrides, *spec.overrides(segment)]))
+                key = ["timed", task, spec.label, args.steps]
+                if json.dumps(key) not in done:
+                    done[json.dumps(key)] = summary(train(root, model_dir, spec, args.steps,
+                                                          [*overrides, *spec.overrides(segment)]))
+                    _record_run(args.runs, key, done[json.dumps(key)])
+                timed[task][spec] = done[json.dumps(key)]
                 print(task, spec.label, json.dumps(timed[task][spec]), flush=True)
         for seed in args.seeds if args.learn_steps else ():  # seed by seed: the runs of a seed side by side
             for spec in (LEARNING[name] for name in args.learn):
-                rows = train(root, model_dir, spec, args.learn_steps,
-                             [f"seed={seed}", *spec.overrides(TASKS["demo"][1])])
-                learned.setdefault(spec, {})[seed] = (reward_rise(rows), summary(rows))
+                key = ["learning", seed, spec.label, args.learn_steps]
+                if json.dumps(key) not in done:
+                    rows = train(root, model_dir, spec, args.learn_steps,
+                                 [f"seed={seed}", *spec.overrides(TASKS["demo"][1])])
+                    done[json.dumps(key)] = (reward_rise(rows), summary(rows))
+                    _record_run(args.runs, key, done[json.dumps(key)])
+                learned.setdefault(spec, {})[seed] = tuple(done[json.dumps(key)])
                 print("learning", seed, spec.label, json.dumps(learned[spec][seed]), flush=True)
     command = " ".join(["python benchmarks/async_bench.py", *sys.argv[1:]])
     lines = [f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n", f"Command: `{command}`\n",

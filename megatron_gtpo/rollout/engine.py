@@ -86,8 +86,8 @@ class Rollout:
     (server_engine.RolloutServer) every layer of the model. None: no routing recorded (the routers choose in
     training). `generation_s`: the wall seconds the engine that answered spent generating this call (from the start
     of its generation to its end, on the machine that generated; the longest of a call's engines where several
-    answer it), what the trainer's `rollout_busy_fraction` counts; 0 where nothing was generated (a record restored
-    from a checkpoint, a host without prompts)."""
+    answer it; kept with a round held in a checkpoint), what the trainer's `rollout_busy_fraction` counts; 0 where
+    nothing was generated (a host without prompts)."""
 
     responses: Responses
     routed_experts: list[torch.Tensor] | None = None

@@ -152,7 +152,7 @@ def _run_once(fn, world_size: int, args, kwargs, timeout_s: float, init_process_
         return [results[r] for r in range(world_size)]
     finally:
         for p in procs:
-            p.join(timeout=5.0 if not errors else 0.5)
+            p.join(timeout=5.0 if len(results) == world_size else 0.5)  # a rank that failed or hangs: at once
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5.0)

@@ -43,13 +43,14 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from megatron_gtpo.distributed import free_local_port
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CONFIG = os.path.join(REPO, "examples", "cpu_demo.yaml")
@@ -103,12 +104,6 @@ LEARNING = {"staleness0": Run(0), "staleness1": Run(1), "staleness1_partial": Ru
             "staleness1_ahead_when_idle": Run(1, ahead=3, when_idle=True)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _server_model(root: str) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -130,7 +125,7 @@ def train(root: str, model_dir: str, spec: Run, steps: int, extra: list[str]) ->
     if spec.colocated:
         cores, sets = "0,1", sets + ["rollout.engine=builtin"]
     else:
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_local_port()}"
         server = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "megatron_gtpo.rollout.remote_server",
                                    "--engine", "builtin", "--hf-dir", model_dir, "--listen", address],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -272,7 +267,9 @@ def _finished_runs(path: str | None) -> dict[str, object]:
         return {json.dumps(record["key"]): record["result"] for record in map(json.loads, f) if record}
 
 
-def _record_run(path: str | None, key: list, result) -> None:
+def _record_run(path: str | None, done: dict[str, object], key: list, result) -> None:
+    """`result` of the run `key` into `done` and, as it ends, into `--runs`."""
+    done[json.dumps(key)] = result
     if path is not None:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({"key": key, "result": result}) + "\n")
@@ -304,9 +301,8 @@ def main() -> None:
             for spec in specs:
                 key = ["timed", task, spec.label, args.steps]
                 if json.dumps(key) not in done:
-                    done[json.dumps(key)] = summary(train(root, model_dir, spec, args.steps,
-                                                          [*overrides, *spec.overrides(segment)]))
-                    _record_run(args.runs, key, done[json.dumps(key)])
+                    _record_run(args.runs, done, key, summary(train(root, model_dir, spec, args.steps,
+                                                                    [*overrides, *spec.overrides(segment)])))
                 timed[task][spec] = done[json.dumps(key)]
                 print(task, spec.label, json.dumps(timed[task][spec]), flush=True)
         for seed in args.seeds if args.learn_steps else ():  # seed by seed: the runs of a seed side by side
@@ -315,8 +311,7 @@ def main() -> None:
                 if json.dumps(key) not in done:
                     rows = train(root, model_dir, spec, args.learn_steps,
                                  [f"seed={seed}", *spec.overrides(TASKS["demo"][1])])
-                    done[json.dumps(key)] = (reward_rise(rows), summary(rows))
-                    _record_run(args.runs, key, done[json.dumps(key)])
+                    _record_run(args.runs, done, key, (reward_rise(rows), summary(rows)))
                 learned.setdefault(spec, {})[seed] = tuple(done[json.dumps(key)])
                 print("learning", seed, spec.label, json.dumps(learned[spec][seed]), flush=True)
     command = " ".join(["python benchmarks/async_bench.py", *sys.argv[1:]])

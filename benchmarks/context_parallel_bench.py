@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
+
+from megatron_gtpo.distributed import free_local_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = "examples/qwen2.5-32b-dapo-20k.yaml"
@@ -86,17 +87,11 @@ def _rank_main(rank, cp, threads, port, args, weights_path, result_queue):
     destroy_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cp: int, threads: int, args, weights_path: str) -> tuple[dict, torch.Tensor]:
     """Per phase, the slowest rank's seconds per repeat; and the log-probs of the row (every rank has them whole)."""
     ctx = mp.get_context("spawn")
     result_queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_local_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, cp, threads, port, args, weights_path, result_queue))
              for rank in range(cp)]
     for p in procs:

@@ -38,7 +38,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_gtpo.distributed import free_local_port
 from megatron_gtpo.distributed.vocab_parallel import vocab_parallel_logprobs_and_entropy
 
 METHODS = ("ours_chunked", "ours_unchunked", "gather_full", "megatron_plus_entropy", "megatron_ce_only")
@@ -200,16 +200,10 @@ def _memory_skips(args, tp_size):
     return skips
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_tp(tp_size, args):
     ctx = mp.get_context("spawn")
     result_queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_local_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, tp_size, port, args, result_queue))
              for rank in range(tp_size)]
     for p in procs:

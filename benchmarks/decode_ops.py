@@ -71,6 +71,8 @@ class HostTrafficCounter(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if self.dispatch.counting:
+            self.dispatch.counts["torch_calls"] += 1
+            self.dispatch.counts["layer_torch_calls"] += bool(self.dispatch.in_layer)
             if func in HOST_READS and not getattr(args[0], "_read_to_host", False):  # t.cpu().tolist() reads once
                 self.dispatch.counts["host_reads"] += 1
                 if isinstance(result, torch.Tensor):
@@ -139,12 +141,15 @@ def main(argv=None):
     engine = BuiltinEngine(chunks, groups, vocab)
     prompts = [[3 + (7 * r + t) % 1000 for t in range(args.prompt - r % 4)] for r in range(args.rows)]
     counts, layers = count_decode_steps(engine, prompts, args.steps)
-    per_step = {k: counts[k] / args.steps for k in ("ops", "layer_ops", "rng_ops", "host_reads", "tracker_reads",
-                                                    "list_to_device")}
+    per_step = {k: counts[k] / args.steps for k in ("ops", "layer_ops", "torch_calls", "layer_torch_calls", "rng_ops",
+                                                    "host_reads", "tracker_reads", "list_to_device")}
     lines = ["| per decode step | count |", "|---|---|",
              f"| aten ops | {per_step['ops']:.0f} |",
              f"| aten ops per layer | {per_step['layer_ops'] / layers:.1f} |",
              f"| aten ops outside the layers | {per_step['ops'] - per_step['layer_ops']:.0f} |",
+             f"| torch calls per layer (each passes the CPU platform's torch-function mode) | "
+             f"{per_step['layer_torch_calls'] / layers:.1f} |",
+             f"| torch calls outside the layers | {per_step['torch_calls'] - per_step['layer_torch_calls']:.0f} |",
              f"| RNG ops | {per_step['rng_ops']:.1f} |",
              f"| device-to-host reads | {per_step['host_reads']:.1f} |",
              f"| scalar reads of megatron's RNG tracker (CPU only: host-side state on a GPU) | "

@@ -242,6 +242,12 @@ def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None 
     from .rope_once_attention import RopeOnceSelfAttention
 
     layer.self_attention.module = RopeOnceSelfAttention  # keys rotated once, as they enter a KV cache
+    from .lean_linears import LeanColumnParallelLinear, LeanRowParallelLinear
+
+    # Without gradients (generation, scoring), the linears skip megatron's autograd machinery (lean_linears.py).
+    mlp = layer.mlp.submodules.experts.submodules if num_experts else layer.mlp.submodules
+    attention.linear_qkv, attention.linear_proj = LeanColumnParallelLinear, LeanRowParallelLinear
+    mlp.linear_fc1, mlp.linear_fc2 = LeanColumnParallelLinear, LeanRowParallelLinear
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(f"model.core_attention: {core_attention!r} is not one of {list(CORE_ATTENTIONS)}")
     if context_parallel:

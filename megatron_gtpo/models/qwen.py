@@ -303,6 +303,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
 
     from megatron.core.models.gpt import GPTModel
 
+    from .lean_linears import LeanColumnParallelLinear
+
     shape = ModelShape.from_hf(hf_config)
     accelerator = accelerator or Accelerator.probe()
     if use_transformer_engine is None:
@@ -336,6 +338,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
                 vp_stage=vp_stage if virtual_pipeline_parallel else None,
             )
+        if model.post_process:  # megatron builds it as a ColumnParallelLinear whatever the layer spec
+            model.output_layer.__class__ = LeanColumnParallelLinear  # the same module, with the lean forward
         if shape.moe is not None:
             mark_expert_parameters(model)
         if not meta_device:

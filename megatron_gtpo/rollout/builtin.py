@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_gtpo.models.lean_linears import packed_weights
 from megatron_gtpo.models.moe_routing import recording
 
 from .engine import Rollout, SamplingParams, check_prompts, response_seed
@@ -178,6 +179,7 @@ class BuiltinEngine:
         # No device sync for the end time: every decode step reads the count of live rows back from the device.
         start_s = time.perf_counter()
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
+                packed_weights(self.models) as self._packed, \
                 tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
             for batch in batches:
                 *batch_parts, batch_routes = self._generate_batch(
@@ -288,6 +290,8 @@ class BuiltinEngine:
         taken = self._between_steps()
         assert not (taken and self.record_routing), "config_rules: updates during generation without routing replay"
         self._updates_taken += taken
+        if taken and self._packed is not None:
+            self._packed.pack()  # the packed copies of the old weights
         return taken
 
     def _step_mask(self, key_is_pad_BK: torch.Tensor | None, seq: int, kv_len: int) -> torch.Tensor | None:

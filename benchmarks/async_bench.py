@@ -6,8 +6,8 @@ generation, on two tasks, and the learning they give.
                                      [--out benchmarks/results/async.md] [--runs FILE]
 
 The runs (every one of examples/cpu_demo.yaml at TP = 1, its warm start included, with the token-level rollout
-correction `algorithm.rollout_is: token`, which staleness and partial rollouts need, so that the runs differ in the
-schedule only):
+correction `algorithm.rollout_correction.rollout_is: token`, which staleness and partial rollouts need, so that the runs
+differ in the schedule only):
 - disaggregated: `rollout.engine: builtin_remote`, the rollout server (`python -m megatron_gtpo.rollout.remote_server
   --engine builtin`) pinned to core 1, the trainer (one torchrun rank) to core 0, one thread each; at
   rollout.max_staleness 0 and 1, partial rollouts off and on, and with --no-drain at staleness 1 with
@@ -57,7 +57,7 @@ CONFIG = os.path.join(REPO, "examples", "cpu_demo.yaml")
 PHASES = ("generate", "reward", "old_logprob", "advantages", "update", "sync")
 # Staleness >= 1 and partial rollouts need the rollout correction (the config refuses them without): token-level
 # weights, in every run so that the runs differ in the schedule only.
-CORRECTION = "algorithm.rollout_is=token"
+CORRECTION = "algorithm.rollout_correction.rollout_is=token"
 NO_DRAIN = "rollout.update_during_generation=true"
 # Per task: its overrides of the demo's config, and the segment of its partial rollouts.
 TASKS = {"demo": ((), 2), "long": (("rollout.max_new_tokens=32", "warm_start.steps=5"), 8)}

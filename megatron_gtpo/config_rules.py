@@ -38,8 +38,7 @@ class Features:
     @property
     def dynamic_sampling(self) -> bool:
         """algorithm.dynamic_sampling, or the algorithm's default where unset."""
-        chosen = self.algorithm.dynamic_sampling
-        return self.entry.dynamic_sampling if chosen is None else chosen
+        return self.algorithm.resolved_dynamic_sampling
 
 
 @dataclass(frozen=True)
@@ -69,9 +68,9 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "rollout.max_staleness: {rollout.max_staleness} needs engines on processes of their own that generate while "
          "the trainer trains ({remote_engines}); the {rollout.engine} engine shares the trainer's"),
     Rule("partial rollouts without routing replay",
-         lambda f: f.rollout.partial_rollouts and f.algorithm.replays_routing,
+         lambda f: f.rollout.partial_rollouts and f.model.moe.replays_routing,
          "a continued response's routing would be recorded by several engine calls, under several policies",
-         "rollout.partial_rollouts: not with algorithm.routing_replay: rollout (a continued response's routing would "
+         "rollout.partial_rollouts: not with model.moe.routing_replay: rollout (a continued response's routing would "
          "span engine calls)"),
     Rule("partial rollouts need dynamic sampling",
          lambda f: f.rollout.partial_rollouts and not f.dynamic_sampling,
@@ -81,16 +80,18 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
     # Measured: the CPU demo at staleness 1 with partial rollouts learned +0.14 without the correction, +0.43 with
     # token weights (benchmarks/results/async.md).
     Rule("partial rollouts need the rollout correction",
-         lambda f: f.rollout.partial_rollouts and f.algorithm.rollout_is == "none",
+         lambda f: f.rollout.partial_rollouts and f.algorithm.rollout_correction.rollout_is == "none",
          "older policies sampled a continued response's first tokens: the update needs importance weights",
-         "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_is: token, or geometric for "
-         "grpo_s): a continued response's tokens were sampled by older policies than the one that trains them"),
+         "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_correction.rollout_is: token, "
+         "or geometric for grpo_s): a continued response's tokens were sampled by older policies than the one that "
+         "trains them"),
     Rule("staleness needs the rollout correction",
-         lambda f: f.rollout.max_staleness >= 1 and f.algorithm.rollout_is == "none",
+         lambda f: f.rollout.max_staleness >= 1 and f.algorithm.rollout_correction.rollout_is == "none",
          "an older policy sampled the batch: the clipped surrogate needs importance weights from it to the one that "
          "trains",
-         "rollout.max_staleness: {rollout.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
-         "geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample"),
+         "rollout.max_staleness: {rollout.max_staleness} needs the rollout correction "
+         "(algorithm.rollout_correction.rollout_is: token, or geometric for grpo_s): without it the clipped "
+         "surrogate is anchored to a policy that did not sample"),
     Rule("updates during generation need rollout servers",
          lambda f: f.rollout.update_during_generation and f.rollout.engine not in REMOTE_ENGINES,
          "only an engine on processes of its own generates while the trainer syncs weights",
@@ -103,9 +104,9 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "rollout.update_during_generation: needs rollout.max_staleness >= 1 (at 0 the trainer waits for every "
          "generation before it trains and syncs, so no update would meet one)"),
     Rule("updates during generation without routing replay",
-         lambda f: f.rollout.update_during_generation and f.algorithm.replays_routing,
+         lambda f: f.rollout.update_during_generation and f.model.moe.replays_routing,
          "a response's routing would span the prefills of two weight versions",
-         "rollout.update_during_generation: not with algorithm.routing_replay: rollout (a response's routing would "
+         "rollout.update_during_generation: not with model.moe.routing_replay: rollout (a response's routing would "
          "span two weight versions)"),
     Rule("rounds ahead are a count",
          lambda f: f.rollout.rounds_ahead < 0,
@@ -133,11 +134,11 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "rollout.ahead_schedule: {rollout.ahead_schedule} needs rollout.rounds_ahead >= 1 (the most rounds held "
          "ahead); at 0 none is asked for"),
     Rule("routing replay needs CP = 1",
-         lambda f: f.parallel.context > 1 and f.algorithm.replays_routing,
+         lambda f: f.parallel.context > 1 and f.model.moe.replays_routing,
          "the routing record holds whole rows, and splitting it over the context-parallel ranks as the tokens are "
          "is not implemented (training/forward.py)",
-         "algorithm.routing_replay: rollout is not supported at parallel.context {parallel.context} (the rollout's "
-         "routing record is not split over the context-parallel ranks); use algorithm.routing_replay: none"),
+         "model.moe.routing_replay: rollout is not supported at parallel.context {parallel.context} (the rollout's "
+         "routing record is not split over the context-parallel ranks); use model.moe.routing_replay: none"),
     Rule("no built-in engine in the trainer at CP > 1",
          lambda f: f.parallel.context > 1 and f.rollout.engine == "builtin",
          "the built-in engine's inference path would have to slice positions per CP rank",

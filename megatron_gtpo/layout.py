@@ -81,7 +81,7 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
     known data size: ETP x EP divides TP x CP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
     model at TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without). With
     `prompts_per_step`: the prompts split evenly over the mini-batches, and with a known data size over DP x
-    mini-batches. With `rollout`: `routing_replay` (algorithm.routing_replay: rollout) and a mixture-of-experts
+    mini-batches. With `rollout`: `routing_replay` (model.moe.routing_replay: rollout) and a mixture-of-experts
     model (`shape`'s) need an engine other than builtin_remote (whether vLLM can return its routing is checked when
     it starts: vllm_engine.routed_experts_unavailable); with a known data size, colocated vLLM engines tile the
     replica's GPUs (`check_engine_tensor_parallel`, `check_engine_span`) and, with `shape`, split the attention heads;
@@ -190,9 +190,9 @@ def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, sha
     # The one place this is decided: which engines serve a mixture-of-experts model, and which replay its routing.
     moe = getattr(shape, "moe", None) is not None
     _need(not routing_replay or rollout.engine != "builtin_remote",
-          "rollout.engine: builtin_remote does not record routing for algorithm.routing_replay: rollout (the "
+          "rollout.engine: builtin_remote does not record routing for model.moe.routing_replay: rollout (the "
           "built-in engine's routing stays on the rank that computed it); use builtin, vllm or vllm_remote, or "
-          "algorithm.routing_replay: none")
+          "model.moe.routing_replay: none")
     _need(not moe or rollout.engine != "builtin_remote",
           "rollout.engine: builtin_remote is not supported for a mixture-of-experts model (a built-in rollout "
           "server has not been built or tested for one); use builtin, vllm or vllm_remote")

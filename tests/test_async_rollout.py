@@ -66,7 +66,7 @@ def _overrides(address: str, steps: int, staleness: int, *extra) -> list[str]:
     # synthetic task's 100 problems, so a prompt seen twice would be a prompt trained twice.
     return ["parallel.tensor=1", f"steps={steps}", "warm_start.steps=0", "rollout.engine=builtin_remote",
             f"rollout.remote.addresses=[{address}]", f"rollout.max_staleness={staleness}", "checkpoint.save_every=1",
-            "rollout.remote.connect_timeout_s=120", "algorithm.rollout_is=token", *extra]
+            "rollout.remote.connect_timeout_s=120", "algorithm.rollout_correction.rollout_is=token", *extra]
 
 
 def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_checkpoint: int | None = None,

@@ -16,8 +16,8 @@ DEMO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_dem
 
 
 @pytest.mark.parametrize("sets,message", [
-    (["algorithm.alpah2=0.2"], "unknown config key algorithm.alpah2 (did you mean algorithm.alpha2?); valid keys "
-                               "here: alpha1, alpha2,"),
+    (["algorithm.gtpo.alpah2=0.2"], "unknown config key algorithm.gtpo.alpah2 (did you mean algorithm.gtpo.alpha2?); "
+                                    "valid keys here: alpha1, alpha2,"),
     (["optim.lr_decay=cosine", "optim.warmup=3"], "unknown config keys optim.lr_decay (did you mean "
                                                   "optim.lr_decay_style?), optim.warmup (did you mean "
                                                   "optim.warmup_steps?); valid keys here: adam_beta1,"),

@@ -50,7 +50,7 @@ def test_the_world_size_sets_data_parallel_or_is_refused():
     (ParallelLayout(data=None), {"prompts_per_step": 6, "mini_batches_per_step": 4},
      r"data.prompts_per_step \(6\) must be divisible by data.mini_batches_per_step \(4\)"),
     (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin_remote"), "routing_replay": True},
-     "rollout.engine: builtin_remote does not record routing for algorithm.routing_replay: rollout"),
+     "rollout.engine: builtin_remote does not record routing for model.moe.routing_replay: rollout"),
     (ParallelLayout(data=None), {"rollout": RolloutLayout("vllm"), "routing_replay": True}, None),
     (ParallelLayout(data=None), {"rollout": RolloutLayout("vllm_remote"), "routing_replay": True}, None),
     (ParallelLayout(data=None), {"rollout": RolloutLayout("builtin"), "routing_replay": True}, None),

@@ -227,7 +227,7 @@ def test_every_documented_launch_passes_the_config_checks_and_builds_its_gpu_con
                 recompute_activations=m.recompute_activations,
                 accelerator=machine, transformer_engine=machine.transformer_engine,
                 packed_sequences=cfg.data.pack_sequences,
-                router_losses=RouterLosses(m.moe_aux_loss_coef, m.moe_z_loss_coef))
+                router_losses=RouterLosses(m.moe.aux_loss_coef, m.moe.z_loss_coef))
         except (ConfigError, ValueError, AssertionError) as e:
             failures.append(f"{launch}\n    {type(e).__name__}: {e}")
     assert not failures, "\n".join(failures)

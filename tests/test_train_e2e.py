@@ -34,18 +34,19 @@ SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoin
 # the entropy bonus, the dual clip, a token budget per micro-batch, packed sequences, the rollout mismatch corrections.
 PACKED = ["data.pack_sequences=true", "data.max_tokens_per_micro_batch=64"]
 # Clip-Cov with a band and a ratio that pick tokens in the demo's small batches (its defaults pick 1 in (1, 5)).
-CLIP_COV_ACTS = ["algorithm.clip_cov_lb=0.0", "algorithm.clip_cov_ratio=0.05"]
+CLIP_COV_ACTS = ["algorithm.clip_cov.lb=0.0", "algorithm.clip_cov.ratio=0.05"]
 
 
 @pytest.mark.parametrize("layout,algorithm,options", [
     ("parallel.tensor=2", "gtpo", PACKED),
-    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=geometric"]),
+    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01",
+                                     "algorithm.rollout_correction.rollout_is=geometric"]),
     ("parallel.tensor=2", "kl_cov", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
     ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01",
                                      "data.max_tokens_per_micro_batch=40"]),
     ("parallel.pipeline=2", "grpo_s", PACKED),
-    ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0", "algorithm.rollout_is=token",
-                                     "algorithm.rollout_rs=geometric"]),
+    ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0", "algorithm.rollout_correction.rollout_is=token",
+                                     "algorithm.rollout_correction.rollout_rs=geometric"]),
     ("parallel.pipeline=2", "clip_cov", CLIP_COV_ACTS),
     # Data parallel: 2 replicas at TP=1 x PP=1, batch-scope GTPO statistics over both ranks' groups, and the
     # high-entropy fraction's over both ranks' tokens.
@@ -344,7 +345,7 @@ def test_a_prompt_that_leaves_no_room_for_a_whole_response_fails_at_start(tmp_pa
     prompt and the 62-token budget do not; the run fails before its first step, naming the setting."""
     res = run_train(tmp_path, 1, ["parallel.tensor=1", "steps=1", "warm_start.steps=0", "rollout.max_new_tokens=62",
                                   "rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2",
-                                  "algorithm.rollout_is=token"], timeout=120)
+                                  "algorithm.rollout_correction.rollout_is=token"], timeout=120)
     assert res.returncode != 0
     assert "rollout.max_new_tokens: prompt" in res.stderr and "with max_new_tokens = 62 that exceeds the model's 64 " \
         "positions" in res.stderr, res.stderr[-3000:]

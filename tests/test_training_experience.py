@@ -169,8 +169,8 @@ def _step_batch(kept, seed, groups, max_sequences=8):
 
 
 # The token selections' settings (acting on these few tokens), by algorithm: gtpo with the high-entropy fraction.
-SELECTION_SETTINGS = {"clip_cov": ["algorithm.clip_cov_lb=0.0", "algorithm.clip_cov_ratio=0.3"],
-                      "kl_cov": ["algorithm.kl_cov_ratio=0.3"], "gtpo": ["algorithm.entropy_token_fraction=0.4"]}
+SELECTION_SETTINGS = {"clip_cov": ["algorithm.clip_cov.lb=0.0", "algorithm.clip_cov.ratio=0.3"],
+                      "kl_cov": ["algorithm.kl_cov.ratio=0.3"], "gtpo": ["algorithm.entropy_token_fraction=0.4"]}
 
 
 def _global_advantages(rank, world_size, scenario, algorithm):

@@ -16,13 +16,13 @@ from .task import Task
 def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups):
     """The engine of rollout.engine started from the policy's weights, built from its own section of the rollout
     config (rollout.builtin, rollout.vllm or rollout.remote; the others are not read). For routing replay
-    (algorithm.routing_replay: rollout) the built-in engine records each token's experts, vLLM engines return them
+    (model.moe.routing_replay: rollout) the built-in engine records each token's experts, vLLM engines return them
     (their rollouts carry them)."""
     from megatron_gtpo.models.moe_routing import routed_layers
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
     r = cfg.rollout
-    replay = cfg.algorithm.replays_routing
+    replay = cfg.model.moe.replays_routing
     layers = routed_layers(policy.chunks) if replay else None
     engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
                                                max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay),

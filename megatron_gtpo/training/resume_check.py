@@ -1,29 +1,30 @@
 """Which settings a resumed run may change: a checkpoint continues the run that wrote it, in its output directory
 and metrics.jsonl, so what that run trains may not change when it is relaunched.
 
-Fixed on resume (`FIXED_ON_RESUME`): the algorithm and its reward shaping (the whole `algorithm` section), the group
-size (`rollout.num_responses_per_prompt`), and the data (its source, file, fields, template, prompt length limit,
-shuffle seed and prompts per step). A relaunch that changes any of them is refused with one line naming each changed
-key and how to start a new run instead. With rollouts in flight (bounded staleness, partial rollouts) their schedule
-is fixed too (`check_rollout_schedule`).
+Fixed on resume (`FIXED_ON_RESUME`): the algorithm and its reward shaping (the whole `algorithm` section), routing
+replay (`model.moe.routing_replay`), the group size (`rollout.num_responses_per_prompt`), and the data (its source,
+file, fields, template, prompt length limit, shuffle seed and prompts per step). A relaunch that changes any of them is
+refused with one line naming each changed key and how to start a new run instead. With rollouts in flight (bounded
+staleness, partial rollouts) their schedule is fixed too (`check_rollout_schedule`).
 
 Free to change: `steps` (a finished run is extended by raising it), the optimizer and its LR schedule (they apply on
 resume), checkpointing and logging, the parallel layout (checkpoints reshard), the rollout engine and its resources,
 the sampling temperature and response length, micro-batching and packing (the update does not depend on them:
 docs/loss_contract.md), the reward workers.
 
-Pure functions of the configs (the checkpoint's as saved in its trainer_state.json, and this run's).
+Pure functions of the configs (the checkpoint's as saved in its trainer_state.json, read in today's keys:
+config.upgrade_saved_config, and this run's).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 
-from megatron_gtpo.config import RolloutConfig, TrainConfig, to_dict
+from megatron_gtpo.config import RolloutConfig, TrainConfig, to_dict, upgrade_saved_config
 
-FIXED_ON_RESUME = ("algorithm", "rollout.num_responses_per_prompt", "data.source", "data.task", "data.path",
-                   "data.prompt_field", "data.answer_field", "data.template", "data.max_prompt_tokens", "data.seed",
-                   "data.prompts_per_step")
+FIXED_ON_RESUME = ("algorithm", "model.moe.routing_replay", "rollout.num_responses_per_prompt", "data.source",
+                   "data.task", "data.path", "data.prompt_field", "data.answer_field", "data.template",
+                   "data.max_prompt_tokens", "data.seed", "data.prompts_per_step")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -46,7 +47,7 @@ def check_resume(saved_config: dict, cfg: TrainConfig, directory: str) -> None:
     (its config `saved_config`), and how to start a new run instead. A key the checkpoint's config lacks (written
     before the key existed) counts as its default."""
     defaults = _flat(json.loads(json.dumps(to_dict(TrainConfig()))))
-    saved = {**defaults, **_flat(saved_config)}
+    saved = {**defaults, **_flat(upgrade_saved_config(saved_config))}
     current = _flat(json.loads(json.dumps(to_dict(cfg))))
     changed = [f"{key} {saved[key]!r} -> {value!r}" for key, value in current.items()
                if _fixed(key) and saved.get(key) != value]

@@ -8,6 +8,7 @@ through it.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -70,7 +71,7 @@ class Trainer:
         self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
         # Routing replay: this rank's MoE layers, whose experts the rollout records and the passes replay.
         self.replay = ReplayPlan(routed_layers(self.policy.chunks), shape.moe.topk) \
-            if cfg.algorithm.replays_routing else None
+            if cfg.model.moe.replays_routing else None
         # A mixture-of-experts model's per-layer routing metrics (the same names on every rank, for the reducer).
         self.moe_metrics = moe_metrics(shape.num_layers) if shape.moe else {}
         self.reference = ReferencePolicy.build(cfg, self.task.hf_config, self.parallel)  # None without a KL term
@@ -198,15 +199,14 @@ class Trainer:
         """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
         mismatch correction's loss mask and importance weights. A mixture-of-experts model's routing in this pass
         gives the per-layer expert load imbalance and router entropy (reduction.moe_metrics)."""
-        a, parallel = self.cfg.algorithm, self.parallel
+        parallel = self.parallel
         with RouterStatistics(self.policy.chunks) as routing:
             old_policy_pass(self.policy.chunks, batch, parallel, vocab_size=self.vocab_size,
                              temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
                              reference_chunks=self.reference.chunks if self.reference else None)
         tp_routes_own_tokens = parallel.tp_group if parallel.sequence_parallel else None
         metrics.add(moe_layer_values(routing.per_layer(parallel.dp_group, tp_routes_own_tokens)))
-        correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
-                        rollout_rs_bounds=tuple(a.rollout_rs_bounds))
+        correct_rollout(batch, **dataclasses.asdict(self.cfg.algorithm.rollout_correction))
 
     def compute_advantages(self, batch: StepBatch, step: int, metrics: MetricReducer) -> None:
         """The configured algorithm's advantages over the global batch, then its token selection (if any) over each

@@ -1,6 +1,7 @@
 """The typed config: YAML + --set overrides, errors that name the key, example configs load."""
 import glob
 import os
+import sys
 
 import pytest
 
@@ -311,3 +312,20 @@ def test_paper_recipes_hold_the_paper_settings(size, algorithm):
     assert (cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens) == (2048, 4096)
     a = cfg.algorithm
     assert (a.gtpo.alpha1, a.gtpo.alpha2, a.grpo_s.beta1, a.grpo_s.beta2) == (1.0, 0.1, 1.0, 0.1)
+
+
+def test_every_study_variant_of_compare_algorithms_loads():
+    """tools/compare_algorithms.py's variants and ablations are overrides on their study's recipe: each loads (an
+    option in another algorithm's section, or a key that moved, would be refused here rather than after the warm
+    start)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_algorithms", os.path.join(EXAMPLES, "..", "tools", "compare_algorithms.py"))
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # its dataclasses look their module up
+    spec.loader.exec_module(tool)
+    for study in tool.STUDIES.values():
+        for variant in (*study.variants, *study.ablations):
+            cfg = load_config(study.config, [f"algorithm.name={variant.algorithm}", *variant.overrides])
+            assert cfg.algorithm.name == variant.algorithm

@@ -71,9 +71,9 @@ def routed_experts_unavailable() -> str | None:
                                      (f"{_V2_RUNNER} unset or 1", os.environ.get(_V2_RUNNER, "1") == "1")) if not ok]
     if not missing:
         return None
-    return (f"algorithm.routing_replay: rollout takes the experts vLLM routed each token to, which vLLM returns from "
+    return (f"model.moe.routing_replay: rollout takes the experts vLLM routed each token to, which vLLM returns from "
             f"its V2 model runner only ({_V2_RUNNER}=1); that runner needs {', '.join(missing)}, missing here (vLLM "
-            f"on {current_platform.device_type}): use rollout.engine: builtin, or algorithm.routing_replay: none")
+            f"on {current_platform.device_type}): use rollout.engine: builtin, or model.moe.routing_replay: none")
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from megatron_gtpo.algorithms import (
     ALGORITHM_NAMES,
     ALGORITHMS,
     Algorithm,
+    PPOClip,
     configure_algorithm,
     grpo_advantages,
     grpo_s_advantages,
@@ -35,10 +36,10 @@ def _batch(seed=0, N=3, G=4, T=6):
 def test_entries_follow_the_papers():
     grpo, dapo, gtpo, grpo_s = (ALGORITHMS[a] for a in (Algorithm.GRPO, Algorithm.DAPO, Algorithm.GTPO,
                                                          Algorithm.GRPO_S))
-    assert grpo.loss_defaults == dict(eps_low=0.2, eps_high=0.2, loss_agg_mode="seq-mean-token-mean")
-    assert dapo.loss_defaults == dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean")
+    assert grpo.loss_defaults == dict(clip=PPOClip(0.2, 0.2), loss_agg_mode="seq-mean-token-mean")
+    assert dapo.loss_defaults == dict(clip=PPOClip(0.2, 0.28), loss_agg_mode="token-mean")
     assert dapo.dynamic_sampling and dapo.length_penalty == "overlong" and not grpo.dynamic_sampling
-    assert gtpo.loss_defaults == dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean")
+    assert gtpo.loss_defaults == dict(clip=PPOClip(0.2, 0.28), loss_agg_mode="token-mean")
     assert gtpo.advantages is gtpo_advantages and gtpo.uses_entropy and not gtpo.sequence_level_loss
     assert grpo_s.sequence_level_loss and grpo_s.advantages is grpo_s_advantages
     assert grpo.advantages is dapo.advantages is grpo_advantages and not grpo.uses_entropy
@@ -46,7 +47,7 @@ def test_entries_follow_the_papers():
     assert clip_cov.advantages is kl_cov.advantages is grpo_advantages  # DAPO's, with dynamic sampling
     assert clip_cov.dynamic_sampling and kl_cov.dynamic_sampling
     assert clip_cov.loss_defaults == dapo.loss_defaults and clip_cov.covariance_selection == "clip"
-    assert kl_cov.loss_defaults == dict(ppo_clip=False, loss_agg_mode="token-mean")
+    assert kl_cov.loss_defaults == dict(clip=None, loss_agg_mode="token-mean")
     assert kl_cov.covariance_selection == "kl" and kl_cov.loss_options == {"kl_cov_coef": "coef"}
 
 
@@ -156,7 +157,7 @@ def test_configured_loss_takes_the_config_settings_over_the_defaults():
     loss, _ = _configured("grpo_s", "algorithm.eps_high=0.4", "algorithm.grpo_s.sequence_ratio=geometric").policy_loss(
         logprobs, old, adv_B, mask_BT, loss_normalizer=B)
     expected, _ = sequence_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B, sequence_ratio="geometric",
-                                       eps_low=0.2, eps_high=0.4)
+                                       clip=PPOClip(0.2, 0.4))
     torch.testing.assert_close(loss, expected)
     assert _configured("grpo").dynamic_sampling is False and _configured("dapo").length_penalty is not None
     assert _configured("grpo", "algorithm.dynamic_sampling=true").dynamic_sampling is True
@@ -169,20 +170,20 @@ def test_each_loss_gets_its_algorithm_defaults_and_the_config_settings():
 
     loss, _ = _configured("dapo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0)
     expected, _ = token_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0, loss_agg_mode="token-mean",
-                                    eps_low=0.2, eps_high=0.28)
+                                    clip=PPOClip(0.2, 0.28))
     torch.testing.assert_close(loss, expected)
     loss, _ = _configured("grpo").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B)
     expected, _ = token_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B,
-                                    loss_agg_mode="seq-mean-token-mean", eps_low=0.2, eps_high=0.2)
+                                    loss_agg_mode="seq-mean-token-mean", clip=PPOClip(0.2, 0.2))
     torch.testing.assert_close(loss, expected)
     assert _configured("grpo").loss_agg_mode == "seq-mean-token-mean"
     gtpo = _configured("gtpo", "algorithm.eps_high=0.4", "algorithm.dual_clip=3.0", "algorithm.entropy_coef=0.01")
     loss, _ = gtpo.policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, entropy_BT=-old)
-    expected, _ = token_policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, eps_low=0.2, eps_high=0.4,
-                                    dual_clip=3.0, entropy_BT=-old, entropy_coef=0.01)
+    expected, _ = token_policy_loss(logprobs, old, adv_BT, mask_BT, loss_normalizer=9.0, clip=PPOClip(0.2, 0.4, 3.0),
+                                    entropy_BT=-old, entropy_coef=0.01)
     torch.testing.assert_close(loss, expected)
     loss, _ = _configured("grpo_s").policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B)
-    expected, _ = sequence_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B, eps_low=0.2, eps_high=0.28)
+    expected, _ = sequence_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=B, clip=PPOClip(0.2, 0.28))
     torch.testing.assert_close(loss, expected)
 
 
@@ -232,7 +233,7 @@ def test_kl_cov_takes_its_coefficient_from_its_section():
     penalise_BT = torch.rand(mask_BT.shape, generator=torch.Generator().manual_seed(0)) < 0.3
     loss, _ = _configured("kl_cov", "algorithm.kl_cov.coef=3.0").policy_loss(
         logprobs, old, adv_B, mask_BT, loss_normalizer=7.0, kl_penalty_BT=penalise_BT)
-    expected, _ = token_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0, ppo_clip=False,
+    expected, _ = token_policy_loss(logprobs, old, adv_B, mask_BT, loss_normalizer=7.0, clip=None,
                                     kl_penalty_BT=penalise_BT, kl_cov_coef=3.0)
     torch.testing.assert_close(loss, expected)
 

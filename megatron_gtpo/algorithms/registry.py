@@ -38,7 +38,7 @@ surrogate has no PPO clip (the paper's and verl's): its penalty on the selected 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
@@ -47,7 +47,7 @@ import torch
 from megatron_gtpo.algorithms.advantages import gtpo_advantages, grpo_advantages, grpo_s_advantages
 from megatron_gtpo.algorithms.dynamic_sampling import informative_groups
 from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
-from megatron_gtpo.algorithms.losses import sequence_policy_loss, token_policy_loss
+from megatron_gtpo.algorithms.losses import PPOClip, sequence_policy_loss, token_policy_loss
 from megatron_gtpo.algorithms.token_selection import TokenSelection, select_tokens
 
 
@@ -60,9 +60,10 @@ class Algorithm(str, enum.Enum):  # in the order the config lists them: the entr
     KL_COV = "kl_cov"
 
 
-_TOKEN_LOSS_FIELDS = ("dual_clip", "kl_coef", "entropy_coef")  # the algorithm section's fields every loss takes
-_CLIP_FIELDS = ("eps_low", "eps_high")  # the config's override the entry's default when set
+_TOKEN_LOSS_FIELDS = ("kl_coef", "entropy_coef")  # the algorithm section's fields every loss takes
+_CLIP_FIELDS = ("eps_low", "eps_high", "dual_clip")  # the config's override the entry's clip where set
 LENGTH_PENALTIES = ("none", "overlong", "group_relative")  # the config's choices of algorithm.length_penalty
+CLIP_HIGHER = PPOClip(0.2, 0.28)  # DAPO's clip-higher, and the algorithms built on DAPO
 
 
 @dataclass(frozen=True)
@@ -92,22 +93,21 @@ class AlgorithmEntry:
 
 ALGORITHMS: dict[Algorithm, AlgorithmEntry] = {
     Algorithm.GRPO: AlgorithmEntry(grpo_advantages, False, token_policy_loss,
-                                   dict(eps_low=0.2, eps_high=0.2, loss_agg_mode="seq-mean-token-mean"),
+                                   dict(clip=PPOClip(0.2, 0.2), loss_agg_mode="seq-mean-token-mean"),
                                    dynamic_sampling=False),
     Algorithm.DAPO: AlgorithmEntry(grpo_advantages, False, token_policy_loss,
-                                   dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean"),
-                                   length_penalty="overlong"),
+                                   dict(clip=CLIP_HIGHER, loss_agg_mode="token-mean"), length_penalty="overlong"),
     Algorithm.GTPO: AlgorithmEntry(gtpo_advantages, True, token_policy_loss,
-                                   dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean"),
+                                   dict(clip=CLIP_HIGHER, loss_agg_mode="token-mean"),
                                    advantage_options=("alpha1", "alpha2", "norm_scope", "entropy_clip")),
-    Algorithm.GRPO_S: AlgorithmEntry(grpo_s_advantages, True, sequence_policy_loss, dict(eps_low=0.2, eps_high=0.28),
+    Algorithm.GRPO_S: AlgorithmEntry(grpo_s_advantages, True, sequence_policy_loss, dict(clip=CLIP_HIGHER),
                                      advantage_options=("beta1", "beta2", "entropy_clip"),
                                      loss_options=dict(sequence_ratio="sequence_ratio")),
     Algorithm.CLIP_COV: AlgorithmEntry(grpo_advantages, False, token_policy_loss,
-                                       dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean"),
+                                       dict(clip=CLIP_HIGHER, loss_agg_mode="token-mean"),
                                        covariance_selection="clip"),
     Algorithm.KL_COV: AlgorithmEntry(grpo_advantages, False, token_policy_loss,
-                                     dict(ppo_clip=False, loss_agg_mode="token-mean"),
+                                     dict(clip=None, loss_agg_mode="token-mean"),
                                      loss_options=dict(kl_cov_coef="coef"), covariance_selection="kl"),
 }
 
@@ -176,9 +176,10 @@ def configure_algorithm(config, *, max_new_tokens: int) -> ConfiguredAlgorithm:
     algorithm = resolve_algorithm(config.name)
     entry = ALGORITHMS[algorithm]
     own = getattr(config, algorithm.value, None)  # algorithm.<name>: its own options, where it has any
-    loss_settings = {**entry.loss_defaults,
-                     **{k: getattr(config, k) for k in _CLIP_FIELDS if getattr(config, k) is not None},
-                     **{k: getattr(config, k) for k in _TOKEN_LOSS_FIELDS},
+    clip = entry.loss_defaults["clip"]
+    if clip is not None:  # KL-Cov's surrogate has none (the config refuses a clip setting with it)
+        clip = replace(clip, **{k: getattr(config, k) for k in _CLIP_FIELDS if getattr(config, k) is not None})
+    loss_settings = {**entry.loss_defaults, "clip": clip, **{k: getattr(config, k) for k in _TOKEN_LOSS_FIELDS},
                      **{keyword: getattr(own, option) for keyword, option in entry.loss_options.items()}}
     return ConfiguredAlgorithm(
         algorithm=algorithm, uses_entropy=entry.uses_entropy,

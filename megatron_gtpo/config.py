@@ -764,11 +764,28 @@ def _did_you_mean(key, names: set[str], prefix: str) -> str:
     return f" (did you mean {moved.get(close[0], prefix + close[0])}?)" if close else ""
 
 
+def _yaml_error(error: yaml.YAMLError, *, positions: bool = True) -> tuple[str, str]:
+    """(`line:column`, problem) of a YAML syntax error: where the parser stopped, and what it was reading (with where
+    that began, often the line to fix; without `positions`, not)."""
+    mark, context, context_mark = (getattr(error, name, None) for name in ("problem_mark", "context",
+                                                                            "context_mark"))
+    mark = mark or context_mark
+    problem = getattr(error, "problem", None) or str(error)
+    if context:
+        opened = f" that starts at {context_mark.line + 1}:{context_mark.column + 1}" \
+            if context_mark and positions else ""
+        problem += f" ({context}{opened})"
+    return (f"{mark.line + 1}:{mark.column + 1}" if mark else "?"), problem
+
+
 def _parse_override(item: str) -> tuple[list[str], object]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-6")
     key, raw = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not YAML: {_yaml_error(e, positions=False)[1]}") from None
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -785,7 +802,11 @@ def parse_config(path: str | None = None, overrides: list[str] = ()) -> TrainCon
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                position, problem = _yaml_error(e)
+                raise ConfigError(f"{path}:{position}: {problem}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     for item in overrides:

@@ -82,3 +82,40 @@ def test_the_warm_start_has_a_progress_bar_on_the_logging_rank(tmp_path, capsys)
     assert "warm start steps:   0%|          | 0/3" in capsys.readouterr().err
     for enabled, progress_bar in ((False, True), (True, False)):
         assert logger(enabled, progress_bar).progress(range(3), "warm start steps") == range(3)
+
+
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  tiny_synthetic: true\ndata:\n  source: synthetic\n  task: [addition\nsteps: 3\n")
+    message = f"{bad}:6:6: expected ',' or ']', but got ':' (while parsing a flow sequence that starts at 5:9)"
+    with pytest.raises(ConfigError) as error:
+        load_config(str(bad))
+    assert str(error.value) == message
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["rollout.engine=[builtin,"])
+    assert str(error.value).startswith("--set 'rollout.engine=[builtin,': the value is not YAML: expected the node "
+                                       "content")
+    from megatron_gtpo.train import main
+
+    with pytest.raises(SystemExit) as exit_status:
+        run_cli("megatron_gtpo.train", lambda: main(["--config", str(bad)]))
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err == f"megatron_gtpo.train: error: {message}\n"
+
+
+def test_score_names_the_flag_a_checkpoint_or_a_hf_directory_needs(tmp_path):
+    import argparse
+
+    from megatron_gtpo.checkpoint.megatron_checkpoint import METADATA_FILE
+    from megatron_gtpo.score import _model_source
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / METADATA_FILE).write_text("{}")
+    with pytest.raises(ValueError) as error:
+        _model_source(argparse.Namespace(hf=str(tmp_path / "ckpt"), load=None))
+    assert str(error.value) == (f"--hf: '{tmp_path / 'ckpt'}' is a megatron_gtpo checkpoint: pass it with --load "
+                                f"instead (--load {tmp_path / 'ckpt'})")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="^--load: .* is a Hugging Face directory: pass it with --hf instead"):
+        _model_source(argparse.Namespace(hf=None, load=str(tmp_path / "hf")))

@@ -28,7 +28,7 @@ from megatron_gtpo.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 from megatron_gtpo.models.hf_mapping import hf_tensor_shape, megatron_shards_to_hf, tensor_mappings
 
 from .atomic_dir import atomic_output_dir
-from .manifest import check_intact
+from .manifest import check_intact, reading
 from .megatron_checkpoint import (HF_FILES_DIR, copy_hf_side_files, dist_checkpoint_key, dtype_name,
                                   read_checkpoint_metadata)
 
@@ -230,7 +230,8 @@ def convert_megatron_to_hf(megatron_dir: str, output_dir: str, *, dtype: torch.d
     with atomic_output_dir(output_dir, force=force, inputs=(megatron_dir,)) as tmp:
         writer = SafetensorsShardWriter(tmp, plan_shards(specs, max_shard_bytes))
         for mapping, key, offsets, sizes, axes in tqdm(reads, desc="HF tensors", unit="tensor", disable=not progress):
-            stored = reader.read(key, offsets, sizes)
+            with reading(megatron_dir):
+                stored = reader.read(key, offsets, sizes)
             global_tensor = stored.reshape(stored.shape[axes:])  # without the stacked axes (each of size 1 here)
             for name, tensor in zip(mapping.hf_names, megatron_shards_to_hf(mapping, [global_tensor], shape)):
                 writer.write(name, tensor if dtype is None else tensor.to(dtype))

@@ -5,6 +5,7 @@ Writes <logging.output_dir>/metrics.jsonl (one JSON object per step), TensorBoar
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -24,6 +25,7 @@ def main(argv=None) -> int:
     from megatron_gtpo.training.trainer import Trainer
 
     check_launch(cfg, argv if argv is not None else sys.argv[1:])
+    check_installed(cfg)
     finished = relaunch_check(cfg)  # a relaunch that changes what the run trains fails here, before any build
     if finished is not None:
         say_once(finished)
@@ -49,6 +51,21 @@ def check_launch(cfg, argv: list[str]) -> None:
         raise ConfigError(f"parallel: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} needs "
                           f"{needed} processes (or a multiple), and this is one: launch it with torchrun "
                           f"--nproc_per_node {needed} -m megatron_gtpo.train {' '.join(argv)}")
+
+
+def check_installed(cfg) -> None:
+    """ConfigError naming the setting whose optional package this Python lacks, on every rank before anything is
+    built (not a traceback after the model, or on one rank while the others wait in a collective)."""
+    from megatron_gtpo.config import ConfigError
+    from megatron_gtpo.rollout import vllm_missing
+
+    missing = vllm_missing("rollout.engine: vllm", "rollout.engine: builtin") if cfg.rollout.engine == "vllm" else None
+    if missing:
+        raise ConfigError(missing)
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"logging.wandb_project: {cfg.logging.wandb_project!r} logs to Weights & Biases, whose "
+                          f"package is not installed in {sys.executable}: pip install wandb, or unset "
+                          f"logging.wandb_project")
 
 
 def run_summary(cfg) -> str:

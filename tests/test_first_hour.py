@@ -119,3 +119,34 @@ def test_score_names_the_flag_a_checkpoint_or_a_hf_directory_needs(tmp_path):
     (tmp_path / "hf" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="^--load: .* is a Hugging Face directory: pass it with --hf instead"):
         _model_source(argparse.Namespace(hf=None, load=str(tmp_path / "hf")))
+
+
+def test_a_package_a_setting_needs_is_named_before_anything_is_built(monkeypatch):
+    """logging.wandb_project without wandb, rollout.engine: vllm without vLLM: one line naming the setting, on every
+    rank before any process group or model (not a traceback after the model is built, or on the logging rank while
+    the others wait in a collective); the import of an installed but broken vLLM, where it happens, says the same."""
+    import importlib.util
+    import sys
+
+    from megatron_gtpo.rollout import import_vllm_engine
+    from megatron_gtpo.train import check_installed
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "vllm") else real_find_spec(name, *a))
+    check_installed(load_config(DEMO_CONFIG))
+    with pytest.raises(ConfigError) as error:
+        check_installed(load_config(DEMO_CONFIG, ["logging.wandb_project=demo"]))
+    assert str(error.value) == (f"logging.wandb_project: 'demo' logs to Weights & Biases, whose package is not "
+                                f"installed in {sys.executable}: pip install wandb, or unset logging.wandb_project")
+    vllm = load_config(os.path.join(os.path.dirname(DEMO_CONFIG), "qwen2.5-0.5b-gtpo.yaml"))
+    with pytest.raises(ConfigError) as error:
+        check_installed(vllm)
+    assert str(error.value) == (f"rollout.engine: vllm needs vLLM, which is not installed in {sys.executable}: "
+                                f"install it with pip install -e '.[vllm]' (make setup-gpu installs the whole GPU "
+                                f"set) or use rollout.engine: builtin")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # installed, but its import fails
+    monkeypatch.delitem(sys.modules, "megatron_gtpo.rollout.vllm_engine", raising=False)
+    with pytest.raises(ValueError, match=r"^--engine vllm needs vLLM, which does not import \(.*\) in .*: install it "
+                                         r"with pip install -e '.\[vllm\]' .* or use --engine builtin$"):
+        import_vllm_engine("--engine vllm", "--engine builtin")

@@ -39,12 +39,14 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
 def _vllm_engine(options: VLLMEngineConfig, cfg: TrainConfig, parallel: ParallelGroups, routed_layers):
     """Colocated vLLM engines of `options` (rollout.vllm), started from the model's HF directory unless the section
     names one, in the model's dtype and seeded by the run's seed."""
-    from megatron_gtpo.rollout.vllm_engine import VLLMEngine
+    from megatron_gtpo.rollout import import_vllm_engine
 
-    return VLLMEngine.create(options.hf_dir or cfg.model.hf_dir, parallel, dtype=cfg.model.dtype,
-                             gpu_memory_utilization=options.gpu_memory_utilization,
-                             kv_cache_memory_bytes=options.kv_cache_memory_bytes,
-                             tensor_parallel_size=options.tensor_parallel, seed=cfg.seed, routed_layers=routed_layers)
+    vllm_engine = import_vllm_engine("rollout.engine: vllm", "rollout.engine: builtin")
+    return vllm_engine.VLLMEngine.create(options.hf_dir or cfg.model.hf_dir, parallel, dtype=cfg.model.dtype,
+                                         gpu_memory_utilization=options.gpu_memory_utilization,
+                                         kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+                                         tensor_parallel_size=options.tensor_parallel, seed=cfg.seed,
+                                         routed_layers=routed_layers)
 
 
 def _remote_engine(options: RemoteEngineConfig, update_during_generation: bool, shape, parallel: ParallelGroups,

@@ -1,4 +1,5 @@
-"""Entry point: python -m megatron_gtpo.train --config FILE.yaml [--set key=value ...] (under torchrun or srun).
+"""Entry point: python -m megatron_gtpo.train --config FILE.yaml [--set key=value ...] (alone, under
+python -m megatron_gtpo.launch (torchrun's options), torchrun or srun).
 
 Writes <logging.output_dir>/metrics.jsonl (one JSON object per step), TensorBoard logs, and checkpoints under
 <checkpoint.dir> (default <output_dir>/checkpoints); resumes from the newest checkpoint automatically.
@@ -49,8 +50,8 @@ def check_launch(cfg, argv: list[str]) -> None:
     needed = p.tensor * p.pipeline * p.context
     if needed > 1 and read_launch_env().launcher == "single":
         raise ConfigError(f"parallel: tensor x pipeline x context = {p.tensor} x {p.pipeline} x {p.context} needs "
-                          f"{needed} processes (or a multiple), and this is one: launch it with torchrun "
-                          f"--nproc_per_node {needed} -m megatron_gtpo.train {' '.join(argv)}")
+                          f"{needed} processes (or a multiple), and this is one: launch it with python -m "
+                          f"megatron_gtpo.launch --nproc_per_node {needed} -m megatron_gtpo.train {' '.join(argv)}")
 
 
 def check_installed(cfg) -> None:

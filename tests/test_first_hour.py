@@ -4,6 +4,7 @@ kernels the package does not use kept off the console."""
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import pytest
@@ -35,8 +36,9 @@ def test_a_layout_of_two_processes_started_as_one_says_how_to_launch_it(monkeypa
         monkeypatch.delenv(name, raising=False)
     cfg = load_config(DEMO_CONFIG)  # TP = 2
     with pytest.raises(ConfigError, match="^parallel: tensor x pipeline x context = 2 x 1 x 1 needs 2 processes "
-                                          r"\(or a multiple\), and this is one: launch it with torchrun "
-                                          "--nproc_per_node 2 -m megatron_gtpo.train --config demo.yaml --set a=1$"):
+                                          r"\(or a multiple\), and this is one: launch it with python -m "
+                                          "megatron_gtpo.launch --nproc_per_node 2 -m megatron_gtpo.train --config "
+                                          "demo.yaml --set a=1$"):
         check_launch(cfg, ["--config", "demo.yaml", "--set", "a=1"])
     check_launch(load_config(DEMO_CONFIG, ["parallel.tensor=1"]), [])
     monkeypatch.setenv("RANK", "0")
@@ -150,3 +152,32 @@ def test_a_package_a_setting_needs_is_named_before_anything_is_built(monkeypatch
     with pytest.raises(ValueError, match=r"^--engine vllm needs vLLM, which does not import \(.*\) in .*: install it "
                                          r"with pip install -e '.\[vllm\]' .* or use --engine builtin$"):
         import_vllm_engine("--engine vllm", "--engine builtin")
+
+
+@pytest.mark.slow
+def test_the_launcher_ends_a_failed_launch_with_the_ranks_one_line_and_status(tmp_path):
+    """python -m megatron_gtpo.launch is torchrun ending as the package's commands end: a user error of the ranks is
+    their one line and status 2 (torchrun: the line inside ~40 of its own, status 1); a rank killed by a signal is
+    one line of the launcher and the shell's status 128 + signal; a launch that succeeds says nothing of its own."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, signal, sys\nfrom megatron_gtpo.cli import run_cli\n\n"
+                      "def main():\n    if sys.argv[1] == 'kill' and os.environ['RANK'] == '1':\n"
+                      "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "    if sys.argv[1] == 'error':\n        raise ValueError('optim.lr: must be > 0, got -1.0')\n\n"
+                      "run_cli('rank.py', main)\n")
+
+    def launch(mode):
+        return subprocess.run([sys.executable, "-m", "megatron_gtpo.launch", "--nproc_per_node", "2", str(script),
+                               mode], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    res = launch("error")
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", "rank.py: error: optim.lr: must be > 0, got -1.0\n")
+    res = launch("kill")
+    assert res.returncode == 128 + 9, res.stderr
+    assert re.fullmatch(r"megatron_gtpo.launch: rank 1 \(pid \d+\) was killed by SIGKILL\n", res.stderr), res.stderr
+    res = launch("ok")
+    assert (res.returncode, res.stdout, res.stderr) == (0, "", "")

@@ -70,17 +70,21 @@ def check_installed(cfg) -> None:
 
 
 def run_summary(cfg) -> str:
-    """What a finished (or stopped) run wrote, and where."""
+    """How a finished (or stopped) run went, in one line (reporting.run_summary_line), then what it wrote and where,
+    and how to plot it."""
+    from megatron_gtpo.reporting import METRICS_FILE, read_rl_metrics, run_summary_line
     from megatron_gtpo.training.checkpointing import resume_candidates
 
     out = cfg.logging.output_dir
-    written = [f"metrics {os.path.join(out, 'metrics.jsonl')}"]
+    metrics = os.path.join(out, METRICS_FILE)
+    written = [f"metrics {metrics}"]
     if cfg.logging.tensorboard:
         written.append(f"TensorBoard logs {os.path.join(out, 'tensorboard')}")
     latest = resume_candidates(cfg.checkpoint_dir)
     if latest:
         written.append(f"checkpoints in {cfg.checkpoint_dir} (the newest: {latest[0]})")
-    return "wrote " + ", ".join(written)
+    summary = f"run: {run_summary_line(read_rl_metrics(out))}\n" if os.path.isfile(metrics) else ""
+    return f"{summary}wrote {', '.join(written)}; plot it: python -m megatron_gtpo.plot {out}"
 
 
 if __name__ == "__main__":

@@ -46,15 +46,52 @@ def test_a_layout_of_two_processes_started_as_one_says_how_to_launch_it(monkeypa
     check_launch(cfg, [])  # under torchrun: the layout's own checks follow
 
 
-def test_a_run_ends_saying_what_it_wrote_and_where(tmp_path):
+def test_a_run_ends_with_how_it_went_what_it_wrote_and_where(tmp_path):
+    """The last lines of a run: its RL steps, their time and how reward, accuracy, entropy and length moved (the
+    means of the first and last 10 steps, by hand below), then what it wrote and how to plot it."""
+    import json
+
     cfg = load_config(DEMO_CONFIG, [f"logging.output_dir={tmp_path}"])
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_00000250\n")
-    assert run_summary(cfg) == (f"wrote metrics {tmp_path}/metrics.jsonl, TensorBoard logs {tmp_path}/tensorboard, "
-                                f"checkpoints in {tmp_path}/checkpoints (the newest: "
-                                f"{tmp_path}/checkpoints/step_00000250)")
+    rows = [{"step": -1, "warm_start_steps": 30}] + [
+        {"step": k, "reward_mean": k / 100, "accuracy": k / 200, "entropy_mean": 2 - k / 100,
+         "response_length_mean": 4.0, "time_generate_s": 0.5, "time_update_s": 1.0} for k in range(40)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 40, "rew')
+    # reward: steps 0-9 mean 0.045, steps 30-39 mean 0.345; step time 1.5 s x 40 = 60 s (the unfinished row left out)
+    assert run_summary(cfg) == (
+        "run: 40 RL steps (0-39) in 1m00s (1.5 s/step); reward 0.045 -> 0.345, accuracy 0.0225 -> 0.173, entropy "
+        "1.96 -> 1.66, response length 4 -> 4 (mean of the first -> last 10 steps)\n"
+        f"wrote metrics {tmp_path}/metrics.jsonl, TensorBoard logs {tmp_path}/tensorboard, checkpoints in "
+        f"{tmp_path}/checkpoints (the newest: {tmp_path}/checkpoints/step_00000250); plot it: python -m "
+        f"megatron_gtpo.plot {tmp_path}")
     cfg = load_config(DEMO_CONFIG, [f"logging.output_dir={tmp_path}/other", "logging.tensorboard=false"])
-    assert run_summary(cfg) == f"wrote metrics {tmp_path}/other/metrics.jsonl"
+    assert run_summary(cfg) == (f"wrote metrics {tmp_path}/other/metrics.jsonl; plot it: python -m "
+                                f"megatron_gtpo.plot {tmp_path}/other")
+
+
+def test_the_plot_command_draws_and_summarises_one_or_several_runs(tmp_path, capsys):
+    import json
+
+    from megatron_gtpo.plot import main
+
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": k, "reward_mean": scale * k / 10, "accuracy": k / 10, "entropy_mean": 1.0,
+                 "response_length_mean": 3.0, "time_update_s": 2.0} for k in range(4)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(tmp_path / "a")]) == 0
+    assert capsys.readouterr().out == (
+        "a: 4 RL steps (0-3) in 8s (2 s/step); reward 0.05 -> 0.25, accuracy 0.05 -> 0.25, entropy 1 -> 1, response "
+        f"length 3 -> 3 (mean of the first -> last 2 steps)\nwrote {tmp_path / 'a' / 'metrics.png'}\n")
+    assert (tmp_path / "a" / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([str(tmp_path / "a" / "metrics.jsonl"), str(tmp_path / "b"), "--output", str(tmp_path / "ab.png"),
+                 "--window", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("b: 4 RL steps (0-3) in 8s (2 s/step); reward 0 -> 0.6,")
+    assert (tmp_path / "ab.png").is_file()
+    with pytest.raises(FileNotFoundError, match="holds no metrics.jsonl: give a run's output directory"):
+        main([str(tmp_path)])
 
 
 def test_notices_of_kernels_the_package_does_not_use_stay_off_the_console(capsys):
@@ -72,18 +109,56 @@ def test_notices_of_kernels_the_package_does_not_use_stay_off_the_console(capsys
     assert "not installed" not in err and "UserWarning: something else" in err
 
 
-def test_the_warm_start_has_a_progress_bar_on_the_logging_rank(tmp_path, capsys):
+def test_the_warm_start_and_the_rl_steps_show_progress_on_the_logging_rank(tmp_path, capsys, monkeypatch):
+    """On a terminal, tqdm's bars; in a log file (stderr not a terminal), complete lines: the RL steps' when they
+    start and end (with the step's metrics), never a bar redrawn with carriage returns."""
+    import sys
+
     from megatron_gtpo.training.metrics import MetricsLogger
 
-    def logger(enabled, progress_bar):
-        return MetricsLogger(str(tmp_path), enabled=enabled, start_step=0, total_steps=5, tensorboard=False,
-                             wandb_project=None, progress_bar=progress_bar, run_config={})
+    def logger(enabled, progress_bar, total_steps=5):
+        return MetricsLogger(str(tmp_path), enabled=enabled, start_step=0, total_steps=total_steps,
+                             tensorboard=False, wandb_project=None, progress_bar=progress_bar, run_config={})
 
     capsys.readouterr()
+    rl = logger(True, True, total_steps=2)
+    for step in range(2):
+        rl.log(step, {"reward_mean": 0.25 * step, "entropy_mean": 2.0})
+    rl.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "RL steps: 0/2 (0%)" and "\r" not in "".join(lines)
+    assert re.fullmatch(r"RL steps: 2/2 \(100%\), .* done in \d+s; reward_mean=0.25, entropy_mean=2", lines[-1])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert list(logger(True, True).progress(range(3), "warm start steps")) == [0, 1, 2]
     assert "warm start steps:   0%|          | 0/3" in capsys.readouterr().err
     for enabled, progress_bar in ((False, True), (True, False)):
         assert logger(enabled, progress_bar).progress(range(3), "warm start steps") == range(3)
+
+
+def test_progress_in_a_log_file_is_a_line_per_interval():
+    """PlainProgress: a kept display says when it starts, then at most once per interval (position, speed, time
+    left, the latest postfix), and when it ends; a transient one only once it has run an interval."""
+    import io
+
+    from megatron_gtpo.progress import PlainProgress
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = PlainProgress(desc="RL steps", total=100, unit="step", file=out, interval_s=30, clock=lambda: now[0])
+    for step in range(100):
+        now[0] += 2.0
+        bar.set_postfix({"reward_mean": f"{step / 100:.3g}"})
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "RL steps: 0/100 (0%)"
+    assert lines[1] == "RL steps: 15/100 (15%), 2 s/step, 2m50s left; reward_mean=0.14"
+    assert len(lines) == 1 + 200 // 30 + 1 and lines[-1] == "RL steps: 100/100 (100%), 2 s/step, done in 3m20s; " \
+                                                            "reward_mean=0.99"
+    quick = io.StringIO()
+    with PlainProgress(desc="decoding", total=8, leave=False, file=quick, interval_s=30, clock=lambda: now[0]) as bar:
+        bar.update(8)
+    assert quick.getvalue() == ""
 
 
 def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, capsys):

@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tqdm import tqdm
-
 from megatron_gtpo.data import PromptRecord, PromptTemplate, Tokenizer, tokenize_prompts
+from megatron_gtpo.progress import progress_bar
 from megatron_gtpo.rewards import RewardPool, extract_final_answer
 from megatron_gtpo.rollout.engine import SamplingParams, check_prompts
 
@@ -59,7 +58,7 @@ def generate_responses(
                       vocab_size=replica.vocab_size, max_positions=replica.max_positions,
                       max_new_tokens=sampling.max_new_tokens)
     responses: list[list[list[int]]] = []
-    for call in tqdm(calls, desc="generating", unit="call", disable=not progress):
+    for call in progress_bar(calls, desc="generating", unit="call", disable=not progress):
         prompts = [list(prompts_token_ids[position]) for position in call]
         params = SamplingParams(n=sampling.num_samples, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_new_tokens=sampling.max_new_tokens, stop_token_ids=(replica.eos_token_id,),

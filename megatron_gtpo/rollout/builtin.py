@@ -69,9 +69,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from megatron_gtpo.models.moe_routing import recording
+from megatron_gtpo.progress import progress_bar
 
 from .engine import Rollout, SamplingParams, check_prompts, response_seed
 from .decode_rows import DecodeRows
@@ -178,7 +178,8 @@ class BuiltinEngine:
         # No device sync for the end time: every decode step reads the count of live rows back from the device.
         start_s = time.perf_counter()
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
-                tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
+                progress_bar(total=len(rows), desc="decoding", unit="row", leave=False,
+                             disable=not self.progress) as bar:
             for batch in batches:
                 *batch_parts, batch_routes = self._generate_batch(
                     [rows[r] for r in batch], [seeds[r] for r in batch], params, recorder)

@@ -1,5 +1,6 @@
 """Per-step metrics: `<output dir>/metrics.jsonl` (one JSON object per step), TensorBoard, Weights & Biases when
-configured, and a console progress bar. Only the logging rank writes; the others hold a disabled logger."""
+configured, and a console progress display (a bar on a terminal, plain lines in a log file: progress.py). Only the
+logging rank writes; the others hold a disabled logger."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_gtpo.atomic_files import write_atomically
+from megatron_gtpo.progress import progress_bar as progress_display
 
 
 def _nothing() -> None:
@@ -61,13 +63,13 @@ class MetricsLogger:
             self._wandb = wandb.init(project=wandb_project, config=run_config, dir=output_dir)
         self._progress_bar = progress_bar
         if progress_bar:
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", dynamic_ncols=True)
+            self._bar = progress_display(total=total_steps, initial=start_step, desc="RL steps", unit="step")
 
     def progress(self, steps: range, desc: str):
         """`steps` with a progress bar of their own on the logging rank (the warm start's), gone when done."""
         if not (self.enabled and self._progress_bar):
             return steps
-        return tqdm(steps, desc=desc, dynamic_ncols=True, leave=False)
+        return progress_display(steps, desc=desc, unit="step", leave=False)
 
     def _truncate_after(self, start_step: int) -> None:
         """A resumed run rewrites the steps it is about to redo (those logged after its checkpoint)."""

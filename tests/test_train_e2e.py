@@ -85,6 +85,10 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         for key in _selection_metrics(algorithm, options):
             assert 0 < row[key] and (key == "entropy_kept_threshold" or row[key] <= 1), (key, row[key])
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
+    # its tokenizer is the synthetic task's: the checkpoint names the task (evaluate reads it there)
+    from megatron_gtpo.checkpoint.sources import ModelSource
+
+    assert ModelSource.detect(str(tmp_path / "checkpoints")).synthetic_task == "addition"
 
 
 def _check_busy(row: dict, replicas: int) -> None:

@@ -21,7 +21,8 @@ from megatron_gtpo.algorithms.losses import SEQUENCE_RATIOS
 from megatron_gtpo.algorithms.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
 from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, ALGORITHMS, LENGTH_PENALTIES, resolve_algorithm
 from megatron_gtpo.atomic_files import write_atomically
-from megatron_gtpo.config_rules import REMOTE_ENGINES, Features, refused_by
+from megatron_gtpo.config_rules import Features, refused_by
+from megatron_gtpo.engine_table import ENGINE_NAMES, ENGINES
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 from megatron_gtpo.data.templates import DATA_TEMPLATES
 from megatron_gtpo.layout import CP_COMM_TYPES, LayoutError, ParallelLayout, RolloutLayout, check_layout
@@ -122,10 +123,10 @@ class BuiltinEngineConfig:
     # of the replica at once (the planner counts it)
     max_batch_tokens: int | None = None
 
-    def check(self, max_new_tokens: int) -> None:
-        _need(self.max_batch_tokens is None or self.max_batch_tokens > max_new_tokens,
-              f"rollout.builtin.max_batch_tokens: must exceed rollout.max_new_tokens = {max_new_tokens} (one row's "
-              f"prompt and response), got {self.max_batch_tokens}")
+    def check(self, rollout: RolloutConfig) -> None:
+        _need(self.max_batch_tokens is None or self.max_batch_tokens > rollout.max_new_tokens,
+              f"rollout.builtin.max_batch_tokens: must exceed rollout.max_new_tokens = {rollout.max_new_tokens} (one "
+              f"row's prompt and response), got {self.max_batch_tokens}")
 
 
 @dataclass
@@ -140,7 +141,7 @@ class VLLMEngineConfig:
     hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced
     tensor_parallel: int = 1
 
-    def check(self) -> None:
+    def check(self, rollout: RolloutConfig) -> None:
         _need(self.tensor_parallel >= 1, f"rollout.vllm.tensor_parallel: must be >= 1, got {self.tensor_parallel}")
         _need(0 < self.gpu_memory_utilization <= 1,
               f"rollout.vllm.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -162,10 +163,10 @@ class RemoteEngineConfig:
     # copy of those weights for it. 0: a dead server ends the run.
     reconnect_timeout_s: float = 0.0
 
-    def check(self, engine: str) -> None:
+    def check(self, rollout: RolloutConfig) -> None:
         _need(bool(self.addresses),
-              f"rollout.remote.addresses: the {engine} engine needs one server address (HOST:PORT) per data-parallel "
-              f"replica")
+              f"rollout.remote.addresses: the {rollout.engine} engine needs one server address (HOST:PORT) per "
+              f"data-parallel replica")
         _need(self.reconnect_timeout_s >= 0,
               f"rollout.remote.reconnect_timeout_s: must be >= 0, got {self.reconnect_timeout_s}")
 
@@ -240,12 +241,7 @@ class RolloutConfig:
               f"{longest}) that divides it, got {segment}")
         _need(self.partial_rollouts or segment is None,
               "rollout.partial_segment_tokens: set only with rollout.partial_rollouts: true")
-        if self.engine == "builtin":  # the selected engine's section only: the others are not read
-            self.builtin.check(self.max_new_tokens)
-        elif self.engine == "vllm":
-            self.vllm.check()
-        else:
-            self.remote.check(self.engine)
+        getattr(self, ENGINES[self.engine].section).check(self)  # the selected engine's only: no other is read
 
 
 @dataclass
@@ -590,7 +586,7 @@ class TrainConfig:
 
 
 _CHOICES = {
-    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", *REMOTE_ENGINES),
+    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ENGINE_NAMES,  # engine_table.py: the only list
     "rollout.ahead_schedule": ("fixed", "when_idle"),
     "algorithm.name": ALGORITHM_NAMES,  # the registry's names (algorithms/registry.py): the only list of them
     "algorithm.gtpo.norm_scope": NORM_SCOPES, "algorithm.grpo_s.sequence_ratio": SEQUENCE_RATIOS,

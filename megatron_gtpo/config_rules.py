@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-# rollout.engine values whose engines run on processes (nodes) of their own: rollout servers
-REMOTE_ENGINES = ("vllm_remote", "builtin_remote")
+from megatron_gtpo.engine_table import ENGINES, REMOTE_ENGINES, Engine, one_of
 
 
 @dataclass(frozen=True)
@@ -34,6 +33,11 @@ class Features:
     data: object
     warm_start: object
     entry: object
+
+    @property
+    def engine(self) -> Engine:
+        """What the configured rollout engine can do (engine_table.py)."""
+        return ENGINES[self.rollout.engine]
 
     @property
     def dynamic_sampling(self) -> bool:
@@ -54,16 +58,16 @@ class Rule:
 
     def render(self, features: Features) -> str:
         values = {name: getattr(features, name) for name in Features.__dataclass_fields__}
-        return self.message.format(**values, remote_engines=" or ".join(REMOTE_ENGINES))
+        return self.message.format(**values, remote_engines=one_of(REMOTE_ENGINES))
 
 
 CROSS_FEATURE_RULES: tuple[Rule, ...] = (
     Rule("vllm needs a Hugging Face directory",
-         lambda f: f.rollout.engine == "vllm" and not (f.rollout.vllm.hf_dir or f.model.hf_dir),
+         lambda f: f.engine.needs_hf_directory and not (f.rollout.vllm.hf_dir or f.model.hf_dir),
          "a colocated vLLM engine loads a Hugging Face directory; model.load is a megatron_gtpo checkpoint",
          "rollout.vllm.hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)"),
     Rule("staleness needs engines of their own",
-         lambda f: f.rollout.max_staleness >= 1 and f.rollout.engine not in REMOTE_ENGINES,
+         lambda f: f.rollout.max_staleness >= 1 and not f.engine.remote,
          "generating ahead needs engines that run while the trainer trains; colocated ones share its GPUs",
          "rollout.max_staleness: {rollout.max_staleness} needs engines on processes of their own that generate while "
          "the trainer trains ({remote_engines}); the {rollout.engine} engine shares the trainer's"),
@@ -93,12 +97,12 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "(algorithm.rollout_correction.rollout_is: token, or geometric for grpo_s): without it the clipped "
          "surrogate is anchored to a policy that did not sample"),
     Rule("updates during generation need rollout servers",
-         lambda f: f.rollout.update_during_generation and f.rollout.engine not in REMOTE_ENGINES,
+         lambda f: f.rollout.update_during_generation and not f.engine.updates_during_generation,
          "only an engine on processes of its own generates while the trainer syncs weights",
          "rollout.update_during_generation: needs engines on processes of their own ({remote_engines}); the "
          "{rollout.engine} engine generates only while the trainer waits"),
     Rule("updates during generation need staleness",
-         lambda f: f.rollout.update_during_generation and f.rollout.engine in REMOTE_ENGINES
+         lambda f: f.rollout.update_during_generation and f.engine.updates_during_generation
          and f.rollout.max_staleness == 0,
          "at max_staleness 0 the trainer waits for each generation before it trains, so no update meets one",
          "rollout.update_during_generation: needs rollout.max_staleness >= 1 (at 0 the trainer waits for every "
@@ -140,7 +144,7 @@ CROSS_FEATURE_RULES: tuple[Rule, ...] = (
          "model.moe.routing_replay: rollout is not supported at parallel.context {parallel.context} (the rollout's "
          "routing record is not split over the context-parallel ranks); use model.moe.routing_replay: none"),
     Rule("no built-in engine in the trainer at CP > 1",
-         lambda f: f.parallel.context > 1 and f.rollout.engine == "builtin",
+         lambda f: f.parallel.context > 1 and not f.engine.context_parallel,
          "the built-in engine's inference path would have to slice positions per CP rank",
          "rollout.engine: builtin does not generate in the trainer's processes at parallel.context "
          "{parallel.context} (they split every sequence over the context-parallel ranks); generate on vLLM (vllm) or "

@@ -58,9 +58,12 @@ def check_installed(cfg) -> None:
     """ConfigError naming the setting whose optional package this Python lacks, on every rank before anything is
     built (not a traceback after the model, or on one rank while the others wait in a collective)."""
     from megatron_gtpo.config import ConfigError
+    from megatron_gtpo.engine_table import ENGINES
     from megatron_gtpo.rollout import vllm_missing
 
-    missing = vllm_missing("rollout.engine: vllm", "rollout.engine: builtin") if cfg.rollout.engine == "vllm" else None
+    package = ENGINES[cfg.rollout.engine].package
+    missing = vllm_missing(f"rollout.engine: {cfg.rollout.engine}", "rollout.engine: builtin") if package == "vllm" \
+        else None
     if missing:
         raise ConfigError(missing)
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:

@@ -4,7 +4,8 @@ sections: rollout.engine alone switches engines, and only the selected engine's 
 import pytest
 
 from megatron_gtpo.config import ConfigError, features, load_config, parse_config
-from megatron_gtpo.config_rules import CROSS_FEATURE_RULES, REMOTE_ENGINES, refused_by
+from megatron_gtpo.config_rules import CROSS_FEATURE_RULES, refused_by
+from megatron_gtpo.engine_table import ENGINE_NAMES
 
 TINY = ["model.tiny_synthetic=true", "data.source=synthetic"]
 JSONL = ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl"]
@@ -95,7 +96,7 @@ EVERY_SECTION = ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl", "
                  "rollout.remote.reconnect_timeout_s=5"]
 
 
-@pytest.mark.parametrize("engine", ["builtin", "vllm", *REMOTE_ENGINES])
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_switching_the_engine_needs_no_other_change(engine):
     cfg = load_config(None, [*EVERY_SECTION, f"rollout.engine={engine}"])
     assert (cfg.rollout.engine, cfg.rollout.vllm.tensor_parallel, cfg.rollout.remote.addresses) == (engine, 2, ["h:1"])

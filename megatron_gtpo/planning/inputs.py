@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_gtpo.engine_table import ENGINES
 from megatron_gtpo.layout import ParallelLayout, RolloutLayout, check_layout
 from megatron_gtpo.models.qwen import ModelShape
 
@@ -134,7 +135,8 @@ def settings_from_config(cfg, **overrides) -> Settings:
     """The planner's settings of a megatron_gtpo TrainConfig (dtype, recompute, colocated vLLM, routing replay), plus
     overrides. ValueError for the "local" kernel profile of a config on megatron's unfused attention, which it does
     not describe (activations.py)."""
-    vllm, builtin = cfg.rollout.engine == "vllm", cfg.rollout.engine == "builtin"
+    section = ENGINES[cfg.rollout.engine].section  # the engine's own options: builtin's cap, colocated vLLM's
+    vllm, builtin = section == "vllm", section == "builtin"
     if overrides.get("kernels") == "local" and cfg.model.core_attention != "sdpa":
         raise ValueError(f"the planner's local kernel profile is the SDPA attention's; model.core_attention="
                          f"{cfg.model.core_attention} keeps every head's [s, s] scores besides and is not planned")

@@ -172,24 +172,13 @@ class RemoteEngineConfig:
 
 
 @dataclass
-class RolloutConfig:
-    # builtin | vllm (colocated) | vllm_remote (vLLM servers on other nodes) | builtin_remote (built-in engine servers)
-    engine: str = "builtin"
-    num_responses_per_prompt: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    # A random stream per request (reproducible samples, the same after a resume) or one engine-wide stream (faster:
-    # vLLM draws seeded requests one at a time); a sampling setting every request carries, so the vLLM engines
-    # (vllm, vllm_remote) act on it. The built-in engines always seed each response.
-    seeded_sampling: bool = False
-    # Each engine's own options (the *EngineConfig sections above): builtin reads rollout.builtin, vllm rollout.vllm,
-    # vllm_remote and builtin_remote rollout.remote. The section of an engine not selected is not read (nor
-    # checked), so a recipe may hold several and switching rollout.engine needs no resets.
-    builtin: BuiltinEngineConfig = field(default_factory=BuiltinEngineConfig)
-    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
-    remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)
+class ScheduleConfig:
+    """rollout.schedule: when the rollouts are generated against the steps that train on them, the rollout queue's
+    options (training/rollout_queue.py; docs/algorithms.md, "Generating while training"). Its own rules are its
+    check; those with other sections (the engine, dynamic sampling, the rollout correction, routing replay) are
+    config_rules.CROSS_FEATURE_RULES. A run holding rollouts in flight resumes only with the same schedule
+    (training/resume_check.py)."""
+
     # Bounded staleness (docs/algorithms.md, "Generating while training"): step k trains on prompts generated with
     # the policy of step max(0, k - max_staleness); 0 is the on-policy trainer. >= 1 needs engines of their own
     # (vllm_remote, builtin_remote), which then generate the next batches while the current one trains.
@@ -226,21 +215,63 @@ class RolloutConfig:
     # depends on the engines' speed, as with update_during_generation). docs/algorithms.md, "Generating ahead".
     ahead_schedule: str = "fixed"
 
+    @property
+    def holds_rollouts(self) -> bool:
+        """Rollouts are in flight between steps (bounded staleness, partial rollouts): checkpointed, and each token's
+        staleness counted."""
+        return bool(self.max_staleness or self.partial_rollouts)
+
+    def check(self, rollout: RolloutConfig) -> None:
+        _need(self.max_staleness >= 0, f"rollout.schedule.max_staleness: must be >= 0, got {self.max_staleness}")
+        _need(self.oversample_batches >= 0,
+              f"rollout.schedule.oversample_batches: must be >= 0, got {self.oversample_batches}")
+        segment, longest = self.partial_segment_tokens, rollout.max_new_tokens
+        _need(not self.partial_rollouts or (segment is not None and 1 <= segment < longest and longest % segment == 0),
+              f"rollout.schedule.partial_segment_tokens: partial rollouts need a segment in [1, rollout.max_new_tokens "
+              f"= {longest}) that divides it, got {segment}")
+        _need(self.partial_rollouts or segment is None,
+              "rollout.schedule.partial_segment_tokens: set only with rollout.schedule.partial_rollouts: true")
+        _need(self.rounds_ahead >= 0, f"rollout.schedule.rounds_ahead: must be >= 0, got {self.rounds_ahead}")
+        # A round asked for after a step's rounds is one version old when the next step takes it: at staleness 0
+        # every one would be dropped.
+        _need(self.rounds_ahead == 0 or self.max_staleness >= 1,
+              f"rollout.schedule.rounds_ahead: {self.rounds_ahead} needs rollout.schedule.max_staleness >= 1 (a round "
+              f"asked for ahead is one version old when the next step takes it; at 0 every one would be dropped)")
+        _need(self.ahead_schedule == "fixed" or self.rounds_ahead >= 1,
+              f"rollout.schedule.ahead_schedule: {self.ahead_schedule} needs rollout.schedule.rounds_ahead >= 1 (the "
+              f"most rounds held ahead); at 0 none is asked for")
+
+
+@dataclass
+class RolloutConfig:
+    # builtin | vllm (colocated) | vllm_remote (vLLM servers on other nodes) | builtin_remote (built-in engine servers)
+    engine: str = "builtin"
+    num_responses_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    # A random stream per request (reproducible samples, the same after a resume) or one engine-wide stream (faster:
+    # vLLM draws seeded requests one at a time); a sampling setting every request carries, so the vLLM engines
+    # (vllm, vllm_remote) act on it. The built-in engines always seed each response.
+    seeded_sampling: bool = False
+    # Each engine's own options (the *EngineConfig sections above): builtin reads rollout.builtin, vllm rollout.vllm,
+    # vllm_remote and builtin_remote rollout.remote. The section of an engine not selected is not read (nor
+    # checked), so a recipe may hold several and switching rollout.engine needs no resets.
+    builtin: BuiltinEngineConfig = field(default_factory=BuiltinEngineConfig)
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)
+    # When the rollouts are generated, against the steps that train on them (bounded staleness, partial rollouts,
+    # oversampling, updates during generation, rounds ahead): the rollout queue's, read by it alone.
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
     def check(self) -> None:
         _need(self.num_responses_per_prompt >= 2,
               f"rollout.num_responses_per_prompt: group size must be >= 2, got {self.num_responses_per_prompt}")
         _need(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         _need(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         _need(self.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        _need(self.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
-        _need(self.oversample_batches >= 0,
-              f"rollout.oversample_batches: must be >= 0, got {self.oversample_batches}")
-        segment, longest = self.partial_segment_tokens, self.max_new_tokens
-        _need(not self.partial_rollouts or (segment is not None and 1 <= segment < longest and longest % segment == 0),
-              f"rollout.partial_segment_tokens: partial rollouts need a segment in [1, rollout.max_new_tokens = "
-              f"{longest}) that divides it, got {segment}")
-        _need(self.partial_rollouts or segment is None,
-              "rollout.partial_segment_tokens: set only with rollout.partial_rollouts: true")
+        self.schedule.check(self)
         getattr(self, ENGINES[self.engine].section).check(self)  # the selected engine's only: no other is read
 
 
@@ -332,8 +363,8 @@ class GroupRelativeOptions:
 class RolloutCorrectionConfig:
     """algorithm.rollout_correction: the rollout/training mismatch correction (algorithms/rollout_correction.py, its
     names verl's): truncated importance weights exp(old - rollout) per token, their product per sequence, or their
-    geometric mean per sequence (GRPO-S's choice), capped at rollout_is_cap; rejection of the tokens / sequences
-    whose ratio (or geometric-mean ratio) falls outside rollout_rs_bounds. Required with rollout.max_staleness >= 1
+    geometric mean per sequence (GRPO-S's choice), capped at rollout_is_cap; rejection of the tokens / sequences whose
+    ratio (or geometric-mean ratio) falls outside rollout_rs_bounds. Required with rollout.schedule.max_staleness >= 1
     or partial rollouts. The old-policy phase reads it, whatever the algorithm."""
 
     rollout_is: str = "none"  # none | token | sequence | geometric
@@ -587,7 +618,7 @@ class TrainConfig:
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16"), "rollout.engine": ENGINE_NAMES,  # engine_table.py: the only list
-    "rollout.ahead_schedule": ("fixed", "when_idle"),
+    "rollout.schedule.ahead_schedule": ("fixed", "when_idle"),
     "algorithm.name": ALGORITHM_NAMES,  # the registry's names (algorithms/registry.py): the only list of them
     "algorithm.gtpo.norm_scope": NORM_SCOPES, "algorithm.grpo_s.sequence_ratio": SEQUENCE_RATIOS,
     "algorithm.length_penalty": LENGTH_PENALTIES,
@@ -680,11 +711,13 @@ def _build(cls, data: dict, prefix: str):
     return cls(**kwargs)
 
 
-# Keys that moved to another place, each answered with one line naming its new place (or places) rather than as
-# unknown, and read in their new place from a checkpoint's saved config (`upgrade_saved_config`): the rollout
-# engines' options, moved into a section per engine; the algorithms' options, moved into a section per algorithm,
-# per length penalty and for the rollout correction; routing replay and the router losses, into model.moe.
+# Keys that moved to another place, each answered with one line naming its new place (or places) rather than as unknown,
+# and read in their new place from a checkpoint's saved config (`upgrade_saved_config`): the rollout schedule, moved
+# into rollout.schedule; the rollout engines' options, moved into a section per engine; the algorithms' options, moved
+# into a section per algorithm, per length penalty and for the rollout correction; routing replay and the router losses,
+# into model.moe.
 MOVED_KEYS: dict[str, tuple[str, ...]] = {
+    **{f"rollout.{key}": (f"rollout.schedule.{key}",) for key in ScheduleConfig.__dataclass_fields__},
     **{f"rollout.{old}": (f"rollout.{new}",) for old, new in (
         ("builtin_max_batch_tokens", "builtin.max_batch_tokens"),
         ("vllm_gpu_memory_utilization", "vllm.gpu_memory_utilization"),

@@ -21,14 +21,15 @@ class Engine:
     """What a rollout engine can do (module doc)."""
 
     # Generates on processes (nodes) of its own, rollout servers, one per data-parallel replica: while the trainer
-    # trains (rollout.max_staleness), reached through rollout.remote.
+    # trains (rollout.schedule.max_staleness), reached through rollout.remote.
     remote: bool
     section: str  # the config section of its options: rollout.<section>
     # Reports each token's experts (model.moe.routing_replay: rollout); serves a mixture-of-experts model at all.
     routing_replay: bool
     moe: bool
-    # Takes a weight update between the decode steps of its generations in flight (rollout.update_during_generation)
-    # and says when it has answered all it was asked (rollout.ahead_schedule: when_idle): a rollout server's.
+    # Takes a weight update between the decode steps of its generations in flight
+    # (rollout.schedule.update_during_generation) and says when it has answered all it was asked
+    # (rollout.schedule.ahead_schedule: when_idle): a rollout server's.
     updates_during_generation: bool
     idle_signal: bool
     # Seeds every response from its request's seed; otherwise only with rollout.seeded_sampling (vLLM's one stream).

@@ -44,7 +44,7 @@ class ScriptedEngine:
         return lambda: rollout
 
     def idle(self) -> bool:
-        """The next of `idle_answers` (set by a test of rollout.ahead_schedule when_idle)."""
+        """The next of `idle_answers` (set by a test of rollout.schedule.ahead_schedule when_idle)."""
         return self.idle_answers.pop(0)
 
     def stand_by(self) -> None:
@@ -58,7 +58,7 @@ def scripted_queue(answer, requests, *, max_staleness: int, steps: int, group_si
     loader) gives prompts 1000 + i x `prompts_per_draw` ... (one token each, ids "p<index>"), round r of step k is
     asked with seed 10 k + r. `selection`, `reward(prompts, responses) -> [N, G]` and the data-parallel group
     `dp_group` for its `experience` (by default one group a step, every response correct, no group);
-    `rounds_ahead` as rollout.rounds_ahead, `when_idle` as its schedule "when_idle"."""
+    `rounds_ahead` as rollout.schedule.rounds_ahead, `when_idle` as its schedule "when_idle"."""
     draws = iter(range(first_draw, 10**6))
 
     def draw_prompts():

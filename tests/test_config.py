@@ -27,6 +27,8 @@ def _write(tmp_path, text):
 
 
 BASE = "model: {tiny_synthetic: true}\ndata: {source: synthetic}\n"
+PARTIAL = ["rollout.schedule.partial_rollouts=true", "rollout.max_new_tokens=8",
+           "rollout.schedule.partial_segment_tokens=2"]
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
@@ -69,22 +71,26 @@ def test_overrides_are_typed_and_nested(tmp_path):
     (BASE, ["rollout.engine=vllm_remote"], "rollout.remote.addresses: the vllm_remote engine needs"),
     (BASE, ["rollout.remote.addresses=host:1"], "rollout.remote.addresses: expected a list"),
     (BASE, ["rollout.engine=builtin_remote"], "rollout.remote.addresses: the builtin_remote engine needs"),
-    (BASE, ["rollout.max_staleness=1"], "rollout.max_staleness: 1 needs engines on processes of their own that "
-                                        "generate while the trainer trains"),
-    (BASE, ["rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
-    (BASE, ["rollout.oversample_batches=-1"], "rollout.oversample_batches: must be >= 0"),
-    (BASE, ["rollout.partial_rollouts=true"], "rollout.partial_segment_tokens: partial rollouts need a segment"),
-    (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=6", "rollout.partial_segment_tokens=4"],
-     "rollout.max_new_tokens = 6.? that divides it, got 4"),
-    (BASE, ["rollout.partial_segment_tokens=2"], "rollout.partial_segment_tokens: set only with "
-                                                 "rollout.partial_rollouts: true"),
-    (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout.partial_segment_tokens=2",
-            "algorithm.name=grpo"], "rollout.partial_rollouts: needs dynamic sampling"),
-    (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout.partial_segment_tokens=2"],
-     "rollout.partial_rollouts: needs the rollout correction"),
-    (BASE, ["rollout.max_staleness=1", "rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"],
-     "rollout.max_staleness: 1 needs the rollout correction .algorithm.rollout_correction.rollout_is: token, or "
-     "geometric for grpo_s"),
+    (BASE, ["rollout.schedule.max_staleness=1"], "rollout.schedule.max_staleness: 1 needs engines on processes of "
+                                                 "their own that generate while the trainer trains"),
+    (BASE, ["rollout.schedule.max_staleness=-1"], "rollout.schedule.max_staleness: must be >= 0"),
+    (BASE, ["rollout.schedule.oversample_batches=-1"], "rollout.schedule.oversample_batches: must be >= 0"),
+    (BASE, ["rollout.schedule.partial_rollouts=true"],
+     "rollout.schedule.partial_segment_tokens: partial rollouts need a segment"),
+    (BASE, ["rollout.schedule.partial_rollouts=true", "rollout.max_new_tokens=6",
+            "rollout.schedule.partial_segment_tokens=4"], "rollout.max_new_tokens = 6.? that divides it, got 4"),
+    (BASE, ["rollout.schedule.partial_segment_tokens=2"], "rollout.schedule.partial_segment_tokens: set only with "
+                                                          "rollout.schedule.partial_rollouts: true"),
+    (BASE, [*PARTIAL, "algorithm.name=grpo"], "rollout.schedule.partial_rollouts: needs dynamic sampling"),
+    (BASE, PARTIAL, "rollout.schedule.partial_rollouts: needs the rollout correction"),
+    (BASE, ["rollout.schedule.rounds_ahead=-1"], "rollout.schedule.rounds_ahead: must be >= 0, got -1"),
+    (BASE, ["rollout.schedule.rounds_ahead=2"], "rollout.schedule.rounds_ahead: 2 needs rollout.schedule.max_staleness "
+                                                ">= 1"),
+    (BASE, ["rollout.schedule.ahead_schedule=when_idle"], "rollout.schedule.ahead_schedule: when_idle needs "
+                                                          "rollout.schedule.rounds_ahead >= 1"),
+    (BASE, ["rollout.schedule.max_staleness=1", "rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"],
+     "rollout.schedule.max_staleness: 1 needs the rollout correction .algorithm.rollout_correction.rollout_is: "
+     "token, or geometric for grpo_s"),
     (BASE, ["rollout.engine=vllm", "rollout.vllm.kv_cache_memory_bytes=0"],
      "rollout.vllm.kv_cache_memory_bytes: must be > 0"),
     (BASE, ["rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=1.5"],
@@ -109,7 +115,8 @@ def test_overrides_are_typed_and_nested(tmp_path):
                                                                            "not available with grpo_s"),
     (BASE, ["algorithm.rollout_correction.rollout_is=tokens"],
      "algorithm.rollout_correction.rollout_is: 'tokens' is not one of none, token, sequence"),
-    (BASE, ["rollout.ahead_schedule=idle"], "rollout.ahead_schedule: 'idle' is not one of fixed, when_idle"),
+    (BASE, ["rollout.schedule.ahead_schedule=idle"],
+     "rollout.schedule.ahead_schedule: 'idle' is not one of fixed, when_idle"),
     (BASE, ["algorithm.rollout_correction.rollout_rs=token", "algorithm.rollout_correction.rollout_rs_bounds=[2, 1]"],
      "algorithm.rollout_correction.rollout_rs_bounds: need [low, high]"),
     (BASE, ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_cap=0"],

@@ -11,15 +11,17 @@ TINY = ["model.tiny_synthetic=true", "data.source=synthetic"]
 JSONL = ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl"]
 REMOTE = ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"]
 CORRECTION = "algorithm.rollout_correction.rollout_is=token"
-PARTIAL = ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout.partial_segment_tokens=2"]
+PARTIAL = ["rollout.schedule.partial_rollouts=true", "rollout.max_new_tokens=8",
+           "rollout.schedule.partial_segment_tokens=2"]
 
 # Per row (by name): the overrides that break it, and the change that makes them load.
 EXAMPLES = {
     "vllm needs a Hugging Face directory": (["model.load=/ckpt", "data.source=synthetic", "rollout.engine=vllm"],
                                             ["rollout.vllm.hf_dir=/hf"]),
-    "staleness needs engines of their own": (TINY + ["rollout.max_staleness=1", CORRECTION],
+    "staleness needs engines of their own": (TINY + ["rollout.schedule.max_staleness=1", CORRECTION],
                                              ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"]),
-    "staleness needs the rollout correction": (TINY + ["rollout.max_staleness=1", "rollout.engine=builtin_remote",
+    "staleness needs the rollout correction": (TINY + ["rollout.schedule.max_staleness=1",
+                                                       "rollout.engine=builtin_remote",
                                                        "rollout.remote.addresses=[h:1]"],
                                                [CORRECTION]),
     "partial rollouts without routing replay": (TINY + PARTIAL + [CORRECTION,
@@ -29,26 +31,20 @@ EXAMPLES = {
                                                ["algorithm.dynamic_sampling=true"]),
     "partial rollouts need the rollout correction": (TINY + PARTIAL, [CORRECTION]),
     "updates during generation need rollout servers": (
-        TINY + ["rollout.update_during_generation=true"],
-        REMOTE + ["rollout.max_staleness=1", CORRECTION]),
-    "updates during generation need staleness": (TINY + REMOTE + ["rollout.update_during_generation=true"],
-                                                 ["rollout.max_staleness=1", CORRECTION]),
+        TINY + ["rollout.schedule.update_during_generation=true"],
+        REMOTE + ["rollout.schedule.max_staleness=1", CORRECTION]),
+    "updates during generation need staleness": (TINY + REMOTE + ["rollout.schedule.update_during_generation=true"],
+                                                 ["rollout.schedule.max_staleness=1", CORRECTION]),
     "updates during generation without routing replay": (
-        TINY + REMOTE + ["rollout.update_during_generation=true", "rollout.max_staleness=1",
+        TINY + REMOTE + ["rollout.schedule.update_during_generation=true", "rollout.schedule.max_staleness=1",
                          CORRECTION, "model.moe.routing_replay=rollout"],
         ["model.moe.routing_replay=none"]),
-    "rounds ahead are a count": (TINY + ["rollout.rounds_ahead=-1"], ["rollout.rounds_ahead=0"]),
-    "rounds ahead need staleness": (TINY + REMOTE + ["rollout.rounds_ahead=1"],
-                                    ["rollout.max_staleness=1", CORRECTION]),
     "rounds ahead need dynamic sampling": (
-        TINY + REMOTE + ["rollout.rounds_ahead=1", "rollout.max_staleness=1", CORRECTION,
+        TINY + REMOTE + ["rollout.schedule.rounds_ahead=1", "rollout.schedule.max_staleness=1", CORRECTION,
                          "algorithm.name=grpo"], ["algorithm.dynamic_sampling=true"]),
     "rounds ahead within the rounds a step may take": (
-        TINY + REMOTE + ["rollout.rounds_ahead=3", "rollout.max_staleness=1", CORRECTION,
+        TINY + REMOTE + ["rollout.schedule.rounds_ahead=3", "rollout.schedule.max_staleness=1", CORRECTION,
                          "algorithm.max_resample_rounds=2"], ["algorithm.max_resample_rounds=3"]),
-    "an ahead schedule needs rounds ahead": (
-        TINY + REMOTE + ["rollout.ahead_schedule=when_idle", "rollout.max_staleness=1", CORRECTION],
-        ["rollout.rounds_ahead=1"]),
     "routing replay needs CP = 1": (TINY + ["parallel.context=2", "model.moe.routing_replay=rollout",
                                             "rollout.engine=vllm_remote", "rollout.remote.addresses=[h:1]"],
                                     ["model.moe.routing_replay=none"]),
@@ -82,10 +78,10 @@ def test_each_rule_refuses_with_its_message_and_only_where_it_applies(rule):
 
 def test_a_rule_message_fills_in_the_configuration():
     with pytest.raises(ConfigError) as error:
-        load_config(None, TINY + ["rollout.max_staleness=2", CORRECTION])
-    assert str(error.value) == ("rollout.max_staleness: 2 needs engines on processes of their own that generate while "
-                                "the trainer trains (vllm_remote or builtin_remote); the builtin engine shares the "
-                                "trainer's")
+        load_config(None, TINY + ["rollout.schedule.max_staleness=2", CORRECTION])
+    assert str(error.value) == ("rollout.schedule.max_staleness: 2 needs engines on processes of their own that "
+                                "generate while the trainer trains (vllm_remote or builtin_remote); the builtin engine "
+                                "shares the trainer's")
 
 
 # One configuration with every engine's section set: rollout.engine alone picks which one is read.

@@ -26,9 +26,9 @@ def _refused(engine: str, sets: list[str]) -> set[str]:
 @pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_each_capability_decides_its_rule_for_every_engine(engine):
     can = ENGINES[engine]
-    assert ("staleness needs engines of their own" in _refused(engine, ["rollout.max_staleness=1", CORRECTION])) \
-        == (not can.remote)
-    during = _refused(engine, ["rollout.update_during_generation=true", "rollout.max_staleness=1", CORRECTION])
+    stale = ["rollout.schedule.max_staleness=1", CORRECTION]
+    assert ("staleness needs engines of their own" in _refused(engine, stale)) == (not can.remote)
+    during = _refused(engine, ["rollout.schedule.update_during_generation=true", *stale])
     assert ("updates during generation need rollout servers" in during) == (not can.updates_during_generation)
     assert ("no built-in engine in the trainer at CP > 1" in _refused(engine, ["parallel.context=2"])) \
         == (not can.context_parallel)

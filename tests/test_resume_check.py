@@ -59,24 +59,43 @@ def test_a_key_the_checkpoint_lacks_counts_as_its_default():
         check_resume(saved, load_config(DEMO_CONFIG, ["algorithm.dual_clip=3.0"]), "ckpt")
 
 
-def test_a_checkpoint_saved_before_the_engine_sections_resumes():
-    """A checkpoint's config written with the flat engine keys (before rollout.builtin / vllm / remote) is read as
-    saved: its engine options are not fixed on resume, and the rollout schedule is read by key."""
-    saved = _saved(**{"rollout.engine": "builtin_remote", "rollout.max_staleness": 1,
-                      "algorithm.rollout_correction.rollout_is": "token"})
-    for section in ("builtin", "vllm", "remote"):
+def test_a_checkpoint_saved_before_the_engine_and_schedule_sections_resumes():
+    """A checkpoint's config written with the flat engine keys (before rollout.builtin / vllm / remote) and the flat
+    rollout schedule (before rollout.schedule) is read in today's keys: its engine options are not fixed on resume,
+    and its schedule, with rollouts in flight, is the section's."""
+    saved = _saved(**{"rollout.engine": "builtin_remote", "algorithm.rollout_correction.rollout_is": "token"})
+    for section in ("builtin", "vllm", "remote", "schedule"):
         del saved["rollout"][section]
     saved["rollout"].update(builtin_max_batch_tokens=None, vllm_gpu_memory_utilization=0.5,
                             vllm_kv_cache_memory_bytes=None, vllm_hf_dir=None, vllm_tensor_parallel=1,
                             remote_addresses=["h:1"], remote_connect_timeout_s=600.0, remote_request_timeout_s=1800.0,
-                            remote_reconnect_timeout_s=0.0)
+                            remote_reconnect_timeout_s=0.0, max_staleness=1, partial_rollouts=False,
+                            partial_segment_tokens=None, rounds_ahead=0)  # a schedule older than oversample_batches
     cfg = load_config(DEMO_CONFIG, ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:2]",
-                                    "rollout.max_staleness=1", "algorithm.rollout_correction.rollout_is=token"])
+                                    "rollout.schedule.max_staleness=1",
+                                    "algorithm.rollout_correction.rollout_is=token"])
     check_resume(saved, cfg, "ckpt")
     check_rollout_schedule(saved, cfg, "ckpt")
-    cfg.rollout.max_staleness = 2
-    with pytest.raises(ValueError, match=r"\(rollout.max_staleness 1 -> 2\)"):
+    cfg.rollout.schedule.max_staleness = 2
+    with pytest.raises(ValueError, match=r"\(rollout.schedule.max_staleness 1 -> 2\)"):
         check_rollout_schedule(saved, cfg, "ckpt")
+
+
+@pytest.mark.parametrize("key, value", [("oversample_batches", 1), ("update_during_generation", True),
+                                        ("rounds_ahead", 1), ("ahead_schedule", "when_idle")])
+def test_with_rollouts_in_flight_the_whole_schedule_section_is_fixed(key, value):
+    """The resume check compares the rollout.schedule section, not a list of its keys: every key of it, set other
+    than the checkpoint's, is refused naming it (and nothing is checked where no rollout is in flight)."""
+    stale = ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]", "rollout.schedule.max_staleness=1",
+             "algorithm.rollout_correction.rollout_is=token", "rollout.schedule.rounds_ahead=1"]
+    saved = json.loads(json.dumps(to_dict(load_config(DEMO_CONFIG, stale))))
+    cfg = parse_config(DEMO_CONFIG, stale)
+    saved["rollout"]["schedule"][key] = {"rounds_ahead": 2}.get(key, value)
+    with pytest.raises(ValueError, match=f"under another rollout schedule than this run's \\(rollout.schedule.{key} "):
+        check_rollout_schedule(saved, cfg, "ckpt")
+    saved = json.loads(json.dumps(to_dict(load_config(DEMO_CONFIG))))  # on-policy: nothing in flight
+    saved["rollout"]["schedule"][key] = value
+    check_rollout_schedule(saved, parse_config(DEMO_CONFIG), "ckpt")
 
 
 # The algorithm section as a checkpoint saved it before each algorithm had its own section: every option flat, those

@@ -342,7 +342,7 @@ def test_disaggregated_job_splits_trainer_and_rollout_nodes(tmp_path):
     assert "--listen n3:31001" in servers[1] and "--hf-dir /models/q7" in servers[1]
     trainer = next(line for line in out.splitlines() if "megatron_gtpo.train" in line)
     assert "--nnodes=2" in trainer
-    assert "rollout.engine=vllm_remote" in trainer and "rollout.max_staleness=1" in trainer
+    assert "rollout.engine=vllm_remote" in trainer and "rollout.schedule.max_staleness=1" in trainer
     assert "rollout.remote.addresses=\\[n3:31000\\,n3:31001\\]" in trainer or \
         "rollout.remote.addresses=[n3:31000,n3:31001]" in trainer
 

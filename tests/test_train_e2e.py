@@ -348,7 +348,7 @@ def test_a_prompt_that_leaves_no_room_for_a_whole_response_fails_at_start(tmp_pa
     """Partial rollouts of 2-token segments: every engine call would fit the tiny model's 64 positions, but a 5-token
     prompt and the 62-token budget do not; the run fails before its first step, naming the setting."""
     res = run_train(tmp_path, 1, ["parallel.tensor=1", "steps=1", "warm_start.steps=0", "rollout.max_new_tokens=62",
-                                  "rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2",
+                                  "rollout.schedule.partial_rollouts=true", "rollout.schedule.partial_segment_tokens=2",
                                   "algorithm.rollout_correction.rollout_is=token"], timeout=120)
     assert res.returncode != 0
     assert "rollout.max_new_tokens: prompt" in res.stderr and "with max_new_tokens = 62 that exceeds the model's 64 " \

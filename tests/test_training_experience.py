@@ -22,7 +22,7 @@ SCRIPTS = {
 
 
 def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0, ahead_rounds=1):
-    """Rounds below `ahead_rounds` were asked for ahead (round 0 always; rollout.rounds_ahead further ones)."""
+    """Rounds below `ahead_rounds` were asked for ahead (round 0 always; rollout.schedule.rounds_ahead further ones)."""
     import torch.distributed as dist
 
     from hand_built import prompt_samples
@@ -120,8 +120,8 @@ def test_carried_groups_are_kept_first_and_round_0_is_never_lost(collected):
 
 
 def test_a_round_asked_for_ahead_is_rewarded_by_a_rank_that_needs_it_not(collected):
-    """Round 1 asked for ahead (rollout.rounds_ahead): rank 0, full after round 0, rewards it all the same rather
-    than standing by, and its informative groups (prompts 10, 12) are surplus for the next step."""
+    """Round 1 asked for ahead (rollout.schedule.rounds_ahead): rank 0, full after round 0, rewards it all the same
+    rather than standing by, and its informative groups (prompts 10, 12) are surplus for the next step."""
     rank0, rank1 = collected["fills", True, 0, 2]
     assert rank0["generate_rounds"] == rank1["generate_rounds"] == [0, 1] and rank0["stand_by"] == 0
     assert rank0["prompts"] == [0, 2] and rank0["surplus"] == [10, 12]

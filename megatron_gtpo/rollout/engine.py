@@ -105,7 +105,7 @@ class RolloutEngine(Protocol):
         """`generate` in two halves, both collective: the call asks, the function it returns gives the rollout (the
         record, and the routing where the engine records it). An engine on processes of its own generates in
         between, with the weights of the last sync before the call (what lets the trainer train meanwhile:
-        rollout.max_staleness); an engine on the trainer's ranks answers at once."""
+        rollout.schedule.max_staleness); an engine on the trainer's ranks answers at once."""
         ...
 
     def idle(self) -> bool:

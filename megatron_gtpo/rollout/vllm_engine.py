@@ -8,7 +8,7 @@
   engine and raises on every rank unless each vLLM worker's RMSNorm checksums equal those of the weights sent.
 - Responses keep rollout/engine.py's contract, except that under top-k or top-p vLLM reports the log-probs of the
   truncated, renormalised distribution.
-- Weight updates during generation (a remote server's session with rollout.update_during_generation,
+- Weight updates during generation (a remote server's session with rollout.schedule.update_during_generation,
   remote_server.py): `pause_generation` stops vLLM's scheduler with the requests in flight kept (pause mode "keep"),
   the update loads, and `resume_generation` sends those requests back to the waiting queue with their KV cache
   dropped (vLLM's reset_prefix_cache(reset_running_requests=True)), so they are prefilled again under the new

@@ -28,7 +28,7 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
     engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
                                                max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay),
               "vllm": lambda: _vllm_engine(r.vllm, cfg, parallel, layers),
-              "remote": lambda: _remote_engine(r.remote, r.update_during_generation, shape, parallel,
+              "remote": lambda: _remote_engine(r.remote, r.schedule.update_during_generation, shape, parallel,
                                                layers)}[ENGINES[r.engine].section]()
     if ENGINES[r.engine].truncated_logprobs and (r.top_k or r.top_p < 1) and parallel.world_rank == 0:
         print("warning: with top_k / top_p, vLLM reports log-probs of the truncated distribution, the builtin engine "

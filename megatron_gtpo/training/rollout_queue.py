@@ -1,19 +1,19 @@
-"""Rollouts asked for ahead of training (rollout.max_staleness = N), the groups partial rollouts left unfinished, and
-the complete groups carried over from one step to the next.
+"""Rollouts asked for ahead of training (rollout.schedule.max_staleness = N), the groups partial rollouts left
+unfinished, and the complete groups carried over from one step to the next.
 
-Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked
-for at step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version
-max(0, k - N) (the weights after that many steps) while the trainer trains the steps in between, and no batch is
-trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
-whatever the engines' speed. N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
-Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot, with the weights of now, or with
-rollout.rounds_ahead = K served from the rounds asked for ahead (`ahead`): after each step's rounds, further rounds
-are asked for with the weights of then until K rounds young enough for the next step are held, and the next steps
-take them oldest first while at most N versions old (older ones are waited for and dropped, their groups counted).
-That schedule is fixed too: what is asked, with which version and seeds, depends on the rewards only. With
-rollout.ahead_schedule "when_idle" the rounds ahead are asked for one at a time instead, at the boundaries of the
-step's phases (`ask_if_idle`), whenever every rollout server of the run has answered all it was asked, up to K held:
-what each version samples then depends on the engines' speed (a resumed run trains on other rounds).
+Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked for at
+step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version max(0, k - N)
+(the weights after that many steps) while the trainer trains the steps in between, and no batch is trained on more than
+N versions after the weights that sampled it. The schedule is fixed, so a run is the same whatever the engines' speed.
+N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call. Dynamic sampling's further rounds
+of a step (`rounds`) are asked for on the spot, with the weights of now, or with rollout.schedule.rounds_ahead = K
+served from the rounds asked for ahead (`ahead`): after each step's rounds, further rounds are asked for with the
+weights of then until K rounds young enough for the next step are held, and the next steps take them oldest first while
+at most N versions old (older ones are waited for and dropped, their groups counted). That schedule is fixed too: what
+is asked, with which version and seeds, depends on the rewards only. With rollout.schedule.ahead_schedule "when_idle"
+the rounds ahead are asked for one at a time instead, at the boundaries of the step's phases (`ask_if_idle`), whenever
+every rollout server of the run has answered all it was asked, up to K held: what each version samples then depends on
+the engines' speed (a resumed run trains on other rounds).
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
 batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the
@@ -57,14 +57,14 @@ __all__ = ["AskedBatch", "RolloutQueue", "carry_over"]
 
 
 class RolloutQueue:
-    """The batches asked for and not yet trained on, the unfinished groups and the carried ones (module doc).
-    `source` draws a round's prompts and asks the engine for its responses (and the continuation of unfinished
-    ones: its `requests` say how answers merge into groups); `selection`: which groups a step keeps;
-    `reward(prompts, responses) -> [N, G]` the verifier's rewards on the host; `parallel`: this rank's groups (the
-    data-parallel ranks agree on a step's rounds; a restored state goes to the training device); `max_staleness`
-    (rollout.max_staleness): how far ahead batches are asked for; `steps`: the run's (no batch is asked for beyond its
-    last step); `rounds_ahead` (rollout.rounds_ahead): further rounds kept asked for ahead; `when_idle`
-    (rollout.ahead_schedule "when_idle"): asked for when the servers are idle, not on the fixed schedule."""
+    """The batches asked for and not yet trained on, the unfinished groups and the carried ones (module doc). `source`
+    draws a round's prompts and asks the engine for its responses (and the continuation of unfinished ones: its
+    `requests` say how answers merge into groups); `selection`: which groups a step keeps; `reward(prompts, responses)
+    -> [N, G]` the verifier's rewards on the host; `parallel`: this rank's groups (the data-parallel ranks agree on a
+    step's rounds; a restored state goes to the training device); `max_staleness` (rollout.schedule.max_staleness): how
+    far ahead batches are asked for; `steps`: the run's (no batch is asked for beyond its last step); `rounds_ahead`
+    (rollout.schedule.rounds_ahead): further rounds kept asked for ahead; `when_idle` (rollout.schedule.ahead_schedule
+    "when_idle"): asked for when the servers are idle, not on the fixed schedule."""
 
     def __init__(self, source: RolloutSource, selection: GroupSelection,
                  reward: Callable[[list, Responses], torch.Tensor], parallel: ParallelGroups, *, max_staleness: int,
@@ -123,12 +123,12 @@ class RolloutQueue:
 
     def take(self, step: int) -> SampledGroups:
         """The groups of batch `step`, waited for (asked for now if it was not: N = 0, or the first step); then every
-        batch up to step + N (and before the run's end) not asked for yet is asked for, with the weights of now
-        (version `step`): the engine generates those while this one trains. Waiting first lets the asked batches
-        continue the responses this one left unfinished (partial rollouts) N versions after it, not N + 1; at
-        N >= 1 it costs no time, since the batch was generated before the weight update that ended the last step
-        (the update drains the engine; with rollout.update_during_generation it need not, and the wait is for the
-        rest of the batch, sampled by the newer weights). Starts the step's count of `tokens_generated`."""
+        batch up to step + N (and before the run's end) not asked for yet is asked for, with the weights of now (version
+        `step`): the engine generates those while this one trains. Waiting first lets the asked batches continue the
+        responses this one left unfinished (partial rollouts) N versions after it, not N + 1; at N >= 1 it costs no
+        time, since the batch was generated before the weight update that ended the last step (the update drains the
+        engine; with rollout.schedule.update_during_generation it need not, and the wait is for the rest of the batch,
+        sampled by the newer weights). Starts the step's count of `tokens_generated`."""
         self.tokens_generated, self.generation_s = 0, 0.0
         self.asked_ahead_in_step = 0
         if step not in self.asked:

@@ -34,7 +34,6 @@ from .old_policy import correct_rollout, old_policy_pass
 from .partial_rollouts import PartialRollouts, WholeResponses
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
-from .resume_check import holds_rollouts
 from .rollout_queue import RolloutQueue
 from .rollout_source import RolloutSource
 from .sampled_groups import SampledGroups
@@ -78,20 +77,21 @@ class Trainer:
         self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
         self.algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
-        r = cfg.rollout
+        r, schedule = cfg.rollout, cfg.rollout.schedule
         # Whole responses, or responses generated over several steps, a segment each (partial_rollouts.py).
-        requests = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, r.partial_segment_tokens) \
-            if r.partial_rollouts else WholeResponses()
+        requests = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, schedule.partial_segment_tokens) \
+            if schedule.partial_rollouts else WholeResponses()
         self.source = RolloutSource(lambda: self.loader.next_batch().items, requests, self.sampling_params,
-                                    oversample_batches=r.oversample_batches)
+                                    oversample_batches=schedule.oversample_batches)
         selection = GroupSelection(cfg.data.prompts_per_step // self.parallel.dp_size, self.algorithm.dynamic_sampling,
                                    cfg.algorithm.max_resample_rounds, self.algorithm.length_penalty)
         self.rollouts = RolloutQueue(self.source, selection, self.reward_responses, self.parallel,
-                                     max_staleness=r.max_staleness, steps=cfg.steps, rounds_ahead=r.rounds_ahead,
-                                     when_idle=r.ahead_schedule == "when_idle")
+                                     max_staleness=schedule.max_staleness, steps=cfg.steps,
+                                     rounds_ahead=schedule.rounds_ahead,
+                                     when_idle=schedule.ahead_schedule == "when_idle")
         # Rollouts in flight between steps (bounded staleness, partial rollouts): checkpointed, and each token's
         # staleness counted in the step batch.
-        self.holds_rollouts = holds_rollouts(r)
+        self.holds_rollouts = schedule.holds_rollouts
         self.start_step = checkpointing.restore(self.checkpoint_state())  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
         self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
@@ -126,7 +126,7 @@ class Trainer:
             with timer("old_logprob"):
                 batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
                 self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
-            self.rollouts.ask_if_idle(step, timer)  # rollout.ahead_schedule when_idle: an idle server gets a round
+            self.rollouts.ask_if_idle(step, timer)  # ahead_schedule when_idle: an idle server gets a round
             with timer("advantages"):
                 self.compute_advantages(batch, step, metrics)  # over the global batch; the token selection
             with timer("update"):
@@ -186,7 +186,7 @@ class Trainer:
         return exp
 
     def build_step_batch(self, exp: Experience, step: int) -> StepBatch:
-        """The step batch; when rollouts may be stale (rollout.max_staleness, partial rollouts), with each token's
+        """The step batch; when rollouts may be stale (rollout.schedule: staleness, partial rollouts), with each token's
         staleness against version `step` (for the mismatch metrics by staleness)."""
         d = self.cfg.data
         return build_step_batch(exp.kept, self.parallel,

@@ -3,6 +3,7 @@ loader's items for prompt token ids, an engine's record wrapped as its `Rollout`
 a rollout queue over a scripted engine."""
 import torch
 
+from megatron_gtpo.config import ScheduleConfig
 from megatron_gtpo.data.records import PromptSample
 from megatron_gtpo.distributed import ParallelGroups
 from megatron_gtpo.rollout.engine import Rollout, SamplingParams
@@ -70,5 +71,6 @@ def scripted_queue(answer, requests, *, max_staleness: int, steps: int, group_si
     source.engine = ScriptedEngine(answer)
     return RolloutQueue(source, selection or GroupSelection(1, True, 0, None),
                         reward or (lambda prompts, responses: torch.ones(responses.num_prompts, group_size)),
-                        ParallelGroups.data_parallel_rank(dp_group, torch.device("cpu")), max_staleness=max_staleness,
-                        steps=steps, rounds_ahead=rounds_ahead, when_idle=when_idle)
+                        ParallelGroups.data_parallel_rank(dp_group, torch.device("cpu")),
+                        schedule=ScheduleConfig(max_staleness=max_staleness, rounds_ahead=rounds_ahead,
+                                                ahead_schedule="when_idle" if when_idle else "fixed"), steps=steps)

@@ -99,7 +99,7 @@ def _schedule(max_staleness: int, steps: int) -> dict[int, tuple[int, list[int]]
         group_size=G)
     trained = {}
     for step in range(steps):
-        groups = queue.take(step)
+        groups, _ = queue.take(step)
         for i, prompt in enumerate(groups.prompts):
             first = groups.select(torch.tensor([i]))
             trained[prompt.index] = (step, first.versions_T[:3].tolist())
@@ -179,15 +179,15 @@ def test_a_saved_queue_keeps_the_routing_of_its_batches_in_flight():
 
     queue, resumed = (scripted_queue(answer, WholeResponses(), max_staleness=1, steps=3, group_size=G)
                       for _ in range(2))
-    assert queue.take(0).routed_experts[1][0, 0, 0] == 1
+    assert queue.take(0)[0].routed_experts[1][0, 0, 0] == 1
     resumed.load_state_dict(queue.state_dict())  # batch 1, asked for at step 0
-    groups = resumed.take(1)
+    groups, _ = resumed.take(1)
     assert [r[0, 0, 0].item() for r in groups.routed_experts] == [10 + j for j in range(G)]
     assert all(r.device.type == "cpu" and r.dtype == torch.int16 for r in groups.routed_experts)
 
 
 def test_a_step_counts_every_token_of_its_engine_answers_once():
-    """RolloutQueue.tokens_generated (the `tokens_generated` metric) at N = 1 with partial rollouts of 2-token
+    """StepCounts.tokens_generated (the `tokens_generated` metric) at N = 1 with partial rollouts of 2-token
     segments of a 4-token budget: a step counts the answers it waits for (its batch and its further rounds), with the
     unfinished responses and the groups it will not train on; the batch asked for ahead counts in the step that waits
     for it, once, even when a checkpoint waited for it first."""
@@ -209,11 +209,14 @@ def test_a_step_counts_every_token_of_its_engine_answers_once():
     # Draws: A (step 0's batch), B (batch 1, asked at step 0), C (step 0's round 1).
     queue = scripted_queue(answer, PARTIAL, max_staleness=1, steps=2, group_size=G)
     sample_round = queue.rounds(0, PhaseTimer())
-    assert sample_round(0)[0]().num_groups == 0 and queue.tokens_generated == 3  # A left unfinished
-    assert [p.id for p in sample_round(1)[0]().prompts] == ["p2"] and queue.tokens_generated == 3 + 3
+    step_0 = queue.counts  # handed out by step 0's `take`
+    assert sample_round(0)[0]().num_groups == 0 and step_0.tokens_generated == 3  # A left unfinished
+    assert [p.id for p in sample_round(1)[0]().prompts] == ["p2"] and step_0.tokens_generated == 3 + 3
     queue.state_dict()  # waits for batch 1 (asked for at step 0) without counting it
-    assert queue.tokens_generated == 6
-    assert [p.id for p in queue.take(1).prompts] == ["p0", "p1"] and queue.tokens_generated == 2 + 3
+    assert step_0.tokens_generated == 6
+    groups, step_1 = queue.take(1)
+    assert [p.id for p in groups.prompts] == ["p0", "p1"] and step_1.tokens_generated == 2 + 3
+    assert step_0.tokens_generated == 6 and step_1 is queue.counts  # one object per step
 
 
 def test_continued_counts_the_responses_sampled_by_more_than_one_version():

@@ -92,13 +92,15 @@ def test_a_queue_restored_after_a_step_goes_on_as_the_uninterrupted_one(world_of
 
 def _idle_step(queue, step, idle_answers):
     """Step `step` as the trainer runs it under rollout.schedule.ahead_schedule when_idle: its experience (which polls
-    the servers after its rounds), then the polls after its old-policy pass and its update; `idle_answers`: what the
-    scripted servers say at the polls that ask them."""
+    the servers after its rounds), then its phases on a timer that polls the queue after each (`poll`: after the
+    old-policy pass and after the update, not after the advantages or the sync); `idle_answers`: what the scripted
+    servers say at the polls that ask them."""
     queue.source.engine.idle_answers = list(idle_answers)
-    timer = PhaseTimer()
+    timer = PhaseTimer(after_phase=queue.poll(step))
     kept = _step(queue, step)
-    queue.ask_if_idle(step, timer)
-    queue.ask_if_idle(step, timer)
+    for phase in ("old_logprob", "advantages", "update", "sync"):
+        with timer(phase):
+            pass
     assert not queue.source.engine.idle_answers, "a poll that should have asked the servers did not"
     return kept
 
@@ -118,11 +120,28 @@ def test_when_idle_rounds_are_asked_one_at_a_time_when_the_servers_are_idle(worl
 
 
 def test_the_fixed_schedule_never_polls_the_servers(world_of_one):
-    """Without when_idle, `ask_if_idle` neither asks the servers (an empty script would raise) nor asks a round, also
+    """Without when_idle, a poll (`poll`) neither asks the servers (an empty script would raise) nor asks a round, also
     where fewer rounds than rollout.schedule.rounds_ahead are held (before the first step's)."""
     queue = _queue(world_of_one)
-    queue.ask_if_idle(0, PhaseTimer())
+    timer = PhaseTimer(after_phase=queue.poll(0))
+    for phase in ("old_logprob", "update"):
+        with timer(phase):
+            pass
     assert not queue.source.engine.asked and not queue.ahead
+
+
+def test_the_servers_are_polled_after_the_old_policy_pass_and_the_update_only(world_of_one):
+    """A step's phase timer polls the queue after every phase; the queue asks the servers after its rounds, its
+    old-policy pass and its update, never after the advantages or the weight sync (whose weights are the next step's:
+    a round asked there would be stamped with the wrong version)."""
+    queue = _queue(world_of_one, when_idle=True)
+    queue.source.engine.idle_answers = [False, False, False, True]  # the fourth would ask a round
+    timer = PhaseTimer(after_phase=queue.poll(0))
+    _step(queue, 0)
+    for phase in ("old_logprob", "advantages", "update", "sync"):
+        with timer(phase):
+            pass
+    assert queue.source.engine.idle_answers == [True] and not queue.ahead
 
 
 def _two_replicas(rank, world_size):

@@ -23,15 +23,19 @@ def _nothing() -> None:
 
 
 class PhaseTimer:
-    """Wall time of named phases of one step (seconds).
+    """Wall time of named phases of one step (seconds), and what runs between them.
 
     A GPU runs the kernels a phase launches after the host has moved on, so each phase ends with one
     `synchronize` (default: torch.cuda.synchronize on a machine with CUDA, nothing on a CPU, where work is done when
-    its call returns): the device time lands in the phase that queued it, not in whichever later phase waits."""
+    its call returns): the device time lands in the phase that queued it, not in whichever later phase waits.
+    `after_phase(name, timer)`, when given, runs when a phase has ended without an error, outside its time (the rollout
+    queue's polls of the servers: rollout_queue.RolloutQueue.poll)."""
 
-    def __init__(self, synchronize: Callable[[], None] | None = None):
+    def __init__(self, synchronize: Callable[[], None] | None = None,
+                 after_phase: Callable[[str, "PhaseTimer"], None] | None = None):
         self.seconds: dict[str, float] = {}
         self._synchronize = synchronize or (torch.cuda.synchronize if torch.cuda.is_available() else _nothing)
+        self._after_phase = after_phase
 
     @contextmanager
     def __call__(self, name: str):
@@ -41,6 +45,8 @@ class PhaseTimer:
         finally:
             self._synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        if self._after_phase is not None:
+            self._after_phase(name, self)
 
 
 class MetricsLogger:

@@ -85,10 +85,8 @@ class Trainer:
                                     oversample_batches=schedule.oversample_batches)
         selection = GroupSelection(cfg.data.prompts_per_step // self.parallel.dp_size, self.algorithm.dynamic_sampling,
                                    cfg.algorithm.max_resample_rounds, self.algorithm.length_penalty)
-        self.rollouts = RolloutQueue(self.source, selection, self.reward_responses, self.parallel,
-                                     max_staleness=schedule.max_staleness, steps=cfg.steps,
-                                     rounds_ahead=schedule.rounds_ahead,
-                                     when_idle=schedule.ahead_schedule == "when_idle")
+        self.rollouts = RolloutQueue(self.source, selection, self.reward_responses, self.parallel, schedule=schedule,
+                                     steps=cfg.steps)
         # Rollouts in flight between steps (bounded staleness, partial rollouts): checkpointed, and each token's
         # staleness counted in the step batch.
         self.holds_rollouts = schedule.holds_rollouts
@@ -108,30 +106,22 @@ class Trainer:
     def train(self) -> None:
         """The RL loop."""
         self.stop = StopSignal.install(saves=self.cfg.checkpoint.save_every >= 0)  # SIGTERM, SIGUSR1, Ctrl-C
-        if self.start_step == 0 and self.cfg.warm_start.steps:
-            warm_start = self.warm_start()
-            if warm_start is None:  # a stop signal: a warm start is not checkpointed
-                self.logger.close()
-                return
-            self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **warm_start})
-            self.sync_weights()  # an external engine generates with the warm-started policy from the first batch on
-            if self.cfg.steps == 0:  # a warm-start-only run: its checkpoint is where RL runs start (model.load)
-                checkpointing.save(self.checkpoint_state(), 0)
+        if self.start_step == 0 and self.cfg.warm_start.steps and not self.warm_start():
+            self.logger.close()  # a stop signal in the warm start, which is not checkpointed
+            return
         self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference
         for step in range(self.start_step, self.cfg.steps):
-            timer = PhaseTimer()
+            timer = PhaseTimer(after_phase=self.rollouts.poll(step))  # the schedule's polls between the phases
             metrics = MetricReducer(self.parallel.device, (*STEP_METRICS, *self.moe_metrics),
                                     {**METRICS, **self.moe_metrics})
             experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
             with timer("old_logprob"):
                 batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
                 self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
-            self.rollouts.ask_if_idle(step, timer)  # ahead_schedule when_idle: an idle server gets a round
             with timer("advantages"):
                 self.compute_advantages(batch, step, metrics)  # over the global batch; the token selection
             with timer("update"):
                 self.update(batch, metrics)
-            self.rollouts.ask_if_idle(step, timer)
             with timer("sync"):
                 self.sync_weights()
             self.log_metrics(step, experience, batch, metrics, timer)
@@ -141,11 +131,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ the phases
 
-    def warm_start(self) -> dict | None:
+    def warm_start(self) -> bool:
         """Supervised warm-start on the task's reference responses (`Task.demonstration`: synthetic tasks only), each
-        prompt with its reference as a group of one response, through the step batch and its micro-batch plan.
-        Returns its metrics, or None where a stop signal ended it (after the step in progress, said in one line:
-        nothing of it is saved, a relaunch starts it over)."""
+        prompt with its reference as a group of one response, through the step batch and its micro-batch plan; its
+        metrics logged as step -1, then the weights synced (an external engine generates with the warm-started policy
+        from the first batch on), and a warm-start-only run (steps: 0) checkpointed (where RL runs start: model.load).
+        False where a stop signal ended it (after the step in progress, said in one line: nothing of it is saved, a
+        relaunch starts it over)."""
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
         for step in self.logger.progress(range(cfg.warm_start.steps), "warm start steps"):
@@ -168,10 +160,14 @@ class Trainer:
             if self.stop.agreed(parallel.device):
                 say_once(f"stopped in the warm start after {step + 1} of {cfg.warm_start.steps} steps: a warm start is "
                          "not checkpointed, so a relaunch starts it over")
-                return None
+                return False
         metrics.add({"optimizer_steps": cfg.warm_start.steps})
         self.policy.scheduler.step(increment=0)  # back to the schedule's learning rate for RL
-        return metrics.reduce(parallel.dp_group)
+        self.logger.log(-1, {"warm_start_steps": cfg.warm_start.steps, **metrics.reduce(parallel.dp_group)})
+        self.sync_weights()
+        if cfg.steps == 0:
+            checkpointing.save(self.checkpoint_state(), 0)
+        return True
 
     def pin_reference(self) -> None:
         if self.reference is not None:

@@ -235,7 +235,8 @@ def test_sigterm_in_the_warm_start_exits_after_its_step_saying_nothing_is_saved(
     ("optim.learning_rate=1", "unknown config key optim.learning_rate"),
     # Layout errors too name their keys, before any process group exists (this runs as one process).
     ("parallel.tensor=2", "parallel: tensor x pipeline x context = 2 x 1 x 1 needs 2 processes (or a multiple), and "
-                          "this is one: launch it with torchrun --nproc_per_node 2 -m megatron_gtpo.train --config"),
+                          "this is one: launch it with python -m megatron_gtpo.launch --nproc_per_node 2 -m "
+                          "megatron_gtpo.train --config"),
 ])
 def test_bad_config_exits_with_named_key(tmp_path, override, message):
     res = subprocess.run([sys.executable, "-m", "megatron_gtpo.train", "--config", DEMO_CONFIG, "--set",

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .engine import Rollout, SamplingParams
 from .remote_channel import (
@@ -137,7 +138,7 @@ class RemoteClient:
         self.routed, self.update_during_generation = routed, update_during_generation
         self.group = None
         self._token = read_token()
-        self._context = zmq.Context()
+        self._context = zmq.Context.instance()  # the process's: never left to garbage collection to terminate
         self._control = self._weights_socket = self._monitor = None
         self._asked: dict[int, _Asked] = {}  # generations in flight, by ticket (the order they were asked in)
         self._answered: dict[int, tuple] = {}  # ("ok", rollout) or ("error", exception), taken before waited for
@@ -177,7 +178,7 @@ class RemoteClient:
                 if left <= 0:
                     raise ConnectionError(silent)
                 continue
-            event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+            event = recv_monitor_message(monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 return
             if event == zmq.EVENT_CONNECTED:
@@ -436,7 +437,6 @@ class RemoteClient:
         close_weight_group(self.group)
         self.group = None
         self._close_sockets()
-        self._context.term()
 
     # --- requests and replies
 
@@ -466,7 +466,7 @@ class RemoteClient:
         """Take what arrived within `timeout_ms` (replies, an "ended" notice); `_Lost` when the connection dropped.
         A message that is not a reply of the declared format is not one of this server's: the connection is lost."""
         while self._monitor.poll(0):
-            if zmq.utils.monitor.recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
                 raise _Lost()
         if not self._control.poll(timeout_ms):
             return

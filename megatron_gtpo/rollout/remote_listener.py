@@ -216,14 +216,10 @@ class Listener(threading.Thread):
         try:
             while not self.stopped.is_set():
                 for sock, _ in poller.poll(_POLL_MS):
-                    if sock is self.outbox:
-                        target, *frames = self.outbox.recv_multipart(copy=False)
-                        self.control.send_multipart([target.bytes, *frames], copy=False)
-                    elif sock in self.monitors:
-                        event = sock.recv_multipart()
-                        self.tally("connection", f"a handshake that failed (ZeroMQ event {event[0][:2].hex()})")
-                    else:
-                        self._receive(sock)
+                    try:
+                        self._handle(sock)
+                    except Exception:  # noqa: BLE001 - a bug of this thread's: logged, and the server serves on
+                        log.exception("the channel's thread failed on a message; serving on")
         finally:  # the replies posted last (a shutdown's) leave before the sockets close
             while self.outbox.poll(0):
                 target, *frames = self.outbox.recv_multipart(copy=False)
@@ -231,6 +227,16 @@ class Listener(threading.Thread):
             self.control.close(linger=2000)
             for sock in (self.weights, self.outbox, *self.monitors):
                 sock.close(0)
+
+    def _handle(self, sock: zmq.Socket) -> None:
+        if sock is self.outbox:
+            target, *frames = self.outbox.recv_multipart(copy=False)
+            self.control.send_multipart([target.bytes, *frames], copy=False)
+        elif sock in self.monitors:
+            event = sock.recv_multipart()
+            self.tally("connection", f"a handshake that failed (ZeroMQ event {event[0][:2].hex()})")
+        else:
+            self._receive(sock)
 
     def _receive(self, sock: zmq.Socket) -> None:
         identity, *frames = sock.recv_multipart(copy=False)

@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from megatron_gtpo.data.synthetic import tiny_model_hf_config
 from megatron_gtpo.models.qwen import ModelShape

@@ -46,7 +46,7 @@ from .remote_messages import MalformedMessage, dumps, loads
 log = logging.getLogger("megatron_gtpo.rollout.remote_server")
 _LOG_EVERY_S = 10.0
 _POLL_MS = 50
-_ORDERED_OPS = ("join", "generate", "begin", "bucket", "finish", "close", "shutdown")
+REFUSED = ""  # the op of a request the channel refused and answered itself (`Listener.take` gives it all the same)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,27 +241,27 @@ class Listener(threading.Thread):
     def _receive(self, sock: zmq.Socket) -> None:
         identity, *frames = sock.recv_multipart(copy=False)
         nbytes = sum(len(f.buffer) for f in frames)
-        origin = identity.bytes if sock is self.control else None
+        body, why = None, None
         try:
-            if not frames:
-                raise MalformedMessage("an empty message")
-            if nbytes > self.bounds.max_message_bytes:
-                raise _Refused(f"a message of {nbytes} bytes exceeds the {self.bounds.max_message_bytes} this server "
-                               f"takes (--max-message-bytes)")
-            body = loads(frames[0].bytes)
-            if not (isinstance(body, dict) and {"op", "seq", "payload"} <= set(body) <= {"op", "seq", "payload",
-                                                                                        "session"}
-                    and isinstance(body["op"], str) and isinstance(body["seq"], int)):
-                raise MalformedMessage(f"a request is {{'op': str, 'seq': int, 'payload': ...}}, got {str(body)[:80]}")
-        except (MalformedMessage, _Refused) as e:
-            self.tally("message", str(e))
+            body = _request_body(frames)
+        except MalformedMessage as e:
+            why = str(e)
+        if why is None and nbytes > self.bounds.max_message_bytes:
+            why = (f"a message of {nbytes} bytes exceeds the {self.bounds.max_message_bytes} this server takes "
+                   f"(--max-message-bytes)")
+        if why is not None:  # answered where the sender reads: its control connection
+            self.tally("message", why)
+            origin = identity.bytes if sock is self.control else \
+                self._control_of.get(body.get("session")) if body is not None else None
             if origin is not None:
-                self._send(origin, None, "error", f"refused: {e}")
+                self._send(origin, None if body is None else body["seq"], "error", f"refused: {why}")
+                if body is not None:
+                    self._skip(self._identities.get(origin), body["seq"])
             return
         if sock is self.weights:
             self._weights_request(frames[0], body, frames[1:], nbytes)
         else:
-            self._control_request(origin, body, frames[1:], nbytes)
+            self._control_request(identity.bytes, body, frames[1:], nbytes)
 
     def _control_request(self, identity: bytes, body: dict, frames: list, nbytes: int) -> None:
         op, seq, payload = body["op"], body["seq"], body["payload"]
@@ -278,7 +278,8 @@ class Listener(threading.Thread):
             return self._rendezvous(identity, session, seq, payload)
         if frames:
             self.tally("message", f"{op[:40]!r} with tensor frames on the control socket")
-            return self._send(identity, seq, "error", "refused: tensors travel on the weight socket")
+            self._send(identity, seq, "error", "refused: tensors travel on the weight socket")
+            return self._skip(session, seq)
         self._queue(session, Request(op, seq, payload, [], nbytes))
 
     def _weights_request(self, first: zmq.Frame, body: dict, frames: list, nbytes: int) -> None:
@@ -308,6 +309,14 @@ class Listener(threading.Thread):
                 return
         self.tally("message", why)
         self._send(identity, request.seq, "error", f"refused: {why}")
+        self._skip(session, request.seq)
+
+    def _skip(self, session: int | None, seq: int) -> None:
+        """Request `seq` of `session` was refused here (and answered): the serving loop passes over it in order."""
+        with self._changed:
+            if session == self.newest and seq not in self._pending:
+                self._pending[seq] = Request(REFUSED, seq, None, [], 0)
+                self._changed.notify_all()
 
     def _hello(self, identity: bytes, seq: int, hello, nbytes: int) -> None:
         try:
@@ -409,5 +418,13 @@ class Listener(threading.Thread):
         self.context.destroy(linger=0)
 
 
-class _Refused(Exception):
-    """A message over a bound."""
+def _request_body(frames: list) -> dict:
+    """The body of a request's frames (its first): {"op": str, "seq": int, "payload", and "session" on the weight
+    socket}; MalformedMessage for anything else."""
+    if not frames:
+        raise MalformedMessage("an empty message")
+    body = loads(frames[0].bytes)
+    if not (isinstance(body, dict) and {"op", "seq", "payload"} <= set(body) <= {"op", "seq", "payload", "session"}
+            and isinstance(body["op"], str) and isinstance(body["seq"], int)):
+        raise MalformedMessage(f"a request is {{'op': str, 'seq': int, 'payload': ...}}, got {str(body)[:80]}")
+    return body

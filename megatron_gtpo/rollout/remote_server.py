@@ -42,7 +42,7 @@ from megatron_gtpo.models.qwen import ModelShape
 
 from .engine import check_prompts
 from .remote_channel import PROTOCOL, TOKEN_SETTINGS, Preempted, frame_tensors, parse_address, read_token
-from .remote_listener import Admitted, Bounds, Listener, Request
+from .remote_listener import REFUSED, Admitted, Bounds, Listener, Request
 from .remote_messages import check_request
 from .server_engine import RolloutServer
 from .weight_sync import sync_units
@@ -141,7 +141,7 @@ class _Session:
         """Take request `seq`, handle it and answer it (an error for one that fails: nothing else changed);
         (its op, whether it succeeded), (None, False) when the session was replaced meanwhile."""
         request = self.listener.take(self.session, seq)
-        if request is None:
+        if request is None or request.op == REFUSED:  # replaced meanwhile; refused (and answered) by the channel
             return None, False
         try:
             outcome = "ok", self.handle(request)

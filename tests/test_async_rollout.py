@@ -298,11 +298,11 @@ remote_server.main(sys.argv[3:])
 def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in_a_weight_sync(tmp_path, server_model,
                                                                                                 whole_run):
     """The run of WHOLE, its server killed three times and relaunched at the same address each time (as
-    examples/slurm/rollout_node.sh does): after the reply to the step-0 weight update (the trainer finds it dead at
-    its next request), as the second server starts its second generation, and as the third starts to receive the
-    trainer's weights after those it was sent on arrival. Each time the trainer says so in one line, sends the new
-    server the weights of the last sync and asks again for what was in flight: the run equals the uninterrupted
-    one, step by step."""
+    examples/slurm/rollout_node.sh does), rollout.remote.reconnect_timeout_s left at its default: after the reply to
+    the step-0 weight update (the trainer finds it dead at its next request), as the second server starts its second
+    generation, and as the third starts to receive the trainer's weights after those it was sent on arrival. Each time
+    the trainer says so in one line when it is lost and one when it is back, sends the new server the weights of the
+    last sync and asks again for what was in flight: the run equals the uninterrupted one, step by step."""
     address = f"127.0.0.1:{free_port()}"
     lives = [("between", "3"), ("generate", "2"), ("bucket", "2"), None]  # 3: the start's, the warm start's, step 0's
     servers = []
@@ -321,8 +321,7 @@ def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in
     supervisor.start()
     out = tmp_path / "outlived"
     try:
-        trainer = subprocess.run(train_command(out, 1, _overrides(address, 6, 1, *WHOLE,
-                                                                  "rollout.remote.reconnect_timeout_s=300")),
+        trainer = subprocess.run(train_command(out, 1, _overrides(address, 6, 1, *WHOLE)),  # the default bound
                                  capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     finally:
         for server in servers:
@@ -334,6 +333,7 @@ def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in
     lost = [line for line in trainer.stderr.splitlines() if "for a rollout server at the same address" in line]
     assert len(lost) == 3 and all(line.startswith(f"rollout server at {address}, ") for line in lost), lost
     assert "'generate'" in lost[0] and "'generate'" in lost[1] and "'bucket'" in lost[2], lost
+    assert sum("a server is back after" in line for line in trainer.stderr.splitlines()) == 3
     outlived = _rows(out)
     assert sorted(outlived) == sorted(whole_run) == list(range(6))
     for step in range(6):

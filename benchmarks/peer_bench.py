@@ -184,8 +184,8 @@ def build_assets(directory: str, w: Workload) -> dict:
     for the workload's shape and reused while it is unchanged. Returns their paths and sizes."""
     from megatron_gtpo.atomic_files import write_atomically
 
-    shape = {k: getattr(w, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "prompts",
-                                        "seed")}
+    shape = {"builder": 2, **{k: getattr(w, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate",
+                                                          "vocab", "prompts", "seed")}}
     marker = os.path.join(directory, "assets.json")
     if os.path.isfile(marker):
         with open(marker, encoding="utf-8") as f:
@@ -215,6 +215,9 @@ def build_assets(directory: str, w: Workload) -> dict:
                            f"tokenizer's {tokenizer.eos_token_id} / {tokenizer.pad_token_id}")
     torch.manual_seed(w.seed)
     transformers.Qwen2ForCausalLM(config).save_pretrained(model_dir, safe_serialization=True)
+    # Again, as both sides load it: with the model's config.json beside it, transformers reads the tokenizer as a
+    # Qwen2 tokenizer (its own pre-tokenizer), which splits some prompts into other tokens.
+    tokenizer = load_tokenizer(model_dir)
     template = DATA_TEMPLATES["chat"]  # rendered here: both sides then read plain prompts
     lines = [json.dumps({"id": r.id, "prompt": template.render(r.problem, tokenizer), "answer": r.answer})
              for r in records[:w.prompts]]

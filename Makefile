@@ -10,13 +10,17 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-$(VENV)/.installed: setup.py
-	$(PYTHON) -m venv $(VENV)
-	# Without CUDA, take the CPU build of torch first (pip finds the 2.13.0 CPU wheel on this kind of machine);
-	# otherwise a plain `torch` requirement would pull a multi-GB CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install torch==2.13.0; fi
-	$(PY) -m pip install -e '.[test]'
+# A venv $(1) with this package and its extras $(2). Without CUDA, the CPU build of torch first (pip finds the 2.13.0
+# CPU wheel on this kind of machine); otherwise a plain `torch` requirement would pull a multi-GB CUDA build.
+define package_venv
+	$(PYTHON) -m venv $(1)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/python -m pip install torch==2.13.0; fi
+	$(1)/bin/python -m pip install -e '.[$(2)]'
 	touch $@
+endef
+
+$(VENV)/.installed: setup.py
+	$(call package_venv,$(VENV),test)
 
 setup: $(VENV)/.installed
 
@@ -52,13 +56,9 @@ test-vllm: $(VLLM_VENV)/.installed
 # The peer benchmark's venv (benchmarks/peer_bench.py): TRL (setup.py's "peers" extra, with its accelerate and datasets)
 # next to this package and the same CPU torch, kept out of the main venv so that `make test` never sees it.
 PEERS_VENV ?= .venv-peers
-PEERS_PY := $(PEERS_VENV)/bin/python
 
 $(PEERS_VENV)/.installed: setup.py
-	$(PYTHON) -m venv $(PEERS_VENV)
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PEERS_PY) -m pip install torch==2.13.0; fi
-	$(PEERS_PY) -m pip install -e '.[peers]'
-	touch $@
+	$(call package_venv,$(PEERS_VENV),peers)
 
 setup-peers: $(PEERS_VENV)/.installed
 

@@ -12,6 +12,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 
 # A venv $(1) with this package and its extras $(2). Without CUDA, the CPU build of torch first (pip finds the 2.13.0
 # CPU wheel on this kind of machine); otherwise a plain `torch` requirement would pull a multi-GB CUDA build.
+comma := ,
 define package_venv
 	$(PYTHON) -m venv $(1)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/python -m pip install torch==2.13.0; fi
@@ -54,11 +55,12 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rollout_vllm.py
 
 # The peer benchmark's venv (benchmarks/peer_bench.py): TRL (setup.py's "peers" extra, with its accelerate and datasets)
-# next to this package and the same CPU torch, kept out of the main venv so that `make test` never sees it.
+# next to this package and the same CPU torch, kept out of the main venv so that `make test` never sees it; with the
+# test extras, for `.venv-peers/bin/python -m pytest tests/test_peer_bench.py` (its TRL test runs there).
 PEERS_VENV ?= .venv-peers
 
 $(PEERS_VENV)/.installed: setup.py
-	$(call package_venv,$(PEERS_VENV),peers)
+	$(call package_venv,$(PEERS_VENV),peers$(comma)test)
 
 setup-peers: $(PEERS_VENV)/.installed
 

@@ -75,6 +75,21 @@ def test_gtpo_row_generates_the_same_batch_and_trl_defaults_keep_only_the_worklo
         peer_bench.Workload(micro_batch=48).check()
 
 
+def test_trl_takes_one_generation_per_optimizer_step_and_no_old_policy_pass():
+    """With TRL installed (the venv of `make setup-peers`): GRPOConfig accepts the bench's arguments for both TRL rows,
+    generates the step's 16 x 8 responses at once and takes one optimizer step per generation, so that
+    GRPOTrainer (1.16's _generate_and_score_completions) uses the update's own log-probs as the old ones."""
+    trl = pytest.importorskip("trl", reason="TRL is installed only in the peer benchmark's venv (make setup-peers)")
+    w = peer_bench.Workload()
+    for matched in (True, False):
+        config = trl.GRPOConfig(**peer_bench.trl_settings(w, matched=matched, output_dir="/tmp/trl", steps=4))
+        assert config.generation_batch_size == w.sequences and config.num_generations == w.group
+        assert config.steps_per_generation == config.gradient_accumulation_steps == w.sequences // w.micro_batch
+        assert config.gradient_accumulation_steps % (config.steps_per_generation * config.num_iterations) == 0
+        assert (config.bf16, config.gradient_checkpointing, config.loss_type) == \
+            ((False, False, "grpo") if matched else (True, True, "dapo"))
+
+
 def _trl_grpo_loss(per_token_loss_BT, mask_BT, micro_batches, accumulation_steps):
     """TRL 1.16's loss_type "grpo" over an accumulated step: per micro-batch
     ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean() / accumulation steps, summed."""

@@ -18,8 +18,9 @@ TRL lives in a venv of its own so that the main install and `make test` never se
 The workload (Workload; both sides' settings are built from it, `ours_overrides` and `trl_settings`): a random-init
 Qwen2-shaped model (transformers' own initialisation, seed 0: near-uniform logits, so almost every response runs the
 full length) saved once with a byte-level BPE tokenizer trained here on the bundled MATH-500 text (nothing is
-downloaded); 16 MATH-500 problems in Qwen2.5's chat markup with the boxed-answer instruction, the same text and token
-ids on both sides (plain prompts: neither side adds markup); 8 responses each, temperature 1, no top-p / top-k, at
+downloaded); the 16 shortest MATH-500 problems (by characters: 72-88 tokens with the markup; long prompts make both
+sides' steps minutes long on 2 cores) in Qwen2.5's chat markup with the boxed-answer instruction, the same text and
+token ids on both sides (plain prompts: neither side adds markup); 8 responses each, temperature 1, no top-p / top-k, at
 most 64 new tokens, stopping at the tokenizer's EOS; one optimizer step per batch (micro-batches of --micro-batch
 sequences accumulated: TRL's per_device_train_batch_size x gradient_accumulation_steps = 128, one generation per
 optimizer step, so TRL takes its old log-probs from the update's own forward); Adam at lr 1e-6, gradient clipping 1.0,
@@ -184,7 +185,7 @@ def build_assets(directory: str, w: Workload) -> dict:
     for the workload's shape and reused while it is unchanged. Returns their paths and sizes."""
     from megatron_gtpo.atomic_files import write_atomically
 
-    shape = {"builder": 2, **{k: getattr(w, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate",
+    shape = {"builder": 3, **{k: getattr(w, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate",
                                                           "vocab", "prompts", "seed")}}
     marker = os.path.join(directory, "assets.json")
     if os.path.isfile(marker):
@@ -220,7 +221,7 @@ def build_assets(directory: str, w: Workload) -> dict:
     tokenizer = load_tokenizer(model_dir)
     template = DATA_TEMPLATES["chat"]  # rendered here: both sides then read plain prompts
     lines = [json.dumps({"id": r.id, "prompt": template.render(r.problem, tokenizer), "answer": r.answer})
-             for r in records[:w.prompts]]
+             for r in sorted(records, key=lambda r: len(r.problem))[:w.prompts]]
     write_atomically(prompts_path, "\n".join(lines) + "\n")
     lengths = [len(tokenizer.encode(json.loads(line)["prompt"])) for line in lines]
     built = {"shape": shape, "model_dir": model_dir, "prompts_path": prompts_path, "model_vocab": tokenizer.vocab_size,

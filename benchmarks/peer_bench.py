@@ -654,6 +654,10 @@ def report(args, w: Workload, assets: dict, rounds: list[dict], context: dict) -
     loads = [r[row]["load1"] for r in rounds for row in args.rows]
     lines += ["", f"1-minute load average at the steps' ends: {min(loads):.2f}-{max(loads):.2f} (median "
                   f"{statistics.median(loads):.2f}).", ""]
+    if statistics.median(loads) > 1.5 * (os.cpu_count() or 1):
+        lines += [f"OVERSUBSCRIBED: the median load ({statistics.median(loads):.1f}) is far above the {os.cpu_count()} "
+                  "cores: ratios measured under such load need not hold on a quiet machine (each process gets a "
+                  "small, uneven share of the cores). Rerun when the load is below the core count.", ""]
     return "\n".join(lines)
 
 

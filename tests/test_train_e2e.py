@@ -84,6 +84,8 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         _check_busy(row, replicas=2 if layout == "parallel.tensor=1" else 1)
         for key in _selection_metrics(algorithm, options):
             assert 0 < row[key] and (key == "entropy_kept_threshold" or row[key] <= 1), (key, row[key])
+        # KL-Cov's mean |log-ratio| (0 on an on-policy single mini-batch, up to float noise), KL-Cov's alone
+        assert (0 <= row["kl_cov_abs_log_ratio"] < 1) if algorithm == "kl_cov" else "kl_cov_abs_log_ratio" not in row
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
     # its tokenizer is the synthetic task's: the checkpoint names the task (evaluate reads it there)
     from megatron_gtpo.checkpoint.sources import ModelSource
@@ -404,6 +406,29 @@ def test_compare_algorithms_tool_runs_each_variant_from_the_same_warm_start_and_
     assert written.startswith("# hand-written setup\n") and "old tables" not in written
     assert "### Paired differences against dapo" in written and "(v2_main.png)" in written
     assert (report.parent / "v2_main.png").exists()
+
+
+def test_study_v3_smoke_runs_from_the_shipped_warm_start_and_reports_the_pre_registered_tests(tmp_path):
+    """tools/compare_algorithms.py --study v3 --smoke: the shipped warm start (a HF directory, its SHA-256 checked)
+    is what every RL run loads (model.hf_dir) and what is evaluated before RL; the control and GRPO-S run, and the
+    report holds the pre-registered tests of the primary family, GTPO's hypotheses listed as not tested."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "compare_algorithms.py")
+    res = subprocess.run([sys.executable, tool, "--study", "v3", "--smoke", "--output-dir", str(tmp_path),
+                          "--window", "1"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-4000:]
+    assert "== warm start: verified, evaluated with 2 sampling seeds" in res.stdout, res.stdout
+    shipped = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "examples", "warm_starts",
+                                            "arithmetic_target"))
+    for name in ("dapo-no-overlong", "grpo_s"):
+        config = yaml.safe_load((tmp_path / name / "seed2" / "checkpoints" / "config.yaml").read_text())
+        assert config["model"]["hf_dir"] == shipped and config["model"]["load"] is None
+        assert [r["step"] for r in read_metrics(tmp_path / name / "seed2") if r["step"] >= 0] == [0, 1]
+    assert json.loads((tmp_path / "warm_start" / "run.json").read_text())["path"] == shipped
+    table = (tmp_path / "algorithms_v3.md").read_text()
+    tests = table.split("### Pre-registered tests")[1].split("###")[0]
+    assert "- H1 (primary, grpo_s - dapo-no-overlong on Pass@4 > 0): **" in tests
+    assert "- H2 (primary, grpo_s - dapo-no-overlong on Mean@4 > 0): **" in tests
+    assert tests.count("not tested (variant not run)") == 2, tests
 
 
 def test_bfloat16_run_checkpoints_and_resumes(tmp_path):

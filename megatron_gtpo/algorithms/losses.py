@@ -248,7 +248,8 @@ def token_policy_loss(
     policy's log-probs. Either may be given with a zero coefficient to get its metric only.
     Returns (loss_mb, metrics): pg_loss (the surrogate part of loss_mb), clip_frac_low (A < 0 and
     w < 1 - eps_low), clip_frac_high (A > 0 and w > 1 + eps_high), dual_clip_frac (A < 0 and w > dual_clip),
-    approx_kl, ratio_mean/max/min, num_tokens, and ref_kl / entropy when those inputs are given.
+    approx_kl, ratio_mean/max/min, num_tokens, ref_kl / entropy when those inputs are given, and with kl_penalty_BT
+    kl_cov_abs_log_ratio (the mean |log w| over the valid tokens).
     """
     _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, ref_logprobs_BT, kl_coef, entropy_BT,
                   entropy_coef)
@@ -271,6 +272,9 @@ def token_policy_loss(
     pg_loss = aggregate(surrogate_BT, mask_BT, loss_agg_mode, loss_normalizer)
     loss = pg_loss + aggregate(regularisers_BT, mask_BT, loss_agg_mode, loss_normalizer)
     metrics.update(_ratio_metrics(pg_loss, events, ratio_BT, mask_BT, num_tokens, log_ratio_BT, num_tokens))
+    if kl_penalty_BT is not None:  # KL-Cov's: over every valid token, penalised or not (verl's ppo_kl_abs)
+        with torch.no_grad():
+            metrics["kl_cov_abs_log_ratio"] = log_ratio_BT.abs().sum() / num_tokens.clamp(min=1)
     return loss, metrics
 
 

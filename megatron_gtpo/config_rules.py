@@ -7,8 +7,11 @@ config.py) and before the layout's rules.
 
 The parallel layout's rules (sequence and expert parallelism, where the engines run, which engines serve a
 mixture-of-experts model and which record its routing for replay) are layout.check_layout's, which the planner and
-the model builder share: config.validate_layout applies them. An engine's own options need no rule: each engine has
-a section of its own (rollout.builtin, rollout.vllm, rollout.remote in config.py), read by that engine only.
+the model builder share: config.validate_layout applies them. A rule about the rollout engine reads what the engine
+can do (engine_table.py), never its name. An engine's own options need no rule: each engine has a section of its own
+(rollout.builtin, rollout.vllm, rollout.remote in config.py), read by that engine only; nor do the rollout schedule's
+rules among its own keys (rollout.schedule's check) or an algorithm's options (its own section, read only when it is
+the one chosen: AlgorithmConfig.unread_settings).
 
 To add a rule: a row here, and its two configurations in tests/test_config_rules.py (one that triggers it, the
 nearest one that does not).

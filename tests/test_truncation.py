@@ -108,3 +108,12 @@ def test_a_truncation_that_keeps_everything_is_the_plain_op():
 def test_bad_truncation_raises_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Truncation(**kwargs)
+
+
+def test_saves_the_input_reference_and_per_token_numbers_only():
+    """Backward recomputes the kept sets' masks from two numbers per token: no [T, V] mask is kept."""
+    logits = torch.randn(5, 16, requires_grad=True)
+    logprobs, _ = vocab_parallel_logprobs_and_entropy(logits, torch.randint(0, 16, (5,)), tp_group=None,
+                                                      chunk_size=2, truncation=Truncation(4, 0.7))
+    saved = logprobs.grad_fn.next_functions[0][0].saved_tensors
+    assert len(saved) == 7 and all(t.numel() <= logits.shape[0] for t in saved if t.data_ptr() != logits.data_ptr())

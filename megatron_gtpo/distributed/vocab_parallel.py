@@ -160,7 +160,7 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
 
         # A copy of the entropy ([T]), not the output itself: callers may modify the outputs in place.
         ctx.save_for_backward(logits_TV, targets_T, log_normalizer_T, entropy_T.clone(),
-                              *((kept.threshold_T, kept.tie_columns_T, log_kept_T) if kept else (None,) * 3))
+                              *((kept.threshold_T, kept.tie_columns_T, log_kept_T) if kept else ()))
         ctx.truncated = kept is not None
         ctx.vocab_start, ctx.num_valid = vocab_start, num_valid
         ctx.temperature, ctx.chunk = temperature, chunk

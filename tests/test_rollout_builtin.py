@@ -77,7 +77,7 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_prompt, sto
                                                                 max_new_tokens=8, seed=124))
     filtered = SamplingParams(n=2, temperature=1.3, top_k=20, top_p=0.9, max_new_tokens=6, seed=5)
     out["filtered"] = generate(engine, filtered)
-    # top-p alone on a flat distribution: nuclei of hundreds of ids, found by the op's fallback (bisection).
+    # top-p alone on a flat distribution: nuclei of hundreds of ids, found by the op's fallback (radix select).
     nucleus = SamplingParams(n=1, temperature=1.0, top_p=0.7, max_new_tokens=4, seed=6)
     out["nucleus"] = generate(engine, nucleus)
     # Training mode, and sequence parallelism (switched off for decoding), are restored.

@@ -21,7 +21,7 @@ def _rows(seed, dtype, *, num_rows=16, step=None):
     scales = torch.logspace(-1, math.log10(8.0), num_rows, dtype=torch.float64)[:, None]
     logits = torch.randn(num_rows, VOCAB + 20, generator=g, dtype=torch.float64) * scales
     if step is not None:
-        logits = torch.round(logits / step) * step
+        logits = torch.round(logits / step) * step  # -0.0 among them: equal to +0.0, other bits
     logits[:, VOCAB:] = 100.0  # padding columns: never kept, never counted
     return logits.to(dtype)
 
@@ -48,14 +48,14 @@ def test_kept_sets_are_the_definition(top_k, top_p, step):
 
 
 def test_the_fallback_and_the_candidates_agree(monkeypatch):
-    """A nucleus found by bisection equals the one the candidates give, row for row (float32, ties)."""
+    """A nucleus found by the fallback's radix select equals the one the candidates give, row by row (float32)."""
     logits = _rows(2, torch.float32, step=0.125)
     for top_p in (0.3, 0.9):
         by_candidates = _kept(logits, Truncation(0, top_p), 1.0)[0]
         monkeypatch.setattr(truncation_module, "NUCLEUS_CANDIDATES", 1)
-        by_bisection = _kept(logits, Truncation(0, top_p), 1.0)[0]
+        by_radix_select = _kept(logits, Truncation(0, top_p), 1.0)[0]
         monkeypatch.undo()
-        assert torch.equal(by_candidates, by_bisection), top_p
+        assert torch.equal(by_candidates, by_radix_select), top_p
 
 
 @pytest.mark.parametrize("top_k,top_p", SETTINGS)

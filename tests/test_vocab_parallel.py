@@ -67,7 +67,7 @@ CASES = {
 
 
 # Top-k / top-p (truncation.Truncation(top_k, top_p)). Each runs at NUCLEUS_CANDIDATES 64 (every top-p-alone
-# nucleus found from the candidates, the vocabulary being 48) and 2 (most of them by the fallback's bisection).
+# nucleus found from the candidates, the vocabulary being 48) and 2 (most of them by the fallback's radix select).
 TRUNCATED_CASES = {
     "top_k_padding": _make_case(10, lead_shape=(4, 3), vocab_size=35, temperature=0.7, dtype=torch.float32,
                                 truncation=(5, 1.0)),
@@ -222,8 +222,9 @@ def _check_truncated_results(tp_size, tp_rank, results, references):
                 got = results[(tp_size, name, chunk_size, candidates)]
                 where = f"TP={tp_size} rank {tp_rank} case {name} chunk_size={chunk_size} candidates={candidates}"
                 assert got["backward_collectives"] == 0, where
-                # Never the vocabulary: no collective moves more than the candidates of the tokens.
-                assert got["largest_collective"] <= num_tokens * max(width, 3), (where, got["largest_collective"])
+                # Never the vocabulary: no collective moves more than the candidates of the tokens, or the
+                # fallback's 256 bins per token, whatever V.
+                assert got["largest_collective"] <= num_tokens * max(width, 256), (where, got["largest_collective"])
                 torch.testing.assert_close(got["logprobs"].double(), ref["logprobs"], **tol, msg=where)
                 torch.testing.assert_close(got["entropy"].double(), ref["entropy"], **tol, msg=where)
                 for grad in ("grad_lp", "grad_ent", "grad_mix"):

@@ -209,19 +209,18 @@ def _nucleus_fallback(shard: _Shard, rows_U, max_U, bound_U):
     bits = torch.finfo(shard.dtype).bits
     for start, rows_R in zip(range(0, len(rows_U), shard.chunk), shard.row_chunks(rows_U)):
         part = slice(start, start + len(rows_R))
-        z_RV = shard.z(rows_R)
-        keys_RV = _order_key(z_RV)
-        exp_RV = torch.exp(z_RV.sub_(max_U[part, None]))
-        del z_RV
+        keys_RV = shard.z(rows_R)
+        exp_RV = torch.exp(keys_RV - max_U[part, None])
+        keys_RV = _order_key_(keys_RV)  # z's buffer becomes its keys: two buffers live, not three
         prefix_R = torch.zeros(len(rows_R), dtype=torch.long, device=rows_R.device)  # the key's digits so far
         above_R = torch.zeros_like(max_U[part])  # the mass of the values whose key is above those digits
         for shift in range(bits - 8, -1, -8):
             if shift == bits - 8:  # the top digit of a two's complement key is signed: -128..127
-                digit_RV = (keys_RV >> shift) + 128
                 mass_RV = exp_RV
+                digit_RV = ((keys_RV >> shift) + 128).long()
             else:
-                digit_RV = (keys_RV >> shift) & 255
                 mass_RV = torch.where((keys_RV >> (shift + 8)) == prefix_R[:, None], exp_RV, 0.0)
+                digit_RV = ((keys_RV >> shift) & 255).long()
             bins_R256 = torch.zeros(len(rows_R), 256, dtype=shard.dtype, device=rows_R.device)
             bins_R256.scatter_add_(1, digit_RV, mass_RV)
             del digit_RV, mass_RV
@@ -234,6 +233,7 @@ def _nucleus_fallback(shard: _Shard, rows_U, max_U, bound_U):
         threshold_U[part] = _from_order_key(prefix_R, shard.dtype)
         above_U[part] = above_R
         ties_UR.append(shard.all_gather((keys_RV == prefix_R[:, None]).sum(-1)).t())
+        del keys_RV, exp_RV
     ties_UR = torch.cat(ties_UR)
     tie_weight_U = torch.exp(threshold_U - max_U)
     total_ties_U = ties_UR.sum(-1)
@@ -253,20 +253,22 @@ def _tie_columns(shard: _Shard, rows_S, threshold_S, share_S) -> torch.Tensor:
     return torch.cat(parts)
 
 
-# Order-preserving integer keys of floats: the sign-magnitude bit patterns made two's complement (negative floats'
-# magnitude bits flipped), so that x < y iff key(x) < key(y) and x == y iff key(x) == key(y) for non-NaN floats
-# (-0.0 is made +0.0 first).
-_MAGNITUDE_BITS = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF)}
+# Order-preserving integer keys of floats (int32 for float32, int64 for float64): the sign-magnitude bit patterns made
+# two's complement (a negative float's magnitude bits flipped), so that x < y iff key(x) < key(y) and x == y iff
+# key(x) == key(y) for non-NaN floats (-0.0 is made +0.0 first). The map is its own inverse on the bits.
+_INT_BITS = {torch.float32: (torch.int32, 31, 0x7FFFFFFF), torch.float64: (torch.int64, 63, 0x7FFFFFFFFFFFFFFF)}
 
 
-def _order_key(x: torch.Tensor) -> torch.Tensor:
-    int_dtype, magnitude = _MAGNITUDE_BITS[x.dtype]
-    bits = (x + 0.0).view(int_dtype).long()  # -0.0 + 0.0 = +0.0
-    return torch.where(bits < 0, bits ^ magnitude, bits)
+def _order_key_(x: torch.Tensor) -> torch.Tensor:
+    """The keys of `x`, in x's own memory (x is overwritten)."""
+    int_dtype, sign, magnitude = _INT_BITS[x.dtype]
+    bits = x.add_(0.0).view(int_dtype)  # -0.0 + 0.0 = +0.0
+    return bits.bitwise_xor_((bits >> sign).bitwise_and_(magnitude))
 
 
 def _from_order_key(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    int_dtype, magnitude = _MAGNITUDE_BITS[dtype]
-    return torch.where(key < 0, key ^ magnitude, key).to(int_dtype).view(dtype)
+    int_dtype, sign, magnitude = _INT_BITS[dtype]
+    bits = key.to(int_dtype, copy=True)
+    return bits.bitwise_xor_((bits >> sign).bitwise_and_(magnitude)).view(dtype)
 
 

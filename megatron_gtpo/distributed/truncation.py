@@ -29,9 +29,9 @@ measured first, on CPU at Qwen's vocabulary, 128 flat tokens, interleaved: a bis
 sum per step (33 steps) took 26-41 s, sorting each shard once and bisecting on running sums 30-35 s, this 4.2-4.8 s.)
 
 Memory, beyond the input: the gathered candidates of `block` tokens at a time (sized to take no more than one
-[chunk, V_local] workspace); the tie split one [chunk, V_local] workspace and its running count; the fallback the
-int64 keys, the exponentials and one round's int64 digits and masses of a chunk: about six float32 [chunk, V_local]
-workspaces.
+[chunk, V_local] workspace); the tie split one [chunk, V_local] workspace and its running count; the fallback, for a
+chunk of tokens, the keys (in z's buffer), the exponentials and one round's digits (int64, as scatter-add takes) and
+masses: about five float32 [chunk, V_local] workspaces (benchmarks/results/vocab_parallel.md).
 """
 from __future__ import annotations
 

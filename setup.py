@@ -27,6 +27,8 @@ setup(
         "math-verify>=0.7",
         "matplotlib",
         "tensorboard",
+        # The rollout servers' channel (rollout/remote_channel.py): libzmq with CURVE (libsodium) inside the wheel.
+        "pyzmq>=26",
     ],
     extras_require={
         # NVIDIA apex is optional and never a dependency: the PyPI package named "apex" is unrelated.

@@ -135,8 +135,11 @@ class RemoteEngineConfig:
     request_timeout_s: float = 1800.0
     # > 0: a trainer outlives a rollout server's death: it waits this long for a server at the same address, sends it
     # the weights of the last sync and asks again for what was in flight (docs/remote_rollout.md); it keeps a host
-    # copy of those weights for it. 0: a dead server ends the run.
-    reconnect_timeout_s: float = 0.0
+    # copy of those weights for it. 15 min: a SLURM requeue of the rollout job (back in the queue, a node, the engine
+    # loaded) fits, and it stays under the trainer's 30 min process-group timeout. 0: a dead server ends the run.
+    reconnect_timeout_s: float = 900.0
+    # How weight buckets reach the servers: auto (NCCL from GPUs, else in the channel's messages), channel, nccl.
+    weights: str = "auto"
 
     def check(self, engine: str) -> None:
         _need(bool(self.addresses),
@@ -144,6 +147,8 @@ class RemoteEngineConfig:
               f"replica")
         _need(self.reconnect_timeout_s >= 0,
               f"rollout.remote.reconnect_timeout_s: must be >= 0, got {self.reconnect_timeout_s}")
+        _need(self.weights in ("auto", "channel", "nccl"),
+              f"rollout.remote.weights: auto, channel or nccl, got {self.weights!r}")
 
 
 @dataclass

@@ -351,8 +351,8 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints, moe_checkpoints):
 
 
 # --- Remote mode (rollout/remote_server.py): the vLLM server in an OS process of its own (a "rollout node") at vLLM
-# TP=2; a 2-rank gloo trainer at TP=2 connects to it, broadcasts its weights (a weight group of 3: the trainer's
-# destination rank and both vLLM workers), and checks what comes back. One server process serves four trainer
+# TP=2; a 2-rank gloo trainer at TP=2 connects to it, sends its weights over the channel's weight socket (both vLLM
+# workers load them through vLLM's RPC), and checks what comes back. One server process serves four trainer
 # sessions; at the end the trainer kills it (process group) to see the "server died" error.
 REMOTE_VLLM_TP = 2
 REMOTE_TIMEOUT_S = 10.0  # how fast an unreachable or dead server must be reported (connect timeout: 2 s)
@@ -443,7 +443,7 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
         # Routing replay needs a server started with --return-routed-experts: refused when connecting.
         out["not_routed"] = _error_text(lambda: RemoteClient(address, shape, groups.device, routed=True))[0]
     engine = connect(address)
-    out["weight_group_size"] = None if engine.server is None else engine.server.group.size()
+    out["weights_path"] = None if engine.server is None else engine.server.weights
     out["version_0"] = engine.policy_version
     out["before_sync"] = _generate(engine, greedy, groups)
     engine.sync_weights(chunks, groups)
@@ -524,7 +524,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
     assert "failed in 'generate': Preempted: a newer trainer" in ref["replaced"], ref["replaced"]
     assert ref["newer_served_s"][0] == "no error" and ref["newer_served_s"][1] < REMOTE_TIMEOUT_S, ref["newer_served_s"]
     assert "does not return routed experts" in ref["not_routed"] and "--return-routed-experts" in ref["not_routed"]
-    assert (ref["weight_group_size"], other["weight_group_size"]) == (1 + REMOTE_VLLM_TP, None)
+    assert (ref["weights_path"], other["weights_path"]) == ("channel", None)  # CPU weights: on the weight socket
     # The weights really went over: vLLM started from checkpoint A and now generates what the Megatron model does.
     assert _tokens(ref["before_sync"]) != _tokens(ref["vllm_greedy"]), "the sync changed nothing"
     assert _tokens(ref["vllm_greedy"]) == _tokens(ref["builtin_greedy"])

@@ -53,4 +53,4 @@ def _remote_engine(options: RemoteEngineConfig, update_during_generation: bool, 
                                 connect_timeout_s=options.connect_timeout_s,
                                 request_timeout_s=options.request_timeout_s, routed_layers=routed_layers,
                                 update_during_generation=update_during_generation,
-                                reconnect_timeout_s=options.reconnect_timeout_s)
+                                reconnect_timeout_s=options.reconnect_timeout_s, weights=options.weights)

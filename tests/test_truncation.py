@@ -11,11 +11,11 @@ from megatron_gtpo.distributed.truncation import Truncation, kept_sets
 from megatron_gtpo.distributed.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from vocab_references import truncated_kept_mask, vllm_style_kept_mask
 
-VOCAB = 300  # > NUCLEUS_CANDIDATES: a flat row's nucleus is found by the fallback, a peaked one's from candidates
+VOCAB = 200  # > NUCLEUS_CANDIDATES: a flat row's nucleus is found by the fallback, a peaked one's from candidates
 SETTINGS = [(5, 1.0), (0, 0.9), (0, 0.5), (7, 0.6), (40, 0.95), (1, 1.0)]
 
 
-def _rows(seed, dtype, *, num_rows=16, step=None):
+def _rows(seed, dtype, *, num_rows=10, step=None):
     """Rows from flat to peaked (scales 0.1 .. 8); with `step`, values on a grid (many exact ties)."""
     g = torch.Generator().manual_seed(seed)
     scales = torch.logspace(-1, math.log10(8.0), num_rows, dtype=torch.float64)[:, None]

@@ -35,6 +35,9 @@ setup(
         # The GPU set shares one torch (constraints/gpu.txt says why these versions; `make setup-gpu` installs it).
         "gpu": ["transformer-engine[pytorch,core_cu13]==2.17.1", "vllm==0.32.0"],
         "vllm": ["vllm==0.32.0"],
+        # The peer benchmark (benchmarks/peer_bench.py): TRL's GRPOTrainer beside ours; `make setup-peers` installs it
+        # in a venv of its own (.venv-peers), so that neither the main install nor `make test` sees it.
+        "peers": ["trl==1.16.0"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "ruff==0.17.6"],
     },
 )

@@ -253,6 +253,9 @@ class RolloutConfig:
     engine: str = "builtin"
     num_responses_per_prompt: int = 8
     temperature: float = 1.0
+    # Truncated sampling after the temperature, top-k (0: off) then top-p (1: off), vLLM's order; the trainer's
+    # log-probs (old, current, reference) are then of the truncated, renormalised distribution (docs/algorithms.md,
+    # "Truncated sampling").
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
@@ -275,6 +278,7 @@ class RolloutConfig:
               f"rollout.num_responses_per_prompt: group size must be >= 2, got {self.num_responses_per_prompt}")
         _need(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         _need(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        _need(self.top_k >= 0, f"rollout.top_k: must be >= 0 (0 = off), got {self.top_k}")
         _need(self.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         self.schedule.check(self)
         getattr(self, ENGINES[self.engine].section).check(self)  # the selected engine's only: no other is read

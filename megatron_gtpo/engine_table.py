@@ -2,12 +2,12 @@
 engine reads (the config's choices and rules, the layout's rules, the trainer's engine setup, the planner, the check
 of the packages a launch needs) instead of comparing its name.
 
-    engine          generates on         options          routing  MoE  updates in  at      truncated  HF dir,
-                                                          replay        generation  CP > 1  log-probs  package
-    builtin         the trainer's ranks  rollout.builtin  yes      yes  no          no      no         -
-    vllm            the trainer's GPUs   rollout.vllm     yes      yes  no          yes     yes        yes, vllm
-    vllm_remote     rollout servers      rollout.remote   yes      yes  yes         yes     yes        -
-    builtin_remote  rollout servers      rollout.remote   no       no   yes         yes     no         -
+    engine          generates on         options          routing  MoE  updates in  at      HF dir,
+                                                          replay        generation  CP > 1  package
+    builtin         the trainer's ranks  rollout.builtin  yes      yes  no          no      -
+    vllm            the trainer's GPUs   rollout.vllm     yes      yes  no          yes     yes, vllm
+    vllm_remote     rollout servers      rollout.remote   yes      yes  yes         yes     -
+    builtin_remote  rollout servers      rollout.remote   no       no   yes         yes     -
 
 What the engines' objects answer themselves is not a column: whether a server has answered all it was asked
 (`RolloutEngine.idle`: always, for one that answers within the call), whether a request is seeded
@@ -38,8 +38,6 @@ class Engine:
     # Generates for a trainer at parallel.context > 1 (the built-in engine in the trainer's processes would have to
     # slice positions per context-parallel rank).
     context_parallel: bool
-    # With top-k / top-p, reports the log-probs of the truncated distribution (vLLM), not of the full one.
-    truncated_logprobs: bool
     # Starts from a Hugging Face directory in the trainer's processes (rollout.vllm.hf_dir or model.hf_dir).
     needs_hf_directory: bool
     # The optional package the trainer's processes need for it (a rollout server's is its own node's).
@@ -51,15 +49,14 @@ class Engine:
 
 ENGINES: dict[str, Engine] = {
     "builtin": Engine(remote=False, section="builtin", routing_replay=True, moe=True, updates_during_generation=False,
-                      context_parallel=False, truncated_logprobs=False, needs_hf_directory=False, package=None),
+                      context_parallel=False, needs_hf_directory=False, package=None),
     "vllm": Engine(remote=False, section="vllm", routing_replay=True, moe=True, updates_during_generation=False,
-                   context_parallel=True, truncated_logprobs=True, needs_hf_directory=True, package="vllm",
-                   engine_tensor_parallel=True),
+                   context_parallel=True, needs_hf_directory=True, package="vllm", engine_tensor_parallel=True),
     "vllm_remote": Engine(remote=True, section="remote", routing_replay=True, moe=True, updates_during_generation=True,
-                          context_parallel=True, truncated_logprobs=True, needs_hf_directory=False, package=None),
+                          context_parallel=True, needs_hf_directory=False, package=None),
     "builtin_remote": Engine(remote=True, section="remote", routing_replay=False, moe=False,
-                             updates_during_generation=True, context_parallel=True, truncated_logprobs=False,
-                             needs_hf_directory=False, package=None),
+                             updates_during_generation=True, context_parallel=True, needs_hf_directory=False,
+                             package=None),
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(ENGINES)  # the config's choices of rollout.engine
 

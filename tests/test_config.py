@@ -75,6 +75,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
                                                  "their own that generate while the trainer trains"),
     (BASE, ["rollout.schedule.max_staleness=-1"], "rollout.schedule.max_staleness: must be >= 0"),
     (BASE, ["rollout.schedule.oversample_batches=-1"], "rollout.schedule.oversample_batches: must be >= 0"),
+    (BASE, ["rollout.top_k=-1"], "rollout.top_k: must be >= 0 .0 = off., got -1"),
     (BASE, ["rollout.schedule.partial_rollouts=true"],
      "rollout.schedule.partial_segment_tokens: partial rollouts need a segment"),
     (BASE, ["rollout.schedule.partial_rollouts=true", "rollout.max_new_tokens=6",

@@ -31,7 +31,8 @@ SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoin
 
 
 # Options the update must carry at every layout, spread over the cases: several epochs over one rollout batch,
-# the entropy bonus, the dual clip, a token budget per micro-batch, packed sequences, the rollout mismatch corrections.
+# the entropy bonus, the dual clip, a token budget per micro-batch, packed sequences, the rollout mismatch corrections,
+# top-k / top-p sampling (the demo's vocabulary has 16 ids: top-k 5 truncates).
 PACKED = ["data.pack_sequences=true", "data.max_tokens_per_micro_batch=64"]
 # Clip-Cov with a band and a ratio that pick tokens in the demo's small batches (its defaults pick 1 in (1, 5)).
 CLIP_COV_ACTS = ["algorithm.clip_cov.lb=0.0", "algorithm.clip_cov.ratio=0.05"]
@@ -39,8 +40,8 @@ CLIP_COV_ACTS = ["algorithm.clip_cov.lb=0.0", "algorithm.clip_cov.ratio=0.05"]
 
 @pytest.mark.parametrize("layout,algorithm,options", [
     ("parallel.tensor=2", "gtpo", PACKED),
-    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01",
-                                     "algorithm.rollout_correction.rollout_is=geometric"]),
+    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_correction.rollout_is=geometric",
+                                     "rollout.top_k=5", "rollout.top_p=0.9"]),
     ("parallel.tensor=2", "kl_cov", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
     ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01",
                                      "data.max_tokens_per_micro_batch=40"]),
@@ -75,7 +76,8 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         assert not not_finite, not_finite  # NaN is written as null
         assert 0.0 <= row["accuracy"] <= 1.0 and row["entropy_mean"] > 0 and row["grad_norm"] >= 0
         assert -1.0 <= row["reward_mean"] <= row["accuracy"] + 1e-6  # length penalties only subtract
-        # the engine's sampling log-probs and the training pass's old log-probs agree (same weights, fp32)
+        # the engine's sampling log-probs and the training pass's old log-probs agree (same weights, fp32; with
+        # top-k / top-p both of the truncated distribution, the trainer's found across TP=2 without gathering)
         assert row["rollout_logprob_mismatch"] < 1e-4
         assert row["mismatch_kl"] < 1e-6 and row["token_mult_prob_error"] < 1 + 1e-4
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and row["rollout_rs_masked_fraction"] == 0

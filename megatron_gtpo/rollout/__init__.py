@@ -10,8 +10,7 @@ import sys
 from .builtin import BuiltinEngine
 from .engine import Rollout, RolloutEngine, SamplingParams
 from .responses import FINISH_LENGTH, FINISH_STOP, Response, Responses
-from .sampling import filter_top_k_top_p, sample_next_tokens
-
+from .sampling import sample_next_tokens, sampling_log_probs
 
 
 def vllm_missing(needed_by: str, instead: str, detail: str = "is not installed") -> str | None:
@@ -35,4 +34,4 @@ def import_vllm_engine(needed_by: str, instead: str):
 
 
 __all__ = ["BuiltinEngine", "FINISH_LENGTH", "FINISH_STOP", "Response", "Responses", "Rollout", "RolloutEngine",
-           "SamplingParams", "filter_top_k_top_p", "import_vllm_engine", "sample_next_tokens", "vllm_missing"]
+           "SamplingParams", "import_vllm_engine", "sample_next_tokens", "sampling_log_probs", "vllm_missing"]

@@ -6,8 +6,9 @@
 - `VLLMEngine` is the `RolloutEngine` of one model-parallel group over its colocated engines (placement.py):
   `generate` gives every rank of the group all responses; `sync_weights` loads the Megatron weights into every
   engine and raises on every rank unless each vLLM worker's RMSNorm checksums equal those of the weights sent.
-- Responses keep rollout/engine.py's contract, except that under top-k or top-p vLLM reports the log-probs of the
-  truncated, renormalised distribution.
+- Responses keep rollout/engine.py's contract: vLLM runs with `logprobs_mode="processed_logprobs"`, so under top-k /
+  top-p it reports the log-probs of the truncated, renormalised distribution it sampled from, as the trainer computes
+  them (docs/algorithms.md, "Truncated sampling").
 - Weight updates during generation (a remote server's session with rollout.schedule.update_during_generation,
   remote_server.py): `pause_generation` stops vLLM's scheduler with the requests in flight kept (pause mode "keep"),
   the update loads, and `resume_generation` sends those requests back to the waiting queue with their KV cache

@@ -3,8 +3,6 @@ a colocated vLLM engine, or rollout servers (vLLM or built-in) on nodes of their
 replica."""
 from __future__ import annotations
 
-import sys
-
 from megatron_gtpo.config import RemoteEngineConfig, TrainConfig, VLLMEngineConfig
 from megatron_gtpo.engine_table import ENGINES
 from megatron_gtpo.distributed import ParallelGroups
@@ -25,16 +23,11 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
     replay = cfg.model.moe.replays_routing
     layers = routed_layers(policy.chunks) if replay else None
     # Built from its own section (engine_table.Engine.section): the engines that share one share its builder.
-    engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
-                                               max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay),
-              "vllm": lambda: _vllm_engine(r.vllm, cfg, parallel, layers),
-              "remote": lambda: _remote_engine(r.remote, r.schedule.update_during_generation, shape, parallel,
-                                               layers)}[ENGINES[r.engine].section]()
-    if ENGINES[r.engine].truncated_logprobs and (r.top_k or r.top_p < 1) and parallel.world_rank == 0:
-        print("warning: with top_k / top_p, vLLM reports log-probs of the truncated distribution, the builtin engine "
-              "and the old-policy pass those of the full one (rollout/engine.py): rollout_logprob_mismatch then "
-              "includes -log(kept probability mass)", file=sys.stderr)
-    return engine
+    return {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
+                                             max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay),
+            "vllm": lambda: _vllm_engine(r.vllm, cfg, parallel, layers),
+            "remote": lambda: _remote_engine(r.remote, r.schedule.update_during_generation, shape, parallel,
+                                             layers)}[ENGINES[r.engine].section]()
 
 
 def _vllm_engine(options: VLLMEngineConfig, cfg: TrainConfig, parallel: ParallelGroups, routed_layers):

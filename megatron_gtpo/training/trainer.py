@@ -18,7 +18,7 @@ from megatron_gtpo.algorithms import configure_algorithm
 from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS, STALENESS_METRICS
 from megatron_gtpo.cli import say_once
 from megatron_gtpo.config import TrainConfig, to_dict, validate_for_model, validate_layout
-from megatron_gtpo.distributed import initialize_parallel, read_launch_env
+from megatron_gtpo.distributed import Truncation, initialize_parallel, read_launch_env
 from megatron_gtpo.models.moe_routing import RouterStatistics, routed_layers
 from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import Response, Responses
@@ -67,6 +67,8 @@ class Trainer:
         self.logprob_chunk_tokens = chunk_tokens_for_budget(
             cfg.model.logprob_workspace_mib * 2**20,
             padded_vocab_size(shape.vocab_size, self.parallel.tp_size) // self.parallel.tp_size)
+        # The rollout's top-k / top-p: the passes' log-probs are of the truncated distribution the engines sample.
+        self.truncation = Truncation(cfg.rollout.top_k, cfg.rollout.top_p)
         self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
         # Routing replay: this rank's MoE layers, whose experts the rollout records and the passes replay.
         self.replay = ReplayPlan(routed_layers(self.policy.chunks), shape.moe.topk) \
@@ -198,7 +200,8 @@ class Trainer:
         parallel = self.parallel
         with RouterStatistics(self.policy.chunks) as routing:
             old_policy_pass(self.policy.chunks, batch, parallel, vocab_size=self.vocab_size,
-                             temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
+                             temperature=self.cfg.rollout.temperature, truncation=self.truncation,
+                             chunk_tokens=self.logprob_chunk_tokens,
                              reference_chunks=self.reference.chunks if self.reference else None)
         tp_routes_own_tokens = parallel.tp_group if parallel.sequence_parallel else None
         metrics.add(moe_layer_values(routing.per_layer(parallel.dp_group, tp_routes_own_tokens)))
@@ -216,7 +219,8 @@ class Trainer:
     def update(self, batch: StepBatch, metrics: MetricReducer) -> None:
         update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
                       epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,
-                      temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens)
+                      temperature=self.cfg.rollout.temperature, truncation=self.truncation,
+                      chunk_tokens=self.logprob_chunk_tokens)
 
     def sync_weights(self) -> None:
         self.engine.sync_weights(self.policy.chunks, self.parallel)

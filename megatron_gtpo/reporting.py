@@ -1,19 +1,56 @@
-"""Reading a run's metrics.jsonl and plotting runs side by side (the demo and tools/compare_algorithms.py)."""
+"""Reading a run's metrics.jsonl, summarising and plotting runs side by side (the trainer's last line, `python -m
+megatron_gtpo.plot`, the demo and tools/compare_algorithms.py)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+from typing import NamedTuple
 
 from megatron_gtpo.atomic_files import write_atomically
+from megatron_gtpo.progress import format_duration
 
+METRICS_FILE = "metrics.jsonl"
 PLOTTED = (("reward_mean", "mean reward"), ("entropy_mean", "mean token entropy (nats)"),
            ("response_length_mean", "mean response length (tokens)"))
+# A run at a glance: what `python -m megatron_gtpo.plot` draws; step_time_s is the sum of the step's phase times.
+RUN_PANELS = (("reward_mean", "mean reward"), ("accuracy", "accuracy (outcome reward)"),
+              ("entropy_mean", "mean token entropy (nats)"), ("response_length_mean", "mean response length (tokens)"),
+              ("step_time_s", "step time (s)"))
+SUMMARY_WINDOW = 10  # steps averaged at the start and at the end of a run in its summary line
 
 
 def read_rl_metrics(output_dir: str) -> list[dict]:
-    """The RL steps of a run (the warm-start's row, step -1, is left out)."""
-    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [row for row in map(json.loads, f) if row["step"] >= 0]
+    """The RL steps of a run (the warm-start's row, step -1, is left out), each with its `step_time_s` (the sum of
+    its phases' `time_*_s`). A last line without its newline (a row still being written) is left for next time."""
+    with open(os.path.join(output_dir, METRICS_FILE), encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    rows = [json.loads(line) for line in lines[:-1] if line.strip()]  # lines[-1]: after the last newline
+    return [{**row, "step_time_s": step_time_s(row)} for row in rows if row["step"] >= 0]
+
+
+def step_time_s(row: dict) -> float | None:
+    """A step's wall time: the sum of its phases' times (`time_<phase>_s`); None when it logged none."""
+    phases = [v for k, v in row.items() if k.startswith("time_") and k.endswith("_s") and v is not None]
+    return sum(phases) if phases else None
+
+
+def run_summary_line(rows: list[dict], window: int = SUMMARY_WINDOW) -> str:
+    """A run's RL steps in one line: how many, their time, and how reward, accuracy, token entropy and response
+    length moved (the means of the first and of the last `window` steps, `window_means`)."""
+    if not rows:
+        return "no RL step logged"
+    seconds = sum(t for t in (step_time_s(r) for r in rows) if t is not None)
+    moved = []
+    for key, name in (("reward_mean", "reward"), ("accuracy", "accuracy"), ("entropy_mean", "entropy"),
+                      ("response_length_mean", "response length")):
+        values = [r.get(key) for r in rows]
+        if any(v is not None for v in values):
+            first, last = window_means(values, window)
+            moved.append(f"{name} {first:.3g} -> {last:.3g}")
+    shown = max(1, min(window, len(rows) // 2))
+    return (f"{len(rows)} RL steps ({rows[0]['step']}-{rows[-1]['step']}) in {format_duration(seconds)} "
+            f"({seconds / len(rows):.3g} s/step); {', '.join(moved)} (mean of the first -> last {shown} steps)")
 
 
 def window_means(values: list[float | None], window: int) -> tuple[float, float]:
@@ -30,16 +67,21 @@ def window_means(values: list[float | None], window: int) -> tuple[float, float]
 
 
 def plot_runs(runs: dict[str, list[dict]], path: str, title: str, panels=PLOTTED) -> None:
-    """One panel per metric, one line per run; written atomically as PNG."""
+    """One panel per metric (three to a row), one line per run; written atomically as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
+    columns = min(3, len(panels))
+    rows_of_panels = -(-len(panels) // columns)
+    fig, grid = plt.subplots(rows_of_panels, columns, figsize=(4.4 * columns, 3.6 * rows_of_panels), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
     for ax, (key, label) in zip(axes, panels):
         for name, rows in runs.items():
-            values = [float("nan") if r[key] is None else r[key] for r in rows]  # null: no value that step
+            values = [float("nan") if r.get(key) is None else r[key] for r in rows]  # null: no value that step
             ax.plot([r["step"] for r in rows], values, lw=1.2, label=name)
         ax.set_xlabel("RL step")
         ax.set_title(label)
@@ -77,18 +119,108 @@ def t_quantile(probability: float, dof: int) -> float:
     return table[min(dof, len(table)) - 1]
 
 
+def _regularized_incomplete_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b) for a, b > 0 and 0 <= x <= 1: the continued fraction (modified Lentz), on the side of x where it
+    converges fast (I_x(a, b) = 1 - I_{1-x}(b, a))."""
+    if x <= 0.0 or x >= 1.0:
+        return max(0.0, min(1.0, x))
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _regularized_incomplete_beta(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    return math.exp(log_front) * fraction / a
+
+
+def t_survival(t: float, dof: int) -> float:
+    """P(T > t) for Student's t with `dof` >= 1 degrees of freedom: a one-sided p-value."""
+    if dof < 1:
+        raise ValueError(f"t_survival: dof >= 1, got {dof}")
+    tail = 0.5 * _regularized_incomplete_beta(dof / 2, 0.5, dof / (dof + t * t))
+    return tail if t >= 0 else 1.0 - tail
+
+
+def t_critical(alpha: float, dof: int) -> float:
+    """The t with P(T_dof > t) = alpha (0 < alpha < 1), by bisection on t_survival to 1e-10."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"t_critical: alpha in (0, 1), got {alpha}")
+    low, high = -1e3, 1e3
+    while high - low > 1e-10:
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_survival(middle, dof) > alpha else (low, middle)
+    return (low + high) / 2
+
+
+class PairedTest(NamedTuple):
+    """A one-sided paired t-test of mean(values - reference) > 0 over n pairs: the mean difference, its standard error
+    sd / sqrt(n), t = mean / standard error, and the one-sided p-value P(T_{n-1} >= t)."""
+
+    mean: float
+    standard_error: float
+    t: float
+    p_value: float
+    pairs: int
+
+    @property
+    def half_width(self) -> float:
+        """Of the two-sided 95% t-interval of the mean difference."""
+        return t_quantile(0.975, self.pairs - 1) * self.standard_error
+
+    def detectable(self, alpha: float, power: float = 0.8) -> float:
+        """The smallest true mean difference a one-sided test at level `alpha` detects with `power`, at this spread:
+        (t_{1-alpha} + t_{power}) * standard error, n - 1 degrees of freedom."""
+        dof = self.pairs - 1
+        return (t_critical(alpha, dof) + t_critical(1 - power, dof)) * self.standard_error
+
+
+def paired_t_test(values: list[float], reference: list[float]) -> PairedTest:
+    """PairedTest of values[i] - reference[i] (n >= 2 pairs). All differences equal: t is +-inf (p 0 or 1) unless the
+    mean is 0 (t 0, p 0.5)."""
+    if len(values) != len(reference) or len(values) < 2:
+        raise ValueError(f"paired differences need two equal-length lists of >= 2 values, got {len(values)} and "
+                         f"{len(reference)}")
+    mean, spread = mean_and_spread([v - r for v, r in zip(values, reference)])
+    n = len(values)
+    standard_error = spread / n ** 0.5
+    if standard_error > 0:
+        t = mean / standard_error
+    else:
+        t = math.copysign(math.inf, mean) if mean != 0 else 0.0
+    p_value = 0.5 if t == 0 else (0.0 if t == math.inf else 1.0 if t == -math.inf else t_survival(t, n - 1))
+    return PairedTest(mean, standard_error, t, p_value, n)
+
+
+def holm_rejections(p_values: list[float], alpha: float) -> list[bool]:
+    """Holm's step-down procedure at family-wise level `alpha`: the k-th smallest p-value (k = 1..m) is compared with
+    alpha / (m - k + 1); every hypothesis up to the first that fails is rejected, none after it."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    rejected = [False] * len(p_values)
+    for k, i in enumerate(order):
+        if p_values[i] > alpha / (len(p_values) - k):
+            break
+        rejected[i] = True
+    return rejected
+
+
 def paired_difference(values: list[float], reference: list[float]) -> tuple[float, float, float]:
     """Paired differences values[i] - reference[i] (e.g. one seed each): (their mean, the half-width of its 95%
     t-interval, the smallest true mean difference this many pairs detect with 80% power at the 5% two-sided level).
     The last two are (t_0.975 [+ t_0.80]) * sd / sqrt(n) with n - 1 degrees of freedom; n >= 2 pairs."""
-    if len(values) != len(reference) or len(values) < 2:
-        raise ValueError(f"paired_difference needs two equal-length lists of >= 2 values, got {len(values)} and "
-                         f"{len(reference)}")
-    mean, spread = mean_and_spread([v - r for v, r in zip(values, reference)])
-    standard_error = spread / len(values) ** 0.5
-    dof = len(values) - 1
-    return mean, t_quantile(0.975, dof) * standard_error, (t_quantile(0.975, dof) + t_quantile(0.80, dof)) * \
-        standard_error
+    test = paired_t_test(values, reference)
+    dof = test.pairs - 1
+    return test.mean, test.half_width, (t_quantile(0.975, dof) + t_quantile(0.80, dof)) * test.standard_error
 
 
 def normalized_auc(values: list[float]) -> float:

@@ -69,10 +69,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from megatron_gtpo.models.lean_linears import packed_weights
 from megatron_gtpo.models.moe_routing import recording
+from megatron_gtpo.progress import progress_bar
 
 from .engine import Rollout, SamplingParams, check_prompts, response_seed
 from .decode_rows import DecodeRows
@@ -180,7 +180,8 @@ class BuiltinEngine:
         start_s = time.perf_counter()
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
                 packed_weights(self.models) as self._packed, \
-                tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
+                progress_bar(total=len(rows), desc="decoding", unit="row", leave=False,
+                             disable=not self.progress) as bar:
             for batch in batches:
                 *batch_parts, batch_routes = self._generate_batch(
                     [rows[r] for r in batch], [seeds[r] for r in batch], params, recorder)

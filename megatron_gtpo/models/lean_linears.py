@@ -18,16 +18,21 @@ Packed weights (`packed_weights`). On this project's CPUs, torch's float32 matmu
 of what oneDNN's inner product does on a weight reordered once into oneDNN's blocked layout: measured on the 2-core
 AMD EPYC (AVX-512) development machine at decode shapes (1 thread, benchmarks/results/generation.md), 32 rows x 512
 -> 2816: 1.76 ms against 1.10 ms; 32 x 512 -> 8192 (the output layer): 6.5 ms against 3.2 ms; the gap narrows at
-128 rows. The built-in engine (rollout/builtin.py) therefore packs the weights of a model's lean linears once per
-generation (and again after a weight update in the middle of one): a second copy of those weights for the duration,
-as long as one pass over them to make. Inside `packed_weights`, a lean forward without gradients multiplies by the
-packed copy (oneDNN's `_linear_pointwise`, the bias fused): the same product up to float rounding (oneDNN sums in
-another order than MKL), so generation's log-probs equal the trainer's within float tolerance, not bit for bit, as
-on a GPU. Scoring and training never see the packed copies.
+128 rows. The built-in engine (rollout/builtin.py) therefore packs the weights of a float32 model's lean linears at
+the start of every generation call (so an optimizer step or a weight sync between rollouts is always seen) and again
+after a weight update in the middle of one: a second copy of those weights for the duration, as long as one pass
+over them to make. Inside `packed_weights`, a lean forward without gradients multiplies by the packed copy (oneDNN's
+`_linear_pointwise`, the bias fused): the same product up to float rounding (oneDNN sums in another order than MKL),
+so generation's log-probs equal the trainer's within float tolerance, not bit for bit, as on a GPU. A packed copy
+does not follow its weight: changing the weights in place inside `packed_weights` without calling `pack()` again
+would generate from the old ones (the engine repacks wherever it lets the weights change), and a forward given a
+weight other than the one packed (a parameter object replaced) raises. Scoring and training never see the packed
+copies. bfloat16 models (unmeasured on a CPU) and GPUs multiply by their weights as they are.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -35,7 +40,7 @@ from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_par
                                                     reduce_from_tensor_model_parallel_region)
 from megatron.core.utils import get_pg_size
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+PACKABLE_DTYPES = (torch.float32,)  # measured (module doc); bfloat16 on a CPU is not
 
 
 class _Lean:
@@ -45,7 +50,10 @@ class _Lean:
 
     def _product(self, input_, weight, bias):
         """input_ @ weight.t() (+ bias): megatron's ops, or with `weight`'s packed copy the oneDNN inner product."""
-        if self.packed is not None and self.packed[0] is weight:
+        if self.packed is not None:
+            if self.packed[0] is not weight:  # a weight the packed copy is not of: never multiply by a stale one
+                raise RuntimeError("a lean linear inside `packed_weights` was given a weight other than the one it "
+                                   "packed (a parameter replaced, not updated in place, during generation)")
             return torch.ops.mkldnn._linear_pointwise(input_, self.packed[1], bias, "none", [], "")
         output = torch.matmul(input_, weight.t())
         return output + bias if bias is not None else output
@@ -86,10 +94,15 @@ class LeanRowParallelLinear(_Lean, RowParallelLinear):
 
 
 def can_pack(model_chunks: list) -> bool:
-    """Whether `packed_weights` packs anything for these chunks: oneDNN is there (CPU builds of torch), the model
-    runs on the CPU, in float32 or bfloat16."""
-    dtype = model_chunks[0].config.params_dtype
-    return not torch.cuda.is_available() and torch.backends.mkldnn.is_available() and dtype in PACKABLE_DTYPES
+    """Whether `packed_weights` packs anything for these chunks: the model runs on the CPU, in float32, and oneDNN is
+    there (in torch's CPU builds; a build without it gets a warning: generation then runs at MKL's speed)."""
+    if torch.cuda.is_available() or model_chunks[0].config.params_dtype not in PACKABLE_DTYPES:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        warnings.warn("this build of torch has no oneDNN (torch.backends.mkldnn): the built-in engine multiplies by "
+                      "unpacked weights, about half as fast on a CPU (models/lean_linears.py)", stacklevel=2)
+        return False
+    return True
 
 
 class PackedWeights:

@@ -6,12 +6,15 @@ How a batch is generated:
   `max_batch_size` rows and at most `max_batch_tokens` KV-cache token slots (`batch_ranges`); the KV cache is a
   `megatron.core.inference.contexts.StaticInferenceContext` (one cache offset for all rows) of rows x (longest
   prompt of the batch + max_new_tokens) slots per layer, so `max_batch_tokens` bounds its memory;
-- each row samples with counter-based noise (sampling.counter_uniform): the random numbers of its k-th token are a
-  hash of its seed, `engine.response_seed` (the call's seed, its prompt index and sample index), and k. A response
+- each row samples with counter-based noise (sampling.counter_uniform, sampling.inverse_cdf_draw): the random
+  number of its k-th token is a hash of its seed, `engine.response_seed` (the call's seed, its prompt index and
+  sample index), and k. A response
   depends on its prompt and that seed, not on which rows share its batch, nor on the prompt scheme below, so the
   batch caps change no sampled token (greedy decoding: no token either, up to the float rounding of other batch
-  shapes). (Until 2026-11-27 each row drew from a torch.Generator of its own, one kernel per row and step: the same
-  seeds now give other, equally distributed, samples.);
+  shapes). (Until 2026-11-27 each row drew from a torch.Generator of its own, one kernel per row and step, and until
+  2026-12-02 from a race of exponentials: the same seeds now give other, equally distributed, samples.);
+- on a CPU the model's linears multiply by oneDNN-packed copies of the weights, packed at the start of every call
+  and again after a weight update taken during one (models/lean_linears.packed_weights);
 - prompts of different lengths, two schemes (`prompt_alignment`):
   "left_pad" (the default where it is exact, see below): prompts are left-padded to the longest and prefilled in one
   forward pass with an explicit boolean attention mask (causal, and padding keys masked out) that is also passed at

@@ -15,11 +15,11 @@ forward runs unchanged. The local layer spec builds its linears as these (models
 builder its output layer; Transformer Engine's spec keeps its own layers.
 
 Packed weights (`packed_weights`). On this project's CPUs, torch's float32 matmul (MKL's sgemm) reaches about half
-of what oneDNN's inner product does on a weight reordered once into oneDNN's blocked layout: measured on the 2-core
-AMD EPYC (AVX-512) development machine at decode shapes (1 thread, benchmarks/results/generation.md), 32 rows x 512
--> 2816: 1.76 ms against 1.10 ms; 32 x 512 -> 8192 (the output layer): 6.5 ms against 3.2 ms; the gap narrows at
-128 rows. The built-in engine (rollout/builtin.py) therefore packs the weights of a float32 model's lean linears at
-the start of every generation call (so an optimizer step or a weight sync between rollouts is always seen) and again
+of what oneDNN's inner product does on a weight reordered once into oneDNN's blocked layout: at decode shapes (1
+thread; benchmarks/decode_kernels.py, figures in benchmarks/results/generation.md) 32 rows x 512 -> 2816 took 3.1x
+and 32 x 512 -> 8192 (the output layer) 2.3x the time with sgemm, 1.8-2.0x at 128 rows. The built-in engine
+(rollout/builtin.py) therefore packs the weights of a float32 model's lean linears at the start of every generation
+call (so an optimizer step or a weight sync between rollouts is always seen) and again
 after a weight update in the middle of one: a second copy of those weights for the duration, as long as one pass
 over them to make. Inside `packed_weights`, a lean forward without gradients multiplies by the packed copy (oneDNN's
 `_linear_pointwise`, the bias fused): the same product up to float rounding (oneDNN sums in another order than MKL),

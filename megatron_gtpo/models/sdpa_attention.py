@@ -25,10 +25,9 @@ whole row's mask (models/context_attention.py). Three things differ from SDPA's 
 A decode step (one query per row) with grouped-query attention gives SDPA each query group's heads as the query rows
 of one attention over the group's keys ([b, groups, heads per group, d] against [b, groups, sk, d]), not heads
 queries against keys expanded to every head (`enable_gqa`): the same scores, and torch's CPU kernel then reads the
-KV cache once per group instead of once per head. Measured on the CPU at decode shapes (8 heads over 2 groups, head
-dim 64, 1 thread): 32 rows against 80 keys 0.38 ms against 0.65 ms, against 190 keys 0.97 ms against 1.70 ms, 128
-rows against 80 keys 1.9 ms against 3.2 ms (benchmarks/results/generation.md). Only where the mask, if any, is the
-same for every head (megatron's masks are [b, 1, sq, sk]).
+KV cache once per group instead of once per head: 1.2-1.8x faster at decode shapes on a CPU (8 heads over 2 groups,
+head dim 64, 1 thread; benchmarks/decode_kernels.py, in benchmarks/results/generation.md with one noisy exception).
+Only where the mask, if any, is the same for every head (megatron's masks are [b, 1, sq, sk]).
 """
 from __future__ import annotations
 

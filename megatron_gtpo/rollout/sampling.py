@@ -120,8 +120,8 @@ def inverse_cdf_draw(probs_BV: torch.Tensor, stream_keys_B: torch.Tensor, draws_
     24), a function of (stream_keys_B[b], draws_B[b]) only, and U < 1 - 2**-49, so U x total stays below the total
     however it rounds: the drawn token's cumulative probability rises at it, so a token of probability 0 (filtered
     out, padding) is never drawn. One cumulative sum and one search per row, where a race of exponentials (argmax
-    p / E) hashed a random number for every token: 4 (B = 32) to 20 (B = 128) times the time at a vocabulary of
-    8192 on a CPU (benchmarks/results/generation.md)."""
+    p / E) hashed a random number for every token: 8-11 times the time at a vocabulary of 8192 on a CPU
+    (benchmarks/decode_kernels.py, benchmarks/results/generation.md)."""
     halves_B2 = counter_uniform(stream_keys_B, draws_B, 2, dtype=torch.float64)
     uniform_B1 = (torch.floor(halves_B2[:, :1] * 2.0 ** 24) + halves_B2[:, 1:]) * 2.0 ** -24
     cumulative_BV = torch.cumsum(probs_BV, dim=-1, dtype=torch.float64)

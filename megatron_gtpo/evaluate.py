@@ -28,6 +28,7 @@ from typing import Sequence
 from megatron_gtpo.cli import ArgumentParser, run_cli
 from megatron_gtpo.data import EVAL_SET_NAMES, PROMPT_STYLES, load_dataset, load_tokenizer, tokenize_prompts
 from megatron_gtpo.evaluation.replicas import build_replica
+from megatron_gtpo.distributed.parallel import read_launch_env
 from megatron_gtpo.evaluation.report import RESPONSES_JSONL, RESULTS_CSV, RESULTS_JSON, format_summary, write_report
 from megatron_gtpo.evaluation.run import SamplingSettings, evaluate_dataset
 from megatron_gtpo.rewards import DEFAULT_TIMEOUT_S, RewardPool, verify_math_answer
@@ -191,7 +192,9 @@ def _text_problems(args, source):
                                    chat=not args.plain, system_prompt=args.system_prompt)
     args.max_new_tokens = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     tokenizer = load_tokenizer(args.tokenizer or source.tokenizer_dir)
-    problems = {name: tokenize_prompts(load_dataset(path), tokenizer, template, progress=True)  # no length filter
+    # Before the engine starts the process group: the launcher's rank decides who shows the bar.
+    speaks = read_launch_env().rank == 0
+    problems = {name: tokenize_prompts(load_dataset(path), tokenizer, template, progress=speaks)  # no length filter
                 for name, path in map(_dataset_source, args.datasets or EVAL_SET_NAMES)}
     return problems, tokenizer, verify_math_answer, template
 

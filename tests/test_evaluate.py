@@ -253,7 +253,8 @@ def test_cli_end_to_end_with_the_builtin_engine_at_tp2(tmp_path):
     assert all(isinstance(r["response"], str) for r in responses)
     # One rank speaks: the dataset line, each progress bar and the summary table appear once at TP=2.
     assert res.stderr.count("evaluating five: 5 problems x 2 samples") == 1, res.stderr[-3000:]
-    assert res.stderr.count("generating:   0%") == 1, res.stderr[-3000:]
+    assert res.stderr.count("generating: 0/1 (0%)") == 1, res.stderr[-3000:]
+    assert res.stderr.count("tokenizing prompts: 0/5") == 1, res.stderr[-3000:]
     assert res.stdout.count("dataset  num_problems") == 1, res.stdout
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in res.stderr  # CUDA advice that means nothing on the CPU
 

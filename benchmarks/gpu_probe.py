@@ -153,10 +153,10 @@ class Probe:
     def parallel_groups(self):
         """A world of one (NCCL on a GPU, gloo with the CPU platform layer otherwise), started once."""
         if self.parallel is None:
-            from megatron_gtpo.distributed import initialize_parallel
+            from megatron_gtpo.distributed import free_local_port, initialize_parallel
 
             os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_PORT", "29571")
+            os.environ.setdefault("MASTER_PORT", str(free_local_port()))  # not a fixed one: another probe may run
             self.parallel = initialize_parallel(1, 1)
         return self.parallel
 

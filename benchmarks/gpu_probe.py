@@ -336,7 +336,7 @@ def sdpa_backends(probe: Probe) -> dict:
                     warnings.simplefilter("always")
                     try:
                         case["forced"][backend.lower()] = round(1e3 * probe.timed(call, repeats=a["repeats"]), 4)
-                    except RuntimeError as error:  # the backend does not take this call: say why (its warnings)
+                    except Exception as error:  # the backend does not take this call: say why (its warnings)
                         reasons = [str(w.message).splitlines()[0][:200] for w in why][:4] or [str(error)[:200]]
                         case["forced"][backend.lower()] = "refused: " + " | ".join(dict.fromkeys(reasons))
             record["cases"][f"{name}_{'gqa' if groups != a['heads'] else 'mha'}"] = case

@@ -21,8 +21,8 @@
 # DRY_RUN=1, on any machine (no GPU): every part of the same command runs what it can without CUDA, under the same
 # limits, into OUT_DIR: the preflight without its CUDA check; the probe's --dry-run (what its items build at the GPU's
 # sizes, nothing run); throughput's --dry-run (each algorithm's trainer command, its config loaded and checked as the
-# trainer checks it); the GPU tests' command, printed (tests/test_gpu_configurations.py checks their configs on the
-# CPU). tests/test_scripts.py runs it (with PREFLIGHT_S, the preflight's limit, raised for a busy CPU).
+# trainer checks it); the GPU tests' command, printed (tests/test_gpu_trainer_configs.py checks their trainer runs'
+# configs on the CPU). tests/test_scripts.py runs it (with PREFLIGHT_S, the preflight's limit, raised for a busy CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1

@@ -34,8 +34,8 @@ of one attention over the group's keys ([b, groups, heads per group, d] against 
 queries against keys expanded to every head (`enable_gqa`): the same scores, and torch's CPU kernel then reads the
 KV cache once per group instead of once per head: 1.2-1.8x faster at decode shapes on a CPU (8 heads over 2 groups,
 head dim 64, 1 thread; benchmarks/decode_kernels.py, in benchmarks/results/generation.md with one noisy exception).
-On a CPU only (unmeasured on a GPU), and only where the mask, if any, is the same for every head (megatron's masks
-are [b, 1, sq, sk]).
+On a CPU only (unmeasured on a GPU), where the keys are not expanded already (`expand_kv_with_mask_on`), and only
+where the mask, if any, is the same for every head (megatron's masks are [b, 1, sq, sk]).
 """
 from __future__ import annotations
 
@@ -82,6 +82,9 @@ class SdpaAttention(DotProductAttention):
             sdpa_mask_BHQK = (torch.arange(sk, device=query.device)[None, :]
                               <= torch.arange(sk - sq, sk, device=query.device)[:, None])
         key_BGKD, value_BGKD, groups = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), key.shape[2]
+        if groups != heads and sdpa_mask_BHQK is not None and query.device.type in self.expand_kv_with_mask_on:
+            key_BGKD, value_BGKD, groups = (key_BGKD.repeat_interleave(heads // groups, dim=1),
+                                            value_BGKD.repeat_interleave(heads // groups, dim=1), heads)
         if sq == 1 and groups != heads and query.device.type == "cpu" and \
                 (sdpa_mask_BHQK is None or sdpa_mask_BHQK.shape[1] == 1):
             # A decode step: each query group's heads as that group's query rows (their keys are the same), so the
@@ -90,9 +93,6 @@ class SdpaAttention(DotProductAttention):
                 query.reshape(batch, groups, heads // groups, -1), key_BGKD, value_BGKD, attn_mask=sdpa_mask_BHQK,
                 scale=self.softmax_scale)
             return context_BGRD.reshape(1, batch, self.hidden_size_per_partition)
-        if groups != heads and sdpa_mask_BHQK is not None and query.device.type in self.expand_kv_with_mask_on:
-            key_BGKD, value_BGKD, groups = (key_BGKD.repeat_interleave(heads // groups, dim=1),
-                                            value_BGKD.repeat_interleave(heads // groups, dim=1), heads)
         context_BNQD = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3), key_BGKD, value_BGKD, attn_mask=sdpa_mask_BHQK, is_causal=causal,
             scale=self.softmax_scale, enable_gqa=groups != heads)

@@ -138,6 +138,15 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_prompt, sto
         out[f"scored_{name}_new"] = score(responses, SAMPLE_TEMPERATURE)
         load(old_weights)
         out[f"scored_{name}_old"] = score(responses, SAMPLE_TEMPERATURE)
+
+    # An optimizer step between two calls, in place as the trainer's: the next call generates from the new weights
+    # (on a CPU the engine multiplies by oneDNN-packed copies of them, made at every call: models/lean_linears.py).
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    for p in params:
+        p.grad = torch.sin(7.0 * p.detach())
+    optimizer.step()
+    out["after_step"] = generate(engine, greedy)
+    out["scored_after_step"] = score(out["after_step"], 1.0)
     dist.barrier()
     return out
 
@@ -268,3 +277,7 @@ def _check_layout(results, hf_greedy, stop_prompt, stop_token, layout):
             expected = torch.where(torch.tensor(row_stamps) == 1, new_lp.double(), old_lp.double())
             err = (torch.tensor(r.logprobs, dtype=torch.float64) - expected).abs().max().item()
             assert err < 1e-5, f"{layout} {name}: log-probs differ from their weights' scoring by {err:.2e}"
+
+    # After an optimizer step: other greedy responses, with the new weights' log-probs.
+    assert ref["after_step"] != ref["greedy"], layout
+    _assert_logprobs_match(ref["after_step"], ref["scored_after_step"], f"{layout} after an optimizer step")

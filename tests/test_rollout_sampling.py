@@ -1,6 +1,7 @@
 """Sampling (temperature, top-k, top-p, greedy) and the engine's parameter checks, against float64 references
 written here independently (per-row Python loops over sorted probabilities; ties go to the lowest id, as Python's
 stable sort leaves them)."""
+import itertools
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from megatron_gtpo.distributed import Truncation
 from megatron_gtpo.rollout import SamplingParams, sample_next_tokens, sampling_log_probs
 from megatron_gtpo.rollout.engine import check_prompts
-from megatron_gtpo.rollout.sampling import counter_uniform, stream_keys
+from megatron_gtpo.rollout.sampling import counter_uniform, inverse_cdf_draw, stream_keys
 
 
 def _kept_reference(logits_row, *, temperature, top_k, top_p):
@@ -163,3 +164,22 @@ def test_sample_next_tokens_rejects_bad_input():
     with pytest.raises(ValueError, match="stream_keys_B and draws_B"):
         sample_next_tokens(torch.zeros(2, 3), vocab_size=3, temperature=1.0,
                            stream_keys_B=torch.zeros(2, dtype=torch.long))
+
+
+def test_inverse_cdf_draw_is_its_definition():
+    """Row b's token: the first whose float64 cumulative probability exceeds U x the row's total, U from the row's
+    key and draw index only (48 bits: counter_uniform's columns 0 and 1); tokens of probability 0 are never drawn."""
+    torch.manual_seed(2)
+    probs_BV = torch.softmax(torch.randn(64, 30) * 3, dim=-1)
+    probs_BV[:, [0, 7, 8, 29]] = 0.0  # filtered out: first, inside, last
+    seeds_B, draws_B = torch.arange(64) * 7919 - 100, torch.arange(64) % 5
+    tokens_B = inverse_cdf_draw(probs_BV, stream_keys(seeds_B), draws_B)
+    for b in range(64):
+        high, low = (_counter_uniform_reference(seeds_B[b].item(), draws_B[b].item(), c) for c in (0, 1))
+        uniform = (math.floor(high * 2**24) + low) * 2**-24
+        cumulative = list(itertools.accumulate(float(p) for p in probs_BV[b].tolist()))
+        want = next(i for i, c in enumerate(cumulative) if c > uniform * cumulative[-1])
+        assert tokens_B[b].item() == want and probs_BV[b, want] > 0
+    # A row's token does not depend on the rows beside it.
+    assert all(inverse_cdf_draw(probs_BV[b:b + 1], stream_keys(seeds_B[b:b + 1]), draws_B[b:b + 1]).item() ==
+               tokens_B[b].item() for b in range(0, 64, 9))

@@ -242,6 +242,12 @@ def layer_spec(transformer_engine: bool, qk_norm: bool, num_experts: int | None 
     from .rope_once_attention import RopeOnceSelfAttention
 
     layer.self_attention.module = RopeOnceSelfAttention  # keys rotated once, as they enter a KV cache
+    from .lean_linears import LeanColumnParallelLinear, LeanRowParallelLinear
+
+    # Without gradients (generation, scoring), the linears skip megatron's autograd machinery (lean_linears.py).
+    mlp = layer.mlp.submodules.experts.submodules if num_experts else layer.mlp.submodules
+    attention.linear_qkv, attention.linear_proj = LeanColumnParallelLinear, LeanRowParallelLinear
+    mlp.linear_fc1, mlp.linear_fc2 = LeanColumnParallelLinear, LeanRowParallelLinear
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(f"model.core_attention: {core_attention!r} is not one of {list(CORE_ATTENTIONS)}")
     if context_parallel:
@@ -297,6 +303,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
 
     from megatron.core.models.gpt import GPTModel
 
+    from .lean_linears import LeanColumnParallelLinear
+
     shape = ModelShape.from_hf(hf_config)
     accelerator = accelerator or Accelerator.probe()
     if use_transformer_engine is None:
@@ -330,6 +338,8 @@ def build_model(hf_config: dict, *, tensor_parallel: int, pipeline_parallel: int
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=int(shape.rope_theta),
                 vp_stage=vp_stage if virtual_pipeline_parallel else None,
             )
+        if model.post_process:  # megatron builds it as a ColumnParallelLinear whatever the layer spec
+            model.output_layer.__class__ = LeanColumnParallelLinear  # the same module, with the lean forward
         if shape.moe is not None:
             mark_expert_parameters(model)
         if not meta_device:

@@ -28,6 +28,14 @@ names the device types on which such a call gets its keys and values expanded to
 layer, kept for the backward), which the memory-efficient kernel takes. None yet: benchmarks/gpu_probe.py (item
 `sdpa_backends`) times both on a GPU and reports which to choose; turning it on for "cuda" also needs the planner's
 local profile (planning/activations.py) to count the expanded keys and values of packed rows.
+
+A decode step (one query per row) with grouped-query attention gives SDPA each query group's heads as the query rows
+of one attention over the group's keys ([b, groups, heads per group, d] against [b, groups, sk, d]), not heads
+queries against keys expanded to every head (`enable_gqa`): the same scores, and torch's CPU kernel then reads the
+KV cache once per group instead of once per head: 1.2-1.8x faster at decode shapes on a CPU (8 heads over 2 groups,
+head dim 64, 1 thread; benchmarks/decode_kernels.py, in benchmarks/results/generation.md with one noisy exception).
+On a CPU only (unmeasured on a GPU), where the keys are not expanded already (`expand_kv_with_mask_on`), and only
+where the mask, if any, is the same for every head (megatron's masks are [b, 1, sq, sk]).
 """
 from __future__ import annotations
 
@@ -77,6 +85,14 @@ class SdpaAttention(DotProductAttention):
         if groups != heads and sdpa_mask_BHQK is not None and query.device.type in self.expand_kv_with_mask_on:
             key_BGKD, value_BGKD, groups = (key_BGKD.repeat_interleave(heads // groups, dim=1),
                                             value_BGKD.repeat_interleave(heads // groups, dim=1), heads)
+        if sq == 1 and groups != heads and query.device.type == "cpu" and \
+                (sdpa_mask_BHQK is None or sdpa_mask_BHQK.shape[1] == 1):
+            # A decode step: each query group's heads as that group's query rows (their keys are the same), so the
+            # cached keys and values are read once per group, not once per head (module doc).
+            context_BGRD = F.scaled_dot_product_attention(
+                query.reshape(batch, groups, heads // groups, -1), key_BGKD, value_BGKD, attn_mask=sdpa_mask_BHQK,
+                scale=self.softmax_scale)
+            return context_BGRD.reshape(1, batch, self.hidden_size_per_partition)
         context_BNQD = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3), key_BGKD, value_BGKD, attn_mask=sdpa_mask_BHQK, is_causal=causal,
             scale=self.softmax_scale, enable_gqa=groups != heads)

@@ -6,12 +6,15 @@ How a batch is generated:
   `max_batch_size` rows and at most `max_batch_tokens` KV-cache token slots (`batch_ranges`); the KV cache is a
   `megatron.core.inference.contexts.StaticInferenceContext` (one cache offset for all rows) of rows x (longest
   prompt of the batch + max_new_tokens) slots per layer, so `max_batch_tokens` bounds its memory;
-- each row samples with counter-based noise (sampling.counter_uniform): the random numbers of its k-th token are a
-  hash of its seed, `engine.response_seed` (the call's seed, its prompt index and sample index), and k. A response
+- each row samples with counter-based noise (sampling.counter_uniform, sampling.inverse_cdf_draw): the random
+  number of its k-th token is a hash of its seed, `engine.response_seed` (the call's seed, its prompt index and
+  sample index), and k. A response
   depends on its prompt and that seed, not on which rows share its batch, nor on the prompt scheme below, so the
   batch caps change no sampled token (greedy decoding: no token either, up to the float rounding of other batch
-  shapes). (Until 2026-11-27 each row drew from a torch.Generator of its own, one kernel per row and step: the same
-  seeds now give other, equally distributed, samples.);
+  shapes). (Until 2026-11-27 each row drew from a torch.Generator of its own, one kernel per row and step, and until
+  2026-12-02 from a race of exponentials: the same seeds now give other, equally distributed, samples.);
+- on a CPU the model's linears multiply by oneDNN-packed copies of the weights, packed at the start of every call
+  and again after a weight update taken during one (models/lean_linears.packed_weights);
 - prompts of different lengths, two schemes (`prompt_alignment`):
   "left_pad" (the default where it is exact, see below): prompts are left-padded to the longest and prefilled in one
   forward pass with an explicit boolean attention mask (causal, and padding keys masked out) that is also passed at
@@ -70,6 +73,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.models.lean_linears import packed_weights
 from megatron_gtpo.models.moe_routing import recording
 from megatron_gtpo.progress import progress_bar
 
@@ -178,6 +182,7 @@ class BuiltinEngine:
         # No device sync for the end time: every decode step reads the count of live rows back from the device.
         start_s = time.perf_counter()
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
+                packed_weights(self.models) as self._packed, \
                 progress_bar(total=len(rows), desc="decoding", unit="row", leave=False,
                              disable=not self.progress) as bar:
             for batch in batches:
@@ -289,6 +294,8 @@ class BuiltinEngine:
         taken = self._between_steps()
         assert not (taken and self.record_routing), "config_rules: updates during generation without routing replay"
         self._updates_taken += taken
+        if taken and self._packed is not None:
+            self._packed.pack()  # the packed copies of the old weights
         return taken
 
     def _step_mask(self, key_is_pad_BK: torch.Tensor | None, seq: int, kv_len: int) -> torch.Tensor | None:

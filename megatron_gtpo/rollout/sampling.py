@@ -77,12 +77,7 @@ def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature:
                              "row)")
         log_probs_BV = sampling_log_probs(logits_BV, vocab_size=vocab_size, temperature=temperature,
                                           truncation=Truncation(top_k, top_p))
-        probs_BV = torch.exp(log_probs_BV)
-        # argmax p / E with E = -log U ~ Exp(1) i.i.d. draws token v with probability p_v (the exponential race):
-        # all rows in a constant number of kernels, no host synchronisation, and filtered-out tokens (p = 0) never
-        # win, as U < 1 makes E > 0.
-        race_BV = counter_uniform(stream_keys_B, draws_B, vocab_size, dtype=probs_BV.dtype).log_().neg_()
-        tokens_B = torch.argmax(probs_BV / race_BV, dim=-1)
+        tokens_B = inverse_cdf_draw(torch.exp(log_probs_BV), stream_keys_B, draws_B)
     return tokens_B, log_probs_BV.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
 
 
@@ -116,6 +111,21 @@ def counter_uniform(stream_keys_B: torch.Tensor, draws_B: torch.Tensor, width: i
     row_key_B = _mix32(stream_keys_B ^ (draws_B.long() & _LOW32))
     bits_BV = _mix32(row_key_B[:, None] ^ _column_keys(width, stream_keys_B.device)[None, :]) >> 8
     return (bits_BV.to(dtype) + 0.5) * 2.0 ** -24
+
+
+def inverse_cdf_draw(probs_BV: torch.Tensor, stream_keys_B: torch.Tensor, draws_B: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: row b's token drawn from the probabilities probs_BV[b] (non-negative, summing to about 1) by
+    inverse transform sampling with ONE uniform U per row: the first token whose cumulative probability (float64)
+    exceeds U times the row's total. U has 48 random bits (`counter_uniform`'s columns 0 and 1, the high and the low
+    24), a function of (stream_keys_B[b], draws_B[b]) only, and U < 1 - 2**-49, so U x total stays below the total
+    however it rounds: the drawn token's cumulative probability rises at it, so a token of probability 0 (filtered
+    out, padding) is never drawn. One cumulative sum and one search per row, where a race of exponentials (argmax
+    p / E) hashed a random number for every token: 8-11 times the time at a vocabulary of 8192 on a CPU
+    (benchmarks/decode_kernels.py, benchmarks/results/generation.md)."""
+    halves_B2 = counter_uniform(stream_keys_B, draws_B, 2, dtype=torch.float64)
+    uniform_B1 = (torch.floor(halves_B2[:, :1] * 2.0 ** 24) + halves_B2[:, 1:]) * 2.0 ** -24
+    cumulative_BV = torch.cumsum(probs_BV, dim=-1, dtype=torch.float64)
+    return torch.searchsorted(cumulative_BV, uniform_B1 * cumulative_BV[:, -1:], right=True).squeeze(1)
 
 
 @functools.lru_cache(maxsize=4)

@@ -16,9 +16,9 @@ that pass (with CUDA synchronisation around it on GPUs); unless --no-logprob-ref
 log-prob-only vocab_parallel_cross_entropy on the same logits, and takes that added time out of the phase again.
 Each run writes its log (stdout and stderr, as they come) and its metrics.jsonl into --log-dir (default: the work
 directory) as it goes, and saves no checkpoint (checkpoint.save_every=-1); the report gives each run's time to its
-first RL step. Per-phase times come from the trainer's own metrics.jsonl (time_generate_s, time_old_logprob_s,
-time_advantages_s, time_update_s, time_sync_s). The first --skip steps of each run are warm-up and not counted;
-the tables give medians over the remaining steps.
+first RL step. Per-phase times come from the trainer's own metrics.jsonl (time_generate_s, time_step_batch_s,
+time_old_logprob_s, time_advantages_s, time_update_s, time_sync_s). The first --skip steps of each run are warm-up
+and not counted; the tables give medians over the remaining steps.
 
 Derived figures:
 - tokens/s/GPU: prompt + response tokens of the step's scored sequences / step time / GPUs; response tokens/s/GPU
@@ -49,7 +49,7 @@ import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
-PHASES = ("generate", "old_logprob", "advantages", "update", "sync")
+PHASES = ("generate", "step_batch", "old_logprob", "advantages", "update", "sync")
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -301,7 +301,9 @@ def step_rows(run: dict, skip: int, peak_tflops: float | None) -> list[dict]:
                    update_tflops=3 * logprob_flops * records[0]["epochs_per_step"] / 1e12)
         if peak_tflops:
             row["mfu_update"] = row["update_tflops"] / (row["update_s"] * world * peak_tflops)
-            row["mfu_logprob"] = row["logprob_tflops"] / (row["old_logprob_s"] * world * peak_tflops)
+            # no old-policy pass (the update's forward gave its values): no MFU of one
+            row["mfu_logprob"] = row["logprob_tflops"] / (row["old_logprob_s"] * world * peak_tflops) \
+                if row["old_logprob_s"] > 0 else float("nan")
         rows.append(row)
     return rows
 

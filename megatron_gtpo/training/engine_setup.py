@@ -13,11 +13,13 @@ from .model_setup import PolicyModel
 from .task import Task
 
 
-def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups):
+def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups, *,
+                 entropies: bool = False):
     """The engine of rollout.engine started from the policy's weights, built from its own section of the rollout
     config (rollout.builtin, rollout.vllm or rollout.remote; the others are not read). For routing replay
     (algorithm.routing_replay: rollout) the built-in engine records each token's experts, vLLM engines return them
-    (their rollouts carry them)."""
+    (their rollouts carry them). `entropies` (the built-in engine only: old_policy.engine_entropies): its rollouts
+    carry each token's sampling entropy."""
     from megatron_gtpo.models.moe_routing import routed_layers
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
@@ -25,7 +27,8 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
     replay = cfg.algorithm.replays_routing
     layers = routed_layers(policy.chunks) if replay else None
     engine = {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
-                                               max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay),
+                                               max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay,
+                                               record_entropies=entropies),
               "vllm": lambda: _vllm_engine(r.vllm, cfg, parallel, layers),
               **dict.fromkeys(REMOTE_ENGINES, lambda: _remote_engine(r.remote, r.update_during_generation, shape,
                                                                      parallel, layers))}[r.engine]()

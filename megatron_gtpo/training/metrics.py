@@ -40,6 +40,10 @@ class PhaseTimer:
             self._synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def skipped(self, name: str) -> None:
+        """A phase with nothing to run this step: 0 s (logged as such, not missing)."""
+        self.seconds.setdefault(name, 0.0)
+
 
 class MetricsLogger:
     def __init__(self, output_dir: str, *, enabled: bool, start_step: int, total_steps: int, tensorboard: bool,

@@ -8,6 +8,7 @@ through it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -29,7 +30,7 @@ from .engine_setup import build_engine
 from .experience import Experience, GroupSelection, RewardedGroups
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel
-from .old_policy import correct_rollout, old_policy_pass
+from .old_policy import OldPolicyFromUpdate, correct_rollout, engine_entropies, old_policy_pass, pass_reason
 from .partial_rollouts import PartialRollouts, WholeResponses
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
@@ -93,7 +94,8 @@ class Trainer:
         self.holds_rollouts = holds_rollouts(r)
         self.start_step = checkpointing.restore(self.checkpoint_state())  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
-        self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
+        self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel,
+                                   entropies=engine_entropies(cfg, self.algorithm))
         self.source.engine = self.engine
         self.sync_weights()  # an external engine starts from the (restored) policy
         self.is_logging_rank = (self.parallel.is_last_stage and self.parallel.tp_rank == 0
@@ -122,9 +124,9 @@ class Trainer:
             metrics = MetricReducer(self.parallel.device, (*STEP_METRICS, *self.moe_metrics),
                                     {**METRICS, **self.moe_metrics})
             experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
-            with timer("old_logprob"):
+            with timer("step_batch"):
                 batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
-                self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
+            self.old_policy_pass(batch, timer, metrics)  # old log-probs, entropies, correction; or in the update
             self.rollouts.ask_if_idle(step, timer)  # rollout.ahead_schedule when_idle: an idle server gets a round
             with timer("advantages"):
                 self.compute_advantages(batch, step, metrics)  # over the global batch; the token selection
@@ -194,19 +196,21 @@ class Trainer:
                                 pack=d.pack_sequences, replay=self.replay,
                                 trained_version=step if self.holds_rollouts else None)
 
-    def old_policy_pass(self, batch: StepBatch, metrics: MetricReducer) -> None:
-        """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
-        mismatch correction's loss mask and importance weights. A mixture-of-experts model's routing in this pass
-        gives the per-layer expert load imbalance and router entropy (reduction.moe_metrics)."""
-        a, parallel = self.cfg.algorithm, self.parallel
-        with RouterStatistics(self.policy.chunks) as routing:
-            old_policy_pass(self.policy.chunks, batch, parallel, vocab_size=self.vocab_size,
-                             temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
-                             reference_chunks=self.reference.chunks if self.reference else None)
-        tp_routes_own_tokens = parallel.tp_group if parallel.sequence_parallel else None
-        metrics.add(moe_layer_values(routing.per_layer(parallel.dp_group, tp_routes_own_tokens)))
-        correct_rollout(batch, rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
-                        rollout_rs_bounds=tuple(a.rollout_rs_bounds))
+    def old_policy_pass(self, batch: StepBatch, timer: PhaseTimer, metrics: MetricReducer) -> None:
+        """Timed as "old_logprob": adds old log-probs and entropies (and the reference's log-probs) at the training
+        TP/PP, then the rollout mismatch correction's loss mask and importance weights; a mixture-of-experts model's
+        routing in this pass gives the per-layer expert load imbalance and router entropy (reduction.moe_metrics).
+        Where the update's own forward gives all that (old_policy.pass_reason), only the reference's pass runs, and
+        without a reference nothing (0 s)."""
+        scored = self.pass_reason(batch) is not None
+        if not scored and self.reference is None:
+            timer.skipped("old_logprob")
+            return
+        with timer("old_logprob"), self.routing_measured(metrics, scored):
+            old_policy_pass(self.policy.chunks if scored else None, batch, self.parallel, vocab_size=self.vocab_size,
+                            temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
+                            reference_chunks=self.reference.chunks if self.reference else None)
+        correct_rollout(batch, **self.correction)
 
     def compute_advantages(self, batch: StepBatch, step: int, metrics: MetricReducer) -> None:
         """The configured algorithm's advantages over the global batch, then its token selection (if any) over each
@@ -218,9 +222,16 @@ class Trainer:
                                        seed=self.cfg.seed, step=step)
 
     def update(self, batch: StepBatch, metrics: MetricReducer) -> None:
-        update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
-                      epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,
-                      temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens)
+        """The update phase (update.py); where no old-policy pass ran, its forward gives the old-policy values
+        (old_policy.OldPolicyFromUpdate) and the routing metrics."""
+        from_update = self.pass_reason(batch) is None
+        old_policy = OldPolicyFromUpdate(batch, **self.correction) \
+            if from_update and self.parallel.is_last_stage else None
+        with self.routing_measured(metrics, from_update):
+            update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
+                          epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,
+                          temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
+                          old_policy=old_policy)
 
     def sync_weights(self) -> None:
         self.engine.sync_weights(self.policy.chunks, self.parallel)
@@ -259,6 +270,30 @@ class Trainer:
         return stopping
 
     # ------------------------------------------------------------------------------------------------ helpers
+
+    def pass_reason(self, batch: StepBatch) -> str | None:
+        """Why this step runs the old-policy pass; None: the update's forward gives the old-policy values."""
+        return pass_reason(self.cfg, self.algorithm, optimizer_steps=len(batch.plan) * self.cfg.data.epochs_per_step)
+
+    @property
+    def correction(self) -> dict:
+        """The rollout mismatch correction's settings (algorithms/rollout_correction.py)."""
+        a = self.cfg.algorithm
+        return dict(rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
+                    rollout_rs_bounds=tuple(a.rollout_rs_bounds))
+
+    @contextlib.contextmanager
+    def routing_measured(self, metrics: MetricReducer, measured: bool):
+        """With `measured`, the routing metrics of a mixture-of-experts model (reduction.moe_metrics) over the policy's
+        forwards inside (collective over the data-parallel group; a dense model has no routers: nothing)."""
+        if not measured:
+            yield
+            return
+        parallel = self.parallel
+        with RouterStatistics(self.policy.chunks) as routing:
+            yield
+        tp_routes_own_tokens = parallel.tp_group if parallel.sequence_parallel else None
+        metrics.add(moe_layer_values(routing.per_layer(parallel.dp_group, tp_routes_own_tokens)))
 
     def checkpoint_state(self) -> TrainerState:
         """The components a checkpoint saves and a resume restores, by name (checkpointing.TrainerState): with

@@ -226,7 +226,7 @@ class Trainer:
         (old_policy.OldPolicyFromUpdate) and the routing metrics."""
         from_update = self.pass_reason(batch) is None
         old_policy = OldPolicyFromUpdate(batch, **self.correction) \
-            if from_update and self.parallel.is_last_stage else None
+            if from_update and self.parallel.is_last_stage and batch.micro_batches() else None
         with self.routing_measured(metrics, from_update):
             update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
                           epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,

@@ -203,6 +203,9 @@ class Trainer:
         Where the update's own forward gives all that (old_policy.pass_reason), only the reference's pass runs, and
         without a reference nothing (0 s)."""
         scored = self.pass_reason(batch) is not None
+        reads_entropies = self.algorithm.uses_entropy and batch.num_prompt_groups
+        assert scored or batch.entropy_ST is not None or not reads_entropies, \
+            "old_policy.engine_entropies: the engine records the entropies these advantages read"
         if not scored and self.reference is None:
             timer.skipped("old_logprob")
             return

@@ -196,9 +196,15 @@ def _engine_entropies(tp):
 DEMO = os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.yaml")
 SHORT = ["steps=2", "warm_start.steps=10", "data.prompts_per_step=4", "data.mini_batches_per_step=1",
          "checkpoint.save_every=-1", "logging.progress_bar=false", "logging.tensorboard=false"]
-# (name, layout, overrides): the pass skipped in the first two, kept (for the reason named) in the last two.
+# (name, layout, overrides): the pass skipped in the first three, kept (for the reason named) in the last two.
+MOE_DIR = "{moe_dir}"  # a tiny Qwen3-MoE of the synthetic task's vocabulary, made by the fixture
 TRAINER_CASES = [
     ("gtpo-tp2", ["parallel.tensor=2"], []),  # the demo, one mini-batch: the engine's entropies
+    # The routing metrics from the update's forward: 1F1B over several micro-batches, each layer recomputed in the
+    # backward pass after the next micro-batch's forward.
+    ("gtpo-moe-pp2-recomputed", ["parallel.tensor=1", "parallel.pipeline=2"],
+     ["model.tiny_synthetic=false", f"model.hf_dir={MOE_DIR}", "model.recompute_activations=true",
+      "data.micro_batch_size=4"]),
     ("grpo-kl-stale-dp2", ["parallel.tensor=1"], ["algorithm.name=grpo", "algorithm.kl_coef=0.05", *PARTIAL,
                                                   "algorithm.rollout_is=geometric", "algorithm.rollout_rs=sequence"]),
     ("dapo-2-mini-batches-tp2", ["parallel.tensor=2"], ["algorithm.name=dapo", "data.mini_batches_per_step=2"]),
@@ -206,9 +212,9 @@ TRAINER_CASES = [
 ]
 
 
-def _trainer_runs(out_dir):
-    """Each case's run with data.old_policy_pass auto and always: per step the logged metrics (rank 0), and the
-    trained weights of this rank."""
+def _trainer_runs(out_dir, moe_dir):
+    """Each case's run with data.old_policy_pass auto and always: per step the logged metrics (the logging rank's),
+    and the trained weights of this rank."""
     from megatron_gtpo.config import load_config
     from megatron_gtpo.training.trainer import Trainer
 
@@ -216,6 +222,7 @@ def _trainer_runs(out_dir):
     for name, layout, overrides in TRAINER_CASES:
         for mode in ("auto", "always"):
             directory = os.path.join(out_dir, f"{name}-{mode}")
+            overrides = [o.format(moe_dir=moe_dir) for o in overrides]
             trainer = Trainer(load_config(DEMO, [*SHORT, *layout, *overrides, f"data.old_policy_pass={mode}",
                                                  f"logging.output_dir={directory}"]))
             trainer.train()
@@ -227,16 +234,22 @@ def _trainer_runs(out_dir):
     return out
 
 
-def _spawned(rank, world_size, out_dir):
-    """Every spawned check in one spawn of 2 ranks: the layouts TP 2 and TP 1 (DP 2)."""
+def _spawned(rank, world_size, out_dir, moe_dir):
+    """Every spawned check in one spawn of 2 ranks: the layouts TP 2 and TP 1 (DP 2), and PP 2."""
     return {"fused": {tp: _fused_equals_pass(tp) for tp in (2, 1)},
             "entropies": {tp: _engine_entropies(tp) for tp in (2, 1)},
-            "trainer": _trainer_runs(out_dir)}
+            "trainer": _trainer_runs(out_dir, moe_dir)}
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    return run_distributed(_spawned, 2, args=(str(tmp_path_factory.mktemp("old_policy")),), timeout_s=900)
+    from tiny_models import make_tiny_model
+
+    moe_dir = tmp_path_factory.mktemp("qwen3_moe")
+    make_tiny_model(moe_dir, "qwen3_moe", vocab_size=16, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=16, max_positions=64, seed=5, num_experts=4, num_experts_per_tok=2)
+    return run_distributed(_spawned, 2, args=(str(tmp_path_factory.mktemp("old_policy")), str(moe_dir)),
+                           timeout_s=900)
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "tp1-dp2"])
@@ -276,7 +289,7 @@ def test_trainer_runs_without_the_pass_equal_runs_with_it(spawned, case):
     """The same weights bit for bit and the same metrics (the mismatch metrics to float rounding), but where GTPO's
     advantages take the engine's entropies (float32 rounding): the demo's metrics and weights within 1e-4."""
     name = case[0]
-    engine_entropies = name == "gtpo-tp2"
+    engine_entropies = name in ("gtpo-tp2", "gtpo-moe-pp2-recomputed")
     auto, always = spawned[0]["trainer"][name, "auto"][0], spawned[0]["trainer"][name, "always"][0]
     assert [r["step"] for r in auto] == [r["step"] for r in always] == [0, 1]
     assert any(r["groups_kept"] for r in auto)  # partial rollouts complete their first groups in step 1
@@ -291,6 +304,8 @@ def test_trainer_runs_without_the_pass_equal_runs_with_it(spawned, case):
         (_, auto_weights), (_, always_weights) = rank["trainer"][name, "auto"], rank["trainer"][name, "always"]
         close = (lambda x, y: torch.allclose(x, y, rtol=1e-4, atol=1e-6)) if engine_entropies else torch.equal
         assert all(close(a, b) for a, b in zip(auto_weights, always_weights))
+    if "moe" in name:
+        assert "expert_load_imbalance_max" in auto[-1] and "router_entropy/layer_02" in auto[-1]
     # No pass at all (the engine's entropies), the reference's alone, or the old-policy pass kept.
     assert all((a["time_old_logprob_s"] == 0) == engine_entropies and b["time_old_logprob_s"] > 0
                for a, b in zip(auto, always))

@@ -245,7 +245,7 @@ class Trainer:
         throughput and busy fraction (its generation seconds over the step's time), reduces the metrics over
         the data-parallel ranks and the timings over all ranks (reduction.py; collective over every rank) and logs
         them."""
-        if batch.entropy_ST is not None:  # the last pipeline stage
+        if batch.old_logprobs_ST is not None:  # the last pipeline stage, scored by the pass or the update
             metrics.add_totals(*_token_totals(batch))
         step_time = sum(timer.seconds.values())
         # The step's engine answers (rollout_queue.py): their tokens, and the seconds the engine spent generating them.

@@ -1,26 +1,25 @@
-"""What skipping the old-policy pass saves: the trainer with `data.old_policy_pass` always (A: the forward-only pass
-every step) and auto (B: the update's own forward gives the old-policy values where the step batch takes one
-optimizer step; docs/step_batch.md), A B A B in one run of this script, same config, seed and machine.
+"""What skipping the old-policy pass saves: steps with `data.old_policy_pass` always (A: the forward-only pass every
+step) and auto (B: the update's own forward gives the old-policy values where the step batch takes one optimizer
+step; docs/step_batch.md) alternate inside one trainer run, A B A B, same config, seed and machine.
 
-    .venv/bin/python benchmarks/old_policy_bench.py --config examples/cpu_demo.yaml --nproc 2 --steps 8 --skip 2 \\
-        --repeats 2 --algorithms grpo gtpo --set data.mini_batches_per_step=1 --output benchmarks/results/old_policy.md
+    .venv/bin/python benchmarks/old_policy_bench.py --config examples/cpu_demo.yaml --nproc 2 --steps 22 --skip 2 \\
+        --algorithms grpo gtpo --set data.mini_batches_per_step=1 --output benchmarks/results/old_policy.md
     # a larger random model on the same synthetic task (hidden 512, 8 layers, 8 heads / 2 KV groups)
     .venv/bin/python benchmarks/old_policy_bench.py ... --hidden 512 --layers 8 --heads 8 --kv-heads 2
 
-Each run is `python -m megatron_gtpo.train` under torchrun (no checkpoints, no progress bar); its metrics.jsonl gives
-the phase times of every step (time_*_s, the slowest rank's). The first --skip steps of a run are warm-up. Per
-algorithm and repeat the A and B runs follow each other (A first in even repeats, B first in odd ones), so load drifts
-hit both; reported: medians over the measured steps of the step time (the sum of the phases), the old_logprob and
-update phases, and per repeat the ratio B / A of the median step times, with their median. The two runs of a pair
-train the same: the largest relative difference of their logged metrics (phase times and throughput aside) is
-reported beside (0 where the update matches the pass's bit for bit; float rounding where GTPO / GRPO-S take the
-built-in engine's entropies).
+Each run is the trainer's own main under torchrun (this file as the worker: it only sets data.old_policy_pass before
+each step, A on one parity of the step number and B on the other, the parity swapped in every other repeat), without
+checkpoints or progress bar; its metrics.jsonl gives the phase times of every step (time_*_s, the slowest rank's).
+The first --skip steps of a run are warm-up. Steps 2k and 2k + 1 after them make a pair, run seconds apart, so load
+drifts on a shared machine hit both alike. Reported per algorithm: medians over the pairs of the step time (the sum
+of the phases) and of the old_logprob and update phases in A and B, and the median over the pairs of the ratio of
+step times B / A. Both modes train the same (tests/test_training_old_policy.py), so the steps differ in where the
+old-policy values come from only.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shlex
@@ -30,16 +29,37 @@ import sys
 import tempfile
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-MODES = ("always", "auto")  # A, B
+WORKER_FLAG = "--worker-a-parity"
+
+
+def _worker(a_parity: int, train_argv: list[str]) -> int:
+    """The trainer's main, each step's data.old_policy_pass set by its parity: always (A) on `a_parity`; the built-in
+    engine records its sampling entropies (GTPO / GRPO-S) in the B steps only, as in a run of that mode."""
+    from megatron_gtpo.train import main
+    from megatron_gtpo.training.trainer import Trainer
+
+    collect = Trainer.collect_experience
+    recorded = {}  # whether the run's engine records entropies (as built, in auto)
+
+    def alternating(trainer, step, *args, **kwargs):
+        a = step % 2 == a_parity
+        trainer.cfg.data.old_policy_pass = "always" if a else "auto"
+        if hasattr(trainer.engine, "record_entropies"):
+            recorded.setdefault("entropies", trainer.engine.record_entropies)
+            trainer.engine.record_entropies = recorded["entropies"] and not a
+        return collect(trainer, step, *args, **kwargs)
+
+    Trainer.collect_experience = alternating
+    return main(train_argv)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="trainer config (YAML)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
-    p.add_argument("--steps", type=int, default=8, help="RL steps per run, warm-up included")
-    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the statistics (per run)")
-    p.add_argument("--repeats", type=int, default=2, help="A B pairs per algorithm")
+    p.add_argument("--steps", type=int, default=22, help="RL steps per run, warm-up included")
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out (per run; even)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per algorithm, A on even steps in every other one")
     p.add_argument("--algorithms", nargs="+", default=["grpo", "gtpo"])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="trainer config override for every run (repeatable)")
@@ -50,7 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--output", help="write the results as markdown here (also printed)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.skip % 2 or (args.steps - args.skip) % 2 or args.steps - args.skip < 2:
+        p.error("--skip and --steps - --skip must be even, and leave at least one pair of steps")
+    return args
 
 
 def random_model(directory: str, hidden: int, layers: int, heads: int, kv_heads: int) -> str:
@@ -70,84 +93,62 @@ def random_model(directory: str, hidden: int, layers: int, heads: int, kv_heads:
     return path
 
 
-def run(args, algorithm: str, mode: str, repeat: int, work_dir: str, model_sets: list[str]) -> list[dict]:
-    """One trainer run; its RL steps' metrics rows."""
-    out_dir = os.path.join(work_dir, f"{algorithm}-{mode}-{repeat}")
-    sets = [f"algorithm.name={algorithm}", f"data.old_policy_pass={mode}", f"steps={args.steps}",
-            f"logging.output_dir={out_dir}", "logging.progress_bar=false", "logging.tensorboard=false",
-            "checkpoint.save_every=-1", "checkpoint.resume=false", *model_sets, *args.overrides]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m",
-           "megatron_gtpo.train", "--config", args.config, *sum((["--set", s] for s in sets), [])]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run(args, algorithm: str, repeat: int, work_dir: str, model_sets: list[str]) -> list[dict]:
+    """One trainer run, A on even steps in even repeats; its RL steps' metrics rows, each with its "mode"."""
+    out_dir = os.path.join(work_dir, f"{algorithm}-{repeat}")
+    sets = [f"algorithm.name={algorithm}", f"steps={args.steps}", f"logging.output_dir={out_dir}",
+            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=-1",
+            "checkpoint.resume=false", *model_sets, *args.overrides]
+    a_parity = repeat % 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           os.path.abspath(__file__), WORKER_FLAG, str(a_parity), "--config", args.config,
+           *sum((["--set", s] for s in sets), [])]
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=REPO + (os.pathsep + os.environ["PYTHONPATH"] if "PYTHONPATH" in os.environ else ""))
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(f"{out_dir}.log", "w", encoding="utf-8") as log:
         done = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"{algorithm} {mode}: the trainer failed ({done.returncode}); log {out_dir}.log")
+        raise RuntimeError(f"{algorithm}: the trainer failed ({done.returncode}); log {out_dir}.log")
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [row for row in map(json.loads, f) if row["step"] >= 0]
+        rows = [row for row in map(json.loads, f) if row["step"] >= 0]
+    return [dict(row, mode="A" if row["step"] % 2 == a_parity else "B") for row in rows]
 
 
 def step_s(row: dict) -> float:
     return sum(v for k, v in row.items() if k.startswith("time_") and k.endswith("_s"))
 
 
-def largest_difference(a_rows: list[dict], b_rows: list[dict]) -> float:
-    """The largest relative difference between two runs' logged numbers, phase times and throughput aside."""
-    worst = 0.0
-    for a, b in zip(a_rows, b_rows, strict=True):
-        for key, value in a.items():
-            other = b.get(key)
-            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, other))
-            if key.startswith(("time_", "rollout_busy_")) or key == "tokens_per_s" or not numbers \
-                    or not (math.isfinite(value) and math.isfinite(other)):
-                continue
-            worst = max(worst, abs(value - other) / max(abs(value), abs(other), 1e-12))
-    return worst
+def summarize(rows: list[dict]) -> dict:
+    """Medians over the pairs (consecutive measured steps) of one algorithm's runs."""
+    pairs = []
+    for first in range(0, len(rows) - 1, 2):
+        by_mode = {row["mode"]: row for row in rows[first:first + 2]}
+        pairs.append((by_mode["A"], by_mode["B"]))
+    median = lambda values: statistics.median(list(values))  # noqa: E731
+    return {"pairs": len(pairs), "ratio": median(step_s(b) / step_s(a) for a, b in pairs),
+            **{f"{what}_{mode}": median(key(pair[i]) for pair in pairs)
+               for what, key in (("step", step_s), ("generate", lambda r: r["time_generate_s"]),
+                                 ("old_logprob", lambda r: r["time_old_logprob_s"]),
+                                 ("update", lambda r: r["time_update_s"]))
+               for i, mode in enumerate("AB")}}
 
 
-def summarize(runs: dict, args) -> dict:
-    """Per algorithm: medians per mode over the measured steps, the B / A ratio per repeat and their median."""
-    out = {}
-    for algorithm in args.algorithms:
-        measured = {mode: [r for k in range(args.repeats) for r in runs[algorithm, mode, k][args.skip:]]
-                    for mode in MODES}
-        if not all(measured.values()):
-            raise ValueError("no measured steps: run more --steps than --skip")
-        medians = {mode: {"step": statistics.median(map(step_s, rows)),
-                          "old_logprob": statistics.median(r["time_old_logprob_s"] for r in rows),
-                          "update": statistics.median(r["time_update_s"] for r in rows),
-                          "generate": statistics.median(r["time_generate_s"] for r in rows)}
-                   for mode, rows in measured.items()}
-        ratios = [statistics.median(map(step_s, runs[algorithm, "auto", k][args.skip:]))
-                  / statistics.median(map(step_s, runs[algorithm, "always", k][args.skip:]))
-                  for k in range(args.repeats)]
-        differences = [largest_difference(runs[algorithm, "always", k], runs[algorithm, "auto", k])
-                       for k in range(args.repeats)]
-        out[algorithm] = {"medians": medians, "ratios": ratios, "ratio": statistics.median(ratios),
-                          "difference": max(differences), "steps": len(measured["auto"])}
-    return out
-
-
-def report(args, summary: dict, command: str, model: str) -> str:
+def report(args, summaries: dict, command: str, model: str) -> str:
     ms = lambda s: f"{1000 * s:.0f}"  # noqa: E731
     load = open("/proc/loadavg", encoding="utf-8").read().split()[0] if os.path.exists("/proc/loadavg") else "n/a"
-    lines = ["# The old-policy pass: always (A) against skipped where the update's forward gives it (B)", "",
-             "Command (from the repository root):", "", f"    {command}", "",
+    lines = ["Command (from the repository root):", "", f"    {command}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; 1-minute "
-             f"load average at the end: {load}. Model: {model}. {args.nproc} rank(s), {args.steps} steps per run, "
-             f"the first {args.skip} left out, {args.repeats} A B pair(s) per algorithm.", "",
-             "| algorithm | step A (ms) | step B (ms) | old_logprob A | old_logprob B | update A | update B | "
-             "generate A | generate B | B / A per pair | B / A (median) | largest metric difference |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for algorithm, s in summary.items():
-        a, b = s["medians"]["always"], s["medians"]["auto"]
-        lines.append(f"| {algorithm} | {ms(a['step'])} | {ms(b['step'])} | {ms(a['old_logprob'])} | "
-                     f"{ms(b['old_logprob'])} | {ms(a['update'])} | {ms(b['update'])} | {ms(a['generate'])} | "
-                     f"{ms(b['generate'])} | {', '.join(f'{r:.3f}' for r in s['ratios'])} | {s['ratio']:.3f} | "
-                     f"{s['difference']:.1e} |")
-    lines += ["", "Medians over the measured steps of both runs of each mode; step = the sum of the phases "
-                  "(time_*_s)."]
+             f"load average at the end: {load}. Model: {model}. {args.nproc} rank(s), {args.repeats} run(s) of "
+             f"{args.steps} steps per algorithm, the first {args.skip} left out, A and B alternating step by step.", "",
+             "| algorithm | pairs | step A (ms) | step B (ms) | generate A | generate B | old_logprob A | "
+             "old_logprob B | update A | update B | step B / A (median over pairs) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for algorithm, s in summaries.items():
+        lines.append(f"| {algorithm} | {s['pairs']} | {ms(s['step_A'])} | {ms(s['step_B'])} | {ms(s['generate_A'])} | "
+                     f"{ms(s['generate_B'])} | {ms(s['old_logprob_A'])} | {ms(s['old_logprob_B'])} | "
+                     f"{ms(s['update_A'])} | {ms(s['update_B'])} | {s['ratio']:.3f} |")
+    lines += ["", "Medians over the pairs; step = the sum of the phases (time_*_s)."]
     return "\n".join(lines) + "\n"
 
 
@@ -161,13 +162,14 @@ def main(argv=None) -> int:
                 work_dir, args.hidden, args.layers, args.heads, args.kv_heads)]
             model = (f"random Qwen2, hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} "
                      "KV groups, FFN 3 x hidden, the synthetic task's vocabulary")
-        runs = {}
-        for k in range(args.repeats):
-            for algorithm in args.algorithms:
-                for mode in (MODES if k % 2 == 0 else MODES[::-1]):
-                    print(f"repeat {k}: {algorithm} {mode}", flush=True)
-                    runs[algorithm, mode, k] = run(args, algorithm, mode, k, work_dir, model_sets)
-        text = report(args, summarize(runs, args), command, model)
+        summaries = {}
+        for algorithm in args.algorithms:
+            rows = []
+            for repeat in range(args.repeats):
+                print(f"{algorithm}, run {repeat}", flush=True)
+                rows += run(args, algorithm, repeat, work_dir, model_sets)[args.skip:]
+            summaries[algorithm] = summarize(rows)
+        text = report(args, summaries, command, model)
     print(text)
     if args.output:
         from megatron_gtpo.atomic_files import write_atomically
@@ -177,4 +179,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == WORKER_FLAG:
+        sys.exit(_worker(int(sys.argv[2]), sys.argv[3:]))
     sys.exit(main())

@@ -154,6 +154,8 @@ def _phases(run, kept, fused: bool, settings: dict, plan):
     update_policy(run.policy, batch, parallel, run.algorithm, metrics, epochs=1, vocab_size=run.vocab_size,
                   temperature=1.0, chunk_tokens=None,
                   old_policy=OldPolicyFromUpdate(batch, **settings) if fused and parallel.is_last_stage else None)
+    if fused:  # the trainer's order: the mismatch metrics once the update has filled the old log-probs
+        correct_rollout(batch, **settings)
     if parallel.is_last_stage:
         metrics.add_totals(*_token_totals(batch))
     return metrics.reduce(parallel.dp_group), [p.detach().clone() for p in run.policy.chunks[0].parameters()]
@@ -255,16 +257,14 @@ def spawned(tmp_path_factory):
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "tp1-dp2"])
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: c[0])
 def test_the_updates_forward_gives_what_the_old_policy_pass_gives(spawned, case, tp):
-    """The same loss, weights and loss metrics bit for bit; the mismatch metrics, summed per micro-batch instead of
-    over the batch, to float rounding."""
+    """The same loss, weights and metrics, bit for bit."""
     name = case[0]
     for rank in spawned:
         (passed, passed_weights), (fused, fused_weights) = rank["fused"][tp][name, False], rank["fused"][tp][name, True]
         assert passed.keys() == fused.keys()
         for key in passed:
-            assert fused[key] == pytest.approx(passed[key], rel=1e-6, abs=1e-9, nan_ok=True), key
+            assert fused[key] == passed[key] or (passed[key] != passed[key] and fused[key] != fused[key]), key
         assert all(torch.equal(a, b) for a, b in zip(passed_weights, fused_weights))
-        assert (fused["pg_loss"], fused["grad_norm"]) == (passed["pg_loss"], passed["grad_norm"])
     metrics = spawned[0]["fused"][tp][name, False][0]
     # The corrections bind: a comparison that would show a correction computed wrongly in the update.
     assert metrics["rollout_is_capped_fraction"] > 0 or metrics["rollout_rs_masked_fraction"] > 0
@@ -286,8 +286,8 @@ def _comparable(row):
 
 @pytest.mark.parametrize("case", TRAINER_CASES, ids=lambda c: c[0])
 def test_trainer_runs_without_the_pass_equal_runs_with_it(spawned, case):
-    """The same weights bit for bit and the same metrics (the mismatch metrics to float rounding), but where GTPO's
-    advantages take the engine's entropies (float32 rounding): the demo's metrics and weights within 1e-4."""
+    """The same weights and metrics bit for bit, but where GTPO's advantages take the engine's entropies (float32
+    rounding): the demo's metrics and weights within 1e-4."""
     name = case[0]
     engine_entropies = name in ("gtpo-tp2", "gtpo-moe-pp2-recomputed")
     auto, always = (next(r["trainer"][name, mode][0] for r in spawned if r["trainer"][name, mode][0] is not None)
@@ -298,8 +298,8 @@ def test_trainer_runs_without_the_pass_equal_runs_with_it(spawned, case):
         a, b = _comparable(a), _comparable(b)
         assert a.keys() == b.keys()
         for key in a:
-            expected = b[key] if not isinstance(b[key], float) else \
-                pytest.approx(b[key], rel=1e-4 if engine_entropies else 1e-6, abs=1e-6 if engine_entropies else 1e-9)
+            expected = pytest.approx(b[key], rel=1e-4, abs=1e-6) if engine_entropies and isinstance(b[key], float) \
+                else b[key]
             assert a[key] == expected, (a["step"], key)
     for rank in spawned:
         (_, auto_weights), (_, always_weights) = rank["trainer"][name, "auto"], rank["trainer"][name, "always"]

@@ -139,19 +139,17 @@ class OldPolicyFromUpdate:
     """The old-policy values of a step batch that takes one optimizer step, from that step's forward (module doc):
     called by the update's loss with each micro-batch (train_step.UpdateMicroBatch, its loss mask still every
     response token) and its log-probs and entropies, it records them, detached, into the step batch's old_logprobs_ST
-    and entropy_ST (for the metrics), adds the micro-batch's mismatch sums to the batch's, and returns the
-    micro-batch with its old log-probs, the loss mask after rejection and the importance weights. `settings`: the
-    rollout correction's, as for `correct_rollout`. Last pipeline stage only (where the loss is)."""
+    and entropy_ST, and returns the micro-batch with its old log-probs and, where the rollout correction weighs or
+    rejects (`settings`: its settings, as for `correct_rollout`), its importance weights and its loss mask after
+    rejection. After the update `correct_rollout` on the filled batch gives the mismatch metrics the pass would
+    have given (and the batch's mask and weights). Last pipeline stage only (where the loss is), with micro-batches
+    to score (as the pass)."""
 
     def __init__(self, batch: StepBatch, **settings):
         self.batch, self.settings = batch, settings
+        self.corrects = settings["rollout_is"] != "none" or settings["rollout_rs"] != "none"
         batch.old_logprobs_ST = torch.zeros(batch.mask_ST.shape, device=batch.mask_ST.device)
         batch.entropy_ST = torch.zeros_like(batch.old_logprobs_ST)
-        # The sums of no token: every key at 0, for a rank whose micro-batches hold no sequence.
-        nothing = batch.old_logprobs_ST[:0]
-        staleness = None if batch.staleness_ST is None else batch.staleness_ST[:0]
-        batch.mismatch_sums = rollout_correction(nothing, nothing, batch.mask_ST[:0], staleness_ST=staleness,
-                                                 **settings).metric_sums
 
     def __call__(self, mb, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor):
         batch, columns = self.batch, mb.columns
@@ -159,9 +157,8 @@ class OldPolicyFromUpdate:
         width = columns.valid_ST.shape[1]
         batch.old_logprobs_ST[columns.sequences_S, :width] = old_BT
         batch.entropy_ST[columns.sequences_S, :width] = entropy_BT.detach()
-        staleness = None if batch.staleness_ST is None else columns.select(batch.staleness_ST)
+        if not self.corrects:
+            return replace(mb, old_logprobs_BT=old_BT)
         correction = rollout_correction(old_BT, columns.select(batch.rollout_logprobs_ST), columns.valid_ST,
-                                        staleness_ST=staleness, **self.settings)
-        for name, value in correction.metric_sums.items():
-            batch.mismatch_sums[name] = batch.mismatch_sums[name] + value
+                                        **self.settings)
         return replace(mb, old_logprobs_BT=old_BT, loss_mask_BT=correction.keep_ST, pg_weights=correction.weights)

@@ -235,6 +235,8 @@ class Trainer:
                           epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,
                           temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
                           old_policy=old_policy)
+        if old_policy is not None:  # the mismatch metrics of the whole batch, as after the pass
+            correct_rollout(batch, **self.correction)
 
     def sync_weights(self) -> None:
         self.engine.sync_weights(self.policy.chunks, self.parallel)

@@ -126,7 +126,9 @@ def summarize(rows: list[dict]) -> dict:
         by_mode = {row["mode"]: row for row in rows[first:first + 2]}
         pairs.append((by_mode["A"], by_mode["B"]))
     median = lambda values: statistics.median(list(values))  # noqa: E731
-    return {"pairs": len(pairs), "ratio": median(step_s(b) / step_s(a) for a, b in pairs),
+    ratios = [step_s(b) / step_s(a) for a, b in pairs]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"pairs": len(pairs), "ratio": median(ratios), "quartiles": (quartiles[0], quartiles[2]),
             **{f"{what}_{mode}": median(key(pair[i]) for pair in pairs)
                for what, key in (("step", step_s), ("generate", lambda r: r["time_generate_s"]),
                                  ("old_logprob", lambda r: r["time_old_logprob_s"]),
@@ -142,12 +144,13 @@ def report(args, summaries: dict, command: str, model: str) -> str:
              f"load average at the end: {load}. Model: {model}. {args.nproc} rank(s), {args.repeats} run(s) of "
              f"{args.steps} steps per algorithm, the first {args.skip} left out, A and B alternating step by step.", "",
              "| algorithm | pairs | step A (ms) | step B (ms) | generate A | generate B | old_logprob A | "
-             "old_logprob B | update A | update B | step B / A (median over pairs) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "old_logprob B | update A | update B | step B / A (median over pairs) | its quartiles |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for algorithm, s in summaries.items():
         lines.append(f"| {algorithm} | {s['pairs']} | {ms(s['step_A'])} | {ms(s['step_B'])} | {ms(s['generate_A'])} | "
                      f"{ms(s['generate_B'])} | {ms(s['old_logprob_A'])} | {ms(s['old_logprob_B'])} | "
-                     f"{ms(s['update_A'])} | {ms(s['update_B'])} | {s['ratio']:.3f} |")
+                     f"{ms(s['update_A'])} | {ms(s['update_B'])} | {s['ratio']:.3f} | "
+                     f"{s['quartiles'][0]:.3f}-{s['quartiles'][1]:.3f} |")
     lines += ["", "Medians over the pairs; step = the sum of the phases (time_*_s)."]
     return "\n".join(lines) + "\n"
 

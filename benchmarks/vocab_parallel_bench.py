@@ -16,6 +16,14 @@ logits shard [T, V/TP] and runs, interleaved, `--repeats` times each:
                    the entropy pass needs the logits too (with bf16 logits megatron's own .float() makes the same
                    fp32 copy).
   megatron_ce_only reference row, no entropy: megatron's op alone on a copy made before the measurement.
+  ours_top_k_top_p ours_chunked with top-k 20 / top-p 0.9 sampling (distributed/truncation.py): log-probs of the
+                   truncated distribution, the kept sets from the all-gathered top-20 candidates of every rank
+  ours_top_p       ours_chunked with top-p 0.9 alone: on these logits (Gaussian, std 4: nuclei of ~700 ids of 152k)
+                   every token's nucleus is longer than the 64 candidates, so every token takes the fallback (radix
+                   select): the worst case
+  gather_full_top_p
+                   (a) with top-p 0.9: gather the vocabulary, sort every row, mask, log_softmax (what gathering, or
+                   NeMo-RL's all-to-all to full rows, computes)
 
 Two phases: "forward" (no autograd: the old-log-prob pass) at --tokens, and "forward+backward" (loss = sum of
 w1 * logprob + w2 * entropy, gradient w.r.t. the shard) at --train-tokens, smaller by default because (a) keeps
@@ -46,10 +54,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_gtpo.distributed import free_local_port
+from megatron_gtpo.distributed import Truncation, free_local_port
 from megatron_gtpo.distributed.vocab_parallel import vocab_parallel_logprobs_and_entropy
 
-METHODS = ("ours_chunked", "ours_unchunked", "gather_full", "megatron_plus_entropy", "megatron_ce_only")
+METHODS = ("ours_chunked", "ours_unchunked", "gather_full", "megatron_plus_entropy", "megatron_ce_only",
+           "ours_top_k_top_p", "ours_top_p", "gather_full_top_p")
+TRUNCATIONS = {"ours_top_k_top_p": Truncation(20, 0.9), "ours_top_p": Truncation(0, 0.9)}
 
 
 def _proc_status_kib(field: str) -> int:
@@ -67,13 +77,24 @@ def _reset_rss_peak() -> None:
         f.write("5")
 
 
-def _gather_full(logits_TV, targets_T, tp_group, tp_rank, tp_size):
-    """(a): every rank gathers the whole vocabulary, then plain torch."""
+def _gather_full(logits_TV, targets_T, tp_group, tp_rank, tp_size, top_p=1.0):
+    """(a): every rank gathers the whole vocabulary, then plain torch (with `top_p`: a sort-based nucleus mask)."""
     parts = [torch.empty_like(logits_TV) for _ in range(tp_size)]
     dist.all_gather(parts, logits_TV.detach().contiguous(), group=tp_group)
     parts[tp_rank] = logits_TV  # autograd reaches this rank's shard, as megatron's gather_from_tp_region does
     full_TV = torch.cat(parts, dim=-1)
     del parts
+    if top_p < 1:
+        with torch.no_grad():
+            descending_TV, order_TV = torch.sort(full_TV, dim=-1, descending=True)
+            probs_TV = torch.softmax(descending_TV, dim=-1)
+            after_nucleus_TV = probs_TV.cumsum(-1) - probs_TV >= top_p  # the mass before them reaches top_p
+            dropped_TV = torch.zeros_like(full_TV, dtype=torch.bool).scatter_(-1, order_TV, after_nucleus_TV)
+            dropped_TV.scatter_(-1, targets_T.unsqueeze(-1), False)  # the target is always renormalised over
+            del descending_TV, order_TV, probs_TV
+        entropy_T = -(torch.softmax(full_TV, -1) * torch.log_softmax(full_TV, -1)).sum(-1)
+        logp_TV = torch.log_softmax(full_TV.masked_fill(dropped_TV, -torch.inf), dim=-1)
+        return logp_TV.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1), entropy_T
     logp_TV = torch.log_softmax(full_TV, dim=-1)
     del full_TV
     logprobs_T = logp_TV.gather(-1, targets_T.unsqueeze(-1)).squeeze(-1)
@@ -110,11 +131,16 @@ def _run_method(name, logits_TV, targets_T, tp_group, tp_rank, tp_size, chunk_si
         return -vocab_parallel_cross_entropy(logits_TV.clone(), targets_T), entropy_T
     if name == "megatron_ce_only":
         return -vocab_parallel_cross_entropy(megatron_input_TV, targets_T), None
+    if name in TRUNCATIONS:
+        return vocab_parallel_logprobs_and_entropy(logits_TV, targets_T, tp_group=tp_group, chunk_size=chunk_size,
+                                                   truncation=TRUNCATIONS[name])
+    if name == "gather_full_top_p":
+        return _gather_full(logits_TV, targets_T, tp_group, tp_rank, tp_size, top_p=0.9)
     raise ValueError(f"unknown method {name!r}")
 
 
 def _measure(name, logits_TV, targets_T, tp_group, tp_rank, tp_size, chunk_size, backward):
-    weights_2T = torch.randn(2, logits_TV.shape[0], generator=torch.Generator().manual_seed(1))
+    weights_2T = torch.randn(2, logits_TV.shape[0], generator=torch.Generator().manual_seed(1)).to(logits_TV.device)
     # megatron_ce_only destroys its input: give it a copy made before the measurement starts.
     megatron_input_TV = logits_TV.detach().clone().requires_grad_(backward) if name == "megatron_ce_only" else None
     leaf_TV = logits_TV.detach().requires_grad_(backward)  # shares storage: no copy
@@ -153,14 +179,17 @@ def _rank_main(rank, tp_size, port, args, result_queue):
                                         ("forward+backward", args.train_tokens, True)):
         # The same global logits on every TP layout: each rank draws the whole matrix's rows for its shard only.
         gen = torch.Generator().manual_seed(1234 + tp_rank)
-        logits_TV = torch.randn(num_tokens, vocab_local, generator=gen).mul_(4.0)
-        targets_T = torch.randint(0, args.vocab, (num_tokens,), generator=torch.Generator().manual_seed(99))
+        # On the training device (the CPU platform's audit refuses host tensors in collectives on a non-gloo group,
+        # as NCCL would).
+        logits_TV = torch.randn(num_tokens, vocab_local, generator=gen).mul_(4.0).to(groups.device)
+        targets_T = torch.randint(0, args.vocab, (num_tokens,), generator=torch.Generator().manual_seed(99)).to(
+            groups.device)
         methods = [name for name in args.methods if name not in args.skip.get(phase, ())]
         for name in methods:  # warm-up on a few rows: lazy imports, thread pools, allocator
             _measure(name, logits_TV[:16], targets_T[:16], tp_group, tp_rank, tp_size, args.chunk_size, backward)
         times = {name: [] for name in methods}
         extras = {name: [] for name in methods}
-        reference = None
+        references = {}  # per distribution (full, top-k / top-p, top-p): the first method's outputs
         max_abs_diff = {}
         for _ in range(args.repeats):
             for name in methods:
@@ -168,8 +197,7 @@ def _rank_main(rank, tp_size, port, args, result_queue):
                                                    args.chunk_size, backward)
                 times[name].append(seconds)
                 extras[name].append(extra)
-                if reference is None:
-                    reference = outputs
+                reference = references.setdefault(_DISTRIBUTION.get(name, "full"), outputs)
                 diffs = [(a - b).abs().max().item() for a, b in zip(outputs, reference)
                          if a is not None and b is not None]
                 max_abs_diff[name] = max([max_abs_diff.get(name, 0.0)] + diffs)
@@ -181,9 +209,13 @@ def _rank_main(rank, tp_size, port, args, result_queue):
     result_queue.put((rank, results))
 
 
+# The log-probs each method gives: its row's "max abs diff" is against the first method of the same distribution.
+_DISTRIBUTION = {"ours_top_k_top_p": "top-k 20, top-p 0.9", "ours_top_p": "top-p 0.9", "gather_full_top_p": "top-p 0.9"}
 # Full-vocabulary fp32 [T, V] buffers that gather_full holds at its peak on every rank (gathered logits, log-probs,
-# probabilities, their product; more for backward), to avoid pushing a shared machine into the OOM killer.
+# probabilities, their product; more for backward), to avoid pushing a shared machine into the OOM killer;
+# gather_full_top_p's sort adds values, int64 indices, probabilities and masks.
 _GATHER_FULL_BUFFERS = {"forward": 3, "forward+backward": 5}
+_GATHER_FULL_TOP_P_BUFFERS = {"forward": 7, "forward+backward": 9}
 
 
 def _memory_skips(args, tp_size):
@@ -191,12 +223,12 @@ def _memory_skips(args, tp_size):
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     skips = {}
     for phase, tokens in (("forward", args.tokens), ("forward+backward", args.train_tokens)):
-        need = tp_size * (_GATHER_FULL_BUFFERS[phase] * tokens * args.vocab * 4 + tokens * args.vocab * 4 // tp_size)
-        if "gather_full" in args.methods and need * 1.2 > available:
-            skips[phase] = {"gather_full": f"needs about {need / 2**30:.1f} GiB on this machine, "
-                                           f"{available / 2**30:.1f} GiB available"}
-        else:
-            skips[phase] = {}
+        skips[phase] = {}
+        for name, buffers in (("gather_full", _GATHER_FULL_BUFFERS), ("gather_full_top_p", _GATHER_FULL_TOP_P_BUFFERS)):
+            need = tp_size * (buffers[phase] * tokens * args.vocab * 4 + tokens * args.vocab * 4 // tp_size)
+            if name in args.methods and need * 1.2 > available:
+                skips[phase][name] = (f"needs about {need / 2**30:.1f} GiB on this machine, "
+                                      f"{available / 2**30:.1f} GiB available")
     return skips
 
 
@@ -239,7 +271,8 @@ def _markdown(summary_by_tp, args, command, started, finished):
         for phase, s in summary.items():
             lines += [f"### TP={tp_size}, {phase}, T={s['tokens']}, V={args.vocab} "
                       f"(fp32 shard {s['shard_mib']:.0f} MiB per rank)", "",
-                      "| method | extra memory (MiB) | time min (s) | time median (s) | max abs diff vs first |",
+                      "| method | extra memory (MiB) | time min (s) | time median (s) | max abs diff vs first of its "
+                      "distribution |",
                       "|---|---|---|---|---|"]
             for name, row in s["rows"].items():
                 lines.append(f"| {name} | {row['extra_mib']:.1f} | {row['time_min_s']:.3f} | "
@@ -248,16 +281,21 @@ def _markdown(summary_by_tp, args, command, started, finished):
                 lines.append(f"| {name} | skipped: {reason} | | | |")
             rows = s["rows"]
             if "ours_chunked" in rows:
-                ours = rows["ours_chunked"]
                 lines.append("")
-                for other in ("gather_full", "megatron_plus_entropy", "megatron_ce_only", "ours_unchunked"):
+                for other in ("gather_full", "megatron_plus_entropy", "megatron_ce_only", "ours_unchunked",
+                              "ours_top_k_top_p", "ours_top_p", "gather_full_top_p"):
                     if other in rows:
-                        lines.append(f"- {other} / ours_chunked: extra memory "
-                                     f"{rows[other]['extra_mib'] / max(ours['extra_mib'], 1e-9):.1f}x, "
-                                     f"time {rows[other]['time_min_s'] / ours['time_min_s']:.2f}x "
-                                     f"(medians {rows[other]['time_median_s'] / ours['time_median_s']:.2f}x)")
+                        lines.append(_ratio_line(rows, other, "ours_chunked"))
+            if "ours_top_p" in rows and "gather_full_top_p" in rows:
+                lines.append(_ratio_line(rows, "gather_full_top_p", "ours_top_p"))
             lines.append("")
     return "\n".join(lines)
+
+
+def _ratio_line(rows, name, base):
+    return (f"- {name} / {base}: extra memory {rows[name]['extra_mib'] / max(rows[base]['extra_mib'], 1e-9):.1f}x, "
+            f"time {rows[name]['time_min_s'] / rows[base]['time_min_s']:.2f}x "
+            f"(medians {rows[name]['time_median_s'] / rows[base]['time_median_s']:.2f}x)")
 
 
 def main(argv=None):

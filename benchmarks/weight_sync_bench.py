@@ -169,10 +169,14 @@ def report(args, groups, shape, model_bytes, seconds, phases, device) -> None:
         "", f"phased, per phase (median s; {'CUDA IPC' if torch.cuda.is_available() else 'host bytes'} transport): "
         + ", ".join(f"{p} {t:.3f} ({t / median['copy']:.2f} x copy)" for p, t in phases.items()), "",
     ]
-    text = "\n".join(lines)
+    publish("\n".join(lines), args.output)
+
+
+def publish(text: str, output: str | None) -> None:
+    """Print a results section, and append it to `output` (a benchmarks/results file) when given."""
     print(text)
-    if args.output:
-        with open(args.output, "a", encoding="utf-8") as f:
+    if output:
+        with open(output, "a", encoding="utf-8") as f:
             f.write(text + "\n")
 
 

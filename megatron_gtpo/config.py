@@ -135,8 +135,11 @@ class RemoteEngineConfig:
     request_timeout_s: float = 1800.0
     # > 0: a trainer outlives a rollout server's death: it waits this long for a server at the same address, sends it
     # the weights of the last sync and asks again for what was in flight (docs/remote_rollout.md); it keeps a host
-    # copy of those weights for it. 0: a dead server ends the run.
-    reconnect_timeout_s: float = 0.0
+    # copy of those weights for it. 15 min: a SLURM requeue of the rollout job (back in the queue, a node, the engine
+    # loaded) fits, and it stays under the trainer's 30 min process-group timeout. 0: a dead server ends the run.
+    reconnect_timeout_s: float = 900.0
+    # How weight buckets reach the servers: auto (NCCL from GPUs, else in the channel's messages), channel, nccl.
+    weights: str = "auto"
 
     def check(self, engine: str) -> None:
         _need(bool(self.addresses),
@@ -144,6 +147,8 @@ class RemoteEngineConfig:
               f"replica")
         _need(self.reconnect_timeout_s >= 0,
               f"rollout.remote.reconnect_timeout_s: must be >= 0, got {self.reconnect_timeout_s}")
+        _need(self.weights in ("auto", "channel", "nccl"),
+              f"rollout.remote.weights: auto, channel or nccl, got {self.weights!r}")
 
 
 @dataclass
@@ -152,6 +157,9 @@ class RolloutConfig:
     engine: str = "builtin"
     num_responses_per_prompt: int = 8
     temperature: float = 1.0
+    # Truncated sampling after the temperature, top-k (0: off) then top-p (1: off), vLLM's order; the trainer's
+    # log-probs (old, current, reference) are then of the truncated, renormalised distribution (docs/algorithms.md,
+    # "Truncated sampling").
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 64
@@ -205,6 +213,7 @@ class RolloutConfig:
               f"rollout.num_responses_per_prompt: group size must be >= 2, got {self.num_responses_per_prompt}")
         _need(self.temperature > 0, f"rollout.temperature: must be > 0, got {self.temperature}")
         _need(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        _need(self.top_k >= 0, f"rollout.top_k: must be >= 0 (0 = off), got {self.top_k}")
         _need(self.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         _need(self.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
         _need(self.oversample_batches >= 0,

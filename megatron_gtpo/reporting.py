@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+from typing import NamedTuple
 
 from megatron_gtpo.atomic_files import write_atomically
 
@@ -77,18 +79,108 @@ def t_quantile(probability: float, dof: int) -> float:
     return table[min(dof, len(table)) - 1]
 
 
+def _regularized_incomplete_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b) for a, b > 0 and 0 <= x <= 1: the continued fraction (modified Lentz), on the side of x where it
+    converges fast (I_x(a, b) = 1 - I_{1-x}(b, a))."""
+    if x <= 0.0 or x >= 1.0:
+        return max(0.0, min(1.0, x))
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _regularized_incomplete_beta(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    return math.exp(log_front) * fraction / a
+
+
+def t_survival(t: float, dof: int) -> float:
+    """P(T > t) for Student's t with `dof` >= 1 degrees of freedom: a one-sided p-value."""
+    if dof < 1:
+        raise ValueError(f"t_survival: dof >= 1, got {dof}")
+    tail = 0.5 * _regularized_incomplete_beta(dof / 2, 0.5, dof / (dof + t * t))
+    return tail if t >= 0 else 1.0 - tail
+
+
+def t_critical(alpha: float, dof: int) -> float:
+    """The t with P(T_dof > t) = alpha (0 < alpha < 1), by bisection on t_survival to 1e-10."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"t_critical: alpha in (0, 1), got {alpha}")
+    low, high = -1e3, 1e3
+    while high - low > 1e-10:
+        middle = (low + high) / 2
+        low, high = (middle, high) if t_survival(middle, dof) > alpha else (low, middle)
+    return (low + high) / 2
+
+
+class PairedTest(NamedTuple):
+    """A one-sided paired t-test of mean(values - reference) > 0 over n pairs: the mean difference, its standard error
+    sd / sqrt(n), t = mean / standard error, and the one-sided p-value P(T_{n-1} >= t)."""
+
+    mean: float
+    standard_error: float
+    t: float
+    p_value: float
+    pairs: int
+
+    @property
+    def half_width(self) -> float:
+        """Of the two-sided 95% t-interval of the mean difference."""
+        return t_quantile(0.975, self.pairs - 1) * self.standard_error
+
+    def detectable(self, alpha: float, power: float = 0.8) -> float:
+        """The smallest true mean difference a one-sided test at level `alpha` detects with `power`, at this spread:
+        (t_{1-alpha} + t_{power}) * standard error, n - 1 degrees of freedom."""
+        dof = self.pairs - 1
+        return (t_critical(alpha, dof) + t_critical(1 - power, dof)) * self.standard_error
+
+
+def paired_t_test(values: list[float], reference: list[float]) -> PairedTest:
+    """PairedTest of values[i] - reference[i] (n >= 2 pairs). All differences equal: t is +-inf (p 0 or 1) unless the
+    mean is 0 (t 0, p 0.5)."""
+    if len(values) != len(reference) or len(values) < 2:
+        raise ValueError(f"paired differences need two equal-length lists of >= 2 values, got {len(values)} and "
+                         f"{len(reference)}")
+    mean, spread = mean_and_spread([v - r for v, r in zip(values, reference)])
+    n = len(values)
+    standard_error = spread / n ** 0.5
+    if standard_error > 0:
+        t = mean / standard_error
+    else:
+        t = math.copysign(math.inf, mean) if mean != 0 else 0.0
+    p_value = 0.5 if t == 0 else (0.0 if t == math.inf else 1.0 if t == -math.inf else t_survival(t, n - 1))
+    return PairedTest(mean, standard_error, t, p_value, n)
+
+
+def holm_rejections(p_values: list[float], alpha: float) -> list[bool]:
+    """Holm's step-down procedure at family-wise level `alpha`: the k-th smallest p-value (k = 1..m) is compared with
+    alpha / (m - k + 1); every hypothesis up to the first that fails is rejected, none after it."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    rejected = [False] * len(p_values)
+    for k, i in enumerate(order):
+        if p_values[i] > alpha / (len(p_values) - k):
+            break
+        rejected[i] = True
+    return rejected
+
+
 def paired_difference(values: list[float], reference: list[float]) -> tuple[float, float, float]:
     """Paired differences values[i] - reference[i] (e.g. one seed each): (their mean, the half-width of its 95%
     t-interval, the smallest true mean difference this many pairs detect with 80% power at the 5% two-sided level).
     The last two are (t_0.975 [+ t_0.80]) * sd / sqrt(n) with n - 1 degrees of freedom; n >= 2 pairs."""
-    if len(values) != len(reference) or len(values) < 2:
-        raise ValueError(f"paired_difference needs two equal-length lists of >= 2 values, got {len(values)} and "
-                         f"{len(reference)}")
-    mean, spread = mean_and_spread([v - r for v, r in zip(values, reference)])
-    standard_error = spread / len(values) ** 0.5
-    dof = len(values) - 1
-    return mean, t_quantile(0.975, dof) * standard_error, (t_quantile(0.975, dof) + t_quantile(0.80, dof)) * \
-        standard_error
+    test = paired_t_test(values, reference)
+    dof = test.pairs - 1
+    return test.mean, test.half_width, (t_quantile(0.975, dof) + t_quantile(0.80, dof)) * test.standard_error
 
 
 def normalized_auc(values: list[float]) -> float:

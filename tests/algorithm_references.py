@@ -149,8 +149,9 @@ def verl_clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, *, cli
 
 
 def verl_kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, *, kl_cov_ratio=0.0002, ppo_kl_coef=1.0):
-    """(pg_loss, ppo_kl_abs); token-mean. verl's `k = min(kl_cov_ratio, len(...))` is kept: it only skips the
-    selection of an empty micro-batch."""
+    """(pg_loss, ppo_kl_abs, penalised); token-mean. verl's `k = min(kl_cov_ratio, len(...))` is kept: it only skips
+    the selection of an empty micro-batch. `penalised` (bool, the mask's shape; not verl's) marks the tokens verl's
+    torch.topk picked: their number is verl's count, their place among tied covariances torch.topk's choice."""
     negative_approx_kl = log_prob - old_log_prob
     abs_kl = negative_approx_kl.abs()
     ratio = torch.exp(negative_approx_kl)
@@ -162,6 +163,7 @@ def verl_kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, *, kl_co
     all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
     all_valid_adv = advantages[all_valid].detach().reshape(-1).cpu()
     all_valid_logp = log_prob[all_valid].detach().reshape(-1).cpu()
+    penalised = torch.zeros(advantages.shape, dtype=torch.bool)
     k = min(kl_cov_ratio, len(all_valid_adv))
     if k != 0:
         cov_lst_all = (all_valid_adv - all_valid_adv.mean()) * (all_valid_logp - all_valid_logp.mean())
@@ -171,4 +173,5 @@ def verl_kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, *, kl_co
             large_cov_idxs = all_valid_idx[large_cov_idxs]
             rows, cols = large_cov_idxs // advantages.shape[1], large_cov_idxs % advantages.shape[1]
             pg_losses[rows, cols] = pg_losses_kl[rows, cols]
-    return _masked_mean(pg_losses, response_mask), ppo_kl_abs
+            penalised[rows, cols] = True
+    return _masked_mean(pg_losses, response_mask), ppo_kl_abs, penalised

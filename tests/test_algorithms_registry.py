@@ -63,8 +63,10 @@ def test_the_covariance_and_entropy_selections_are_bound_from_the_config():
     from megatron_gtpo.algorithms.token_selection import select_tokens
 
     def same(got, expected):
-        assert got.keep_K.tolist() == expected.keep_K.tolist()
-        assert got.penalise_K.tolist() == expected.penalise_K.tolist() and got.metrics.keys() == expected.metrics.keys()
+        assert got.keep_K.tolist() == expected.keep_K.tolist() and got.metrics.keys() == expected.metrics.keys()
+        assert (got.penalise_K is None) == (expected.penalise_K is None)
+        if got.penalise_K is not None:
+            assert got.penalise_K.tolist() == expected.penalise_K.tolist()
 
     same(_configured("clip_cov", "algorithm.clip_cov_lb=0.1").select_tokens(a, lp, h, keys),
          select_tokens(a, lp, h, keys, clip_cov=(2e-4, 0.1, 5.0)))

@@ -34,6 +34,7 @@ def _ref_covariance(a, lp):
 
 
 def _ref_top(values, fraction):
+    """The max(1, floor(fraction K)) largest, the earlier of equal values first (sorted is stable)."""
     n = max(1, math.floor(fraction * len(values)))
     chosen = sorted(range(len(values)), key=lambda k: -values[k])[:n]
     return [k in chosen for k in range(len(values))]
@@ -64,7 +65,7 @@ def test_clip_cov_picks_the_candidates_with_the_smallest_keys(seed, ratio, lb, u
     got = clip_cov_tokens(token_covariance(a, lp), keys, ratio=ratio, lb=lb, ub=ub)
     assert got.nonzero().flatten().tolist() == sorted(picked) and len(picked) == min(n, len(candidates)) > 0
     selection = select_tokens(a, lp, h, keys, clip_cov=(ratio, lb, ub))
-    assert selection.keep_K.tolist() == (~got).tolist() and not selection.penalise_K.any()
+    assert selection.keep_K.tolist() == (~got).tolist() and selection.penalise_K is None
     assert selection.metrics["clip_cov_fraction"].item() == len(picked) / 300
 
 
@@ -95,8 +96,10 @@ def _ours(logprobs, old, advantages, mask, selection, **loss_kw):
     """token_policy_loss of one micro-batch (token-mean) with the selection mapped back to [B, T]."""
     keep = torch.ones_like(mask)
     keep[mask] = selection.keep_K
-    penalise = torch.zeros_like(mask)
-    penalise[mask] = selection.penalise_K
+    penalise = None
+    if selection.penalise_K is not None:
+        penalise = torch.zeros_like(mask)
+        penalise[mask] = selection.penalise_K
     return token_policy_loss(logprobs, old, advantages, mask, loss_normalizer=mask.sum(), pg_weights=keep.double(),
                              kl_penalty_BT=penalise, **loss_kw)
 
@@ -138,12 +141,60 @@ def test_kl_cov_equals_verl_when_the_covariance_uses_the_same_log_probs(seed, on
     old, current, advantages, mask = _micro_batch(seed)
     current = old if on_policy else current
     theirs_lp = current.clone().requires_grad_()
-    loss_v, _ = verl_kl_cov_loss(old, theirs_lp, advantages, mask.double(), kl_cov_ratio=0.1, ppo_kl_coef=1.0)
+    loss_v, abs_log_ratio_v, penalised_v = verl_kl_cov_loss(old, theirs_lp, advantages, mask.double(),
+                                                            kl_cov_ratio=0.1, ppo_kl_coef=1.0)
     loss_v.backward()
     selection = select_tokens(advantages[mask], current[mask], current[mask], current[mask], kl_cov_ratio=0.1)
+    assert selection.penalise_K.tolist() == penalised_v[mask].tolist()
     ours_lp = current.clone().requires_grad_()
     loss, metrics = _ours(ours_lp, old, advantages, mask, selection, ppo_clip=False, kl_cov_coef=1.0)
     loss.backward()
     torch.testing.assert_close(loss, loss_v, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(ours_lp.grad, theirs_lp.grad, atol=1e-12, rtol=1e-12)
     assert metrics["clip_frac_low"] == metrics["clip_frac_high"] == 0
+    torch.testing.assert_close(metrics["kl_cov_abs_log_ratio"], abs_log_ratio_v, atol=1e-15, rtol=0)
+    assert (metrics["kl_cov_abs_log_ratio"] > 0) != on_policy
+
+
+@pytest.mark.parametrize("seed,advantage", [(0, 0.0), (1, 0.0), (2, 0.5)])
+@pytest.mark.parametrize("ratio", [0.002, 0.1, 0.5])
+def test_kl_cov_penalises_verls_count_when_every_covariance_ties(seed, advantage, ratio):
+    """All advantages equal (0: every group's rewards equal; or 0.5, whose mean is exact): every covariance is 0.
+    verl penalises max(1, floor(ratio K)) tokens (torch.topk's choice among them); so does ours, the earliest ones.
+    The loss and the mean |log-ratio| against a float64 loop."""
+    old, current, advantages, mask = _micro_batch(seed)
+    advantages = torch.full_like(advantages, advantage)
+    K, coef = int(mask.sum()), 0.5
+    n = max(1, math.floor(ratio * K))
+    _, abs_log_ratio_v, penalised_v = verl_kl_cov_loss(old, current, advantages, mask.double(), kl_cov_ratio=ratio,
+                                                       ppo_kl_coef=coef)
+    selection = select_tokens(advantages[mask], current[mask], current[mask], current[mask], kl_cov_ratio=ratio)
+    assert int(penalised_v.sum()) == n < K
+    assert selection.penalise_K.nonzero().flatten().tolist() == list(range(n))
+    assert selection.metrics["kl_cov_fraction"].item() == n / K
+    loss, metrics = _ours(current, old, advantages, mask, selection, ppo_clip=False, kl_cov_coef=coef)
+    log_ratios = [c - o for c, o in zip(current[mask].tolist(), old[mask].tolist())]
+    expected = sum(-advantage * math.exp(x) + (coef * abs(x) if k < n else 0.0) for k, x in enumerate(log_ratios)) / K
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+    assert metrics["kl_cov_abs_log_ratio"].item() == pytest.approx(sum(map(abs, log_ratios)) / K, abs=1e-15)
+    torch.testing.assert_close(metrics["kl_cov_abs_log_ratio"], abs_log_ratio_v, atol=1e-15, rtol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("ratio", [0.01, 0.1, 0.3])
+def test_kl_cov_breaks_ties_at_the_threshold_by_position(seed, ratio):
+    """Few distinct covariances (advantages +-1, log-probs on a coarse grid): the threshold falls inside a run of
+    ties. Exactly verl's count, the earlier of the tied tokens first (a stable sorted loop over the covariances)."""
+    gen = torch.Generator().manual_seed(seed)
+    K = 200
+    advantages = torch.randint(0, 2, (K,), generator=gen).double() * 2 - 1
+    logprobs = -torch.randint(1, 4, (K,), generator=gen).double()
+    covariance = token_covariance(advantages, logprobs)
+    n = max(1, math.floor(ratio * K))
+    values = covariance.tolist()
+    assert values.count(sorted(values)[-n]) > 1, "the case must tie at the threshold"
+    picked = select_tokens(advantages, logprobs, logprobs, logprobs, kl_cov_ratio=ratio).penalise_K
+    assert picked.tolist() == _ref_top(values, ratio) and int(picked.sum()) == n
+    _, _, penalised_v = verl_kl_cov_loss(logprobs[None], logprobs[None], advantages[None],
+                                         torch.ones(1, K, dtype=torch.float64), kl_cov_ratio=ratio)
+    assert int(penalised_v.sum()) == n

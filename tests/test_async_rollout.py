@@ -281,19 +281,16 @@ def dying(cls, name):
             if len(calls) == count:
                 os.kill(os.getpid(), signal.SIGKILL)
         result = original(self, *args)
-        if moment == "between" and result == "finish":
-            calls.append(result)
-            reply = f"{args[0]}/rep"  # its header, then its chunk (a short reply has one), deleted as taken
-            while len(calls) == count and (self.channel.store.check([reply])
-                                           or self.channel.store.check([reply + "/0"])):
-                time.sleep(0.001)  # until the trainer took the whole reply
+        if moment == "between" and result[0] == "finish":
+            calls.append(result[0])
             if len(calls) == count:
+                time.sleep(1.0)  # the reply is on its way: the trainer finds the server dead at its next request
                 os.kill(os.getpid(), signal.SIGKILL)
         return result
     setattr(cls, name, wrapper)
 
 dying(*{"between": (remote_server._Session, "answer"), "generate": (remote_server._Session, "generate"),
-        "bucket": (BuiltinServer, "receive_bucket")}[moment])
+        "bucket": (BuiltinServer, "load_bucket")}[moment])
 remote_server.main(sys.argv[3:])
 """
 
@@ -301,11 +298,11 @@ remote_server.main(sys.argv[3:])
 def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in_a_weight_sync(tmp_path, server_model,
                                                                                                 whole_run):
     """The run of WHOLE, its server killed three times and relaunched at the same address each time (as
-    examples/slurm/rollout_node.sh does): after the reply to the step-0 weight update (the trainer finds it dead at
-    its next request), as the second server starts its second generation, and as the third starts to receive the
-    trainer's weights after those it was sent on arrival. Each time the trainer says so in one line, sends the new
-    server the weights of the last sync and asks again for what was in flight: the run equals the uninterrupted
-    one, step by step."""
+    examples/slurm/rollout_node.sh does), rollout.remote.reconnect_timeout_s left at its default: after the reply to
+    the step-0 weight update (the trainer finds it dead at its next request), as the second server starts its second
+    generation, and as the third starts to receive the trainer's weights after those it was sent on arrival. Each time
+    the trainer says so in one line when it is lost and one when it is back, sends the new server the weights of the
+    last sync and asks again for what was in flight: the run equals the uninterrupted one, step by step."""
     address = f"127.0.0.1:{free_port()}"
     lives = [("between", "3"), ("generate", "2"), ("bucket", "2"), None]  # 3: the start's, the warm start's, step 0's
     servers = []
@@ -324,8 +321,7 @@ def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in
     supervisor.start()
     out = tmp_path / "outlived"
     try:
-        trainer = subprocess.run(train_command(out, 1, _overrides(address, 6, 1, *WHOLE,
-                                                                  "rollout.remote.reconnect_timeout_s=300")),
+        trainer = subprocess.run(train_command(out, 1, _overrides(address, 6, 1, *WHOLE)),  # the default bound
                                  capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     finally:
         for server in servers:
@@ -336,7 +332,8 @@ def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in
     assert [server.returncode for server in servers[:3]] == [-signal.SIGKILL] * 3
     lost = [line for line in trainer.stderr.splitlines() if "for a rollout server at the same address" in line]
     assert len(lost) == 3 and all(line.startswith(f"rollout server at {address}, ") for line in lost), lost
-    assert "'generate'" in lost[0] and "'generate'" in lost[1] and "weight bucket" in lost[2], lost
+    assert "'generate'" in lost[0] and "'generate'" in lost[1] and "'bucket'" in lost[2], lost
+    assert sum("a server is back after" in line for line in trainer.stderr.splitlines()) == 3
     outlived = _rows(out)
     assert sorted(outlived) == sorted(whole_run) == list(range(6))
     for step in range(6):
@@ -344,22 +341,21 @@ def test_a_trainer_outlives_a_server_killed_between_steps_in_a_generation_and_in
 
 
 # A trainer session that leaves the server busy: a generation of minutes (the server decodes one row at a time), or
-# a weight update stopped inside a bucket (the server waits in the broadcast of its second tensor).
+# a weight update stopped after its first bucket (the server holds what it received).
 _LEFT_BEHIND = """
 import sys, time, torch
 from megatron_gtpo.data.synthetic import tiny_model_hf_config
 from megatron_gtpo.models.qwen import ModelShape
 from megatron_gtpo.rollout.engine import SamplingParams
-from megatron_gtpo.rollout.remote_channel import broadcast_from_trainer
 from megatron_gtpo.rollout.remote_client import RemoteClient
 
-client = RemoteClient(sys.argv[1], ModelShape.from_hf(tiny_model_hf_config()), torch.device("cpu"))
+shape = ModelShape.from_hf(tiny_model_hf_config())
+client = RemoteClient(sys.argv[1], shape, torch.device("cpu"))
 if sys.argv[2] == "generation":
     client.submit([[5, 6, 7]] * 500, SamplingParams(n=4, max_new_tokens=60))
 else:
     client.begin_weight_update()
-    client._request("bucket", (["a", "b"], ["float32", "float32"], [[4], [4]]))
-    broadcast_from_trainer(client.group, torch.ones(4))
+    client.load_bucket([("model.norm.weight", torch.zeros(shape.hidden_size))])
 print("left behind", flush=True)
 time.sleep(600)
 """
@@ -375,8 +371,8 @@ def test_a_new_trainer_session_preempts_the_generation_and_weight_update_of_the_
     from megatron_gtpo.data.synthetic import tiny_model_hf_config
     from megatron_gtpo.models.qwen import ModelShape
     from megatron_gtpo.rollout.engine import SamplingParams
-    from megatron_gtpo.rollout.remote_channel import session_key
     from megatron_gtpo.rollout.remote_client import RemoteClient
+    from megatron_gtpo.rollout.remote_messages import loads
 
     shape, cpu = ModelShape.from_hf(tiny_model_hf_config()), torch.device("cpu")
     prompts, params = [[5, 6, 7], [8, 9]], SamplingParams(n=2, max_new_tokens=8, seed=3)
@@ -385,12 +381,10 @@ def test_a_new_trainer_session_preempts_the_generation_and_weight_update_of_the_
     try:
         first = RemoteClient(address, shape, cpu, connect_timeout_s=120)
         expected, version = first.submit(prompts, params)().responses, first.policy_version  # its session is left open
-        key = session_key(first.session, first._seq)  # a request in the old wire format: refused, not unpickled
-        first._seq += 1
-        first.store.set(f"{key}/req/0", pickle.dumps(("shutdown", None)))
-        first.store.set(f"{key}/req", "1")
-        with pytest.raises(RuntimeError, match="not signed with"):
-            first._reply(f"{key}/rep", "shutdown", 60)
+        first._control.send(pickle.dumps(("shutdown", None)))  # a pickled request: refused, not unpickled
+        assert first._control.poll(60_000)
+        refused = loads(first._control.recv())
+        assert refused["status"] == "error" and "not a message of the declared format" in refused["payload"]
         for work in ("generation", "weight_update"):
             old = subprocess.Popen([sys.executable, "-c", _LEFT_BEHIND, address, work], stdout=subprocess.PIPE,
                                    text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
@@ -409,7 +403,7 @@ def test_a_new_trainer_session_preempts_the_generation_and_weight_update_of_the_
         client.close(shutdown_server=True)
         assert server.wait(timeout=60) == 0
         log = (tmp_path / "server.log").read_text()
-        assert log.count("Preempted: a newer trainer") == 2, log[-3000:]
+        assert log.count("Preempted: a newer trainer") == 1, log[-3000:]  # the generation's (the update waited)
     finally:
         for process in processes:
             if process.poll() is None:

@@ -53,6 +53,7 @@ def test_overrides_are_typed_and_nested(tmp_path):
                                         "generate while the trainer trains"),
     (BASE, ["rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0"),
     (BASE, ["rollout.oversample_batches=-1"], "rollout.oversample_batches: must be >= 0"),
+    (BASE, ["rollout.top_k=-1"], "rollout.top_k: must be >= 0 .0 = off., got -1"),
     (BASE, ["rollout.partial_rollouts=true"], "rollout.partial_segment_tokens: partial rollouts need a segment"),
     (BASE, ["rollout.partial_rollouts=true", "rollout.max_new_tokens=6", "rollout.partial_segment_tokens=4"],
      "rollout.max_new_tokens = 6.? that divides it, got 4"),

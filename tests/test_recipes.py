@@ -172,12 +172,16 @@ def documented_launches(bin_dir) -> list[Launch]:
 
 
 def model_of(config_path: str, cfg) -> tuple[dict, Accelerator]:
-    """The HF config a recipe trains (the preset its header plans with, or the tiny synthetic model) and the machine
-    it runs on."""
+    """The HF config a recipe trains (the preset its header plans with, the tiny synthetic model, or the model
+    shipped in the repository that its model.hf_dir names) and the machine it runs on."""
     if cfg.model.tiny_synthetic:
         from megatron_gtpo.data.synthetic import tiny_model_hf_config
 
         return tiny_model_hf_config(), CPU
+    if cfg.model.hf_dir and os.path.isdir(os.path.join(REPO, cfg.model.hf_dir)):
+        from megatron_gtpo.models.qwen import load_hf_config
+
+        return load_hf_config(os.path.join(REPO, cfg.model.hf_dir)), CPU
     planned = re.search(rf"tools/plan\.py --model (\S+) --config {re.escape(config_path)}\b",
                         " ".join(_header(config_path)))
     assert planned, f"{config_path}: its header names no model (`tools/plan.py --model NAME --config {config_path}`)"

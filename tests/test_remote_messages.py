@@ -1,18 +1,18 @@
-"""The channel's declared message format (rollout/remote_messages.py) and its signed, chunked messages
-(remote_channel.Channel), in process: every value a request or reply holds round-trips exactly (records with
-weight updates, routing, versions, sampling parameters, float64 checksums), and bytes that are not a message, a
-message not signed with the token, truncated or oversize ones are refused with MalformedMessage."""
+"""The channel's declared message format (rollout/remote_messages.py) and its tensor frames and keys
+(remote_channel.py), in process: every value a request or reply holds round-trips exactly (records with weight
+updates, routing, versions, sampling parameters, float64 checksums), bytes that are not a message and frames that
+are not their declared tensors are refused with MalformedMessage, and the CURVE keys are the token's alone."""
 import dataclasses
 import math
 import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
+import zmq
 
 from megatron_gtpo.rollout.engine import SamplingParams
-from megatron_gtpo.rollout.remote_channel import Channel, MalformedMessage, Unsigned, publish_nonce, read_token
-from megatron_gtpo.rollout.remote_messages import check_generate_reply, dumps, loads
+from megatron_gtpo.rollout.remote_channel import curve_keys, frame_tensors, read_token, tensor_frames
+from megatron_gtpo.rollout.remote_messages import MalformedMessage, check_generate_reply, dumps, loads
 from megatron_gtpo.rollout.responses import Responses
 
 
@@ -113,42 +113,22 @@ def test_generate_replies_outside_the_declared_types_are_refused(reply):
         check_generate_reply(loads(dumps(reply)))
 
 
-@pytest.fixture()
-def store():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+def test_tensor_frames_cross_as_their_bytes_and_must_fit_their_declared_shape():
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.bfloat16), torch.empty(0, 4)]
+    frames = [bytes(f) for f in tensor_frames(tensors)]
+    got = frame_tensors(frames, ["float32", "bfloat16", "float32"], [[3, 5], [7], [0, 4]])
+    assert all(_same(a, b) for a, b in zip(got, tensors))
+    with pytest.raises(MalformedMessage, match=r"a float32 tensor of shape \[3, 4\] is 48 bytes, its frame 60"):
+        frame_tensors(frames[:1], ["float32"], [[3, 4]])
+    with pytest.raises(MalformedMessage, match="declares 2 tensors and holds 1 frames"):
+        frame_tensors(frames[:1], ["float32", "float32"], [[3, 5], [1]])
 
 
-def test_signed_messages_verify_only_under_their_key_token_and_nonce(store):
-    nonce = publish_nonce(store)
-    channel = Channel(store, b"secret", nonce)
-    big = torch.arange(3 * 2**20, dtype=torch.int32)  # 12 MiB: 3 chunks
-    channel.post("k", ("ok", big))
-    assert channel.arrived("k", 1.0) and torch.equal(channel.take("k")[1], big)
-    assert not store.check(["k", "k/0", "k/1", "k/2"])  # taken: its keys are gone
-    for other in [Channel(store, b"other", nonce), Channel(store, b"", nonce), Channel(store, b"secret", b"x")]:
-        channel.post("k", 1)
-        with pytest.raises(Unsigned):
-            other.take("k")
-    channel.post("k", 1)  # moved to another key: no longer verifies
-    store.set("j/0", store.get("k/0"))
-    store.set("j", store.get("k"))
-    with pytest.raises(Unsigned):
-        channel.take("j")
-
-
-def test_headers_that_are_not_a_complete_message_of_allowed_size_are_refused(store):
-    channel = Channel(store, b"", publish_nonce(store))
-    store.set("k", "many")
-    with pytest.raises(MalformedMessage, match="not a chunk count"):
-        channel.take("k")
-    store.set("k", "3")
-    store.set("k/0", b"x")
-    with pytest.raises(MalformedMessage, match="truncated"):
-        channel.take("k")
-    assert not store.check(["k/0"])
-    store.set("k", str(10**6))
-    with pytest.raises(MalformedMessage, match="exceeds"):
-        channel.take("k", max_bytes=2**30)
+def test_the_curve_keys_are_the_tokens_alone():
+    keys, again, other = curve_keys(b"secret"), curve_keys(b"secret"), curve_keys(b"other")
+    assert keys == again and len({keys.server_public, keys.client_public, other.server_public,
+                                  other.client_public}) == 4
+    assert keys.server_public == zmq.curve_public(keys.server_secret)
 
 
 def test_the_token_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):

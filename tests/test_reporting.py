@@ -5,8 +5,10 @@ import statistics
 
 import pytest
 
-from megatron_gtpo.reporting import (mean_and_spread, normalized_auc, paired_difference, plot_bands, plot_runs,
-                                     read_rl_metrics, t_quantile, window_means)
+from megatron_gtpo.reporting import (holm_rejections, mean_and_spread, normalized_auc, paired_difference,
+                                     paired_t_test, plot_bands, plot_runs, read_rl_metrics, t_critical, t_quantile,
+                                     t_survival,
+                                     window_means)
 
 
 def test_window_means_leave_out_steps_without_a_value():
@@ -78,5 +80,42 @@ def test_paired_difference_on_a_hand_computed_case():
     assert half_width == pytest.approx(2.776 * math.sqrt(0.005))
     assert detectable == pytest.approx((2.776 + 0.941) * math.sqrt(0.005))
     assert paired_difference([1.0, 2.0], [1.0, 2.0]) == (0.0, 0.0, 0.0)
-    with pytest.raises(ValueError, match="paired_difference"):
+    with pytest.raises(ValueError, match="paired differences need"):
         paired_difference([1.0], [1.0])
+
+
+@pytest.mark.parametrize("dof", [1, 2, 4, 9, 30])
+def test_t_survival_matches_the_t_distribution(dof):
+    for q in (0.0, 0.3, 0.883, 1.833, 2.262, 4.0, 9.0):
+        assert t_survival(q, dof) == pytest.approx(1 - _t_cdf(q, dof), abs=1e-9), q
+        assert t_survival(-q, dof) == pytest.approx(_t_cdf(q, dof), abs=1e-9), q
+    with pytest.raises(ValueError, match="dof"):
+        t_survival(1.0, 0)
+    # the critical values against the tables of 3 decimals (one-sided 2.5% and 20%)
+    assert t_critical(0.025, dof) == pytest.approx(t_quantile(0.975, dof), abs=6e-4)
+    assert t_critical(0.20, dof) == pytest.approx(t_quantile(0.80, dof), abs=6e-4)
+    assert t_survival(t_critical(0.05, dof), dof) == pytest.approx(0.05, abs=1e-9)
+
+
+def test_paired_t_test_on_a_hand_computed_case():
+    # differences 0.1 .. 0.5: mean 0.3, se sqrt(0.005), t = 0.3 / sqrt(0.005) = 4.243 on 4 dof
+    test = paired_t_test([0.6, 0.7, 0.8, 0.9, 1.0], [0.5] * 5)
+    assert test.mean == pytest.approx(0.3) and test.pairs == 5
+    assert test.half_width == pytest.approx(2.776 * math.sqrt(0.005))
+    assert test.t == pytest.approx(0.3 / math.sqrt(0.005)) and test.standard_error == pytest.approx(math.sqrt(0.005))
+    assert test.detectable(0.025) == pytest.approx((2.776 + 0.941) * math.sqrt(0.005), abs=1e-3)  # the tables'
+    assert test.detectable(0.025) == pytest.approx(paired_difference([0.6, 0.7, 0.8, 0.9, 1.0], [0.5] * 5)[2],
+                                                   abs=1e-3)
+    assert test.p_value == pytest.approx(1 - _t_cdf(0.3 / math.sqrt(0.005), 4), abs=1e-9)
+    assert paired_t_test([0.4, 0.5], [0.5, 0.6]).p_value == 1.0  # every difference -0.1: t = -inf
+    assert paired_t_test([1.0, 2.0], [1.0, 2.0]).p_value == 0.5
+    reverse = paired_t_test([0.5] * 5, [0.6, 0.7, 0.8, 0.9, 1.0])
+    assert reverse.t == -test.t and reverse.p_value == pytest.approx(1 - test.p_value)
+
+
+def test_holm_steps_down_and_stops_at_the_first_hypothesis_kept():
+    assert holm_rejections([0.02, 0.04], 0.05) == [True, True]  # 0.02 <= 0.05/2, then 0.04 <= 0.05 (Bonferroni: 1)
+    assert holm_rejections([0.04, 0.02], 0.05) == [True, True]
+    assert holm_rejections([0.03, 0.04], 0.05) == [False, False]  # the smallest fails 0.025: nothing rejected
+    assert holm_rejections([0.03, 0.001, 0.04], 0.05) == [False, True, False]  # 0.03 > 0.05/2 stops before 0.04
+    assert holm_rejections([0.049], 0.05) == [True] and holm_rejections([], 0.05) == []

@@ -25,7 +25,7 @@ def _rollout_checks_all_layouts(rank, world_size, model_dir, layouts, stop_promp
 def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_prompt, stop_token):
     import torch.distributed as dist
 
-    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.distributed import Truncation, initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
@@ -77,16 +77,19 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_prompt, sto
                                                                 max_new_tokens=8, seed=124))
     filtered = SamplingParams(n=2, temperature=1.3, top_k=20, top_p=0.9, max_new_tokens=6, seed=5)
     out["filtered"] = generate(engine, filtered)
+    # top-p alone on a flat distribution: nuclei of hundreds of ids, found by the op's fallback (radix select).
+    nucleus = SamplingParams(n=1, temperature=1.0, top_p=0.7, max_new_tokens=4, seed=6)
+    out["nucleus"] = generate(engine, nucleus)
     # Training mode, and sequence parallelism (switched off for decoding), are restored.
     out["train_mode_restored"] = all(c.training and c.config.sequence_parallel == sp for c in chunks) and \
         _sequence_parallel_flags(chunks) == flags_before
 
-    # The scoring path on prompt + response, at the sampling temperature (and at T=1 for greedy).
-    def score(responses_per_prompt, temperature):
+    # The scoring path on prompt + response, at the sampling temperature and truncation (and at T=1 for greedy).
+    def score(responses_per_prompt, temperature, truncation=None):
         seqs = [p + r.token_ids for p, rs in zip(PROMPTS, responses_per_prompt) for r in rs]
         micro_batches = make_micro_batches(seqs, 2, device=groups.device, pad_to_multiple=tp if sp else 1)
         scored = forward_logprobs_and_entropy(chunks, micro_batches, groups, vocab_size=VOCAB,
-                                                 temperature=temperature)
+                                              temperature=temperature, truncation=truncation)
         if not groups.is_last_stage:
             return None
         rows = [row for logprobs_BL1, _ in scored for row in logprobs_BL1]
@@ -95,9 +98,10 @@ def _rollout_checks(model_dir, tp, pp, vpp, sp, core_attention, stop_prompt, sto
         return [row[pl - 1:pl - 1 + len(r.token_ids)] for row, pl, r in zip(rows, plens, resp)]
 
     out["scored_sampled"] = score(out["sampled"], SAMPLE_TEMPERATURE)
-    out["scored_filtered"] = score(out["filtered"], 1.3)
+    out["scored_filtered"] = score(out["filtered"], 1.3, Truncation(filtered.top_k, filtered.top_p))
+    out["scored_nucleus"] = score(out["nucleus"], 1.0, Truncation(0, nucleus.top_p))
     out["scored_greedy"] = score(out["greedy"], 1.0)
-    out["scored_top_k1"] = score(out["greedy_top_k1"], 2.0)
+    out["scored_top_k1"] = score(out["greedy_top_k1"], 2.0, Truncation(1, 1.0))
 
     # New weights at the 4th forward step (what a rollout server's between_steps does when it takes a weight update
     # during a generation): the rows in flight are prefilled again, so each token is sampled, and its log-prob
@@ -207,9 +211,10 @@ def _check_layout(results, hf_greedy, stop_prompt, stop_token, layout):
     _assert_logprobs_match(ref["greedy_small_batches"], [torch.tensor(r.logprobs) for rs in ref["greedy"] for r in rs],
                            f"{layout} greedy, teacher forcing in batches of 3")
     assert _tokens(ref["greedy_top_k1"]) == _tokens(ref["greedy"])
-    # Greedy log-probs are those of the T=1 distribution; top_k=1 reports them at its temperature.
+    # Greedy log-probs are those of the T=1 distribution; top_k=1 keeps one token: log-prob 0.
     _assert_logprobs_match(ref["greedy"], ref["scored_greedy"], f"{layout} greedy")
     _assert_logprobs_match(ref["greedy_top_k1"], ref["scored_top_k1"], f"{layout} top_k=1")
+    assert all(lp == 0.0 for rs in ref["greedy_top_k1"] for r in rs for lp in r.logprobs)
 
     # Stop tokens end a sequence at their first occurrence, included; otherwise max_new_tokens -> "length".
     for g, (r,) in zip(hf_greedy, ref["stop"]):
@@ -243,8 +248,11 @@ def _check_layout(results, hf_greedy, stop_prompt, stop_token, layout):
             assert all(0 <= t < VOCAB for t in r.token_ids)
             assert (r.finish_reason, len(r.token_ids)) in {("length", 8), ("length", 6)}
     _assert_logprobs_match(ref["sampled"], ref["scored_sampled"], f"{layout} sampled")
-    # top-k/top-p change what may be drawn, not the reported log-probs (the full tempered distribution's).
+    # top-k 20 / top-p 0.9: the engine's log-probs are those of the truncated distribution it drew from, as the
+    # trainer's vocab-parallel op finds it (at TP=2 without gathering the vocabulary); at the same weights (the
+    # step-0 mismatch) they agree to float32 rounding.
     _assert_logprobs_match(ref["filtered"], ref["scored_filtered"], f"{layout} top-k/top-p")
+    _assert_logprobs_match(ref["nucleus"], ref["scored_nucleus"], f"{layout} top-p")
 
     # Weights changed at the 4th forward step: each token stamped with the updates before it, its log-prob that of
     # those weights on the whole prefix (the KV cache recomputed), for both prompt schemes.

@@ -1,11 +1,13 @@
 """Sampling (temperature, top-k, top-p, greedy) and the engine's parameter checks, against float64 references
-written here independently (per-row Python loops over sorted probabilities)."""
+written here independently (per-row Python loops over sorted probabilities; ties go to the lowest id, as Python's
+stable sort leaves them)."""
 import math
 
 import pytest
 import torch
 
-from megatron_gtpo.rollout import SamplingParams, filter_top_k_top_p, sample_next_tokens
+from megatron_gtpo.distributed import Truncation
+from megatron_gtpo.rollout import SamplingParams, sample_next_tokens, sampling_log_probs
 from megatron_gtpo.rollout.engine import check_prompts
 from megatron_gtpo.rollout.sampling import counter_uniform, stream_keys
 
@@ -29,14 +31,18 @@ def _kept_reference(logits_row, *, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.5), (7, 0.8), (1, 0.3), (0, 0.999)])
-def test_filter_matches_reference(top_k, top_p):
+@pytest.mark.parametrize("ties", [False, True])
+def test_sampling_log_probs_match_reference(top_k, top_p, ties):
     torch.manual_seed(0)
-    logits_BV = torch.randn(6, 40, dtype=torch.float64) * 2
-    filtered_BV = filter_top_k_top_p(logits_BV, top_k=top_k, top_p=top_p)
-    for row, frow in zip(logits_BV, filtered_BV):
-        kept, _ = _kept_reference(row.tolist(), temperature=1.0, top_k=top_k, top_p=top_p)
-        assert set(torch.nonzero(torch.isfinite(frow)).flatten().tolist()) == kept
-        assert torch.equal(frow[list(kept)], row[list(kept)])  # survivors keep their logits
+    logits_BV = torch.randn(6, 42, dtype=torch.float64) * 2
+    if ties:
+        logits_BV = torch.round(logits_BV * 2) / 2
+    log_probs_BV = sampling_log_probs(logits_BV, vocab_size=40, temperature=1.2, truncation=Truncation(top_k, top_p))
+    for row, lp_row in zip(logits_BV, log_probs_BV):
+        kept, probs = _kept_reference(row[:40].tolist(), temperature=1.2, top_k=top_k, top_p=top_p)
+        assert set(torch.nonzero(torch.isfinite(lp_row)).flatten().tolist()) == kept
+        assert torch.allclose(lp_row[list(kept)], torch.tensor([math.log(probs[i]) for i in kept],
+                                                               dtype=torch.float64), atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 3, 1.0), (1.5, 0, 0.6), (1.2, 4, 0.7)])
@@ -58,9 +64,9 @@ def test_sampling_frequencies_match_filtered_distribution(temperature, top_k, to
             assert counts[token] == 0, f"token {token} is outside the kept set {kept} but was drawn"
         else:  # 40000 draws: the standard error is <= 0.0025
             assert abs(counts[token] - want) < 0.012, (token, counts[token].item(), want)
-    # Log-probs: the temperature-scaled FULL distribution over the true vocabulary (top-k/top-p do not enter).
-    ref_logp_V = torch.log_softmax(logits_V[:vocab_size].double() / temperature, dim=-1)
-    assert torch.allclose(logprobs_B.double(), ref_logp_V[tokens_B], atol=1e-6, rtol=0)
+    # Log-probs: those of the distribution drawn from (renormalised over the kept set).
+    ref_logp_B = torch.tensor([math.log(expected[t]) for t in tokens_B.tolist()], dtype=torch.float64)
+    assert torch.allclose(logprobs_B.double(), ref_logp_B, atol=1e-6, rtol=0)
     assert logprobs_B.dtype == torch.float32
 
 
@@ -89,8 +95,9 @@ def test_sampling_is_deterministic_for_a_seed_and_bf16_is_computed_in_fp32():
     assert torch.equal(draw(3, logits_BV[order], torch.arange(16)[order])[0], a[order])
     assert all(draw(3, logits_BV[i:i + 1], torch.tensor([i]))[0].item() == a[i] for i in range(16))
     assert lp_a.dtype == torch.float32
-    ref = torch.log_softmax(logits_BV[:, :290].double() / 0.9, dim=-1)[torch.arange(16), a]
-    assert torch.allclose(lp_a.double(), ref, atol=1e-6)
+    for row, token, logprob in zip(logits_BV[:, :290].double(), a.tolist(), lp_a.tolist()):
+        kept, probs = _kept_reference(row.tolist(), temperature=0.9, top_k=0, top_p=0.95)
+        assert token in kept and logprob == pytest.approx(math.log(probs[token]), abs=1e-6)
 
 
 @pytest.mark.parametrize("kwargs,name", [

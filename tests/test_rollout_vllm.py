@@ -143,7 +143,7 @@ def _vllm_moe_checks(vllm_dir, megatron_dir) -> dict:
 
 
 def _vllm_checks(rank, world_size, vllm_dir, megatron_dir, vllm_moe_dir, megatron_moe_dir):
-    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.distributed import Truncation, initialize_parallel
     from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
     from megatron_gtpo.models.qwen import build_model
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
@@ -190,11 +190,23 @@ def _vllm_checks(rank, world_size, vllm_dir, megatron_dir, vllm_moe_dir, megatro
             out["vllm_sampled_again"] = _generate(engine, sampling, groups)
             unseeded = dataclasses.replace(sampling, per_request_seeds=False)
             out["vllm_unseeded"] = [_generate(engine, unseeded, groups) for _ in range(2)]
-            seqs = [p + r.token_ids for p, rs in zip(PROMPTS, out["vllm_sampled"]) for r in rs]
-            micro_batches = make_micro_batches(seqs, 6, device=groups.device)
-            scored = forward_logprobs_and_entropy(chunks, micro_batches, groups,
-                                                     vocab_size=VOCAB, temperature=0.8)
-            out["scored"] = [row for logprobs_BL1, _ in scored for row in logprobs_BL1] or None
+
+            def score(responses, params):
+                """The trainer's log-probs of the responses at the sampling temperature and truncation."""
+                seqs = [p + r.token_ids for p, rs in zip(PROMPTS, responses) for r in rs]
+                scored = forward_logprobs_and_entropy(chunks, make_micro_batches(seqs, 6, device=groups.device),
+                                                      groups, vocab_size=VOCAB, temperature=params.temperature,
+                                                      truncation=Truncation(params.top_k, params.top_p))
+                return [row for logprobs_BL1, _ in scored for row in logprobs_BL1] or None
+
+            out["scored"] = score(out["vllm_sampled"], sampling)
+            # vLLM's processed log-probs under top-k / top-p (top-p alone: nuclei of hundreds of ids, the trainer's
+            # fallback) against the trainer's on the same truncated distribution.
+            for name, truncated in (("top_k_top_p", dataclasses.replace(sampling, temperature=1.1, top_k=20,
+                                                                          top_p=0.9)),
+                                    ("top_p", dataclasses.replace(sampling, temperature=1.0, top_p=0.7))):
+                out[f"vllm_{name}"] = _generate(engine, truncated, groups)
+                out[f"scored_{name}"] = score(out[f"vllm_{name}"], truncated)
 
             # A changed weight (layer 1's MLP output projection, on every TP shard) must change vLLM's output.
             _change_weight_and_sync(engine, builtin, chunks, groups, greedy, out)
@@ -285,11 +297,11 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints, moe_checkpoints):
             for key in ("vllm_greedy", "vllm_sampled", "vllm_stop", "vllm_greedy_changed", "version_2"):
                 assert other[key] == ref[key], f"{layout}: ranks disagree on {key}"
         # The prompts were split across the engines: each host served its contiguous part (3 prompts: 2 + 1), in
-        # each of the 8 generate calls.
+        # each of the 10 generate calls.
         engines = ref["engines"]
         assert engines == 2 // vllm_tp, layout
         parts = sorted({tuple(r["served"]) for r in results if r["served"] is not None})
-        expected_parts = [((2, 0),) * 8, ((1, 2),) * 8] if engines == 2 else [((3, 0),) * 8]
+        expected_parts = [((2, 0),) * 10, ((1, 2),) * 10] if engines == 2 else [((3, 0),) * 10]
         assert parts == sorted(expected_parts), (layout, parts)
         # Policy versions count the syncs since the server started; each sync's checksums were checked on every one
         # of its workers (finish_weight_update), and every worker loaded every bucket.
@@ -327,18 +339,20 @@ def test_vllm_after_weight_sync_matches_megatron(checkpoints, moe_checkpoints):
         assert all(len(rs) == 2 for rs in first) and _tokens(first) != _tokens(second), layout
         flat = [r for rs in ref["vllm_sampled"] for r in rs]
         assert all(len(rs) == 2 for rs in ref["vllm_sampled"]) and len({tuple(r.token_ids) for r in flat}) > 3
-        scored = next(r["scored"] for r in results if r["scored"] is not None)
         plens = [len(p) for p in PROMPTS for _ in range(2)]
-        for r, row, plen in zip(flat, scored, plens):
-            assert r.finish_reason == "length" and len(r.token_ids) == 8
-            ref_lp = row[plen - 1:plen - 1 + 8].double()
-            err = (torch.tensor(r.logprobs, dtype=torch.float64) - ref_lp).abs().max().item()
-            assert err < LOGPROB_ATOL, f"{layout}: vLLM sampling log-probs differ from the scoring path by {err:.2e}"
+        for name in ("sampled", "top_k_top_p", "top_p"):
+            scored = next(r[f"scored{'' if name == 'sampled' else '_' + name}"] for r in results
+                          if r["scored"] is not None)
+            for r, row, plen in zip([r for rs in ref[f"vllm_{name}"] for r in rs], scored, plens):
+                assert r.finish_reason == "length" and len(r.token_ids) == 8
+                ref_lp = row[plen - 1:plen - 1 + 8].double()
+                err = (torch.tensor(r.logprobs, dtype=torch.float64) - ref_lp).abs().max().item()
+                assert err < LOGPROB_ATOL, f"{layout} {name}: vLLM log-probs differ from the scoring path by {err:.2e}"
 
 
 # --- Remote mode (rollout/remote_server.py): the vLLM server in an OS process of its own (a "rollout node") at vLLM
-# TP=2; a 2-rank gloo trainer at TP=2 connects to it, broadcasts its weights (a weight group of 3: the trainer's
-# destination rank and both vLLM workers), and checks what comes back. One server process serves four trainer
+# TP=2; a 2-rank gloo trainer at TP=2 connects to it, sends its weights over the channel's weight socket (both vLLM
+# workers load them through vLLM's RPC), and checks what comes back. One server process serves four trainer
 # sessions; at the end the trainer kills it (process group) to see the "server died" error.
 REMOTE_VLLM_TP = 2
 REMOTE_TIMEOUT_S = 10.0  # how fast an unreachable or dead server must be reported (connect timeout: 2 s)
@@ -429,7 +443,7 @@ def _remote_checks(rank, world_size, address, megatron_dir, server_pgid, unused_
         # Routing replay needs a server started with --return-routed-experts: refused when connecting.
         out["not_routed"] = _error_text(lambda: RemoteClient(address, shape, groups.device, routed=True))[0]
     engine = connect(address)
-    out["weight_group_size"] = None if engine.server is None else engine.server.group.size()
+    out["weights_path"] = None if engine.server is None else engine.server.weights
     out["version_0"] = engine.policy_version
     out["before_sync"] = _generate(engine, greedy, groups)
     engine.sync_weights(chunks, groups)
@@ -510,7 +524,7 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
     assert "failed in 'generate': Preempted: a newer trainer" in ref["replaced"], ref["replaced"]
     assert ref["newer_served_s"][0] == "no error" and ref["newer_served_s"][1] < REMOTE_TIMEOUT_S, ref["newer_served_s"]
     assert "does not return routed experts" in ref["not_routed"] and "--return-routed-experts" in ref["not_routed"]
-    assert (ref["weight_group_size"], other["weight_group_size"]) == (1 + REMOTE_VLLM_TP, None)
+    assert (ref["weights_path"], other["weights_path"]) == ("channel", None)  # CPU weights: on the weight socket
     # The weights really went over: vLLM started from checkpoint A and now generates what the Megatron model does.
     assert _tokens(ref["before_sync"]) != _tokens(ref["vllm_greedy"]), "the sync changed nothing"
     assert _tokens(ref["vllm_greedy"]) == _tokens(ref["builtin_greedy"])

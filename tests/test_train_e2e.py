@@ -31,7 +31,8 @@ SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoin
 
 
 # Options the update must carry at every layout, spread over the cases: several epochs over one rollout batch,
-# the entropy bonus, the dual clip, a token budget per micro-batch, packed sequences, the rollout mismatch corrections.
+# the entropy bonus, the dual clip, a token budget per micro-batch, packed sequences, the rollout mismatch corrections,
+# top-k / top-p sampling (the demo's vocabulary has 16 ids: top-k 5 truncates).
 PACKED = ["data.pack_sequences=true", "data.max_tokens_per_micro_batch=64"]
 # Clip-Cov with a band and a ratio that pick tokens in the demo's small batches (its defaults pick 1 in (1, 5)).
 CLIP_COV_ACTS = ["algorithm.clip_cov_lb=0.0", "algorithm.clip_cov_ratio=0.05"]
@@ -39,7 +40,8 @@ CLIP_COV_ACTS = ["algorithm.clip_cov_lb=0.0", "algorithm.clip_cov_ratio=0.05"]
 
 @pytest.mark.parametrize("layout,algorithm,options", [
     ("parallel.tensor=2", "gtpo", PACKED),
-    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=geometric"]),
+    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=geometric",
+                                     "rollout.top_k=5", "rollout.top_p=0.9"]),
     ("parallel.tensor=2", "kl_cov", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
     ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01",
                                      "data.max_tokens_per_micro_batch=40"]),
@@ -74,7 +76,8 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         assert not not_finite, not_finite  # NaN is written as null
         assert 0.0 <= row["accuracy"] <= 1.0 and row["entropy_mean"] > 0 and row["grad_norm"] >= 0
         assert -1.0 <= row["reward_mean"] <= row["accuracy"] + 1e-6  # length penalties only subtract
-        # the engine's sampling log-probs and the training pass's old log-probs agree (same weights, fp32)
+        # the engine's sampling log-probs and the training pass's old log-probs agree (same weights, fp32; with
+        # top-k / top-p both of the truncated distribution, the trainer's found across TP=2 without gathering)
         assert row["rollout_logprob_mismatch"] < 1e-4
         assert row["mismatch_kl"] < 1e-6 and row["token_mult_prob_error"] < 1 + 1e-4
         assert row["rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-4) and row["rollout_rs_masked_fraction"] == 0
@@ -83,6 +86,8 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         _check_busy(row, replicas=2 if layout == "parallel.tensor=1" else 1)
         for key in _selection_metrics(algorithm, options):
             assert 0 < row[key] and (key == "entropy_kept_threshold" or row[key] <= 1), (key, row[key])
+        # KL-Cov's mean |log-ratio| (0 on an on-policy single mini-batch, up to float noise), KL-Cov's alone
+        assert (0 <= row["kl_cov_abs_log_ratio"] < 1) if algorithm == "kl_cov" else "kl_cov_abs_log_ratio" not in row
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
 
 
@@ -398,6 +403,29 @@ def test_compare_algorithms_tool_runs_each_variant_from_the_same_warm_start_and_
     assert written.startswith("# hand-written setup\n") and "old tables" not in written
     assert "### Paired differences against dapo" in written and "(v2_main.png)" in written
     assert (report.parent / "v2_main.png").exists()
+
+
+def test_study_v3_smoke_runs_from_the_shipped_warm_start_and_reports_the_pre_registered_tests(tmp_path):
+    """tools/compare_algorithms.py --study v3 --smoke: the shipped warm start (a HF directory, its SHA-256 checked)
+    is what every RL run loads (model.hf_dir) and what is evaluated before RL; the control and GRPO-S run, and the
+    report holds the pre-registered tests of the primary family, GTPO's hypotheses listed as not tested."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "compare_algorithms.py")
+    res = subprocess.run([sys.executable, tool, "--study", "v3", "--smoke", "--output-dir", str(tmp_path),
+                          "--window", "1"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-4000:]
+    assert "== warm start: verified, evaluated with 2 sampling seeds" in res.stdout, res.stdout
+    shipped = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "examples", "warm_starts",
+                                            "arithmetic_target"))
+    for name in ("dapo-no-overlong", "grpo_s"):
+        config = yaml.safe_load((tmp_path / name / "seed2" / "checkpoints" / "config.yaml").read_text())
+        assert config["model"]["hf_dir"] == shipped and config["model"]["load"] is None
+        assert [r["step"] for r in read_metrics(tmp_path / name / "seed2") if r["step"] >= 0] == [0, 1]
+    assert json.loads((tmp_path / "warm_start" / "run.json").read_text())["path"] == shipped
+    table = (tmp_path / "algorithms_v3.md").read_text()
+    tests = table.split("### Pre-registered tests")[1].split("###")[0]
+    assert "- H1 (primary, grpo_s - dapo-no-overlong on Pass@4 > 0): **" in tests
+    assert "- H2 (primary, grpo_s - dapo-no-overlong on Mean@4 > 0): **" in tests
+    assert tests.count("not tested (variant not run)") == 2, tests
 
 
 def test_bfloat16_run_checkpoints_and_resumes(tmp_path):

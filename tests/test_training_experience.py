@@ -197,7 +197,8 @@ def _global_advantages(rank, world_size, scenario, algorithm):
         if configured.select_tokens is not None:
             global_token_selection(configured.select_tokens, batch, parallel, MetricReducer(parallel.device),
                                    seed=cfg.seed, step=3)
-            selected[max_sequences] = (batch.pg_weights.tolist(), batch.kl_penalty_ST.tolist(),
+            penalty = batch.kl_penalty_ST  # KL-Cov's only
+            selected[max_sequences] = (batch.pg_weights.tolist(), None if penalty is None else penalty.tolist(),
                                        batch.advantages.tolist())
         else:
             selected[max_sequences] = batch.advantages.tolist()
@@ -227,14 +228,14 @@ def _global_advantages(rank, world_size, scenario, algorithm):
     out = {"mine": None if mine is None else mine.tolist(), "expected": expected.tolist(),
            "shape": None if mine is None else list(mine.shape)}
     if configured.select_tokens is not None:  # each rank's valid tokens in sequence order, for the reference
-        pg_weights_ST, kl_penalty_ST, _ = (torch.tensor(v) for v in selected[8])
+        pg_weights_ST, kl_penalty_ST, _ = (None if v is None else torch.tensor(v) for v in selected[8])
 
         def flat(values):
             return (values if values.ndim == 2 else values[:, None].expand(own.mask_ST.shape))[own.mask_ST]
 
         out["tokens"] = {"advantages": flat(mine).tolist(), "old_logprobs": flat(own.old_logprobs_ST).tolist(),
                          "entropy": flat(own.entropy_ST).tolist(), "keep": flat(pg_weights_ST > 0).tolist(),
-                         "penalise": flat(kl_penalty_ST).tolist()}
+                         "penalise": None if kl_penalty_ST is None else flat(kl_penalty_ST).tolist()}
     return out
 
 
@@ -276,6 +277,10 @@ def test_token_selection_spans_every_data_parallel_rank(advantages, scenario, al
     K = len(inputs[0])
     keys = torch.rand(K, generator=torch.Generator().manual_seed(selection_seed(cfg.seed, 3, 0)), dtype=torch.float64)
     whole = select(*inputs, keys)
-    assert 0 < int((~whole.keep_K).sum() + whole.penalise_K.sum()) < K  # the selection acts on this batch
+    penalised = 0 if whole.penalise_K is None else int(whole.penalise_K.sum())
+    assert 0 < int((~whole.keep_K).sum()) + penalised < K  # the selection acts on this batch
     assert sum((r["keep"] for r in ranks), []) == whole.keep_K.tolist()
-    assert sum((r["penalise"] for r in ranks), []) == whole.penalise_K.tolist()
+    if whole.penalise_K is None:  # KL-Cov's only
+        assert all(r["penalise"] is None for r in ranks)
+    else:
+        assert sum((r["penalise"] for r in ranks), []) == whole.penalise_K.tolist()

@@ -1,8 +1,9 @@
 """vocab_parallel_logprobs_and_entropy against a float64 single-process reference on the full vocabulary.
 
-The distributed tests start one set of gloo ranks per world size (1, 2, 4) and run every case inside it; the
-parent process computes the reference (torch.log_softmax / softmax on the un-padded vocabulary, float64, autograd
-for the gradients) and compares each rank's outputs and its shard of the gradients.
+The distributed tests start one set of gloo ranks per world size (1, 2, 4) and run every case inside it, the
+truncated ones (top-k / top-p, distributed/truncation.py) too; the parent process computes the reference
+(torch.log_softmax / softmax on the un-padded vocabulary, float64, autograd for the gradients, the kept sets from
+their definition: vocab_references.py) and compares each rank's outputs and its shard of the gradients.
 """
 import math
 
@@ -11,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from distributed_harness import run_distributed
+from megatron_gtpo.distributed import truncation as truncation_module
+from megatron_gtpo.distributed.truncation import Truncation
 from megatron_gtpo.distributed.vocab_parallel import vocab_parallel_logprobs_and_entropy
 from vocab_references import float64_reference
 
@@ -18,9 +21,12 @@ PADDED_VOCAB = 48  # divisible by TP = 1, 2, 4
 CHUNK_SIZES = (None, 2, 5)  # unchunked, dividing the token count, and not dividing it
 
 
-def _make_case(seed, *, lead_shape, vocab_size, temperature, dtype, offset_first_quarter=0.0):
+def _make_case(seed, *, lead_shape, vocab_size, temperature, dtype, offset_first_quarter=0.0, truncation=None,
+               step=None):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(*lead_shape, PADDED_VOCAB, generator=g, dtype=torch.float64) * 3.0
+    if step is not None:  # values on a grid: many exact ties, at the top-k and nucleus boundaries too
+        logits = torch.round(logits / (3.0 * step)) * step
     # A large offset on the first quarter of the vocab makes the per-rank maxima differ by far more than the
     # exp range at TP=4: the cross-rank rescaling must be right, not merely harmless.
     logits[..., : PADDED_VOCAB // 4] += offset_first_quarter
@@ -34,7 +40,14 @@ def _make_case(seed, *, lead_shape, vocab_size, temperature, dtype, offset_first
         logits = logits.to(torch.bfloat16).to(torch.float64)  # the reference sees exactly what the op sees
     return dict(logits=logits, targets=targets, vocab_size=vocab_size, temperature=temperature, dtype=dtype,
                 weight_lp=torch.randn(lead_shape, generator=g, dtype=torch.float64),
-                weight_ent=torch.randn(lead_shape, generator=g, dtype=torch.float64))
+                weight_ent=torch.randn(lead_shape, generator=g, dtype=torch.float64), truncation=truncation)
+
+
+def _uniform_rows(case, rows):
+    """`case` with its first `rows` token rows all equal over the real ids: every kept set is ids 0.. (ties by id),
+    and splits across the TP ranks."""
+    case["logits"].view(-1, PADDED_VOCAB)[:rows, :case["vocab_size"]] = 0.5
+    return case
 
 
 CASES = {
@@ -53,20 +66,47 @@ CASES = {
 }
 
 
+# Top-k / top-p (truncation.Truncation(top_k, top_p)). Each runs at NUCLEUS_CANDIDATES 64 (every top-p-alone
+# nucleus found from the candidates, the vocabulary being 48) and 2 (most of them by the fallback's radix select).
+TRUNCATED_CASES = {
+    "top_k_padding": _make_case(10, lead_shape=(4, 3), vocab_size=35, temperature=0.7, dtype=torch.float32,
+                                truncation=(5, 1.0)),
+    "top_p_padding_float64": _make_case(11, lead_shape=(12,), vocab_size=35, temperature=1.3, dtype=torch.float64,
+                                        truncation=(0, 0.9)),
+    "top_k_top_p_offset": _make_case(12, lead_shape=(3, 4), vocab_size=47, temperature=1.0, dtype=torch.float32,
+                                     offset_first_quarter=8.0, truncation=(7, 0.6)),
+    "top_k_ties_split_float64": _uniform_rows(_make_case(13, lead_shape=(10,), vocab_size=45, temperature=0.8,
+                                                         dtype=torch.float64, step=0.25, truncation=(30, 1.0)), 2),
+    "top_p_ties_split_float64": _uniform_rows(_make_case(14, lead_shape=(10,), vocab_size=45, temperature=1.0,
+                                                         dtype=torch.float64, step=0.25, truncation=(0, 0.5)), 2),
+    "top_k_top_p_ties_float64": _uniform_rows(_make_case(15, lead_shape=(10,), vocab_size=48, temperature=1.0,
+                                                         dtype=torch.float64, step=0.5, truncation=(20, 0.7)), 2),
+    "bf16_top_p": _make_case(16, lead_shape=(4, 3), vocab_size=35, temperature=0.9, dtype=torch.bfloat16,
+                             truncation=(0, 0.95)),
+}
+TRUNCATED_CHUNK_SIZES = (None, 5)
+CANDIDATES = (64, 2)
+
+
 class _CollectiveCounter:
-    """Wraps torch.distributed's collectives to count calls (the op must do exactly two, all in forward)."""
+    """Wraps torch.distributed's collectives to count calls (the untruncated op must do exactly two, all in forward)
+    and record the largest tensor any of them moves."""
 
     NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter",
              "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier")
 
     def __init__(self):
         self.count = 0
+        self.largest = 0
         self._originals = {name: getattr(dist, name) for name in self.NAMES}
 
     def __enter__(self):
         for name, original in self._originals.items():
             def counted(*args, _original=original, **kwargs):
                 self.count += 1
+                tensors = [a for arg in args for a in (arg if isinstance(arg, list) else [arg])
+                           if isinstance(a, torch.Tensor)]
+                self.largest = max([self.largest] + [t.numel() for t in tensors])
                 return _original(*args, **kwargs)
             setattr(dist, name, counted)
         return self
@@ -78,12 +118,13 @@ class _CollectiveCounter:
 
 def _run_op_with_grads(shard, case, tp_group, chunk_size):
     x = shard.clone().requires_grad_()
-    weight_lp = case["weight_lp"].float()
-    weight_ent = case["weight_ent"].float()
+    weight_lp = case["weight_lp"].to(x.dtype if x.dtype == torch.float64 else torch.float32)
+    weight_ent = case["weight_ent"].to(weight_lp.dtype)
+    truncation = None if case["truncation"] is None else Truncation(*case["truncation"])
     with _CollectiveCounter() as forward_calls:
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
             x, case["targets"], tp_group=tp_group, vocab_size=case["vocab_size"],
-            temperature=case["temperature"], chunk_size=chunk_size)
+            temperature=case["temperature"], chunk_size=chunk_size, truncation=truncation)
     with _CollectiveCounter() as backward_calls:
         # (a) log-prob alone and (b) entropy alone: the other output gets no gradient (None) in backward.
         grad_lp, = torch.autograd.grad((logprobs * weight_lp).sum(), x, retain_graph=True)
@@ -91,7 +132,7 @@ def _run_op_with_grads(shard, case, tp_group, chunk_size):
         grad_mix, = torch.autograd.grad((0.3 * logprobs * weight_lp - 1.7 * entropy * weight_ent).sum(), x)
     return dict(logprobs=logprobs.detach(), entropy=entropy.detach(), grad_lp=grad_lp, grad_ent=grad_ent,
                 grad_mix=grad_mix, forward_collectives=forward_calls.count,
-                backward_collectives=backward_calls.count)
+                backward_collectives=backward_calls.count, largest_collective=forward_calls.largest)
 
 
 def _tp_groups(world_size, tp_size):
@@ -100,7 +141,7 @@ def _tp_groups(world_size, tp_size):
     return groups[dist.get_rank() // tp_size]
 
 
-def _worker(rank, world_size, cases, tp_sizes):
+def _worker(rank, world_size, cases, truncated_cases, tp_sizes):
     torch.set_num_threads(1)
     results, tp_ranks = {}, {}
     for tp_size in tp_sizes:
@@ -112,6 +153,14 @@ def _worker(rank, world_size, cases, tp_sizes):
             shard = shard.to(case["dtype"]).contiguous()
             for chunk_size in CHUNK_SIZES:
                 results[(tp_size, name, chunk_size)] = _run_op_with_grads(shard, case, tp_group, chunk_size)
+        for name, case in truncated_cases.items():
+            shard = case["logits"][..., tp_rank * vocab_local:(tp_rank + 1) * vocab_local]
+            shard = shard.to(case["dtype"]).contiguous()
+            for candidates in CANDIDATES:
+                truncation_module.NUCLEUS_CANDIDATES = candidates
+                for chunk_size in TRUNCATED_CHUNK_SIZES:
+                    results[(tp_size, name, chunk_size, candidates)] = _run_op_with_grads(shard, case, tp_group,
+                                                                                          chunk_size)
         # vocab_size larger than V_local * TP: every rank raises before any collective.
         try:
             vocab_parallel_logprobs_and_entropy(torch.zeros(2, vocab_local), torch.zeros(2, dtype=torch.long),
@@ -157,9 +206,36 @@ def _check_rank_results(tp_size, tp_rank, results, references):
     assert message is not None and "vocab_size" in message and str(PADDED_VOCAB + 1) in message
 
 
+def _check_truncated_results(tp_size, tp_rank, results, references):
+    vocab_local = PADDED_VOCAB // tp_size
+    shard = slice(tp_rank * vocab_local, (tp_rank + 1) * vocab_local)
+    for name, case in TRUNCATED_CASES.items():
+        ref = references[name]
+        top_k = case["truncation"][0]
+        num_tokens = case["targets"].numel()
+        float64, bf16 = case["dtype"] == torch.float64, case["dtype"] == torch.bfloat16
+        tol = dict(rtol=1e-12, atol=1e-12) if float64 else dict(rtol=1e-6, atol=1e-6)
+        grad_tol = dict(rtol=4e-3, atol=1e-6) if bf16 else dict(rtol=1e-5, atol=1e-6) if not float64 else tol
+        for candidates in CANDIDATES:
+            width = top_k or min(candidates, case["vocab_size"])
+            for chunk_size in TRUNCATED_CHUNK_SIZES:
+                got = results[(tp_size, name, chunk_size, candidates)]
+                where = f"TP={tp_size} rank {tp_rank} case {name} chunk_size={chunk_size} candidates={candidates}"
+                assert got["backward_collectives"] == 0, where
+                # Never the vocabulary: no collective moves more than the candidates of the tokens, or the
+                # fallback's 256 bins per token, whatever V.
+                assert got["largest_collective"] <= num_tokens * max(width, 256), (where, got["largest_collective"])
+                torch.testing.assert_close(got["logprobs"].double(), ref["logprobs"], **tol, msg=where)
+                torch.testing.assert_close(got["entropy"].double(), ref["entropy"], **tol, msg=where)
+                for grad in ("grad_lp", "grad_ent", "grad_mix"):
+                    assert got[grad].dtype == case["dtype"], where
+                    torch.testing.assert_close(got[grad].double(), ref[grad][..., shard], **grad_tol,
+                                               msg=f"{where} {grad}")
+
+
 @pytest.fixture(scope="module")
 def references():
-    return {name: float64_reference(case) for name, case in CASES.items()}
+    return {name: float64_reference(case) for name, case in {**CASES, **TRUNCATED_CASES}.items()}
 
 
 @pytest.mark.slow
@@ -167,10 +243,11 @@ def references():
 def test_matches_float64_reference_across_tp_ranks(world_size, tp_sizes, references):
     """Outputs and the three gradients on every rank and chunking, with padding, temperature, bf16, [s, b, V];
     at world 4 also TP=2 groups inside a DP=2 world (the rank within the group, not the global rank, counts)."""
-    per_rank = run_distributed(_worker, world_size, args=(CASES, tp_sizes), timeout_s=240)
+    per_rank = run_distributed(_worker, world_size, args=(CASES, TRUNCATED_CASES, tp_sizes), timeout_s=240)
     for tp_ranks, results in per_rank:
         for tp_size in tp_sizes:
             _check_rank_results(tp_size, tp_ranks[tp_size], results, references)
+            _check_truncated_results(tp_size, tp_ranks[tp_size], results, references)
         assert results["no_tp_group_collectives"] == 0
         logprobs, entropy = results["no_tp_group"]
         ref = references["fp32_sb_layout_padding"]

@@ -36,18 +36,20 @@ CORPUS = [
 ]
 
 
-def build_hf_tokenizer_dir(directory: str, *, with_pad: bool = True, with_chat_template: bool = True) -> str:
-    """A byte-level BPE tokenizer (vocab 400) saved as a HF tokenizer directory with Qwen2.5 chat markup."""
+def build_hf_tokenizer_dir(directory: str, *, with_pad: bool = True, with_chat_template: bool = True,
+                           vocab_size: int = 400, corpus: list[str] | None = None) -> str:
+    """A byte-level BPE tokenizer (at most `vocab_size` ids: SPECIAL_TOKENS are 0, 1, 2) trained on `corpus`
+    (default: CORPUS) saved as a HF tokenizer directory with Qwen2.5 chat markup."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    tokenizer.train_from_iterator(CORPUS * 20 if corpus is None else corpus, trainer)
     os.makedirs(directory, exist_ok=True)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "model_max_length": 32768}

@@ -178,7 +178,8 @@ def token_policy_loss(
     surrogate -w A (no clip), and the tokens of kl_penalty_BT (bool [B, T]) add kl_cov_coef * |log w| to it.
     Returns (loss_mb, metrics): pg_loss (the surrogate part of loss_mb), clip_frac_low (A < 0 and
     w < 1 - eps_low), clip_frac_high (A > 0 and w > 1 + eps_high), dual_clip_frac (A < 0 and w > dual_clip),
-    approx_kl, ratio_mean/max/min, num_tokens, and ref_kl / entropy when those inputs are given.
+    approx_kl, ratio_mean/max/min, num_tokens, ref_kl / entropy when those inputs are given, and with kl_penalty_BT
+    kl_cov_abs_log_ratio (the mean |log w| over the valid tokens).
     """
     _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, eps_low, eps_high, dual_clip,
                   ref_logprobs_BT, kl_coef, entropy_BT, entropy_coef)
@@ -198,9 +199,10 @@ def token_policy_loss(
     else:
         surrogate_BT = -advantages_BT * ratio_BT
         low_BT = high_BT = dual_BT = torch.zeros_like(mask_BT)
+    abs_log_ratio_BT = log_ratio_BT.abs()  # exactly 0 at padding
     if kl_penalty_BT is not None:
         check_bool_mask("kl_penalty_BT", kl_penalty_BT, logprobs_BT.shape)
-        surrogate_BT = surrogate_BT + kl_cov_coef * torch.where(kl_penalty_BT & mask_BT, log_ratio_BT.abs(), 0.0)
+        surrogate_BT = surrogate_BT + kl_cov_coef * torch.where(kl_penalty_BT & mask_BT, abs_log_ratio_BT, 0.0)
     if pg_weights is not None:
         if pg_weights.shape not in (logprobs_BT.shape, logprobs_BT.shape[:1]):
             raise ValueError(f"pg_weights must have shape [B, T] = {tuple(logprobs_BT.shape)} or [B] = "
@@ -233,6 +235,8 @@ def token_policy_loss(
             ratio_min=ratio_min,
             num_tokens=num_tokens,
         )
+        if kl_penalty_BT is not None:  # KL-Cov's: over every valid token, penalised or not (verl's ppo_kl_abs)
+            metrics["kl_cov_abs_log_ratio"] = abs_log_ratio_BT.sum() / num_tokens.clamp(min=1)
     return loss, metrics
 
 

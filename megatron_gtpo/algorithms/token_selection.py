@@ -13,13 +13,17 @@ mini-batch.
     Clip-Cov:  candidates are the tokens with lb < cov_k < ub; max(1, floor(ratio * K)) of them (all, if fewer),
                chosen uniformly at random, lose their policy gradient: the ones with the smallest `keys_K` (uniform
                random numbers, one per token, drawn by the caller from a seeded generator).
-    KL-Cov:    the max(1, floor(ratio * K)) tokens of largest cov_k take kl_cov_coef * |log-ratio| (losses.py).
-    High-entropy fraction: the policy gradient is kept on the max(1, floor(F * K)) tokens of largest old-policy
-               entropy only.
+    KL-Cov:    exactly max(1, floor(ratio * K)) tokens, those of largest cov_k, take kl_cov_coef * |log-ratio|
+               (losses.py); ties in cov_k are broken by position, the earlier token first (`first_top_tokens`).
+    High-entropy fraction: the policy gradient is kept on the tokens whose old-policy entropy reaches the
+               max(1, floor(F * K))-th largest (`top_tokens`).
 
-A top-n picks every token whose value reaches the n-th largest, so ties at the threshold are all picked (verl's
-torch.topk breaks them arbitrarily); with continuous values there are none. Everything returns bool [K] tensors on
-the inputs' device.
+Ties. KL-Cov picks a fixed count, as its paper and verl do (verl's torch.topk returns that many tokens and breaks
+ties arbitrarily): here the order of the flattened mini-batch breaks them, so the pick is reproducible. Ties are not
+rare there: when every advantage of a mini-batch is equal, every covariance is 0, and picking all tied tokens would
+penalise the whole mini-batch. The high-entropy fraction keeps every token at or above its entropy threshold, ties
+included: with continuous entropies there are none. Everything returns bool [K] tensors on the inputs'
+device.
 """
 from __future__ import annotations
 
@@ -49,6 +53,17 @@ def top_tokens(values_K: torch.Tensor, fraction: float) -> torch.Tensor:
         return torch.zeros_like(values_K, dtype=torch.bool)
     threshold = torch.topk(values_K, n).values[-1]
     return values_K >= threshold
+
+
+def first_top_tokens(values_K: torch.Tensor, fraction: float) -> torch.Tensor:
+    """bool [K]: exactly max(1, floor(fraction * K)) tokens (0 of none), those of largest value; among equal values
+    the earlier token is picked first."""
+    check_floating("values_K", values_K, 1)
+    _check_fraction("fraction", fraction)
+    n = _count(fraction, values_K.numel())
+    picked_K = torch.zeros_like(values_K, dtype=torch.bool)
+    picked_K[torch.sort(values_K, descending=True, stable=True).indices[:n]] = True
+    return picked_K
 
 
 def token_covariance(advantages_K: torch.Tensor, logprobs_K: torch.Tensor) -> torch.Tensor:
@@ -81,11 +96,11 @@ def clip_cov_tokens(covariance_K: torch.Tensor, keys_K: torch.Tensor, *, ratio: 
 
 class TokenSelection(NamedTuple):
     """What a selection does to the K tokens of a mini-batch: `keep_K` (bool: the token keeps its policy-gradient
-    term), `penalise_K` (bool: KL-Cov's penalty applies) and its metrics over the K tokens (SELECTION_METRICS; 0-dim
-    float64 tensors, 0 when K = 0)."""
+    term), `penalise_K` (bool: KL-Cov's penalty applies; None without KL-Cov) and its metrics over the K tokens
+    (SELECTION_METRICS; 0-dim float64 tensors, 0 when K = 0)."""
 
     keep_K: torch.Tensor
-    penalise_K: torch.Tensor
+    penalise_K: torch.Tensor | None
     metrics: dict[str, torch.Tensor]
 
 
@@ -107,7 +122,7 @@ def select_tokens(advantages_K: torch.Tensor, old_logprobs_K: torch.Tensor, entr
     are on only."""
     K = advantages_K.numel()
     keep_K = torch.ones(K, dtype=torch.bool, device=advantages_K.device)
-    penalise_K = torch.zeros_like(keep_K)
+    penalise_K = None
     metrics = {}
 
     def fraction(flags_K):
@@ -121,7 +136,7 @@ def select_tokens(advantages_K: torch.Tensor, old_logprobs_K: torch.Tensor, entr
             keep_K &= ~picked_K
             metrics["clip_cov_fraction"] = fraction(picked_K)
         if kl_cov_ratio is not None:
-            penalise_K = top_tokens(covariance_K, kl_cov_ratio)
+            penalise_K = first_top_tokens(covariance_K, kl_cov_ratio)
             metrics["kl_cov_fraction"] = fraction(penalise_K)
     if entropy_token_fraction is not None:
         check_same_shape("entropy_K", entropy_K, advantages_K.shape)

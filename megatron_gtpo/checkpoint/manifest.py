@@ -22,12 +22,17 @@ class DamagedCheckpoint(ValueError):
     """A checkpoint's files differ from its manifest (a user error: the message names the checkpoint and file)."""
 
 
-def _file_entry(path: str) -> dict:
+def sha256_of(path: str) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_READ_BYTES):
             digest.update(chunk)
-    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def _file_entry(path: str) -> dict:
+    return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
 
 
 def _listed_files(directory: str) -> list[str]:

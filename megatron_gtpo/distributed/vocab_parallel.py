@@ -23,6 +23,19 @@ gradients of the two outputs,
 and p_v = exp(z_v - log Z), z_v - E_p[z] = (z_v - log Z) + entropy are local to the rank given the saved
 per-token log Z and entropy. Backward recomputes them chunk by chunk from the input it keeps a reference to.
 
+Truncated sampling (`truncation`: top-k and/or top-p, distributed/truncation.py): the log-prob of the target t is
+that of the truncated, renormalised distribution the engine sampled from, over the kept set K (found per token from
+a few all-gathered candidates per rank, never the vocabulary) and t itself:
+
+    logprob = z_t - log sum_{v in K u {t}} exp(z_v)
+
+t is always in K when the same logits sampled it; adding it otherwise (logits of other kernels or weights moved the
+boundary, or the KL reference's own kept set) keeps every log-prob finite, and equal to the value in K where t
+crosses the boundary. K is a selection: the gradient treats it as fixed, d logprob / d z_v = 1[v = t] - q_v with q
+the renormalised distribution (0 outside K u {t}). The entropy stays that of the full distribution
+(docs/algorithms.md, "Truncated sampling"). Backward recomputes K's mask from the two per-token numbers that
+describe it (KeptSets).
+
 Layout: megatron-core's output layer produces [s, b, V_local] (any leading dims work; they are flattened). Under
 sequence parallelism megatron's output ColumnParallelLinear all-gathers the sequence before the vocab projection, so
 every TP rank sees the full [s, b, V_local] and passes the same full [s, b] targets; nothing changes here.
@@ -34,6 +47,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
+
+from .truncation import KeptSets, Truncation, kept_sets, scaled_logits
 
 
 def _compute_dtype(logits_dtype: torch.dtype) -> torch.dtype:
@@ -75,13 +90,15 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     """Autograd core of `vocab_parallel_logprobs_and_entropy` on flattened, validated inputs.
 
     Saved for backward: the input `logits_TV` itself (a reference, no copy), `targets_T`, and two per-token
-    scalars in the compute dtype (log Z and the entropy, [T] each). Softmax is recomputed chunk by chunk in
+    scalars in the compute dtype (log Z and the entropy, [T] each), three more with a truncation (the kept set's
+    threshold and tie columns, and its log-mass with the target). Softmax is recomputed chunk by chunk in
     backward. Forward and backward each allocate two [chunk, V_local] compute-dtype workspaces (besides the
-    gradient that backward returns), freed when they return.
+    gradient that backward returns), freed when they return; a truncation adds its own (distributed/truncation.py)
+    and a third, with a bool mask, in backward.
     """
 
     @staticmethod
-    def forward(ctx, logits_TV, targets_T, tp_group, tp_rank, vocab_size, temperature, chunk_size):
+    def forward(ctx, logits_TV, targets_T, tp_group, tp_rank, vocab_size, temperature, chunk_size, truncation):
         num_tokens, vocab_local = logits_TV.shape
         compute_dtype = _compute_dtype(logits_TV.dtype)
         device = logits_TV.device
@@ -132,10 +149,19 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         logprobs_T = target_z_T - log_normalizer_T
         # Out-of-range targets (reachable only with check_targets=False) are owned by no rank: make them loud.
         in_range_T = (targets_T >= 0) & (targets_T < vocab_size)
+        kept = log_kept_T = None
+        if truncation is not None:
+            kept = kept_sets(logits_TV, truncation, vocab_size=vocab_size, num_valid=num_valid,
+                             temperature=temperature, max_T=global_max_T, sum_exp_T=sum_exp_T, tp_group=tp_group,
+                             chunk=chunk)
+            log_kept_T = _log_kept_with_target(kept, target_z_T, target_col_T, owns_target_T, tp_group)
+            logprobs_T = target_z_T - log_kept_T
         logprobs_T = torch.where(in_range_T, logprobs_T, math.nan)
 
         # A copy of the entropy ([T]), not the output itself: callers may modify the outputs in place.
-        ctx.save_for_backward(logits_TV, targets_T, log_normalizer_T, entropy_T.clone())
+        ctx.save_for_backward(logits_TV, targets_T, log_normalizer_T, entropy_T.clone(),
+                              *((kept.threshold_T, kept.tie_columns_T, log_kept_T) if kept else ()))
+        ctx.truncated = kept is not None
         ctx.vocab_start, ctx.num_valid = vocab_start, num_valid
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)
@@ -144,10 +170,10 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the backward is hand-written, not itself differentiable: say so instead of being wrong
     def backward(ctx, grad_logprobs_T, grad_entropy_T):
-        none_for_args = (None,) * 6
+        none_for_args = (None,) * 7
         if grad_logprobs_T is None and grad_entropy_T is None:
             return (None,) + none_for_args
-        logits_TV, targets_T, log_normalizer_T, entropy_T = ctx.saved_tensors
+        logits_TV, targets_T, log_normalizer_T, entropy_T, *truncated = ctx.saved_tensors
         num_tokens, vocab_local = logits_TV.shape
         num_valid, temperature, chunk = ctx.num_valid, ctx.temperature, ctx.chunk
         compute_dtype = log_normalizer_T.dtype
@@ -156,6 +182,10 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         grad_logits_TV = torch.empty_like(logits_TV)
         grad_logits_TV[:, num_valid:] = 0.0  # padding ids do not exist: zero gradient
         if num_valid == 0 or num_tokens == 0:
+            return (grad_logits_TV,) + none_for_args
+        if ctx.truncated:
+            _truncated_backward(grad_logits_TV, logits_TV, targets_T, grad_logprobs_T, grad_entropy_T,
+                                log_normalizer_T, entropy_T, KeptSets(*truncated), ctx)
             return (grad_logits_TV,) + none_for_args
 
         # With ls_v = z_v - log Z (so p_v = exp(ls_v) and z_v - E_p[z] = ls_v + H), the gradient is
@@ -197,6 +227,54 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
         return (grad_logits_TV,) + none_for_args
 
 
+def _log_kept_with_target(kept: KeptSets, target_z_T, target_col_T, owns_target_T, tp_group) -> torch.Tensor:
+    """log sum_{K u {t}} exp(z) per token: the kept set's log-mass, with the target's exp(z_t) added where the
+    target is not kept (its owner decides; one all-reduce of a flag per token)."""
+    threshold_T = kept.threshold_T
+    kept_T = owns_target_T & ((target_z_T > threshold_T) | ((target_z_T == threshold_T)
+                                                          & (target_col_T < kept.tie_columns_T)))
+    kept_T = kept_T.to(threshold_T.dtype)
+    if tp_group is not None:
+        dist.all_reduce(kept_T, group=tp_group)
+    return torch.where(kept_T > 0, kept.log_mass_T, torch.logaddexp(kept.log_mass_T, target_z_T))
+
+
+def _truncated_backward(grad_logits_TV, logits_TV, targets_T, grad_logprobs_T, grad_entropy_T, log_normalizer_T,
+                        entropy_T, kept: KeptSets, ctx) -> None:
+    """Fills grad_logits_TV[:, :num_valid] under a truncation (module doc), chunk by chunk: with q the renormalised
+    distribution over K u {t} (exp(z - log-mass with the target), 0 elsewhere) and p the full one,
+        d / d logits_v = (1 / T) (g_lp (1[v = t] - q_v) - g_H p_v (z_v - log Z + H))."""
+    num_tokens = logits_TV.shape[0]
+    num_valid, temperature, chunk = ctx.num_valid, ctx.temperature, ctx.chunk
+    compute_dtype, device = log_normalizer_T.dtype, logits_TV.device
+    inv_t = 1.0 / temperature
+    log_kept_T = kept.log_mass_T
+    target_col_T, owns_target_T = _local_target_columns(targets_T, ctx.vocab_start, num_valid)
+    row_index_C = torch.arange(chunk, device=device)
+    z_CV = torch.empty(chunk, num_valid, dtype=compute_dtype, device=device)
+    work_CV = torch.empty_like(z_CV)
+    out_CV = torch.empty_like(z_CV)
+    for start in range(0, num_tokens, chunk):
+        stop = min(start + chunk, num_tokens)
+        n, rows = stop - start, slice(start, stop)
+        z = scaled_logits(logits_TV[rows, :num_valid], temperature, z_CV[:n])
+        out = out_CV[:n].zero_()
+        if grad_logprobs_T is not None:
+            keep_CV = kept.mask(z, rows)
+            targets = (row_index_C[:n], target_col_T[rows])
+            keep_CV.index_put_(targets, keep_CV[targets] | owns_target_T[rows])  # the target is always in
+            q = torch.exp(torch.sub(z, log_kept_T[rows, None], out=work_CV[:n]), out=work_CV[:n])
+            g_lp_C1 = grad_logprobs_T[rows].to(compute_dtype)[:, None]
+            torch.mul(q.masked_fill_(~keep_CV, 0.0), g_lp_C1, out=out).neg_()
+            out.index_put_(targets, torch.where(owns_target_T[rows], g_lp_C1[:, 0], 0.0), accumulate=True)
+        if grad_entropy_T is not None:
+            shifted = z.sub_(log_normalizer_T[rows, None])  # log p
+            p = torch.exp(shifted, out=work_CV[:n])
+            shifted.add_(entropy_T[rows, None]).mul_(p).mul_(grad_entropy_T[rows].to(compute_dtype)[:, None])
+            out.sub_(shifted)
+        grad_logits_TV[rows, :num_valid] = out.mul_(inv_t)
+
+
 def _local_target_columns(targets_T, vocab_start: int, num_valid: int):
     """Column of each target inside this shard's valid columns (0 where the shard does not own it) and ownership."""
     local_T = targets_T - vocab_start
@@ -205,7 +283,7 @@ def _local_target_columns(targets_T, vocab_start: int, num_valid: int):
 
 
 def vocab_parallel_logprobs_and_entropy(logits_local, targets, *, tp_group, vocab_size=None, temperature=1.0,
-                                        chunk_size=None, check_targets=True):
+                                        chunk_size=None, check_targets=True, truncation: Truncation | None = None):
     """Target log-probs and full-vocabulary entropies from this TP rank's vocab shard of the logits.
 
     Args:
@@ -223,6 +301,9 @@ def vocab_parallel_logprobs_and_entropy(logits_local, targets, *, tp_group, voca
             backward, plus O(T) per-token scalars (and the gradient backward returns). On CPU small chunks (4-16)
             are also the fastest, because each chunk's passes stay in cache; on a GPU pick the largest chunk the
             memory budget allows (each chunk costs a handful of kernel launches).
+        truncation: top-k / top-p of the sampling (distributed/truncation.Truncation; None or one that keeps every
+            id: none): the log-probs are those of the truncated, renormalised distribution, over the kept set and
+            the target (module doc); the entropy is the full distribution's either way.
         check_targets: raise ValueError unless 0 <= targets < vocab_size. The check is a min/max over the [T]
             target ids on this rank (no communication) but on an accelerator it is one host synchronisation, so
             hot paths whose ids come from the tokenizer may pass False; out-of-range targets then yield NaN
@@ -230,11 +311,12 @@ def vocab_parallel_logprobs_and_entropy(logits_local, targets, *, tp_group, voca
 
     Returns:
         (logprobs, entropy): shaped like `targets`, float32 (float64 for float64 logits). logprobs[i] =
-        log softmax(z_i)[targets[i]], entropy[i] = -sum_v p_iv log p_iv over the vocab_size real ids. Both are
-        differentiable w.r.t. `logits_local`; the gradient has its dtype. Backward does no communication.
+        log softmax(z_i)[targets[i]] (under a truncation: over the kept set and the target), entropy[i] =
+        -sum_v p_iv log p_iv over the vocab_size real ids. Both are differentiable w.r.t. `logits_local` (the kept
+        set held fixed); the gradient has its dtype. Backward does no communication.
 
     Memory: autograd keeps a reference to `logits_local` (no copy), `targets`, and two [T] compute-dtype
-    per-token scalars; no [T, V_local] float32 buffer is kept between forward and backward.
+    per-token scalars (five with a truncation); no [T, V_local] float32 buffer is kept between forward and backward.
     Logits must be finite (as an output layer produces them); padding is handled by slicing, not by -inf.
     """
     if not isinstance(logits_local, torch.Tensor) or not logits_local.is_floating_point() or logits_local.dim() < 1:
@@ -271,6 +353,10 @@ def vocab_parallel_logprobs_and_entropy(logits_local, targets, *, tp_group, voca
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded_vocab:
         raise ValueError(f"vocab_size must be an int in [1, V_local * TP = {vocab_local} * {tp_size} = "
                          f"{padded_vocab}], got {vocab_size!r}")
+    if truncation is not None and not isinstance(truncation, Truncation):
+        raise ValueError(f"truncation must be a Truncation or None, got {type(truncation).__name__}")
+    if truncation is not None and not truncation.truncates(vocab_size):
+        truncation = None
     if check_targets and targets.numel() > 0:
         low, high = torch.aminmax(targets)
         if bool(low < 0) or bool(high >= vocab_size):  # one host sync on an accelerator; see check_targets
@@ -279,5 +365,5 @@ def vocab_parallel_logprobs_and_entropy(logits_local, targets, *, tp_group, voca
 
     logprobs_T, entropy_T = _VocabParallelLogprobsEntropy.apply(
         logits_local.view(-1, vocab_local), targets.reshape(-1),
-        tp_group if tp_size > 1 else None, tp_rank, vocab_size, float(temperature), chunk_size)
+        tp_group if tp_size > 1 else None, tp_rank, vocab_size, float(temperature), chunk_size, truncation)
     return logprobs_T.view(targets.shape), entropy_T.view(targets.shape)

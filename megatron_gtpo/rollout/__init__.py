@@ -7,7 +7,7 @@ that imports vllm.
 from .builtin import BuiltinEngine
 from .engine import Rollout, RolloutEngine, SamplingParams
 from .responses import FINISH_LENGTH, FINISH_STOP, Response, Responses
-from .sampling import filter_top_k_top_p, sample_next_tokens
+from .sampling import sample_next_tokens, sampling_log_probs
 
 __all__ = ["BuiltinEngine", "FINISH_LENGTH", "FINISH_STOP", "Response", "Responses", "Rollout", "RolloutEngine",
-           "SamplingParams", "filter_top_k_top_p", "sample_next_tokens"]
+           "SamplingParams", "sample_next_tokens", "sampling_log_probs"]

@@ -2,8 +2,9 @@
 
 `BuiltinServer` is a server object the remote serving loop drives (rollout/remote_server.py `serve`, the protocol in
 docs/remote_rollout.md), a `remote_server.ServedServer` as `vllm_engine.VLLMServer` is: it generates with a
-`BuiltinEngine` on a model of its own (TP = PP = 1, in a torch.distributed world of one process), and takes weight
-updates from the trainer over the channel's weight group, in Hugging Face names through the one mapping
+`BuiltinEngine` on a model of its own (TP = PP = 1, in a torch.distributed world of one process that listens on no
+network: its store is in memory and its gloo device on loopback, `own_world`), and takes weight updates from the
+trainer in the channel's messages (or its NCCL weight group), in Hugging Face names through the one mapping
 (models/hf_mapping.py), so the trainer's side is the one vLLM servers use. It is what lets engines generate while
 the trainer trains (`rollout.max_staleness`) on a machine without vLLM, and the CPU tests run that path.
 
@@ -23,9 +24,11 @@ unfinished update received.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from .builtin import BuiltinEngine
 from .engine import Rollout, SamplingParams
@@ -63,6 +66,7 @@ class BuiltinServer:
         source = ModelSource.detect(model_dir)
         hf_config = source.hf_config()
         self.shape = ModelShape.from_hf(hf_config)
+        own_world()
         self.parallel = initialize_parallel(1, 1, seed=seed)
         self.dtype = getattr(torch, dtype)
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,8 +100,8 @@ class BuiltinServer:
     def resume_generation(self) -> None:
         """Nothing: the engine prefills its rows again when `between_steps` reports the update (builtin.py)."""
 
-    def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
-        self.group, self._interrupt = join_weight_group(host, port, session, 1, 1 + self.num_workers, self._device,
+    def join_weight_group(self, store_path: str, session: int, timeout_s: float = 300.0) -> list[int]:
+        self.group, self._interrupt = join_weight_group(store_path, session, 1, 1 + self.num_workers, self._device,
                                                         timeout_s)
         probe = torch.zeros(1, dtype=torch.int64, device=self._device)
         broadcast_from_trainer(self.group, probe, self._interrupt)
@@ -147,3 +151,29 @@ class BuiltinServer:
     @property
     def _device(self) -> torch.device:
         return self.parallel.device if self.device_type == "cuda" else torch.device("cpu")
+
+
+def own_world() -> None:
+    """The built-in engine's torch.distributed world: this process alone, opened on a store in its own memory (no
+    TCPStore on MASTER_PORT) with gloo's device on loopback, so that it listens on no interface another host
+    reaches. Said in torchrun's variables too, which the start-up prefers (distributed.read_launch_env) to srun's: a
+    server that srun starts on each of several rollout nodes inherits SLURM_PROCID / SLURM_NTASKS, and would otherwise
+    wait for the other nodes' servers as ranks of one world. (On GPUs, NCCL's own bootstrap is NCCL's.)"""
+    from megatron_gtpo.distributed import activate_cpu_platform
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"  # before the CPU platform names the host "cuda"
+    activate_cpu_platform()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GLOO_SOCKET_IFNAME=_loopback())
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _loopback() -> str:
+    """The name of the loopback interface (gloo's devices bind an interface by name)."""
+    import socket
+
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo0"):
+            return name
+    return "lo"

@@ -1,15 +1,14 @@
 """The rollout engine contract shared by the built-in Megatron generation and the vLLM engine.
 
 Log-prob convention: a response token's log-prob (`Responses.logprobs_T`, responses.py) is its log-probability under
-the temperature-scaled FULL next-token distribution, log softmax(logits / temperature) over the true vocabulary,
-i.e. exactly what the scoring path (`training.forward.forward_logprobs_and_entropy`) gives for the same tokens at
-the same temperature. top-k / top-p decide which tokens may be sampled but are NOT folded into the reported
-log-probs (the log-prob under the truncated, renormalised distribution would be logprob - log(kept mass)); this way the
-trainer's rollout-vs-training mismatch compares like with like. Greedy decoding is `temperature == 0`: the argmax of
-the logits (ties go to the lowest token id), and its log-probs are those of the untempered (T = 1) distribution.
-(`top_k == 1` is also greedy in which token it picks, with log-probs at the given temperature.) The built-in engine
-follows this convention in every case; the vLLM engine does whenever top_k = 0 and top_p = 1 (with top-k/top-p it
-reports vLLM's log-probs of the truncated distribution; docs/vllm.md, "Sampling").
+the distribution it was sampled from: softmax(logits / temperature) over the true vocabulary, truncated by top-k then
+top-p (distributed/truncation.py: vLLM's selection, ties to the lower id) and renormalised over the tokens kept. That
+is vLLM's `processed_logprobs`, and exactly what the scoring path (`training.forward.forward_logprobs_and_entropy`)
+gives for the same tokens at the same temperature and truncation (distributed/truncation.Truncation(top_k, top_p)),
+so the trainer's rollout-vs-training mismatch compares like with like. Greedy decoding is `temperature == 0`: the
+argmax of the logits (ties go to the lowest token id), and its log-probs are those of the untempered, untruncated
+(T = 1) distribution, as vLLM reports them. (`top_k == 1` is also greedy in which token it picks, with log-prob 0.)
+Both engines follow this convention (docs/vllm.md, "Sampling").
 """
 from __future__ import annotations
 

@@ -1,200 +1,65 @@
-"""The channel between a trainer and a rollout server (docs/remote_rollout.md has the protocol).
+"""The channel between a trainer and a rollout server: ZeroMQ through pyzmq (libzmq and libsodium inside its wheel).
+docs/remote_rollout.md has the protocol, why ZeroMQ, and what is protected against whom (its threat table).
 
-Control messages live under keys of the server's TCPStore, all under `ROOT`, in the declared format of
-remote_messages.py (no pickle), each signed (HMAC-SHA256) with the shared token over the server's nonce, its key and
-its bytes (`Channel`), so that only a holder of the token can ask a server for anything, and no message verifies
-under another key or another server's lifetime. The token is GTPO_REMOTE_TOKEN, or the contents of the file
-GTPO_REMOTE_TOKEN_FILE names (`read_token`), on both sides; never on a command line. Weights travel in a process group
-of their own over the same store (`weight_group`: gloo for CPU tensors, NCCL for CUDA ones; rank 0 the trainer,
-rank 1 + i vLLM worker i), broadcast from the trainer (`broadcast_from_trainer`); the store and that group are not
-authenticated. A server's work for a session stops once it admitted a newer session (`NewerSession`, `Preempted`).
-Imports no vllm.
+A server binds two ROUTER sockets on the one interface its --listen names, nothing else: the control socket at
+HOST:PORT, and the weight socket at HOST and a port of the system's choosing, which the hello reply names. A trainer
+connects a DEALER socket to each (`connect_socket`).
+
+With a token (GTPO_REMOTE_TOKEN, or the file GTPO_REMOTE_TOKEN_FILE names, alike on both sides: `read_token`):
+- the control socket runs ZeroMQ's CURVE mechanism, both key pairs derived from the token (`curve_keys`); the server's
+  ZAP handler (remote_listener.py) admits only the client key at the handshake, so a peer without the token is
+  refused before any message of it is read, and all that crosses (requests, prompts, responses, replies) is
+  authenticated and encrypted, each connection under keys of its own;
+- the weight socket runs PLAIN with a password of one session's, sent in that session's (encrypted) hello reply: the
+  ZAP handler admits one connection per admitted session at the handshake, and the weights cross in clear (their
+  speed) unless the server runs with --encrypt-weights (CURVE there too: benchmarks/results/remote_transport.md).
+Without a token (a server whose --listen is loopback): the NULL mechanism, and any local process can use it.
+
+Every message is multipart: a body in the declared format of remote_messages.py (no pickle), then raw tensor bytes
+(a weight bucket's tensors, one frame each; `tensor_frames` / `frame_tensors`), each frame's length checked against
+the dtype and shape the body declares. Requests are {"op", "seq", "payload"}; replies {"seq", "status", "payload"}
+(status "ok", "error", or "ended": the server gave the session to a newer trainer). GPU weights may instead go over
+NCCL (`weight_group`), whose rendezvous crosses this channel (`ChannelStore`) to a store of that session's on the
+server's own disk: NCCL itself is not authenticated. Imports no vllm.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import os
-import secrets
+import socket
 import sys
 import threading
 import time
+import warnings
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+import zmq
+from zmq.utils import z85
 
-from .remote_messages import MalformedMessage, dumps, loads
+from .remote_messages import MalformedMessage
 
-PROTOCOL = 8  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py);
-# 4: generate_routed, and hello says whether the server returns routed experts; 5: a request's op readable on its own
-# (`peek_request`), hello says whether the trainer sends weight updates during generation; 6: messages in the
-# declared format of remote_messages.py, signed with the shared token (no pickle); 7: one generate op (no
-# generate_routed), answered with the record, its routing where hello asked for it (`routed`), and the version;
-# 8: generate's answer also holds the seconds the server spent generating (remote_messages.check_generate_reply)
-ROOT = "gtpo_remote"
-MAX_REQUEST_BYTES = 2**30  # what a server reads of one request at most (a generation's prompts are far smaller)
+PROTOCOL = 9  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py); 4:
+# generate_routed, and hello says whether the server returns routed experts; 5: a request's op readable on its own;
+# 6: messages in the declared format of remote_messages.py, signed with the shared token (no pickle); 7: one generate
+# op, answered with the record, its routing where hello asked for it, and the version; 8: generate's answer also holds
+# the server's generation seconds; 9: ZeroMQ (CURVE, a weight socket, bounds in the hello reply), no TCPStore
 TOKEN_SETTINGS = "GTPO_REMOTE_TOKEN or GTPO_REMOTE_TOKEN_FILE"
 _TOKEN_ENV, _TOKEN_FILE_ENV = "GTPO_REMOTE_TOKEN", "GTPO_REMOTE_TOKEN_FILE"
-_NONCE_KEY = f"{ROOT}/nonce"
-_ACTIVE_KEY = f"{ROOT}/active"  # the newest session the server admitted (its hello checked out)
-_SIGNATURE_BYTES = 32
-_CHUNK_BYTES = 4 * 2**20  # the libuv TCPStore refuses values over 8 MiB
-_CHECK_EVERY_S = 0.05  # how often work for a session looks for a newer one
+ZAP_CONTROL, ZAP_WEIGHTS = b"gtpo-control", b"gtpo-weights"  # the sockets' ZAP domains
+HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS = 2_000, 20_000  # a peer that answers no heartbeat for 20 s is disconnected
+HANDSHAKE_MS = 10_000  # a connection that has not finished its handshake within 10 s is dropped
+_CHECK_EVERY_S = 0.05  # how often a receiver of a weight broadcast looks for a newer session
 _WAIT_STEP_S = 0.001
-_POLL_CAP_S = 0.005  # the longest pause between two looks for a message
 
 
 class Preempted(RuntimeError):
     """A newer trainer session was admitted: the work for the older one was abandoned."""
-
-
-class Unsigned(MalformedMessage):
-    """A message not signed with the channel's token (another token, or none)."""
-
-
-class NewerSession:
-    """Called while a server works for trainer session `session` (between decode steps, while it waits for a
-    broadcast): raises `Preempted` once the server admitted a newer session (`admit`). Asks the store at most every
-    50 ms."""
-
-    def __init__(self, store, session: int):
-        self.store, self.session = store, session
-        self._checked = -float("inf")
-
-    def __call__(self) -> None:
-        now = time.monotonic()
-        if now - self._checked < _CHECK_EVERY_S:
-            return
-        self._checked = now
-        newest = admitted_session(self.store)
-        if newest > self.session:
-            raise Preempted(f"a newer trainer (session {newest}) took this rollout server from session {self.session}")
-
-
-def admitted_session(store) -> int:
-    """The newest session the server admitted (0: none yet)."""
-    return store.add(_ACTIVE_KEY, 0)
-
-
-def admit(store, session: int) -> None:
-    """Record `session` as the newest admitted (a newer one than `admitted_session`): the older session's work stops
-    (`NewerSession`)."""
-    store.add(_ACTIVE_KEY, session - admitted_session(store))
-
-
-def ended_key(session: int) -> str:
-    """Where the server says why it ended session `session` for good (a newer trainer took it)."""
-    return f"{ROOT}/{session}/ended"
-
-
-def session_key(session: int, seq: int) -> str:
-    """The key prefix of request `seq` of trainer session `session` (its request and reply live under it)."""
-    return f"{ROOT}/{session}/{seq}"
-
-
-def weights_prefix(session: int) -> str:
-    return f"{ROOT}/{session}/weights"
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = str(address).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"a rollout server address must be HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-class Channel:
-    """Signed messages under keys of a server's store (module doc). `token`: the shared secret (`read_token`; empty:
-    none, and anyone who reaches the store can sign); `nonce`: the server's, published in its store at start
-    (`publish_nonce`), so that no message of another server's lifetime verifies here."""
-
-    def __init__(self, store, token: bytes, nonce: bytes):
-        self.store, self.token, self.nonce = store, token, nonce
-
-    @classmethod
-    def connect(cls, store, token: bytes, timeout_s: float) -> Channel:
-        """The channel of a client of the server whose store this is (waits for the server's nonce)."""
-        store.wait([_NONCE_KEY], timedelta(seconds=timeout_s))
-        return cls(store, token, store.get(_NONCE_KEY))
-
-    def post(self, key: str, message) -> None:
-        """Write `message` (remote_messages grammar) in chunks, signed; the header key (the chunk count) is written
-        last, so it marks completion."""
-        body = dumps(message)
-        data = self._signature(key, body) + body
-        chunks = [data[i:i + _CHUNK_BYTES] for i in range(0, len(data), _CHUNK_BYTES)]
-        for i, chunk in enumerate(chunks):
-            self.store.set(f"{key}/{i}", chunk)
-        self.store.set(key, str(len(chunks)))
-
-    def arrived(self, key: str, timeout_s: float) -> bool:
-        """Whether the message under `key` is complete, waited for at most `timeout_s`. Polled, at first every
-        0.5 ms and then at most every `_POLL_CAP_S` (a message is seen soon after it is written), not waited for
-        with the store's own timed wait, which logs a warning each time it times out."""
-        deadline, pause = time.monotonic() + timeout_s, _WAIT_STEP_S / 2
-        while not self.store.check([key]):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_CAP_S)
-        return True
-
-    def take(self, key: str, max_bytes: int | None = None):
-        """The message under `key` (complete: `arrived`), its keys deleted. `MalformedMessage` for one that is
-        truncated, over `max_bytes`, unsigned or not of the declared format; its keys are deleted all the same."""
-        header = self.store.get(key)
-        self.store.delete_key(key)
-        count = int(header) if header.isdigit() and len(header) < 12 else None
-        if count is None:
-            raise MalformedMessage(f"the header under {key} is not a chunk count: {header[:40]!r}")
-        if max_bytes is not None and count > -(-max_bytes // _CHUNK_BYTES):
-            raise MalformedMessage(f"a message of {count} chunks of up to {_CHUNK_BYTES} bytes exceeds the "
-                                   f"{max_bytes} bytes a request may have")
-        chunk_keys = [f"{key}/{i}" for i in range(count)]
-        try:
-            if count and not self.store.check(chunk_keys):
-                raise MalformedMessage(f"the message under {key} is truncated (a chunk of {count} is missing)")
-            data = b"".join(self.store.get(k) for k in chunk_keys)
-        finally:
-            for k in chunk_keys:
-                self.store.delete_key(k)
-        signature, body = data[:_SIGNATURE_BYTES], data[_SIGNATURE_BYTES:]
-        if not hmac.compare_digest(signature, self._signature(key, body)):
-            raise Unsigned(f"the message under {key} is not signed with this channel's token ({TOKEN_SETTINGS})")
-        return loads(body)
-
-    def post_request(self, key: str, op: str, payload) -> None:
-        """Request `op` under `key` (a `session_key`): its op first, readable without the payload (`peek_request`;
-        unsigned, a hint: the op that counts is the signed one)."""
-        self.store.set(f"{key}/op", op)
-        self.post(f"{key}/req", {"op": op, "payload": payload})
-
-    def peek_request(self, key: str) -> str | None:
-        """The op of the request under `key` once it is complete (None before, and for a request without its op),
-        leaving it to be taken."""
-        complete = self.store.check([f"{key}/req", f"{key}/op"])
-        return self.store.get(f"{key}/op").decode(errors="replace") if complete else None
-
-    def take_request(self, key: str, max_bytes: int | None = MAX_REQUEST_BYTES) -> tuple[str, object]:
-        """(op, payload) of the complete request under `key`, its keys deleted; MalformedMessage for anything
-        that is not a request."""
-        if self.store.check([f"{key}/op"]):
-            self.store.delete_key(f"{key}/op")
-        request = self.take(f"{key}/req", max_bytes)
-        if not isinstance(request, dict) or set(request) != {"op", "payload"} or not isinstance(request["op"], str):
-            raise MalformedMessage(f"a request must be {{'op': str, 'payload': ...}}, got {str(request)[:80]}")
-        return request["op"], request["payload"]
-
-    def _signature(self, key: str, body: bytes) -> bytes:
-        return hmac.new(self.token, self.nonce + b"\0" + key.encode() + b"\0" + body, hashlib.sha256).digest()
-
-
-def publish_nonce(store) -> bytes:
-    """A server's nonce, fresh for its lifetime, written where its clients read it (`Channel.connect`)."""
-    nonce = secrets.token_hex(16).encode()
-    store.set(_NONCE_KEY, nonce)
-    return nonce
 
 
 def read_token() -> bytes:
@@ -216,27 +81,220 @@ def read_token() -> bytes:
     return token
 
 
-def weight_group(store, prefix: str, rank: int, world_size: int, device: torch.device, timeout_s: float):
-    """A torch process-group backend of its own (registered with no torch.distributed world) over `store`: gloo for
-    CPU tensors, NCCL for CUDA tensors. Rank 0 is the trainer, rank 1 + i is vLLM worker i."""
-    prefixed = dist.PrefixStore(prefix, store)
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"a rollout server address must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one (127.0.0.0/8, ::1)."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def endpoint(host: str, port: int | str) -> str:
+    """ZeroMQ's TCP endpoint of HOST:PORT (an IPv6 address in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CurveKeys:
+    """The CURVE key pairs of a token (Z85 text, as ZeroMQ takes them): the server's and the client's."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def curve_keys(token: bytes) -> CurveKeys:
+    """Both key pairs, each secret key an HMAC-SHA256 of the token: whoever holds the token can derive them, nobody
+    else (a CURVE secret key is any 32 bytes)."""
+    def secret(role: bytes) -> bytes:
+        return z85.encode(hmac.new(token, b"gtpo-remote curve " + role, hashlib.sha256).digest())
+
+    server, client = secret(b"server"), secret(b"client")
+    return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(client), client)
+
+
+def configure(sock: zmq.Socket, *, max_message_bytes: int | None = None) -> None:
+    """The options every socket of the channel has: heartbeats (a dead peer is noticed without traffic), a bounded
+    handshake, no lingering at close, IPv6 where asked for, and a bound on the frames it takes in."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)
+    if max_message_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
+
+def secure_client(sock: zmq.Socket, token: bytes, *, mechanism: str, password: bytes = b"", user: bytes = b"") -> None:
+    """Set a trainer's socket up for the server's `mechanism` ("curve", "plain" or "null")."""
+    if mechanism == "curve":
+        keys = curve_keys(token)
+        sock.curve_secretkey, sock.curve_publickey = keys.client_secret, keys.client_public
+        sock.curve_serverkey = keys.server_public
+    elif mechanism == "plain":
+        sock.plain_username, sock.plain_password = user, password
+    elif mechanism != "null":
+        raise ValueError(f"unknown ZeroMQ mechanism {mechanism!r}")
+
+
+def secure_server(sock: zmq.Socket, token: bytes, *, mechanism: str, domain: bytes) -> None:
+    """Set a server socket up for `mechanism` ("curve", "plain" or "null"), its ZAP handler asked under `domain`."""
+    sock.zap_domain = domain
+    if mechanism == "curve":
+        keys = curve_keys(token)
+        sock.curve_secretkey, sock.curve_publickey = keys.server_secret, keys.server_public
+        sock.curve_server = True
+    elif mechanism == "plain":
+        sock.plain_server = True
+    elif mechanism != "null":
+        raise ValueError(f"unknown ZeroMQ mechanism {mechanism!r}")
+
+
+def tensor_frames(tensors) -> list:
+    """Each tensor's bytes, as a frame ZeroMQ sends without a copy (host tensors; others are copied to the host)."""
+    return [t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy() for t in tensors]
+
+
+def frame_tensors(frames, dtype_names: list[str], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """Tensors over `frames` (no copy; read-only memory of ZeroMQ's), each of its declared dtype and shape;
+    MalformedMessage for a frame whose length is not that."""
+    if len(frames) != len(shapes):
+        raise MalformedMessage(f"the message declares {len(shapes)} tensors and holds {len(frames)} frames")
+    tensors = []
+    for frame, dtype_name, shape in zip(frames, dtype_names, shapes):
+        dtype = getattr(torch, dtype_name)
+        numel = 1
+        for n in shape:
+            numel *= n
+        buffer = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+        if buffer.nbytes != numel * dtype.itemsize:
+            raise MalformedMessage(f"a {dtype_name} tensor of shape {list(shape)} is {numel * dtype.itemsize} bytes, "
+                                   f"its frame {buffer.nbytes}")
+        if numel == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        with warnings.catch_warnings():  # ZeroMQ's frames are read-only: what arrived is never written to
+            warnings.simplefilter("ignore", UserWarning)
+            tensors.append(torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape))
+    return tensors
+
+
+class ChannelStore(dist.Store):
+    """A torch store whose keys live on the rollout server, in the store of this trainer's session there (a file of
+    the server's own, which its workers open: `session_store`), reached through the channel: what a weight group's
+    rendezvous (NCCL's unique id) needs, and nothing that an outsider could reach. `call(method, args)` is the
+    client's request of op "rendezvous"; a `get` or `wait` for a key not yet set polls."""
+
+    def __init__(self, call: Callable, timeout_s: float):
+        super().__init__()
+        self._call, self._timeout_s = call, timeout_s
+
+    def set(self, key, value):
+        self._call("set", [key, bytes(value.encode() if isinstance(value, str) else value).hex()])
+
+    def get(self, key):
+        self.wait([key])
+        return bytes.fromhex(self._call("get", [key]))
+
+    def add(self, key, amount):
+        return self._call("add", [key, int(amount)])
+
+    def check(self, keys):
+        return self._call("check", [list(keys)])
+
+    def delete_key(self, key):
+        return self._call("delete_key", [key])
+
+    def num_keys(self):
+        return self._call("num_keys", [])
+
+    def wait(self, keys, timeout=None):
+        limit = self._timeout_s if timeout is None else timeout.total_seconds()
+        deadline, pause = time.monotonic() + limit, _WAIT_STEP_S
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"the rendezvous keys {list(keys)} were not set within {limit:g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+
+def rendezvous(store: dist.Store, method: str, args: list):
+    """What a server answers a "rendezvous" request with: `method` on its session's store (ChannelStore's calls)."""
+    if method == "set" and len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        store.set(args[0], bytes.fromhex(args[1]))
+        return None
+    if method == "get" and len(args) == 1 and isinstance(args[0], str):
+        return store.get(args[0]).hex()
+    if method == "add" and len(args) == 2 and isinstance(args[0], str) and isinstance(args[1], int):
+        return store.add(args[0], args[1])
+    if method == "check" and len(args) == 1 and isinstance(args[0], list) and all(isinstance(k, str) for k in args[0]):
+        return store.check(args[0])
+    if method == "delete_key" and len(args) == 1 and isinstance(args[0], str):
+        return store.delete_key(args[0])
+    if method == "num_keys" and not args:
+        return store.num_keys()
+    raise ValueError(f"a rendezvous request is set/get/add/check/delete_key/num_keys with its arguments, got "
+                     f"{method!r} {str(args)[:60]}")
+
+
+_PREEMPTED_KEY = "gtpo/preempted"  # in a session's store: a newer session was admitted
+
+
+def session_store(path: str) -> dist.Store:
+    """The store of one trainer session on the server's disk (a file in a directory only the server's user can
+    read): its weight group's rendezvous, and the mark that a newer session pre-empted it (`NewerSession`)."""
+    return dist.FileStore(path, -1)
+
+
+def mark_preempted(path: str) -> None:
+    session_store(path).set(_PREEMPTED_KEY, b"1")
+
+
+class NewerSession:
+    """Called while a worker receives a weight broadcast of session `store`'s: raises `Preempted` once the server
+    marked the session pre-empted (`mark_preempted`). Looks at most every 50 ms."""
+
+    def __init__(self, store: dist.Store, session: int):
+        self.store, self.session = store, session
+        self._checked = -float("inf")
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < _CHECK_EVERY_S:
+            return
+        self._checked = now
+        if self.store.check([_PREEMPTED_KEY]):
+            raise Preempted(f"a newer trainer took this rollout server from session {self.session}")
+
+
+def weight_group(store, rank: int, world_size: int, device: torch.device, timeout_s: float):
+    """A torch process-group backend of its own (registered with no torch.distributed world) over `store`: NCCL for
+    CUDA tensors, gloo for CPU ones. Rank 0 is the trainer, rank 1 + i is the server's worker i."""
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cpu":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
     raise ValueError(f"weights can be broadcast from and to cpu or cuda devices, not {device}")
 
 
-def join_weight_group(host: str, port: int, session: int, rank: int, world_size: int, device: torch.device,
+def join_weight_group(store_path: str, session: int, rank: int, world_size: int, device: torch.device,
                       timeout_s: float):
-    """`weight_group` of trainer session `session` for a server or a vLLM worker, over a connection of its own to
-    the server's store; with the `NewerSession` that interrupts its broadcasts."""
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    return weight_group(store, weights_prefix(session), rank, world_size, device, timeout_s), \
-        NewerSession(store, session)
+    """`weight_group` of trainer session `session` for a server's worker, over that session's store file
+    (`session_store`); with the `NewerSession` that interrupts its broadcasts."""
+    store = session_store(store_path)
+    return weight_group(store, rank, world_size, device, timeout_s), NewerSession(store, session)
 
 
 def close_weight_group(group, *, abandoned: bool = False) -> None:

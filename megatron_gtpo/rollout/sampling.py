@@ -1,14 +1,15 @@
 """Next-token sampling from last-position logits: temperature, top-k, top-p, greedy; with the sampled tokens'
-log-probs under the temperature-scaled full distribution (the convention of rollout/engine.py).
+log-probs under the distribution they were drawn from (the convention of rollout/engine.py).
 
-Why this takes the FULL vocabulary [B, V] and not a vocab-parallel shard: top-p needs the global order of the
-probabilities (a sort over the whole vocabulary), so a shard-local top-p would need either the full row anyway or a
-distributed search with several collectives per step. The built-in engine therefore lets megatron's output layer
-all-gather the logits of the LAST position only (`runtime_gather_output=True`, which megatron's inference path
-requires anyway): B x V floats per decoded token, small next to the forward pass that reads every weight once per
-step. vLLM makes the same choice (its logits processor gathers the vocab shards before sampling). Every TP rank
+Top-k / top-p keep the tokens distributed/truncation.py defines (vLLM's selection, ties by id), found by the same
+code as the trainer's log-prob op, so that both sides renormalise over the same kept set. Why this takes the FULL
+vocabulary [B, V] and not a vocab-parallel shard: the trainer's op finds the kept sets without gathering the
+vocabulary because it scores [tokens, V] at once; here megatron's output layer all-gathers the logits of the LAST
+position only (`runtime_gather_output=True`, which megatron's inference path requires anyway): B x V floats per
+decoded token, small next to the forward pass that reads every weight once per step, and no collective per step
+besides. vLLM makes the same choice (its logits processor gathers the vocab shards before sampling). Every TP rank
 then holds bit-identical logits; the engine still broadcasts the chosen tokens from one rank so that no two ranks can
-disagree (e.g. on how a sort breaks ties).
+disagree.
 """
 from __future__ import annotations
 
@@ -16,30 +17,26 @@ import functools
 
 import torch
 
+from megatron_gtpo.distributed.truncation import Truncation, kept_sets
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def filter_top_k_top_p(scaled_logits_BV: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
-    """The logits with every token outside the top-k and then outside the top-p nucleus set to -inf (a new tensor;
-    the input is not modified). top_k = 0 and top_p = 1 are off. Top-k keeps all tokens tied with the k-th value.
-    Top-p is applied to the distribution renormalised over the top-k survivors and keeps the smallest prefix of the
-    descending order whose mass reaches top_p (always at least the most likely token)."""
-    filtered_BV = scaled_logits_BV.clone()
-    vocab = filtered_BV.shape[-1]
-    if 0 < top_k < vocab:
-        kth_value_B1 = torch.topk(filtered_BV, top_k, dim=-1).values[:, -1:]
-        filtered_BV.masked_fill_(filtered_BV < kth_value_B1, -torch.inf)
-    if top_p < 1.0:
-        sorted_BV, order_BV = torch.sort(filtered_BV, dim=-1, descending=True)
-        sorted_probs_BV = torch.softmax(sorted_BV, dim=-1)
-        mass_before_BV = torch.cumsum(sorted_probs_BV, dim=-1) - sorted_probs_BV
-        drop_sorted_BV = mass_before_BV >= top_p  # the nucleus was already complete before this token
-        drop_sorted_BV[:, 0] = False
-        drop_BV = torch.zeros_like(drop_sorted_BV).scatter_(-1, order_BV, drop_sorted_BV)
-        filtered_BV.masked_fill_(drop_BV, -torch.inf)
-    return filtered_BV
+def sampling_log_probs(logits_BV: torch.Tensor, *, vocab_size: int, temperature: float,
+                       truncation: Truncation) -> torch.Tensor:
+    """[B, vocab_size] log-probs of the distribution sampled from: softmax(logits / temperature) renormalised over
+    the kept set of `truncation` (distributed/truncation.py), -inf outside it; float32 (float64 for float64 logits).
+    `logits_BV`: [B, V_padded], the columns >= vocab_size padding."""
+    scaled_BV = logits_BV[:, :vocab_size].to(_compute_dtype(logits_BV.dtype)) / temperature
+    if not truncation.truncates(vocab_size):
+        return torch.log_softmax(scaled_BV, dim=-1)
+    max_B = scaled_BV.amax(-1)
+    kept = kept_sets(logits_BV, truncation, vocab_size=vocab_size, num_valid=vocab_size, temperature=temperature,
+                     max_T=max_B, sum_exp_T=torch.exp(scaled_BV - max_B[:, None]).sum(-1), tp_group=None,
+                     chunk=max(1, logits_BV.shape[0]))
+    return (scaled_BV - kept.log_mass_T[:, None]).masked_fill_(~kept.mask(scaled_BV), -torch.inf)
 
 
 def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature: float, top_k: int = 0,
@@ -50,8 +47,8 @@ def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature:
     Args:
         logits_BV: [B, V_padded] last-position logits over the whole (possibly padded) vocabulary, any float dtype.
         vocab_size: the true vocabulary; columns >= vocab_size are padding and are never sampled.
-        temperature: > 0 samples from softmax(logits / temperature) restricted by top_k / top_p; 0 is greedy
-            (argmax, ties to the lowest id).
+        temperature: > 0 samples from softmax(logits / temperature) restricted by top_k / top_p (then
+            renormalised: `sampling_log_probs`); 0 is greedy (argmax, ties to the lowest id).
         stream_keys_B, draws_B: int64 [B] on logits_BV's device, needed when sampling: row b's random numbers are
             a function of (stream_keys_B[b], draws_B[b]) only (`counter_uniform`): the key of the row's own random
             stream (`stream_keys` of its seed) and the index of this draw in it (the built-in engine: the
@@ -59,9 +56,9 @@ def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature:
             logits, seed and draw index, not on the other rows.
 
     Returns:
-        (tokens_B int64, logprobs_B float32 (float64 for float64 logits)): logprobs_B[b] = log softmax(logits[b] /
-        T)[tokens_B[b]] over the true vocabulary with T = temperature, or T = 1 when greedy; top-k / top-p do not
-        enter it.
+        (tokens_B int64, logprobs_B float32 (float64 for float64 logits)): logprobs_B[b] = the log-prob of
+        tokens_B[b] under the distribution it was drawn from (`sampling_log_probs`; vLLM's processed log-probs);
+        greedy: log softmax(logits[b])[tokens_B[b]] over the true vocabulary, untempered and untruncated.
     """
     if logits_BV.dim() != 2:
         raise ValueError(f"logits_BV must be [B, V], got shape {tuple(logits_BV.shape)}")
@@ -69,25 +66,24 @@ def sample_next_tokens(logits_BV: torch.Tensor, *, vocab_size: int, temperature:
         raise ValueError(f"vocab_size must be in [1, {logits_BV.shape[-1]}] (the logits' width), got {vocab_size}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    logits_BV = logits_BV[:, :vocab_size].to(_compute_dtype(logits_BV.dtype))
     if temperature == 0:
+        logits_BV = logits_BV[:, :vocab_size].to(_compute_dtype(logits_BV.dtype))
         tokens_B = torch.argmax(logits_BV, dim=-1)
-        scaled_BV = logits_BV
+        log_probs_BV = torch.log_softmax(logits_BV, dim=-1)
     else:
         if stream_keys_B is None or draws_B is None or stream_keys_B.shape != (logits_BV.shape[0],) or \
                 draws_B.shape != stream_keys_B.shape:
             raise ValueError(f"sampling needs stream_keys_B and draws_B of shape [{logits_BV.shape[0]}] (one per "
                              "row)")
-        scaled_BV = logits_BV / temperature
-        filtered_BV = filter_top_k_top_p(scaled_BV, top_k=top_k, top_p=top_p)
-        probs_BV = torch.softmax(filtered_BV, dim=-1)
+        log_probs_BV = sampling_log_probs(logits_BV, vocab_size=vocab_size, temperature=temperature,
+                                          truncation=Truncation(top_k, top_p))
+        probs_BV = torch.exp(log_probs_BV)
         # argmax p / E with E = -log U ~ Exp(1) i.i.d. draws token v with probability p_v (the exponential race):
         # all rows in a constant number of kernels, no host synchronisation, and filtered-out tokens (p = 0) never
         # win, as U < 1 makes E > 0.
         race_BV = counter_uniform(stream_keys_B, draws_B, vocab_size, dtype=probs_BV.dtype).log_().neg_()
         tokens_B = torch.argmax(probs_BV / race_BV, dim=-1)
-    logprobs_B = torch.log_softmax(scaled_BV, dim=-1).gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
-    return tokens_B, logprobs_B
+    return tokens_B, log_probs_BV.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1)
 
 
 _LOW32 = 0xFFFFFFFF

@@ -6,8 +6,9 @@
 - `VLLMEngine` is the `RolloutEngine` of one model-parallel group over its colocated engines (placement.py):
   `generate` gives every rank of the group all responses; `sync_weights` loads the Megatron weights into every
   engine and raises on every rank unless each vLLM worker's RMSNorm checksums equal those of the weights sent.
-- Responses keep rollout/engine.py's contract, except that under top-k or top-p vLLM reports the log-probs of the
-  truncated, renormalised distribution.
+- Responses keep rollout/engine.py's contract: vLLM runs with `logprobs_mode="processed_logprobs"`, so under top-k /
+  top-p it reports the log-probs of the truncated, renormalised distribution it sampled from, as the trainer computes
+  them (docs/algorithms.md, "Truncated sampling").
 - Weight updates during generation (a remote server's session with rollout.update_during_generation,
   remote_server.py): `pause_generation` stops vLLM's scheduler with the requests in flight kept (pause mode "keep"),
   the update loads, and `resume_generation` sends those requests back to the waiting queue with their KV cache
@@ -104,11 +105,12 @@ class GTPOWorkerExtension:
         flat = import_buffer(pickle.loads(handles_pickled), self.device)
         self._gtpo_reload(unpack_flat(flat, names, dtype_names, shapes))
 
-    def gtpo_join_weight_group(self, host: str, port: int, session: int, world_size: int, timeout_s: float) -> int:
-        """Join the remote trainer's weight broadcast group (remote_channel.py) as rank 1 + this worker's rank; returns
-        the probe value the trainer broadcasts first. A newer session interrupts the broadcasts of this one."""
+    def gtpo_join_weight_group(self, store_path: str, session: int, world_size: int, timeout_s: float) -> int:
+        """Join the remote trainer's NCCL weight broadcast group (remote_channel.py) as rank 1 + this worker's rank,
+        its rendezvous the session's store file on this node; returns the probe value the trainer broadcasts first. A
+        newer session interrupts the broadcasts of this one."""
         self.gtpo_weight_group, self.gtpo_interrupt = join_weight_group(
-            host, port, session, 1 + self.rank, world_size, self.device, timeout_s)
+            store_path, session, 1 + self.rank, world_size, self.device, timeout_s)
         probe = torch.zeros(1, dtype=torch.int64, device=self.device)
         broadcast_from_trainer(self.gtpo_weight_group, probe, self.gtpo_interrupt)
         return int(probe.item())
@@ -298,11 +300,11 @@ class VLLMServer:
         self.llm.llm_engine.set_weight_version(str(version))
         return version
 
-    def join_weight_group(self, host: str, port: int, session: int, timeout_s: float = 300.0) -> list[int]:
-        """Remote mode: every worker joins trainer session `session`'s weight group at the store HOST:PORT; their
-        probe values."""
+    def join_weight_group(self, store_path: str, session: int, timeout_s: float = 300.0) -> list[int]:
+        """Remote mode over NCCL: every worker joins trainer session `session`'s weight group, whose rendezvous is the
+        session's store file (remote_channel.session_store); their probe values."""
         return self.llm.collective_rpc("gtpo_join_weight_group",
-                                       args=(host, port, session, 1 + self.num_workers, timeout_s))
+                                       args=(store_path, session, 1 + self.num_workers, timeout_s))
 
     def receive_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
         """Remote mode: every worker receives the bucket the trainer broadcasts and loads it in place."""

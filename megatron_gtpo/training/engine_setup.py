@@ -3,8 +3,6 @@ a colocated vLLM engine, or rollout servers (vLLM or built-in) on nodes of their
 replica."""
 from __future__ import annotations
 
-import sys
-
 from megatron_gtpo.config import RemoteEngineConfig, TrainConfig, VLLMEngineConfig
 from megatron_gtpo.config_rules import REMOTE_ENGINES
 from megatron_gtpo.distributed import ParallelGroups
@@ -32,10 +30,6 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
               "vllm": lambda: _vllm_engine(r.vllm, cfg, parallel, layers),
               **dict.fromkeys(REMOTE_ENGINES, lambda: _remote_engine(r.remote, r.update_during_generation, shape,
                                                                      parallel, layers))}[r.engine]()
-    if r.engine in ("vllm", "vllm_remote") and (r.top_k or r.top_p < 1) and parallel.world_rank == 0:
-        print("warning: with top_k / top_p, vLLM reports log-probs of the truncated distribution, the builtin engine "
-              "and the old-policy pass those of the full one (rollout/engine.py): rollout_logprob_mismatch then "
-              "includes -log(kept probability mass)", file=sys.stderr)
     return engine
 
 
@@ -62,4 +56,4 @@ def _remote_engine(options: RemoteEngineConfig, update_during_generation: bool, 
                                 connect_timeout_s=options.connect_timeout_s,
                                 request_timeout_s=options.request_timeout_s, routed_layers=routed_layers,
                                 update_during_generation=update_during_generation,
-                                reconnect_timeout_s=options.reconnect_timeout_s)
+                                reconnect_timeout_s=options.reconnect_timeout_s, weights=options.weights)

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from megatron_gtpo.distributed import ParallelGroups, vocab_parallel_logprobs_and_entropy
+from megatron_gtpo.distributed import ParallelGroups, Truncation, vocab_parallel_logprobs_and_entropy
 from megatron_gtpo.distributed.context_parallel import gather_sequence, load_balanced_positions
 from megatron_gtpo.models.moe_routing import RoutedExperts, prepare_routers
 
@@ -215,10 +215,12 @@ def run_pipeline(model_chunks: list, micro_batches: list, on_last_stage: Callabl
 
 
 def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.Tensor, parallel: ParallelGroups, *,
-                                    vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None,
+                                    vocab_size: int, temperature: float = 1.0, truncation: Truncation | None = None,
+                                    chunk_size: int | None = None,
                                     check_targets: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_BL, entropy_BL) of the vocab-parallel logits of a micro-batch's rows: column k scores tokens[b, k+1]
-    under logits / temperature, and the entropy of that next-token distribution over the true vocabulary (the last
+    under logits / temperature (with `truncation`, the sampling's top-k / top-p: under the truncated, renormalised
+    distribution), and the entropy of that next-token distribution over the true vocabulary (the last
     column, and in a packed row each sequence's last, hold garbage: their next token is not their own). The one
     place logits become log-probs and entropies (the old-policy pass, the update, scoring). `check_targets` checks
     the ids' range, at the cost of a host sync. Under context parallelism the logits are this rank's positions of the
@@ -231,7 +233,7 @@ def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.T
                                                            device=tokens_BL.device)]
     values = vocab_parallel_logprobs_and_entropy(
         logits_BLV, targets_BL, tp_group=parallel.tp_group, vocab_size=vocab_size,
-        temperature=temperature, chunk_size=chunk_size, check_targets=check_targets)
+        temperature=temperature, truncation=truncation, chunk_size=chunk_size, check_targets=check_targets)
     if parallel.cp_size == 1:
         return values
     return tuple(gather_sequence(v_BL.t().contiguous(), parallel.cp_group, same_use_on_every_rank=True).t()
@@ -239,17 +241,19 @@ def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.T
 
 
 def forward_logprobs_and_entropy(model_chunks: list, micro_batches: list[MicroBatch], parallel: ParallelGroups,
-                                 *, vocab_size: int, temperature: float = 1.0, chunk_size: int | None = None):
+                                 *, vocab_size: int, temperature: float = 1.0, truncation: Truncation | None = None,
+                                 chunk_size: int | None = None):
     """Per micro-batch (logprobs_BL1, entropy_BL1), float32 on the logits' device, on the last pipeline stage ([]
-    elsewhere): logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature, entropy[b, k]
+    elsewhere): logprobs[b, k] = log p(tokens[b, k+1] | tokens[b, :k+1]) under logits / temperature (and
+    `truncation`: next_token_logprobs_and_entropy), entropy[b, k]
     the entropy of that next-token distribution over the true vocabulary. Positions k >= length-1 hold padding
     garbage; in a packed row, so does each sequence's last position (its "next token" is the next sequence's first),
     and the context tokens[b, :k+1] is the sequence's own."""
 
     def on_last_stage(mb: MicroBatch, logits_BLV):
         logprobs, entropy = next_token_logprobs_and_entropy(logits_BLV, mb.tokens_BL, parallel, vocab_size=vocab_size,
-                                                            temperature=temperature, chunk_size=chunk_size,
-                                                            check_targets=True)
+                                                            temperature=temperature, truncation=truncation,
+                                                            chunk_size=chunk_size, check_targets=True)
         return logprobs[:, :-1].float(), entropy[:, :-1].float()
 
     for model in model_chunks:

@@ -24,7 +24,7 @@ import torch
 
 from megatron_gtpo.algorithms import ConfiguredAlgorithm
 from megatron_gtpo.algorithms.rollout_correction import rollout_correction
-from megatron_gtpo.distributed import ParallelGroups
+from megatron_gtpo.distributed import ParallelGroups, Truncation
 
 from .forward import next_token_logprobs_and_entropy, on_context_rank, run_pipeline
 from .step_batch import StepBatch
@@ -81,17 +81,18 @@ def forward_passes_before_update(cfg) -> int:
 
 
 def old_policy_pass(model_chunks: list | None, batch: StepBatch, parallel: ParallelGroups, *, vocab_size: int,
-                    temperature: float, chunk_tokens: int | None = None,
+                    temperature: float, truncation: Truncation | None = None, chunk_tokens: int | None = None,
                     reference_chunks: list | None = None) -> None:
     """The forward-only pass over the step batch's micro-batch plan: adds old_logprobs_ST and entropy_ST (the
     old-policy log-probs and full-vocabulary entropies of every response token, at the training TP/PP) unless
-    `model_chunks` is None (the update's forward gives them) and, with `reference_chunks`, ref_logprobs_ST. On the
-    last pipeline stage only (the only place the loss needs them)."""
+    `model_chunks` is None (the update's forward gives them) and, with `reference_chunks`, ref_logprobs_ST.
+    Log-probs are those of the sampling distribution: temperature and `truncation` (the rollout's top-k / top-p),
+    the reference's too. On the last pipeline stage only (the only place the loss needs them)."""
     micro_batches = batch.micro_batches()
     if not micro_batches:
         return
     score = partial(_response_logprobs_and_entropy, batch=batch, micro_batches=micro_batches, parallel=parallel,
-                    vocab_size=vocab_size, temperature=temperature, chunk_tokens=chunk_tokens)
+                    vocab_size=vocab_size, temperature=temperature, truncation=truncation, chunk_tokens=chunk_tokens)
     if model_chunks is not None:
         batch.old_logprobs_ST, batch.entropy_ST = score(model_chunks)
     if reference_chunks is not None:
@@ -99,13 +100,14 @@ def old_policy_pass(model_chunks: list | None, batch: StepBatch, parallel: Paral
 
 
 def _response_logprobs_and_entropy(model_chunks, *, batch: StepBatch, micro_batches: list, parallel: ParallelGroups,
-                                   vocab_size: int, temperature: float, chunk_tokens: int | None):
+                                   vocab_size: int, temperature: float, truncation: Truncation | None,
+                                   chunk_tokens: int | None):
     """Response-aligned [S, T] float32 log-probs and entropies on the device (None, None off the last stage)."""
 
     def on_last_stage(mb, logits_BLV):
         logprobs_BL, entropy_BL = next_token_logprobs_and_entropy(  # no id check: no host sync per micro-batch
             logits_BLV, mb.inputs.tokens_BL, parallel, vocab_size=vocab_size, temperature=temperature,
-            chunk_size=chunk_tokens)
+            truncation=truncation, chunk_size=chunk_tokens)
         return logprobs_BL.float(), entropy_BL.float()
 
     for model in model_chunks:

@@ -105,6 +105,7 @@ METRICS: dict[str, Metric] = {
     "ratio_min": MIN,
     "approx_kl": _mean("tokens"),
     "ref_kl": _mean("tokens", optional=True),
+    "kl_cov_abs_log_ratio": _mean("tokens", optional=True),  # KL-Cov's mean |log pi_theta / pi_old| (losses.py)
     "num_tokens": SUM,  # the warm start's supervised tokens
     "grad_norm": _mean("optimizer_steps"),  # the same on every rank: the mean over the step's optimizer steps
     "grad_norm_max": MAX,

@@ -9,7 +9,8 @@ micro-batch split, the packing, TP or PP (the loss contract). Clip-Cov's random 
 gathered order (DP rank order), the same whenever the ranks hold consecutive parts of the batch.
 
 The result goes into the step batch: `pg_weights` times 0 where a token loses its policy gradient, `kl_penalty_ST`
-where KL-Cov penalises. Last pipeline stage only (the loss's).
+where KL-Cov penalises (None without KL-Cov, so the loss logs KL-Cov's metric for KL-Cov only). Last pipeline stage
+only (the loss's).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def global_token_selection(select_tokens: Callable[..., TokenSelection], batch: 
     mask_ST = batch.loss_mask_ST if batch.loss_mask_ST is not None else batch.mask_ST
     advantages_ST = batch.advantages if batch.advantages.ndim == 2 else batch.advantages[:, None].expand(mask_ST.shape)
     keep_ST = torch.ones_like(mask_ST)
-    penalise_ST = torch.zeros_like(mask_ST)
+    penalise_ST = None  # KL-Cov's only
     for k, planned in enumerate(batch.plan):
         rows = torch.tensor([i for mb in planned for i in mb.rows], dtype=torch.long, device=mask_ST.device)
         where_ST = torch.zeros_like(mask_ST)
@@ -54,7 +55,10 @@ def global_token_selection(select_tokens: Callable[..., TokenSelection], batch: 
         selection = select_tokens(*values_K3.unbind(dim=-1), keys_K)
         mine = slice(start, start + own_K3.shape[0])
         keep_ST[where_ST] = selection.keep_K[mine]
-        penalise_ST[where_ST] = selection.penalise_K[mine]
+        if selection.penalise_K is not None:
+            if penalise_ST is None:
+                penalise_ST = torch.zeros_like(mask_ST)
+            penalise_ST[where_ST] = selection.penalise_K[mine]
         metrics.add(selection.metrics, {"selected_tokens": K})
     weights = batch.pg_weights
     weights_ST = 1.0 if weights is None else (weights if weights.ndim == 2 else weights[:, None])

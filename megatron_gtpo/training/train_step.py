@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from megatron_gtpo.distributed import ParallelGroups
+from megatron_gtpo.distributed import ParallelGroups, Truncation
 
 from .forward import MicroBatch, next_token_logprobs_and_entropy, on_context_rank, run_pipeline
 from .model_setup import PolicyModel
@@ -55,11 +55,13 @@ def update_micro_batch(batch: StepBatch, planned: PlannedMicroBatch) -> UpdateMi
 
 
 def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], parallel: ParallelGroups,
-                   loss_fn: LossFn, *, vocab_size: int, temperature: float = 1.0, lr: float | None = None,
+                   loss_fn: LossFn, *, vocab_size: int, temperature: float = 1.0,
+                   truncation: Truncation | None = None, lr: float | None = None,
                    chunk_tokens: int | None = None) -> dict:
     """Forward+backward over the micro-batches, then one optimizer and LR-schedule step. Returns
     {"grad_norm", "update_successful", "micro_batch_metrics" (last stage: one dict per micro-batch)}.
     `lr` fixes the learning rate of this step and leaves the LR schedule where it is (the warm-start).
+    `temperature`, `truncation`: the sampling distribution the log-probs are of (training/forward.py).
     `chunk_tokens`: the vocab-parallel op's chunk (None: all tokens at once)."""
     num_micro_batches = len(micro_batches)
     scale = num_micro_batches * parallel.dp_size  # undo megatron's /num_microbatches and DDP's DP average
@@ -69,7 +71,7 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], p
         # No id-range check: a host sync per micro-batch; the ids are the step batch's (forward.py).
         logprobs_BL, entropy_BL = next_token_logprobs_and_entropy(
             logits_BLV, mb.inputs.tokens_BL, parallel, vocab_size=vocab_size, temperature=temperature,
-            chunk_size=chunk_tokens)
+            truncation=truncation, chunk_size=chunk_tokens)
         if not mb.columns.sequences_S.numel():  # a rank without sequences: zero loss, still in the backward graph
             return (logprobs_BL * 0).sum(), {}
         loss, metrics = loss_fn(mb, mb.columns.gather(logprobs_BL), mb.columns.gather(entropy_BL))

@@ -18,7 +18,7 @@ from megatron_gtpo.algorithms import configure_algorithm
 from megatron_gtpo.algorithms.rollout_correction import MISMATCH_METRICS, STALENESS_METRICS
 from megatron_gtpo.cli import say_once
 from megatron_gtpo.config import TrainConfig, to_dict, validate_for_model, validate_layout
-from megatron_gtpo.distributed import initialize_parallel, read_launch_env
+from megatron_gtpo.distributed import Truncation, initialize_parallel, read_launch_env
 from megatron_gtpo.models.moe_routing import RouterStatistics, routed_layers
 from megatron_gtpo.rollout.engine import Rollout, SamplingParams
 from megatron_gtpo.rollout.responses import Response, Responses
@@ -68,6 +68,8 @@ class Trainer:
         self.logprob_chunk_tokens = chunk_tokens_for_budget(
             cfg.model.logprob_workspace_mib * 2**20,
             padded_vocab_size(shape.vocab_size, self.parallel.tp_size) // self.parallel.tp_size)
+        # The rollout's top-k / top-p: the passes' log-probs are of the truncated distribution the engines sample.
+        self.truncation = Truncation(cfg.rollout.top_k, cfg.rollout.top_p)
         self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
         # Routing replay: this rank's MoE layers, whose experts the rollout records and the passes replay.
         self.replay = ReplayPlan(routed_layers(self.policy.chunks), shape.moe.topk) \
@@ -211,7 +213,8 @@ class Trainer:
             return
         with timer("old_logprob"), self.routing_measured(metrics, scored):
             old_policy_pass(self.policy.chunks if scored else None, batch, self.parallel, vocab_size=self.vocab_size,
-                            temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
+                            temperature=self.cfg.rollout.temperature, truncation=self.truncation,
+                            chunk_tokens=self.logprob_chunk_tokens,
                             reference_chunks=self.reference.chunks if self.reference else None)
         correct_rollout(batch, **self.correction)
 
@@ -233,8 +236,8 @@ class Trainer:
         with self.routing_measured(metrics, from_update):
             update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
                           epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,
-                          temperature=self.cfg.rollout.temperature, chunk_tokens=self.logprob_chunk_tokens,
-                          old_policy=old_policy)
+                          temperature=self.cfg.rollout.temperature, truncation=self.truncation,
+                          chunk_tokens=self.logprob_chunk_tokens, old_policy=old_policy)
         if old_policy is not None:  # the mismatch metrics of the whole batch, as after the pass
             correct_rollout(batch, **self.correction)
 

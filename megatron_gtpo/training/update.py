@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gtpo.algorithms import ConfiguredAlgorithm, local_loss_normalizer
-from megatron_gtpo.distributed import ParallelGroups
+from megatron_gtpo.distributed import ParallelGroups, Truncation
 
 from .model_setup import PolicyModel
 from .reduction import MetricReducer
@@ -23,7 +23,8 @@ _LOSS_WEIGHTS, _NOT_LOGGED = ("num_tokens", "num_sequences"), ("entropy",)
 
 def update_policy(policy: PolicyModel, batch: StepBatch, parallel: ParallelGroups, algorithm: ConfiguredAlgorithm,
                   metrics: MetricReducer, *, epochs: int, vocab_size: int, temperature: float,
-                  chunk_tokens: int | None, old_policy: Callable | None = None) -> None:
+                  truncation: Truncation | None = None, chunk_tokens: int | None,
+                  old_policy: Callable | None = None) -> None:
     """`epochs` epochs over the step batch's mini-batches, one optimizer step each, recording the update's metrics.
     A mini-batch without a response token on any DP rank (dynamic sampling came up short) takes no optimizer and no
     LR-schedule step: Adam would still move the weights on its momentum. `old_policy` (old_policy.OldPolicyFromUpdate,
@@ -59,7 +60,7 @@ def update_policy(policy: PolicyModel, batch: StepBatch, parallel: ParallelGroup
                                              **selected)
 
             result = run_train_step(policy, micro_batches, parallel, loss_fn, vocab_size=vocab_size,
-                                    temperature=temperature, chunk_tokens=chunk_tokens)
+                                    temperature=temperature, truncation=truncation, chunk_tokens=chunk_tokens)
             record_optimizer_step(metrics, result, optimizer_steps)
     padded = sum(mb.inputs.tokens_BL.numel() for mini in batch.plan for mb in mini if mb.rows)
     real = sum(batch.sequence_lengths)

@@ -93,10 +93,14 @@ def test_bf16_logits_match_transformers(request, model, spec):
         assert err.max() <= 3.0 * hf_err.max() + 0.01, (model, spec, err.max().item(), hf_err.max().item())
 
 
-def test_vocab_parallel_bf16_matches_float64():
+@pytest.mark.parametrize("truncation", [None, (20, 0.9), (0, 0.95)])
+def test_vocab_parallel_bf16_matches_float64(truncation):
     """The fused log-prob + entropy op on CUDA, bf16 logits at Qwen2.5's padded vocabulary, against float64
     autograd on the same bf16 values. Outputs are accumulated in fp32 over 152k entries (relative error ~1e-6
-    after the sum), bf16 gradients are rounded once from fp32 (relative 2^-9)."""
+    after the sum), bf16 gradients are rounded once from fp32 (relative 2^-9). With top-k / top-p too: bf16 logits
+    tie often, at the kept sets' boundaries too; top-p 0.95 alone on these flat rows takes the radix-select fallback
+    for every token (CUDA's topk, scatter_add and integer shifts)."""
+    from megatron_gtpo.distributed.truncation import Truncation
     from megatron_gtpo.distributed.vocab_parallel import vocab_parallel_logprobs_and_entropy
 
     g = torch.Generator().manual_seed(0)
@@ -105,18 +109,24 @@ def test_vocab_parallel_bf16_matches_float64():
     logits[:, vocab:] = 50.0  # padding must never reach the softmax
     case = dict(logits=logits.double(), targets=torch.randint(0, vocab, (tokens,), generator=g), vocab_size=vocab,
                 temperature=0.9, weight_lp=torch.randn(tokens, generator=g, dtype=torch.float64),
-                weight_ent=torch.randn(tokens, generator=g, dtype=torch.float64))
+                weight_ent=torch.randn(tokens, generator=g, dtype=torch.float64), truncation=truncation)
     ref = float64_reference(case)
     for chunk_size in (None, 100):
         x = logits.cuda().requires_grad_()
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-            x, case["targets"].cuda(), tp_group=None, vocab_size=vocab, temperature=0.9, chunk_size=chunk_size)
+            x, case["targets"].cuda(), tp_group=None, vocab_size=vocab, temperature=0.9, chunk_size=chunk_size,
+            truncation=None if truncation is None else Truncation(*truncation))
         grad, = torch.autograd.grad((0.3 * logprobs * case["weight_lp"].float().cuda()
                                      - 1.7 * entropy * case["weight_ent"].float().cuda()).sum(), x)
         torch.testing.assert_close(logprobs.double().cpu(), ref["logprobs"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(entropy.double().cpu(), ref["entropy"], rtol=1e-5, atol=1e-5)
         assert grad.dtype == torch.bfloat16
-        torch.testing.assert_close(grad.double().cpu(), ref["grad_mix"], rtol=4e-3, atol=1e-6)
+        if truncation != (0, 0.95):
+            torch.testing.assert_close(grad.double().cpu(), ref["grad_mix"], rtol=4e-3, atol=1e-6)
+        else:  # nuclei of ~10^4 ids: float32 sums may put a row's boundary one token off float64's (its q ~ 1e-5)
+            error = (grad.double().cpu() - ref["grad_mix"]).abs()
+            off = error > 4e-3 * ref["grad_mix"].abs() + 1e-6
+            assert off.sum(-1).max() <= 1 and off.sum() <= tokens // 20 and torch.all(error[off] < 1e-4), off.sum()
 
 
 def test_bf16_hf_megatron_hf_round_trip_is_bit_exact(qwen25_05b, tmp_path):

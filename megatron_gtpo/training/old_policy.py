@@ -7,9 +7,10 @@ them and, with a KL term, the reference's log-probs. They come from one of two p
 - the update's own forward (`OldPolicyFromUpdate`), where the step batch takes one optimizer step and nothing before
   the update reads them (`pass_reason` None). That optimizer step's forward runs the weights the pass would run on
   the micro-batches it would run, so its log-probs, detached, are the old ones (the importance ratio is exactly 1,
-  as after the pass), and the correction, a function of each token's or each whole sequence's old and rollout
-  log-probs (a sequence lies in one micro-batch), is computed micro-batch by micro-batch before its loss. The pass
-  is not run: one forward over every sequence less per step. GTPO's and GRPO-S's entropies, which their advantages
+  as after the pass); the correction's weights and rejections, functions of each token's or each whole sequence's
+  old and rollout log-probs (a sequence lies in one micro-batch), are computed micro-batch by micro-batch before its
+  loss, and the mismatch metrics over the whole batch once the update has filled in its old log-probs. The pass is
+  not run: one forward over every sequence less per step. GTPO's and GRPO-S's entropies, which their advantages
   read before the update, then come from the built-in engine's sampling pass (the trainer's own model and weights
   at its layout: `engine_entropies`); the step batch holds the update's own for the metrics.
 
@@ -74,10 +75,11 @@ def forward_passes_before_update(cfg) -> int:
     where the update's forward gives its values) and the KL reference's (the planner's phase-time model)."""
     from megatron_gtpo.algorithms import configure_algorithm
 
+    from .reference import ReferencePolicy
+
     algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
     policy = pass_reason(cfg, algorithm, optimizer_steps=configured_optimizer_steps(cfg)) is not None
-    reference = cfg.algorithm.kl_coef != 0 or cfg.model.reference is not None  # ReferencePolicy.build's condition
-    return int(policy) + int(reference)
+    return int(policy) + int(ReferencePolicy.wanted(cfg))
 
 
 def old_policy_pass(model_chunks: list | None, batch: StepBatch, parallel: ParallelGroups, *, vocab_size: int,

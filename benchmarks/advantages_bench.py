@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from megatron_gtpo.algorithms import grpo_advantages, grpo_s_advantages, gtpo_advantages, token_policy_loss
+from megatron_gtpo.algorithms import PPOClip, grpo_advantages, grpo_s_advantages, gtpo_advantages, token_policy_loss
 from megatron_gtpo.models.qwen import ModelShape
 from megatron_gtpo.models.presets import hf_config
 from megatron_gtpo.planning import forward_flops
@@ -118,7 +118,7 @@ def main() -> None:
     def loss_forward_backward():
         current = logprobs_BT.detach().requires_grad_()
         loss, _ = token_policy_loss(current, old_logprobs_BT, gtpo_BT, mask_BT, loss_normalizer=num_tokens,
-                                    eps_low=0.2, eps_high=0.28)
+                                    clip=PPOClip(0.2, 0.28))
         loss.backward()
 
     candidates = {

@@ -6,17 +6,17 @@ generation, on two tasks, and the learning they give.
                                      [--out benchmarks/results/async.md] [--runs FILE]
 
 The runs (every one of examples/cpu_demo.yaml at TP = 1, its warm start included, with the token-level rollout
-correction `algorithm.rollout_is: token`, which staleness and partial rollouts need, so that the runs differ in the
-schedule only):
+correction `algorithm.rollout_correction.rollout_is: token`, which staleness and partial rollouts need, so that the runs
+differ in the schedule only):
 - disaggregated: `rollout.engine: builtin_remote`, the rollout server (`python -m megatron_gtpo.rollout.remote_server
   --engine builtin`) pinned to core 1, the trainer (one torchrun rank) to core 0, one thread each; at
-  rollout.max_staleness 0 and 1, partial rollouts off and on, and with --no-drain at staleness 1 with
-  `rollout.update_during_generation: true` (partial rollouts off and on), and at staleness 1 with one further
-  loader batch in each batch asked for ahead (`rollout.oversample_batches: 1`: fewer of dynamic sampling's rounds
-  generated on the spot), and at staleness 1 with 1 and 3 further rounds kept asked for ahead
-  (`rollout.rounds_ahead`; 3 is the demo's algorithm.max_resample_rounds: the server generates them while the trainer
-  trains) on the fixed schedule, and 3 asked whenever the server is idle (`rollout.ahead_schedule: when_idle`), also
-  with --no-drain;
+  rollout.schedule.max_staleness 0 and 1, partial rollouts off and on, and with --no-drain at staleness 1 with
+  `rollout.schedule.update_during_generation: true` (partial rollouts off and on), and at staleness 1 with one further
+  loader batch in each batch asked for ahead (`rollout.schedule.oversample_batches: 1`: fewer of dynamic sampling's
+  rounds generated on the spot), and at staleness 1 with 1 and 3 further rounds kept asked for ahead
+  (`rollout.schedule.rounds_ahead`; 3 is the demo's algorithm.max_resample_rounds: the server generates them while the
+  trainer trains) on the fixed schedule, and 3 asked whenever the server is idle (`rollout.schedule.ahead_schedule:
+  when_idle`), also with --no-drain;
 - colocated: `rollout.engine: builtin` at staleness 0, the trainer generating on its own ranks, pinned to cores 0
   and 1 with two threads (OMP_NUM_THREADS=2): what a user of this machine runs.
 Tasks: `demo`, the demo's (responses of at most 4 tokens, 2-token segments), and `long`, the demo's task with a
@@ -31,8 +31,8 @@ the means per step of
 wait for rollouts is `time_generate_s`), the mean staleness and the fraction of responses continued; per task the
 response lengths (`response_length_mean`, `response_length_max`, `response_clip_ratio`).
 With --learn-steps, learning runs of the demo's task (disaggregated; --learn: by default staleness 0, staleness 1
-with partial rollouts off and on; also staleness 1 with `rollout.oversample_batches: 1` and with
-`rollout.rounds_ahead: 3`, fixed and when idle) for each of --seeds (the
+with partial rollouts off and on; also staleness 1 with `rollout.schedule.oversample_batches: 1` and with
+`rollout.schedule.rounds_ahead: 3`, fixed and when idle) for each of --seeds (the
 config's `seed`: the model's initialisation and the sampling seeds): the reward rise (the mean reward of the last 10
 RL steps minus that of the first 10; the demo requires >= 0.3 over its 250 steps) and, averaged over the seeds, the
 figures of the runs above (step time, phases, rounds...). Appends a dated section to --out.
@@ -57,8 +57,8 @@ CONFIG = os.path.join(REPO, "examples", "cpu_demo.yaml")
 PHASES = ("generate", "reward", "old_logprob", "advantages", "update", "sync")
 # Staleness >= 1 and partial rollouts need the rollout correction (the config refuses them without): token-level
 # weights, in every run so that the runs differ in the schedule only.
-CORRECTION = "algorithm.rollout_is=token"
-NO_DRAIN = "rollout.update_during_generation=true"
+CORRECTION = "algorithm.rollout_correction.rollout_is=token"
+NO_DRAIN = "rollout.schedule.update_during_generation=true"
 # Per task: its overrides of the demo's config, and the segment of its partial rollouts.
 TASKS = {"demo": ((), 2), "long": (("rollout.max_new_tokens=32", "warm_start.steps=5"), 8)}
 # Learning no worse: staleness 1's mean reward rise at least the on-policy baseline's minus this (a sixth of the
@@ -72,9 +72,9 @@ class Run:
     partial: bool = False
     no_drain: bool = False
     colocated: bool = False
-    oversample: int = 0  # rollout.oversample_batches
-    ahead: int = 0  # rollout.rounds_ahead
-    when_idle: bool = False  # rollout.ahead_schedule: when_idle
+    oversample: int = 0  # rollout.schedule.oversample_batches
+    ahead: int = 0  # rollout.schedule.rounds_ahead
+    when_idle: bool = False  # rollout.schedule.ahead_schedule: when_idle
 
     @property
     def label(self) -> str:
@@ -85,12 +85,12 @@ class Run:
                 + (f", {self.ahead} rounds ahead" if self.ahead else "") + (" when idle" if self.when_idle else ""))
 
     def overrides(self, segment: int) -> list[str]:
-        return [f"rollout.max_staleness={self.staleness}",
-                *(("rollout.partial_rollouts=true", f"rollout.partial_segment_tokens={segment}")
+        return [f"rollout.schedule.max_staleness={self.staleness}",
+                *(("rollout.schedule.partial_rollouts=true", f"rollout.schedule.partial_segment_tokens={segment}")
                   if self.partial else ()), *((NO_DRAIN,) if self.no_drain else ()),
-                *((f"rollout.oversample_batches={self.oversample}",) if self.oversample else ()),
-                *((f"rollout.rounds_ahead={self.ahead}",) if self.ahead else ()),
-                *(("rollout.ahead_schedule=when_idle",) if self.when_idle else ())]
+                *((f"rollout.schedule.oversample_batches={self.oversample}",) if self.oversample else ()),
+                *((f"rollout.schedule.rounds_ahead={self.ahead}",) if self.ahead else ()),
+                *(("rollout.schedule.ahead_schedule=when_idle",) if self.when_idle else ())]
 
 
 TIMED = (Run(0, colocated=True), Run(0), Run(1), Run(0, partial=True), Run(1, partial=True), Run(1, oversample=1),
@@ -281,7 +281,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
-    p.add_argument("--no-drain", action="store_true", help="also the runs with rollout.update_during_generation")
+    p.add_argument("--no-drain", action="store_true",
+                   help="also the runs with rollout.schedule.update_during_generation")
     p.add_argument("--learn-steps", type=int, default=0)
     p.add_argument("--seeds", type=int, nargs="+", default=[7, 8, 9])
     p.add_argument("--learn", nargs="+", choices=list(LEARNING), default=list(LEARNING)[:3])

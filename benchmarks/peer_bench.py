@@ -164,8 +164,8 @@ def trl_settings(w: Workload, *, matched: bool, output_dir: str, steps: int) -> 
     if matched:
         loss = grpo_loss_settings()
         settings.update(bf16=False, fp16=False, gradient_checkpointing=False,
-                        loss_type=LOSS_TYPES[loss["loss_agg_mode"]], epsilon=loss["eps_low"],
-                        epsilon_high=loss["eps_high"], scale_rewards="group", lr_scheduler_type="constant")
+                        loss_type=LOSS_TYPES[loss["loss_agg_mode"]], epsilon=loss["clip"].eps_low,
+                        epsilon_high=loss["clip"].eps_high, scale_rewards="group", lr_scheduler_type="constant")
     return settings
 
 

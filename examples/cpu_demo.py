@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     metrics_path = os.path.join(out, "metrics.jsonl")
     if os.path.exists(metrics_path):
         os.remove(metrics_path)  # a fresh demo run, not a resume
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--standalone",
+    cmd = [sys.executable, "-m", "megatron_gtpo.launch", f"--nproc_per_node={args.nproc}", "--standalone",
            "-m", "megatron_gtpo.train", "--config", CONFIG, *sum((["--set", o] for o in overrides), [])]
     print("running:", " ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -5,8 +5,10 @@ configuration is written next to the checkpoints (`save_config`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import os
 import types
 import typing
@@ -14,9 +16,13 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, ALGORITHMS, resolve_algorithm
+from megatron_gtpo.algorithms.advantages import NORM_SCOPES
+from megatron_gtpo.algorithms.losses import SEQUENCE_RATIOS
+from megatron_gtpo.algorithms.rollout_correction import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
+from megatron_gtpo.algorithms.registry import ALGORITHM_NAMES, ALGORITHMS, LENGTH_PENALTIES, resolve_algorithm
 from megatron_gtpo.atomic_files import write_atomically
-from megatron_gtpo.config_rules import REMOTE_ENGINES, Features, refused_by
+from megatron_gtpo.config_rules import Features, refused_by
+from megatron_gtpo.engine_table import ENGINE_NAMES, ENGINES
 from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
 from megatron_gtpo.data.templates import DATA_TEMPLATES
 from megatron_gtpo.layout import CP_COMM_TYPES, LayoutError, ParallelLayout, RolloutLayout, check_layout
@@ -30,6 +36,30 @@ class ConfigError(ValueError):
 def _need(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+@dataclass
+class MoEConfig:
+    """model.moe: the options of a mixture-of-experts model (Qwen3-MoE), read only with one: the trainer refuses a
+    setting here on a dense model (validate_for_model)."""
+
+    # "rollout": routing replay, every token of the old-policy pass and the update routed to the experts the rollout
+    # engine chose for it (the engines record them); "none": the router chooses again.
+    routing_replay: str = "none"  # none | rollout
+    # The router's load-balancing loss and z-loss coefficients (models/moe.RouterLosses). Off for RL by default:
+    # docs/algorithms.md, "Mixture of experts".
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    @property
+    def replays_routing(self) -> bool:
+        """Training routes every token to the experts the rollout engine chose for it (routing_replay: rollout)."""
+        return self.routing_replay == "rollout"
+
+    def check(self) -> None:
+        _need(self.aux_loss_coef >= 0 and self.z_loss_coef >= 0,
+              f"model.moe.aux_loss_coef / model.moe.z_loss_coef: must be >= 0, got {self.aux_loss_coef} / "
+              f"{self.z_loss_coef}")
 
 
 @dataclass
@@ -49,10 +79,7 @@ class ModelConfig:
     # The vocab-parallel log-prob/entropy op walks the tokens in chunks whose two fp32 [chunk, vocab / TP]
     # workspaces fit this budget (distributed/vocab_parallel.chunk_tokens_for_budget; the planner counts it).
     logprob_workspace_mib: float = 256.0
-    # Mixture-of-experts models: the router's load-balancing loss and z-loss coefficients (models/moe.RouterLosses).
-    # Off for RL by default: docs/algorithms.md, "Mixture of experts".
-    moe_aux_loss_coef: float = 0.0
-    moe_z_loss_coef: float = 0.0
+    moe: MoEConfig = field(default_factory=MoEConfig)  # a mixture-of-experts model's options
 
     def check(self) -> None:
         _need(sum(x is not None and x is not False for x in (self.hf_dir, self.load, self.tiny_synthetic or None))
@@ -61,9 +88,7 @@ class ModelConfig:
               f"model.core_attention: must be one of {list(CORE_ATTENTIONS)}, got {self.core_attention!r}")
         _need(self.logprob_workspace_mib > 0,
               f"model.logprob_workspace_mib: must be > 0, got {self.logprob_workspace_mib}")
-        _need(self.moe_aux_loss_coef >= 0 and self.moe_z_loss_coef >= 0,
-              f"model.moe_aux_loss_coef / model.moe_z_loss_coef: must be >= 0, got {self.moe_aux_loss_coef} / "
-              f"{self.moe_z_loss_coef}")
+        self.moe.check()
         _need(self.reference is None or os.path.isdir(self.reference),
               f"model.reference: {self.reference!r} is not a directory (a HF model directory or a checkpoint)")
 
@@ -98,10 +123,10 @@ class BuiltinEngineConfig:
     # of the replica at once (the planner counts it)
     max_batch_tokens: int | None = None
 
-    def check(self, max_new_tokens: int) -> None:
-        _need(self.max_batch_tokens is None or self.max_batch_tokens > max_new_tokens,
-              f"rollout.builtin.max_batch_tokens: must exceed rollout.max_new_tokens = {max_new_tokens} (one row's "
-              f"prompt and response), got {self.max_batch_tokens}")
+    def check(self, rollout: RolloutConfig) -> None:
+        _need(self.max_batch_tokens is None or self.max_batch_tokens > rollout.max_new_tokens,
+              f"rollout.builtin.max_batch_tokens: must exceed rollout.max_new_tokens = {rollout.max_new_tokens} (one "
+              f"row's prompt and response), got {self.max_batch_tokens}")
 
 
 @dataclass
@@ -116,7 +141,7 @@ class VLLMEngineConfig:
     hf_dir: str | None = None  # HF directory vLLM starts from (default model.hf_dir); weights are then synced
     tensor_parallel: int = 1
 
-    def check(self) -> None:
+    def check(self, rollout: RolloutConfig) -> None:
         _need(self.tensor_parallel >= 1, f"rollout.vllm.tensor_parallel: must be >= 1, got {self.tensor_parallel}")
         _need(0 < self.gpu_memory_utilization <= 1,
               f"rollout.vllm.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -141,10 +166,10 @@ class RemoteEngineConfig:
     # How weight buckets reach the servers: auto (NCCL from GPUs, else in the channel's messages), channel, nccl.
     weights: str = "auto"
 
-    def check(self, engine: str) -> None:
+    def check(self, rollout: RolloutConfig) -> None:
         _need(bool(self.addresses),
-              f"rollout.remote.addresses: the {engine} engine needs one server address (HOST:PORT) per data-parallel "
-              f"replica")
+              f"rollout.remote.addresses: the {rollout.engine} engine needs one server address (HOST:PORT) per "
+              f"data-parallel replica")
         _need(self.reconnect_timeout_s >= 0,
               f"rollout.remote.reconnect_timeout_s: must be >= 0, got {self.reconnect_timeout_s}")
         _need(self.weights in ("auto", "channel", "nccl"),
@@ -152,27 +177,13 @@ class RemoteEngineConfig:
 
 
 @dataclass
-class RolloutConfig:
-    # builtin | vllm (colocated) | vllm_remote (vLLM servers on other nodes) | builtin_remote (built-in engine servers)
-    engine: str = "builtin"
-    num_responses_per_prompt: int = 8
-    temperature: float = 1.0
-    # Truncated sampling after the temperature, top-k (0: off) then top-p (1: off), vLLM's order; the trainer's
-    # log-probs (old, current, reference) are then of the truncated, renormalised distribution (docs/algorithms.md,
-    # "Truncated sampling").
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    # A random stream per request (reproducible samples, the same after a resume) or one engine-wide stream (faster:
-    # vLLM draws seeded requests one at a time); a sampling setting every request carries, so the vLLM engines
-    # (vllm, vllm_remote) act on it. The built-in engines always seed each response.
-    seeded_sampling: bool = False
-    # Each engine's own options (the *EngineConfig sections above): builtin reads rollout.builtin, vllm rollout.vllm,
-    # vllm_remote and builtin_remote rollout.remote. The section of an engine not selected is not read (nor
-    # checked), so a recipe may hold several and switching rollout.engine needs no resets.
-    builtin: BuiltinEngineConfig = field(default_factory=BuiltinEngineConfig)
-    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
-    remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)
+class ScheduleConfig:
+    """rollout.schedule: when the rollouts are generated against the steps that train on them, the rollout queue's
+    options (training/rollout_queue.py; docs/algorithms.md, "Generating while training"). Its own rules are its
+    check; those with other sections (the engine, dynamic sampling, the rollout correction, routing replay) are
+    config_rules.CROSS_FEATURE_RULES. A run holding rollouts in flight resumes only with the same schedule
+    (training/resume_check.py)."""
+
     # Bounded staleness (docs/algorithms.md, "Generating while training"): step k trains on prompts generated with
     # the policy of step max(0, k - max_staleness); 0 is the on-policy trainer. >= 1 needs engines of their own
     # (vllm_remote, builtin_remote), which then generate the next batches while the current one trains.
@@ -182,7 +193,8 @@ class RolloutConfig:
     # continues it under the weights of then. A response spans at most s = max_new_tokens / partial_segment_tokens
     # policy versions, and is trained at most s x max_staleness versions after its first token (s - 1 at
     # max_staleness 0). Needs dynamic sampling (further rounds fill a step the unfinished groups leave short) and
-    # the rollout correction (algorithm.rollout_is: older versions sampled a continued response's first tokens).
+    # the rollout correction (algorithm.rollout_correction.rollout_is: older versions sampled a continued response's
+    # first tokens).
     partial_rollouts: bool = False
     partial_segment_tokens: int | None = None
     # Dynamic sampling's oversampling: further loader batches of prompts in each batch asked for (ahead, with
@@ -208,6 +220,59 @@ class RolloutConfig:
     # depends on the engines' speed, as with update_during_generation). docs/algorithms.md, "Generating ahead".
     ahead_schedule: str = "fixed"
 
+    @property
+    def holds_rollouts(self) -> bool:
+        """Rollouts are in flight between steps (bounded staleness, partial rollouts): checkpointed, and each token's
+        staleness counted."""
+        return bool(self.max_staleness or self.partial_rollouts)
+
+    def check(self, rollout: RolloutConfig) -> None:
+        _need(self.max_staleness >= 0, f"rollout.schedule.max_staleness: must be >= 0, got {self.max_staleness}")
+        _need(self.oversample_batches >= 0,
+              f"rollout.schedule.oversample_batches: must be >= 0, got {self.oversample_batches}")
+        segment, longest = self.partial_segment_tokens, rollout.max_new_tokens
+        _need(not self.partial_rollouts or (segment is not None and 1 <= segment < longest and longest % segment == 0),
+              f"rollout.schedule.partial_segment_tokens: partial rollouts need a segment in [1, rollout.max_new_tokens "
+              f"= {longest}) that divides it, got {segment}")
+        _need(self.partial_rollouts or segment is None,
+              "rollout.schedule.partial_segment_tokens: set only with rollout.schedule.partial_rollouts: true")
+        _need(self.rounds_ahead >= 0, f"rollout.schedule.rounds_ahead: must be >= 0, got {self.rounds_ahead}")
+        # A round asked for after a step's rounds is one version old when the next step takes it: at staleness 0
+        # every one would be dropped.
+        _need(self.rounds_ahead == 0 or self.max_staleness >= 1,
+              f"rollout.schedule.rounds_ahead: {self.rounds_ahead} needs rollout.schedule.max_staleness >= 1 (a round "
+              f"asked for ahead is one version old when the next step takes it; at 0 every one would be dropped)")
+        _need(self.ahead_schedule == "fixed" or self.rounds_ahead >= 1,
+              f"rollout.schedule.ahead_schedule: {self.ahead_schedule} needs rollout.schedule.rounds_ahead >= 1 (the "
+              f"most rounds held ahead); at 0 none is asked for")
+
+
+@dataclass
+class RolloutConfig:
+    # builtin | vllm (colocated) | vllm_remote (vLLM servers on other nodes) | builtin_remote (built-in engine servers)
+    engine: str = "builtin"
+    num_responses_per_prompt: int = 8
+    temperature: float = 1.0
+    # Truncated sampling after the temperature, top-k (0: off) then top-p (1: off), vLLM's order; the trainer's
+    # log-probs (old, current, reference) are then of the truncated, renormalised distribution (docs/algorithms.md,
+    # "Truncated sampling").
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    # A random stream per request (reproducible samples, the same after a resume) or one engine-wide stream (faster:
+    # vLLM draws seeded requests one at a time); a sampling setting every request carries, so the vLLM engines
+    # (vllm, vllm_remote) act on it. The built-in engines always seed each response.
+    seeded_sampling: bool = False
+    # Each engine's own options (the *EngineConfig sections above): builtin reads rollout.builtin, vllm rollout.vllm,
+    # vllm_remote and builtin_remote rollout.remote. The section of an engine not selected is not read (nor
+    # checked), so a recipe may hold several and switching rollout.engine needs no resets.
+    builtin: BuiltinEngineConfig = field(default_factory=BuiltinEngineConfig)
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    remote: RemoteEngineConfig = field(default_factory=RemoteEngineConfig)
+    # When the rollouts are generated, against the steps that train on them (bounded staleness, partial rollouts,
+    # oversampling, updates during generation, rounds ahead): the rollout queue's, read by it alone.
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
     def check(self) -> None:
         _need(self.num_responses_per_prompt >= 2,
               f"rollout.num_responses_per_prompt: group size must be >= 2, got {self.num_responses_per_prompt}")
@@ -215,97 +280,222 @@ class RolloutConfig:
         _need(0 < self.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {self.top_p}")
         _need(self.top_k >= 0, f"rollout.top_k: must be >= 0 (0 = off), got {self.top_k}")
         _need(self.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        _need(self.max_staleness >= 0, f"rollout.max_staleness: must be >= 0, got {self.max_staleness}")
-        _need(self.oversample_batches >= 0,
-              f"rollout.oversample_batches: must be >= 0, got {self.oversample_batches}")
-        segment, longest = self.partial_segment_tokens, self.max_new_tokens
-        _need(not self.partial_rollouts or (segment is not None and 1 <= segment < longest and longest % segment == 0),
-              f"rollout.partial_segment_tokens: partial rollouts need a segment in [1, rollout.max_new_tokens = "
-              f"{longest}) that divides it, got {segment}")
-        _need(self.partial_rollouts or segment is None,
-              "rollout.partial_segment_tokens: set only with rollout.partial_rollouts: true")
-        if self.engine == "builtin":  # the selected engine's section only: the others are not read
-            self.builtin.check(self.max_new_tokens)
-        elif self.engine == "vllm":
-            self.vllm.check()
-        else:
-            self.remote.check(self.engine)
+        self.schedule.check(self)
+        getattr(self, ENGINES[self.engine].section).check(self)  # the selected engine's only: no other is read
+
+
+@dataclass
+class GTPOOptions:
+    """algorithm.gtpo: GTPO's entropy shaping of each token's advantage (algorithms/advantages.gtpo_advantages;
+    arXiv 2508.04349), read only when algorithm.name is gtpo."""
+
+    alpha1: float = 1.0
+    alpha2: float = 0.1
+    norm_scope: str = "batch"  # batch | group: where the entropies are normalised
+    entropy_clip: tuple[float, float] | None = None  # [low, high] of the token entropies before shaping
+
+    def check(self) -> None:
+        _check_entropy_clip("algorithm.gtpo.entropy_clip", self.entropy_clip)
+
+
+@dataclass
+class GRPOSOptions:
+    """algorithm.grpo_s: GRPO-S's entropy shaping of each response's advantage and its sequence ratio
+    (algorithms/advantages.grpo_s_advantages, losses.sequence_policy_loss; arXiv 2508.04349), read only when
+    algorithm.name is grpo_s."""
+
+    beta1: float = 1.0
+    beta2: float = 0.1
+    entropy_clip: tuple[float, float] | None = None
+    sequence_ratio: str = "arithmetic"  # arithmetic (GRPO-S) | geometric (GSPO's)
+
+    def check(self) -> None:
+        _check_entropy_clip("algorithm.grpo_s.entropy_clip", self.entropy_clip)
+
+
+@dataclass
+class ClipCovOptions:
+    """algorithm.clip_cov: Clip-Cov removes the gradient of a random `ratio` of the tokens whose covariance of
+    log-prob and advantage is in (lb, ub) (algorithms/token_selection.py; arXiv 2505.22617, the defaults of its
+    recipes in verl, recipe/entropy), read only when algorithm.name is clip_cov."""
+
+    ratio: float = 2e-4
+    lb: float = 1.0
+    ub: float = 5.0
+
+    def check(self) -> None:
+        _need(0 < self.ratio <= 1, f"algorithm.clip_cov.ratio: must be in (0, 1], got {self.ratio}")
+        _need(self.lb < self.ub, f"algorithm.clip_cov.lb: must be < algorithm.clip_cov.ub ({self.ub}), got {self.lb}")
+
+
+@dataclass
+class KLCovOptions:
+    """algorithm.kl_cov: KL-Cov penalises the top `ratio` of the tokens by covariance with coef * |log-ratio|
+    (algorithms/token_selection.py, losses.py; arXiv 2505.22617), read only when algorithm.name is kl_cov."""
+
+    ratio: float = 2e-3
+    coef: float = 1.0
+
+    def check(self) -> None:
+        _need(0 < self.ratio <= 1, f"algorithm.kl_cov.ratio: must be in (0, 1], got {self.ratio}")
+        _need(self.coef >= 0, f"algorithm.kl_cov.coef: must be >= 0, got {self.coef}")
+
+
+@dataclass
+class OverlongOptions:
+    """algorithm.overlong: DAPO's overlong penalty (algorithms/length_penalties.overlong_penalty), read only when the
+    run's length penalty is overlong (algorithm.length_penalty, or DAPO's default)."""
+
+    max_len: int | None = None  # None: rollout.max_new_tokens
+    cache_len: int | None = None  # None: a fifth of the max length (DAPO: 4096 of 20480)
+
+    def check(self) -> None:
+        _need(self.max_len is None or self.max_len >= 1,
+              f"algorithm.overlong.max_len: must be >= 1, got {self.max_len}")
+        _need(self.cache_len is None or self.cache_len >= 1,
+              f"algorithm.overlong.cache_len: must be >= 1, got {self.cache_len}")
+
+
+@dataclass
+class GroupRelativeOptions:
+    """algorithm.group_relative: the group-relative length penalty
+    (algorithms/length_penalties.group_relative_overlong_penalty), read only when algorithm.length_penalty is
+    group_relative."""
+
+    gamma: float = 0.75
+
+    def check(self) -> None:
+        _need(self.gamma >= 0, f"algorithm.group_relative.gamma: must be >= 0, got {self.gamma}")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """algorithm.rollout_correction: the rollout/training mismatch correction (algorithms/rollout_correction.py, its
+    names verl's): truncated importance weights exp(old - rollout) per token, their product per sequence, or their
+    geometric mean per sequence (GRPO-S's choice), capped at rollout_is_cap; rejection of the tokens / sequences whose
+    ratio (or geometric-mean ratio) falls outside rollout_rs_bounds. Required with rollout.schedule.max_staleness >= 1
+    or partial rollouts. The old-policy phase reads it, whatever the algorithm."""
+
+    rollout_is: str = "none"  # none | token | sequence | geometric
+    rollout_is_cap: float = 2.0  # read only with rollout_is set
+    rollout_rs: str = "none"  # none | token | sequence | geometric
+    rollout_rs_bounds: tuple[float, float] = (0.5, 2.0)  # read only with rollout_rs set
+
+    def check(self) -> None:
+        _need(self.rollout_is_cap > 0,
+              f"algorithm.rollout_correction.rollout_is_cap: must be > 0, got {self.rollout_is_cap}")
+        _need(0 <= self.rollout_rs_bounds[0] <= self.rollout_rs_bounds[1],
+              f"algorithm.rollout_correction.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got "
+              f"{list(self.rollout_rs_bounds)}")
+
+
+def _check_entropy_clip(key: str, entropy_clip) -> None:
+    _need(entropy_clip is None or entropy_clip[0] <= entropy_clip[1],
+          f"{key}: low must be <= high, got {entropy_clip}")
 
 
 @dataclass
 class AlgorithmConfig:
+    """The algorithm (algorithms/registry.py) and its options. The settings every algorithm's loss reads are here;
+    each algorithm's own options are its section (gtpo, grpo_s, clip_cov, kl_cov: named as the algorithm), each
+    length penalty's its section (overlong, group_relative), read only when chosen: a setting in the section of one
+    not chosen is an error naming who reads it (`unread_settings`), as is a rollout correction's bound without
+    that correction, so a recipe's option never goes silently unused."""
+
     name: str = "gtpo"
-    alpha1: float = 1.0
-    alpha2: float = 0.1
-    beta1: float = 1.0
-    beta2: float = 0.1
-    norm_scope: str = "batch"  # batch | group (GTPO)
-    entropy_clip: tuple[float, float] | None = None
     eps_low: float | None = None  # None: the algorithm's default (0.2, and 0.28 high for clip-higher ones)
     eps_high: float | None = None
     dual_clip: float | None = None
-    sequence_ratio: str = "arithmetic"  # arithmetic | geometric (GRPO-S)
     kl_coef: float = 0.0
     entropy_coef: float = 0.0  # the entropy bonus: loss -= entropy_coef * entropy of the current policy
-    # Clip-Cov / KL-Cov (arXiv 2505.22617; defaults: the paper's recipes in verl, recipe/entropy): Clip-Cov removes
-    # the gradient of a random clip_cov_ratio of the tokens whose covariance is in (lb, ub); KL-Cov penalises the top
-    # kl_cov_ratio by covariance with kl_cov_coef * |log-ratio| (docs/algorithms.md, "The entropy methods").
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-3
-    kl_cov_coef: float = 1.0
     # Keep the policy gradient on this top fraction of the mini-batch's response tokens by old-policy entropy only
-    # (arXiv 2506.01939: 0.2); None: every token.
+    # (arXiv 2506.01939: 0.2), with any token-level loss; None: every token.
     entropy_token_fraction: float | None = None
-    dynamic_sampling: bool | None = None  # None: on for DAPO/GTPO/GRPO-S, off for GRPO
-    max_resample_rounds: int = 3
+    dynamic_sampling: bool | None = None  # None: on for DAPO/GTPO/GRPO-S/Clip-Cov/KL-Cov, off for GRPO
+    max_resample_rounds: int = 3  # read only with dynamic sampling on
     length_penalty: str | None = None  # None: the algorithm's default | none | overlong | group_relative
-    overlong_max_len: int | None = None  # None: rollout.max_new_tokens
-    overlong_cache_len: int | None = None  # None: a fifth of the max length (DAPO: 4096 of 20480)
-    group_relative_gamma: float = 0.75
-    # Rollout/training mismatch correction (algorithms/rollout_correction.py): truncated importance weights
-    # exp(old - rollout) per token, their product per sequence, or their geometric mean per sequence (GRPO-S's
-    # choice), capped; rejection of tokens / sequences whose ratio (or geometric-mean ratio) falls outside the
-    # bounds. Required with rollout.max_staleness >= 1 or partial rollouts.
-    rollout_is: str = "none"  # none | token | sequence | geometric
-    rollout_is_cap: float = 2.0
-    rollout_rs: str = "none"  # none | token | sequence | geometric
-    rollout_rs_bounds: tuple[float, float] = (0.5, 2.0)
-    # Mixture-of-experts models: "rollout" routes every token of the old-policy pass and the update to the experts
-    # the rollout engine chose for it (the built-in engine records them); "none" lets the router choose again.
-    routing_replay: str = "none"  # none | rollout
+    gtpo: GTPOOptions = field(default_factory=GTPOOptions)
+    grpo_s: GRPOSOptions = field(default_factory=GRPOSOptions)
+    clip_cov: ClipCovOptions = field(default_factory=ClipCovOptions)
+    kl_cov: KLCovOptions = field(default_factory=KLCovOptions)
+    overlong: OverlongOptions = field(default_factory=OverlongOptions)
+    group_relative: GroupRelativeOptions = field(default_factory=GroupRelativeOptions)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     @property
-    def replays_routing(self) -> bool:
-        """Training routes every token to the experts the rollout engine chose for it (routing_replay: rollout)."""
-        return self.routing_replay == "rollout"
+    def entry(self):
+        """The algorithm's registry entry (algorithms/registry.py)."""
+        return ALGORITHMS[resolve_algorithm(self.name)]
+
+    @property
+    def resolved_length_penalty(self) -> str:
+        """algorithm.length_penalty, or the algorithm's default where unset."""
+        return self.length_penalty or self.entry.length_penalty
+
+    @property
+    def resolved_dynamic_sampling(self) -> bool:
+        """algorithm.dynamic_sampling, or the algorithm's default where unset."""
+        return self.entry.dynamic_sampling if self.dynamic_sampling is None else self.dynamic_sampling
+
+    def unread_settings(self) -> list[tuple[str, object, str]]:
+        """(key, value, who reads it and why this run does not) of each setting off its default that this run does
+        not read: an algorithm's section other than algorithm.name's, a length penalty's other than the run's, a
+        rollout correction's bound without that correction, max_resample_rounds without dynamic sampling."""
+        penalty, correction = self.resolved_length_penalty, self.rollout_correction
+        penalty_default = "" if self.length_penalty else f" ({self.name}'s default)"
+        sampling_default = "" if self.dynamic_sampling is not None else f" ({self.name}'s default)"
+        owners = [*((name, name == self.name, f"{name} (algorithm.name: {name}), and this run's algorithm is "
+                     f"{self.name}") for name in ALGORITHM_SECTIONS),
+                  *((name, name == penalty, f"the {name} length penalty (algorithm.length_penalty: {name}), and this "
+                     f"run's is {penalty}{penalty_default}") for name in LENGTH_PENALTY_SECTIONS)]
+        unread = [(f"algorithm.{section}.{key}", value, reader)
+                  for section, read, reader in owners if not read
+                  for key, value in _changed(getattr(self, section))]
+        for unused, owner, key, reader in (
+                (correction.rollout_is == "none", correction, "rollout_is_cap", "the importance weights "
+                 "(algorithm.rollout_correction.rollout_is: token, sequence or geometric), and this run has none"),
+                (correction.rollout_rs == "none", correction, "rollout_rs_bounds", "the rejection "
+                 "(algorithm.rollout_correction.rollout_rs: token, sequence or geometric), and this run has none"),
+                (not self.resolved_dynamic_sampling, self, "max_resample_rounds", "dynamic sampling "
+                 f"(algorithm.dynamic_sampling: true), and this run has it off{sampling_default}")):
+            if unused and getattr(owner, key) != getattr(type(owner)(), key):
+                section = "rollout_correction." if owner is correction else ""
+                unread.append((f"algorithm.{section}{key}", getattr(owner, key), reader))
+        return unread
 
     def check(self) -> None:
-        entry = ALGORITHMS[resolve_algorithm(self.name)]
+        entry = self.entry
+        for key, value, why in self.unread_settings()[:1]:
+            raise ConfigError(f"{key}: {list(value) if isinstance(value, tuple) else value} is read only by {why}: "
+                              f"remove it")
         # GTPO / GRPO-S (the entropy-shaped ones) split each group by a binary reward: a length penalty has nowhere
         # to go.
         _need(not entry.uses_entropy or self.length_penalty in (None, "none"),
               f"algorithm.length_penalty: {self.length_penalty} is not available with {self.name}, whose shaped "
               f"rewards need binary correctness; use none (or grpo / dapo)")
-        _need(self.entropy_clip is None or self.entropy_clip[0] <= self.entropy_clip[1],
-              f"algorithm.entropy_clip: low must be <= high, got {self.entropy_clip}")
         _need(self.kl_coef >= 0, f"algorithm.kl_coef: must be >= 0, got {self.kl_coef}")
-        for key in ("clip_cov_ratio", "kl_cov_ratio", "entropy_token_fraction"):
-            value = getattr(self, key)
-            _need(value is None and key == "entropy_token_fraction" or value is not None and 0 < value <= 1,
-                  f"algorithm.{key}: must be in (0, 1], got {value}")
-        _need(self.clip_cov_lb < self.clip_cov_ub,
-              f"algorithm.clip_cov_lb: must be < clip_cov_ub ({self.clip_cov_ub}), got {self.clip_cov_lb}")
-        _need(self.kl_cov_coef >= 0, f"algorithm.kl_cov_coef: must be >= 0, got {self.kl_cov_coef}")
-        _need(self.rollout_is_cap > 0, f"algorithm.rollout_is_cap: must be > 0, got {self.rollout_is_cap}")
-        _need(0 <= self.rollout_rs_bounds[0] <= self.rollout_rs_bounds[1],
-              f"algorithm.rollout_rs_bounds: need [low, high] with 0 <= low <= high, got "
-              f"{list(self.rollout_rs_bounds)}")
+        _need(self.entropy_token_fraction is None or 0 < self.entropy_token_fraction <= 1,
+              f"algorithm.entropy_token_fraction: must be in (0, 1], got {self.entropy_token_fraction}")
+        _need(self.max_resample_rounds >= 0,
+              f"algorithm.max_resample_rounds: must be >= 0, got {self.max_resample_rounds}")
+        for section in (*ALGORITHM_SECTIONS, *LENGTH_PENALTY_SECTIONS, "rollout_correction"):
+            getattr(self, section).check()
         # GRPO-S's surrogate is one term per sequence: a per-token weight has no term to multiply.
-        _need(not entry.sequence_level_loss or self.rollout_is != "token",
-              "algorithm.rollout_is: token weights need a token-level loss; grpo_s's loss is per sequence, use "
-              "geometric (or sequence)")
+        _need(not entry.sequence_level_loss or self.rollout_correction.rollout_is != "token",
+              "algorithm.rollout_correction.rollout_is: token weights need a token-level loss; grpo_s's loss is per "
+              "sequence, use geometric (or sequence)")
+
+
+# The sections of AlgorithmConfig named after a registry entry (its own options) and after a length penalty.
+ALGORITHM_SECTIONS = tuple(name for name in ALGORITHM_NAMES if name in AlgorithmConfig.__dataclass_fields__)
+LENGTH_PENALTY_SECTIONS = tuple(name for name in LENGTH_PENALTIES if name in AlgorithmConfig.__dataclass_fields__)
+
+
+def _changed(section) -> list[tuple[str, object]]:
+    """(field, value) of each field of the dataclass `section` that differs from its default."""
+    default = type(section)()
+    return [(f.name, getattr(section, f.name)) for f in dataclasses.fields(section)
+            if getattr(section, f.name) != getattr(default, f.name)]
 
 
 @dataclass
@@ -441,14 +631,14 @@ class TrainConfig:
 
 
 _CHOICES = {
-    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ("builtin", "vllm", *REMOTE_ENGINES),
-    "rollout.ahead_schedule": ("fixed", "when_idle"),
+    "model.dtype": ("float32", "bfloat16"), "rollout.engine": ENGINE_NAMES,  # engine_table.py: the only list
+    "rollout.schedule.ahead_schedule": ("fixed", "when_idle"),
     "algorithm.name": ALGORITHM_NAMES,  # the registry's names (algorithms/registry.py): the only list of them
-    "algorithm.norm_scope": ("batch", "group"), "algorithm.sequence_ratio": ("arithmetic", "geometric"),
-    "algorithm.length_penalty": ("none", "overlong", "group_relative"),
-    "algorithm.rollout_is": ("none", "token", "sequence", "geometric"),
-    "algorithm.rollout_rs": ("none", "token", "sequence", "geometric"),
-    "algorithm.routing_replay": ("none", "rollout"),
+    "algorithm.gtpo.norm_scope": NORM_SCOPES, "algorithm.grpo_s.sequence_ratio": SEQUENCE_RATIOS,
+    "algorithm.length_penalty": LENGTH_PENALTIES,
+    "algorithm.rollout_correction.rollout_is": ROLLOUT_IS_LEVELS,
+    "algorithm.rollout_correction.rollout_rs": ROLLOUT_RS_LEVELS,
+    "model.moe.routing_replay": ("none", "rollout"),
     "parallel.context_comm": CP_COMM_TYPES,
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
     "data.task": tuple(SYNTHETIC_TASKS),  # data/synthetic_tasks.py: the only list of tasks
@@ -518,7 +708,7 @@ def _build(cls, data: dict, prefix: str):
     unknown = sorted(set(data) - names)
     moved = [prefix + k for k in unknown if prefix + k in MOVED_KEYS]
     if moved:
-        raise ConfigError("; ".join(f"{key} moved to {MOVED_KEYS[key]}" for key in moved))
+        raise ConfigError("; ".join(_moved_message(key) for key in moved))
     if unknown:
         raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
                           f"{', '.join(prefix + k + _did_you_mean(k, names, prefix) for k in unknown)}; valid keys "
@@ -536,27 +726,110 @@ def _build(cls, data: dict, prefix: str):
     return cls(**kwargs)
 
 
-# Keys that moved to another place, each answered with one line naming its new place rather than as unknown: the
-# rollout engines' options, moved into a section per engine.
-MOVED_KEYS = {f"rollout.{old}": f"rollout.{new}" for old, new in (
-    ("builtin_max_batch_tokens", "builtin.max_batch_tokens"),
-    ("vllm_gpu_memory_utilization", "vllm.gpu_memory_utilization"),
-    ("vllm_kv_cache_memory_bytes", "vllm.kv_cache_memory_bytes"), ("vllm_hf_dir", "vllm.hf_dir"),
-    ("vllm_tensor_parallel", "vllm.tensor_parallel"), ("remote_addresses", "remote.addresses"),
-    ("remote_connect_timeout_s", "remote.connect_timeout_s"), ("remote_request_timeout_s", "remote.request_timeout_s"),
-    ("remote_reconnect_timeout_s", "remote.reconnect_timeout_s"))}
+# Keys that moved to another place, each answered with one line naming its new place (or places) rather than as unknown,
+# and read in their new place from a checkpoint's saved config (`upgrade_saved_config`): the rollout schedule, moved
+# into rollout.schedule; the rollout engines' options, moved into a section per engine; the algorithms' options, moved
+# into a section per algorithm, per length penalty and for the rollout correction; routing replay and the router losses,
+# into model.moe.
+MOVED_KEYS: dict[str, tuple[str, ...]] = {
+    **{f"rollout.{key}": (f"rollout.schedule.{key}",) for key in ScheduleConfig.__dataclass_fields__},
+    **{f"rollout.{old}": (f"rollout.{new}",) for old, new in (
+        ("builtin_max_batch_tokens", "builtin.max_batch_tokens"),
+        ("vllm_gpu_memory_utilization", "vllm.gpu_memory_utilization"),
+        ("vllm_kv_cache_memory_bytes", "vllm.kv_cache_memory_bytes"), ("vllm_hf_dir", "vllm.hf_dir"),
+        ("vllm_tensor_parallel", "vllm.tensor_parallel"), ("remote_addresses", "remote.addresses"),
+        ("remote_connect_timeout_s", "remote.connect_timeout_s"),
+        ("remote_request_timeout_s", "remote.request_timeout_s"),
+        ("remote_reconnect_timeout_s", "remote.reconnect_timeout_s"))},
+    **{f"algorithm.{old}": tuple(f"algorithm.{place}" for place in new) for old, new in (
+        ("alpha1", ("gtpo.alpha1",)), ("alpha2", ("gtpo.alpha2",)), ("norm_scope", ("gtpo.norm_scope",)),
+        ("entropy_clip", ("gtpo.entropy_clip", "grpo_s.entropy_clip")), ("beta1", ("grpo_s.beta1",)),
+        ("beta2", ("grpo_s.beta2",)), ("sequence_ratio", ("grpo_s.sequence_ratio",)),
+        ("clip_cov_ratio", ("clip_cov.ratio",)), ("clip_cov_lb", ("clip_cov.lb",)), ("clip_cov_ub", ("clip_cov.ub",)),
+        ("kl_cov_ratio", ("kl_cov.ratio",)), ("kl_cov_coef", ("kl_cov.coef",)),
+        ("overlong_max_len", ("overlong.max_len",)), ("overlong_cache_len", ("overlong.cache_len",)),
+        ("group_relative_gamma", ("group_relative.gamma",)),
+        *((key, (f"rollout_correction.{key}",)) for key in ("rollout_is", "rollout_is_cap", "rollout_rs",
+                                                             "rollout_rs_bounds")))},
+    "algorithm.routing_replay": ("model.moe.routing_replay",),
+    "model.moe_aux_loss_coef": ("model.moe.aux_loss_coef",), "model.moe_z_loss_coef": ("model.moe.z_loss_coef",),
+}
+
+
+def _moved_message(key: str) -> str:
+    return f"{key} moved to {' or '.join(MOVED_KEYS[key])}"
+
+
+def upgrade_saved_config(saved: dict) -> dict:
+    """A checkpoint's saved configuration (`to_dict` of its run's, read back from JSON) in today's keys: each key that
+    moved since it was written (MOVED_KEYS) in its new place, and the settings moved into a section its run did not
+    read back at their defaults. (An older run's config held every algorithm's options side by side; only its own
+    algorithm's, its length penalty's and the bounds of its correction were read.) Pure: `saved` is not changed."""
+    tree = copy.deepcopy(saved)
+    for old, places in MOVED_KEYS.items():
+        *path, name = old.split(".")
+        parent = _node(tree, path)
+        if parent is None or name not in parent:
+            continue
+        value = parent.pop(name)
+        for place in places:
+            *path, name = place.split(".")
+            _node(tree, path, create=True).setdefault(name, value)
+    if isinstance(tree.get("algorithm"), dict):
+        try:
+            algorithm = _build(AlgorithmConfig, tree["algorithm"], "algorithm.")
+        except ConfigError as e:
+            raise ConfigError(f"the checkpoint's saved configuration: {e}") from None
+        defaults = TrainConfig()
+        for key, _, _ in algorithm.unread_settings():
+            *path, name = key.split(".")
+            default = getattr(functools.reduce(getattr, path, defaults), name)
+            _node(tree, path)[name] = list(default) if isinstance(default, tuple) else default
+    return tree
+
+
+def _node(tree: dict, path: list[str], create: bool = False) -> dict | None:
+    """The mapping at `path` in `tree` (made where missing with `create`), or None."""
+    for name in path:
+        if create:
+            tree = tree.setdefault(name, {})
+        elif not isinstance(tree, dict) or not isinstance(tree.get(name), dict):
+            return None
+        else:
+            tree = tree[name]
+    return tree
 
 
 def _did_you_mean(key, names: set[str], prefix: str) -> str:
-    close = difflib.get_close_matches(str(key), sorted(names), n=1)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+    """The closest key here, or the new place of the closest key that moved from here."""
+    moved = {old[len(prefix):]: " or ".join(places) for old, places in MOVED_KEYS.items()
+             if old.startswith(prefix) and "." not in old[len(prefix):]}
+    close = difflib.get_close_matches(str(key), sorted({*names, *moved}), n=1)
+    return f" (did you mean {moved.get(close[0], prefix + close[0])}?)" if close else ""
+
+
+def _yaml_error(error: yaml.YAMLError, *, positions: bool = True) -> tuple[str, str]:
+    """(`line:column`, problem) of a YAML syntax error: where the parser stopped, and what it was reading (with where
+    that began, often the line to fix; without `positions`, not)."""
+    mark, context, context_mark = (getattr(error, name, None) for name in ("problem_mark", "context",
+                                                                            "context_mark"))
+    mark = mark or context_mark
+    problem = getattr(error, "problem", None) or str(error)
+    if context:
+        opened = f" that starts at {context_mark.line + 1}:{context_mark.column + 1}" \
+            if context_mark and positions else ""
+        problem += f" ({context}{opened})"
+    return (f"{mark.line + 1}:{mark.column + 1}" if mark else "?"), problem
 
 
 def _parse_override(item: str) -> tuple[list[str], object]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-6")
     key, raw = item.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not YAML: {_yaml_error(e, positions=False)[1]}") from None
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -573,7 +846,11 @@ def parse_config(path: str | None = None, overrides: list[str] = ()) -> TrainCon
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                position, problem = _yaml_error(e)
+                raise ConfigError(f"{path}:{position}: {problem}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     for item in overrides:
@@ -601,7 +878,7 @@ def validate(cfg: TrainConfig) -> None:
 def features(cfg: TrainConfig) -> Features:
     """What the cross-feature rules read of `cfg`."""
     return Features(model=cfg.model, parallel=cfg.parallel, rollout=cfg.rollout, algorithm=cfg.algorithm,
-                    data=cfg.data, warm_start=cfg.warm_start, entry=ALGORITHMS[resolve_algorithm(cfg.algorithm.name)])
+                    data=cfg.data, warm_start=cfg.warm_start, entry=cfg.algorithm.entry)
 
 
 def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=None) -> None:
@@ -623,7 +900,7 @@ def validate_layout(cfg: TrainConfig, *, world_size: int | None = None, shape=No
         check_layout(layout, shape=shape, prompts_per_step=d.prompts_per_step,
                      mini_batches_per_step=d.mini_batches_per_step,
                      rollout=RolloutLayout(r.engine, r.vllm.tensor_parallel, len(r.remote.addresses)),
-                     training=True, routing_replay=cfg.algorithm.replays_routing)
+                     training=True, routing_replay=cfg.model.moe.replays_routing)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
 
@@ -632,11 +909,9 @@ def validate_for_model(cfg: TrainConfig, shape) -> None:
     """The settings that depend on the model (`shape`: models.qwen.ModelShape), as a ConfigError; the trainer checks
     them once it has read the model's config."""
     if shape.moe is None:
-        for key, value in (("algorithm.routing_replay", cfg.algorithm.replays_routing),
-                           ("model.moe_aux_loss_coef", cfg.model.moe_aux_loss_coef > 0),
-                           ("model.moe_z_loss_coef", cfg.model.moe_z_loss_coef > 0)):
-            if value:
-                raise ConfigError(f"{key}: needs a mixture-of-experts model (Qwen3-MoE); this one is dense")
+        for key, value in _changed(cfg.model.moe)[:1]:
+            raise ConfigError(f"model.moe.{key}: {value} is read only by a mixture-of-experts model (Qwen3-MoE); this "
+                              f"one is dense: remove it")
 
 
 def to_dict(cfg) -> dict:

@@ -7,8 +7,11 @@ config.py) and before the layout's rules.
 
 The parallel layout's rules (sequence and expert parallelism, where the engines run, which engines serve a
 mixture-of-experts model and which record its routing for replay) are layout.check_layout's, which the planner and
-the model builder share: config.validate_layout applies them. An engine's own options need no rule: each engine has
-a section of its own (rollout.builtin, rollout.vllm, rollout.remote in config.py), read by that engine only.
+the model builder share: config.validate_layout applies them. A rule about the rollout engine reads what the engine
+can do (engine_table.py), never its name. An engine's own options need no rule: each engine has a section of its own
+(rollout.builtin, rollout.vllm, rollout.remote in config.py), read by that engine only; nor do the rollout schedule's
+rules among its own keys (rollout.schedule's check) or an algorithm's options (its own section, read only when it is
+the one chosen: AlgorithmConfig.unread_settings).
 
 To add a rule: a row here, and its two configurations in tests/test_config_rules.py (one that triggers it, the
 nearest one that does not).
@@ -18,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-# rollout.engine values whose engines run on processes (nodes) of their own: rollout servers
-REMOTE_ENGINES = ("vllm_remote", "builtin_remote")
+from megatron_gtpo.engine_table import ENGINES, REMOTE_ENGINES, Engine, one_of
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,14 @@ class Features:
     entry: object
 
     @property
+    def engine(self) -> Engine:
+        """What the configured rollout engine can do (engine_table.py)."""
+        return ENGINES[self.rollout.engine]
+
+    @property
     def dynamic_sampling(self) -> bool:
         """algorithm.dynamic_sampling, or the algorithm's default where unset."""
-        chosen = self.algorithm.dynamic_sampling
-        return self.entry.dynamic_sampling if chosen is None else chosen
+        return self.algorithm.resolved_dynamic_sampling
 
 
 @dataclass(frozen=True)
@@ -55,93 +61,81 @@ class Rule:
 
     def render(self, features: Features) -> str:
         values = {name: getattr(features, name) for name in Features.__dataclass_fields__}
-        return self.message.format(**values, remote_engines=" or ".join(REMOTE_ENGINES))
+        return self.message.format(**values, remote_engines=one_of(REMOTE_ENGINES))
 
 
 CROSS_FEATURE_RULES: tuple[Rule, ...] = (
     Rule("vllm needs a Hugging Face directory",
-         lambda f: f.rollout.engine == "vllm" and not (f.rollout.vllm.hf_dir or f.model.hf_dir),
+         lambda f: f.engine.needs_hf_directory and not (f.rollout.vllm.hf_dir or f.model.hf_dir),
          "a colocated vLLM engine loads a Hugging Face directory; model.load is a megatron_gtpo checkpoint",
          "rollout.vllm.hf_dir: the vLLM engine starts from a Hugging Face directory; set it (or model.hf_dir)"),
     Rule("staleness needs engines of their own",
-         lambda f: f.rollout.max_staleness >= 1 and f.rollout.engine not in REMOTE_ENGINES,
+         lambda f: f.rollout.schedule.max_staleness >= 1 and not f.engine.remote,
          "generating ahead needs engines that run while the trainer trains; colocated ones share its GPUs",
-         "rollout.max_staleness: {rollout.max_staleness} needs engines on processes of their own that generate while "
-         "the trainer trains ({remote_engines}); the {rollout.engine} engine shares the trainer's"),
+         "rollout.schedule.max_staleness: {rollout.schedule.max_staleness} needs engines on processes of their own "
+         "that generate while the trainer trains ({remote_engines}); the {rollout.engine} engine shares the "
+         "trainer's"),
     Rule("partial rollouts without routing replay",
-         lambda f: f.rollout.partial_rollouts and f.algorithm.replays_routing,
+         lambda f: f.rollout.schedule.partial_rollouts and f.model.moe.replays_routing,
          "a continued response's routing would be recorded by several engine calls, under several policies",
-         "rollout.partial_rollouts: not with algorithm.routing_replay: rollout (a continued response's routing would "
-         "span engine calls)"),
+         "rollout.schedule.partial_rollouts: not with model.moe.routing_replay: rollout (a continued response's "
+         "routing would span engine calls)"),
     Rule("partial rollouts need dynamic sampling",
-         lambda f: f.rollout.partial_rollouts and not f.dynamic_sampling,
+         lambda f: f.rollout.schedule.partial_rollouts and not f.dynamic_sampling,
          "a step the unfinished groups leave short is filled by dynamic sampling's further rounds",
-         "rollout.partial_rollouts: needs dynamic sampling (algorithm.dynamic_sampling: true), whose further rounds "
-         "fill the step that unfinished groups leave short; {algorithm.name} has it off"),
+         "rollout.schedule.partial_rollouts: needs dynamic sampling (algorithm.dynamic_sampling: true), whose "
+         "further rounds fill the step that unfinished groups leave short; {algorithm.name} has it off"),
     # Measured: the CPU demo at staleness 1 with partial rollouts learned +0.14 without the correction, +0.43 with
     # token weights (benchmarks/results/async.md).
     Rule("partial rollouts need the rollout correction",
-         lambda f: f.rollout.partial_rollouts and f.algorithm.rollout_is == "none",
+         lambda f: f.rollout.schedule.partial_rollouts and f.algorithm.rollout_correction.rollout_is == "none",
          "older policies sampled a continued response's first tokens: the update needs importance weights",
-         "rollout.partial_rollouts: needs the rollout correction (algorithm.rollout_is: token, or geometric for "
-         "grpo_s): a continued response's tokens were sampled by older policies than the one that trains them"),
+         "rollout.schedule.partial_rollouts: needs the rollout correction (algorithm.rollout_correction.rollout_is: "
+         "token, or geometric for grpo_s): a continued response's tokens were sampled by older policies than the one "
+         "that trains them"),
     Rule("staleness needs the rollout correction",
-         lambda f: f.rollout.max_staleness >= 1 and f.algorithm.rollout_is == "none",
+         lambda f: f.rollout.schedule.max_staleness >= 1 and f.algorithm.rollout_correction.rollout_is == "none",
          "an older policy sampled the batch: the clipped surrogate needs importance weights from it to the one that "
          "trains",
-         "rollout.max_staleness: {rollout.max_staleness} needs the rollout correction (algorithm.rollout_is: token, or "
-         "geometric for grpo_s): without it the clipped surrogate is anchored to a policy that did not sample"),
+         "rollout.schedule.max_staleness: {rollout.schedule.max_staleness} needs the rollout correction "
+         "(algorithm.rollout_correction.rollout_is: token, or geometric for grpo_s): without it the clipped "
+         "surrogate is anchored to a policy that did not sample"),
     Rule("updates during generation need rollout servers",
-         lambda f: f.rollout.update_during_generation and f.rollout.engine not in REMOTE_ENGINES,
+         lambda f: f.rollout.schedule.update_during_generation and not f.engine.updates_during_generation,
          "only an engine on processes of its own generates while the trainer syncs weights",
-         "rollout.update_during_generation: needs engines on processes of their own ({remote_engines}); the "
+         "rollout.schedule.update_during_generation: needs engines on processes of their own ({remote_engines}); the "
          "{rollout.engine} engine generates only while the trainer waits"),
     Rule("updates during generation need staleness",
-         lambda f: f.rollout.update_during_generation and f.rollout.engine in REMOTE_ENGINES
-         and f.rollout.max_staleness == 0,
+         lambda f: f.rollout.schedule.update_during_generation and f.engine.updates_during_generation
+         and f.rollout.schedule.max_staleness == 0,
          "at max_staleness 0 the trainer waits for each generation before it trains, so no update meets one",
-         "rollout.update_during_generation: needs rollout.max_staleness >= 1 (at 0 the trainer waits for every "
-         "generation before it trains and syncs, so no update would meet one)"),
+         "rollout.schedule.update_during_generation: needs rollout.schedule.max_staleness >= 1 (at 0 the trainer "
+         "waits for every generation before it trains and syncs, so no update would meet one)"),
     Rule("updates during generation without routing replay",
-         lambda f: f.rollout.update_during_generation and f.algorithm.replays_routing,
+         lambda f: f.rollout.schedule.update_during_generation and f.model.moe.replays_routing,
          "a response's routing would span the prefills of two weight versions",
-         "rollout.update_during_generation: not with algorithm.routing_replay: rollout (a response's routing would "
-         "span two weight versions)"),
-    Rule("rounds ahead are a count",
-         lambda f: f.rollout.rounds_ahead < 0,
-         "a number of rounds",
-         "rollout.rounds_ahead: must be >= 0, got {rollout.rounds_ahead}"),
-    Rule("rounds ahead need staleness",
-         lambda f: f.rollout.rounds_ahead >= 1 and f.rollout.max_staleness == 0,
-         "a round asked for after a step's rounds is one version old at the next step (and staleness needs rollout "
-         "servers: its own row)",
-         "rollout.rounds_ahead: {rollout.rounds_ahead} needs rollout.max_staleness >= 1 (a round asked for ahead "
-         "is one version old when the next step takes it; at 0 every one would be dropped)"),
+         "rollout.schedule.update_during_generation: not with model.moe.routing_replay: rollout (a response's "
+         "routing would span two weight versions)"),
     Rule("rounds ahead need dynamic sampling",
-         lambda f: f.rollout.rounds_ahead >= 1 and not f.dynamic_sampling,
+         lambda f: f.rollout.schedule.rounds_ahead >= 1 and not f.dynamic_sampling,
          "the rounds asked for ahead are dynamic sampling's further rounds",
-         "rollout.rounds_ahead: {rollout.rounds_ahead} needs dynamic sampling (algorithm.dynamic_sampling: true), "
-         "whose further rounds they are; {algorithm.name} has it off"),
+         "rollout.schedule.rounds_ahead: {rollout.schedule.rounds_ahead} needs dynamic sampling "
+         "(algorithm.dynamic_sampling: true), whose further rounds they are; {algorithm.name} has it off"),
     Rule("rounds ahead within the rounds a step may take",
-         lambda f: f.rollout.rounds_ahead > f.algorithm.max_resample_rounds,
+         lambda f: f.rollout.schedule.rounds_ahead > f.algorithm.max_resample_rounds,
          "a step takes at most algorithm.max_resample_rounds further rounds; more asked ahead would be dropped",
-         "rollout.rounds_ahead: {rollout.rounds_ahead} exceeds algorithm.max_resample_rounds "
+         "rollout.schedule.rounds_ahead: {rollout.schedule.rounds_ahead} exceeds algorithm.max_resample_rounds "
          "{algorithm.max_resample_rounds}, the most further rounds a step takes"),
-    Rule("an ahead schedule needs rounds ahead",
-         lambda f: f.rollout.ahead_schedule != "fixed" and f.rollout.rounds_ahead == 0,
-         "the schedule says when the rounds ahead are asked for",
-         "rollout.ahead_schedule: {rollout.ahead_schedule} needs rollout.rounds_ahead >= 1 (the most rounds held "
-         "ahead); at 0 none is asked for"),
     Rule("routing replay needs CP = 1",
-         lambda f: f.parallel.context > 1 and f.algorithm.replays_routing,
+         lambda f: f.parallel.context > 1 and f.model.moe.replays_routing,
          "the routing record holds whole rows, and splitting it over the context-parallel ranks as the tokens are "
          "is not implemented (training/forward.py)",
-         "algorithm.routing_replay: rollout is not supported at parallel.context {parallel.context} (the rollout's "
-         "routing record is not split over the context-parallel ranks); use algorithm.routing_replay: none"),
+         "model.moe.routing_replay: rollout is not supported at parallel.context {parallel.context} (the rollout's "
+         "routing record is not split over the context-parallel ranks); use model.moe.routing_replay: none"),
     Rule("no built-in engine in the trainer at CP > 1",
-         lambda f: f.parallel.context > 1 and f.rollout.engine == "builtin",
+         lambda f: f.parallel.context > 1 and not f.engine.context_parallel,
          "the built-in engine's inference path would have to slice positions per CP rank",
-         "rollout.engine: builtin does not generate in the trainer's processes at parallel.context "
+         "rollout.engine: {rollout.engine} does not generate in the trainer's processes at parallel.context "
          "{parallel.context} (they split every sequence over the context-parallel ranks); generate on vLLM (vllm) or "
          "on rollout servers ({remote_engines}: docs/remote_rollout.md)"),
     Rule("the high-entropy fraction needs a token-level loss",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_gtpo.engine_table import ENGINES, engines_that, one_of
+
 
 # How Transformer Engine's attention exchanges keys and values over the context-parallel ranks (megatron-core's
 # cp_comm_type): a ring of point-to-point sends, one all-gather, all-to-all over heads, or both.
@@ -81,7 +83,7 @@ def check_layout(layout: ParallelLayout, *, shape=None, prompts_per_step: int | 
     known data size: ETP x EP divides TP x CP x DP (megatron-core's expert layout of a stage's ranks); `training` such a
     model at TP > 1 needs sequence parallelism (megatron-core's MoE layer refuses to train without). With
     `prompts_per_step`: the prompts split evenly over the mini-batches, and with a known data size over DP x
-    mini-batches. With `rollout`: `routing_replay` (algorithm.routing_replay: rollout) and a mixture-of-experts
+    mini-batches. With `rollout`: `routing_replay` (model.moe.routing_replay: rollout) and a mixture-of-experts
     model (`shape`'s) need an engine other than builtin_remote (whether vLLM can return its routing is checked when
     it starts: vllm_engine.routed_experts_unavailable); with a known data size, colocated vLLM engines tile the
     replica's GPUs (`check_engine_tensor_parallel`, `check_engine_span`) and, with `shape`, split the attention heads;
@@ -189,20 +191,21 @@ def _check_rollout(rollout: RolloutLayout, tp: int, pp: int, dp: int | None, sha
                    cp: int) -> None:
     # The one place this is decided: which engines serve a mixture-of-experts model, and which replay its routing.
     moe = getattr(shape, "moe", None) is not None
-    _need(not routing_replay or rollout.engine != "builtin_remote",
-          "rollout.engine: builtin_remote does not record routing for algorithm.routing_replay: rollout (the "
-          "built-in engine's routing stays on the rank that computed it); use builtin, vllm or vllm_remote, or "
-          "algorithm.routing_replay: none")
-    _need(not moe or rollout.engine != "builtin_remote",
-          "rollout.engine: builtin_remote is not supported for a mixture-of-experts model (a built-in rollout "
-          "server has not been built or tested for one); use builtin, vllm or vllm_remote")
+    engine = ENGINES[rollout.engine]
+    _need(not routing_replay or engine.routing_replay,
+          f"rollout.engine: {rollout.engine} does not record routing for model.moe.routing_replay: rollout (the "
+          f"built-in engine's routing stays on the rank that computed it); use "
+          f"{one_of(engines_that('routing_replay'))}, or model.moe.routing_replay: none")
+    _need(not moe or engine.moe,
+          f"rollout.engine: {rollout.engine} is not supported for a mixture-of-experts model (a built-in rollout "
+          f"server has not been built or tested for one); use {one_of(engines_that('moe'))}")
     if dp is None:
         return
-    if rollout.engine in ("vllm_remote", "builtin_remote"):
+    if engine.remote:
         _need(rollout.remote_servers == dp,
               f"rollout.remote.addresses: {rollout.remote_servers} given, but there are {dp} data-parallel "
               f"replicas (one rollout server each)")
-    if rollout.engine != "vllm":
+    if not engine.engine_tensor_parallel:
         return
     vtp = rollout.engine_tensor_parallel
     _need(shape is None or (vtp >= 1 and shape.num_attention_heads % vtp == 0),

@@ -1,4 +1,5 @@
-"""Reading a run's metrics.jsonl and plotting runs side by side (the demo and tools/compare_algorithms.py)."""
+"""Reading a run's metrics.jsonl, summarising and plotting runs side by side (the trainer's last line, `python -m
+megatron_gtpo.plot`, the demo and tools/compare_algorithms.py)."""
 from __future__ import annotations
 
 import json
@@ -7,15 +8,49 @@ import os
 from typing import NamedTuple
 
 from megatron_gtpo.atomic_files import write_atomically
+from megatron_gtpo.progress import format_duration
 
+METRICS_FILE = "metrics.jsonl"
 PLOTTED = (("reward_mean", "mean reward"), ("entropy_mean", "mean token entropy (nats)"),
            ("response_length_mean", "mean response length (tokens)"))
+# A run at a glance: what `python -m megatron_gtpo.plot` draws; step_time_s is the sum of the step's phase times.
+RUN_PANELS = (("reward_mean", "mean reward"), ("accuracy", "accuracy (outcome reward)"),
+              ("entropy_mean", "mean token entropy (nats)"), ("response_length_mean", "mean response length (tokens)"),
+              ("step_time_s", "step time (s)"))
+SUMMARY_WINDOW = 10  # steps averaged at the start and at the end of a run in its summary line
 
 
 def read_rl_metrics(output_dir: str) -> list[dict]:
-    """The RL steps of a run (the warm-start's row, step -1, is left out)."""
-    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [row for row in map(json.loads, f) if row["step"] >= 0]
+    """The RL steps of a run (the warm-start's row, step -1, is left out), each with its `step_time_s` (the sum of
+    its phases' `time_*_s`). A last line without its newline (a row still being written) is left for next time."""
+    with open(os.path.join(output_dir, METRICS_FILE), encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    rows = [json.loads(line) for line in lines[:-1] if line.strip()]  # lines[-1]: after the last newline
+    return [{**row, "step_time_s": step_time_s(row)} for row in rows if row["step"] >= 0]
+
+
+def step_time_s(row: dict) -> float | None:
+    """A step's wall time: the sum of its phases' times (`time_<phase>_s`); None when it logged none."""
+    phases = [v for k, v in row.items() if k.startswith("time_") and k.endswith("_s") and v is not None]
+    return sum(phases) if phases else None
+
+
+def run_summary_line(rows: list[dict], window: int = SUMMARY_WINDOW) -> str:
+    """A run's RL steps in one line: how many, their time, and how reward, accuracy, token entropy and response
+    length moved (the means of the first and of the last `window` steps, `window_means`)."""
+    if not rows:
+        return "no RL step logged"
+    seconds = sum(t for t in (step_time_s(r) for r in rows) if t is not None)
+    moved = []
+    for key, name in (("reward_mean", "reward"), ("accuracy", "accuracy"), ("entropy_mean", "entropy"),
+                      ("response_length_mean", "response length")):
+        values = [r.get(key) for r in rows]
+        if any(v is not None for v in values):
+            first, last = window_means(values, window)
+            moved.append(f"{name} {first:.3g} -> {last:.3g}")
+    shown = max(1, min(window, len(rows) // 2))
+    return (f"{len(rows)} RL steps ({rows[0]['step']}-{rows[-1]['step']}) in {format_duration(seconds)} "
+            f"({seconds / len(rows):.3g} s/step); {', '.join(moved)} (mean of the first -> last {shown} steps)")
 
 
 def window_means(values: list[float | None], window: int) -> tuple[float, float]:
@@ -32,16 +67,21 @@ def window_means(values: list[float | None], window: int) -> tuple[float, float]
 
 
 def plot_runs(runs: dict[str, list[dict]], path: str, title: str, panels=PLOTTED) -> None:
-    """One panel per metric, one line per run; written atomically as PNG."""
+    """One panel per metric (three to a row), one line per run; written atomically as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
+    columns = min(3, len(panels))
+    rows_of_panels = -(-len(panels) // columns)
+    fig, grid = plt.subplots(rows_of_panels, columns, figsize=(4.4 * columns, 3.6 * rows_of_panels), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
     for ax, (key, label) in zip(axes, panels):
         for name, rows in runs.items():
-            values = [float("nan") if r[key] is None else r[key] for r in rows]  # null: no value that step
+            values = [float("nan") if r.get(key) is None else r[key] for r in rows]  # null: no value that step
             ax.plot([r["step"] for r in rows], values, lw=1.2, label=name)
         ax.set_xlabel("RL step")
         ax.set_title(label)

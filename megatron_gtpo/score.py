@@ -70,15 +70,13 @@ def _model_source(args):
     """(hf config dict, loader(model_chunks, parallel)) for --hf or --load."""
     from megatron_gtpo.checkpoint.sources import ModelSource
 
-    if args.hf:
-        from megatron_gtpo.models.qwen import load_hf_config
-
-        load_hf_config(args.hf)  # names a missing config.json before anything else
-    source = ModelSource.detect(args.hf or args.load, what="--hf" if args.hf else "--load")
+    given = "--hf" if args.hf else "--load"
+    source = ModelSource.detect(args.hf or args.load, what=given)
     if source.is_megatron_checkpoint != bool(args.load):
         flag = "--load" if source.is_megatron_checkpoint else "--hf"
-        raise ValueError(f"{source.path!r} is a {'megatron_gtpo checkpoint' if args.hf else 'Hugging Face directory'}"
-                         f": pass it with {flag}")
+        raise ValueError(f"{given}: {source.path!r} is a "
+                         f"{'megatron_gtpo checkpoint' if args.hf else 'Hugging Face directory'}: pass it with {flag} "
+                         f"instead ({flag} {source.path})")
     return source.hf_config(), source.load_into
 
 

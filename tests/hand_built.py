@@ -3,6 +3,7 @@ loader's items for prompt token ids, an engine's record wrapped as its `Rollout`
 a rollout queue over a scripted engine."""
 import torch
 
+from megatron_gtpo.config import ScheduleConfig
 from megatron_gtpo.data.records import PromptSample
 from megatron_gtpo.distributed import ParallelGroups
 from megatron_gtpo.rollout.engine import Rollout, SamplingParams
@@ -46,7 +47,7 @@ class ScriptedEngine:
         return lambda: rollout
 
     def idle(self) -> bool:
-        """The next of `idle_answers` (set by a test of rollout.ahead_schedule when_idle)."""
+        """The next of `idle_answers` (set by a test of rollout.schedule.ahead_schedule when_idle)."""
         return self.idle_answers.pop(0)
 
     def stand_by(self) -> None:
@@ -60,7 +61,7 @@ def scripted_queue(answer, requests, *, max_staleness: int, steps: int, group_si
     loader) gives prompts 1000 + i x `prompts_per_draw` ... (one token each, ids "p<index>"), round r of step k is
     asked with seed 10 k + r. `selection`, `reward(prompts, responses) -> [N, G]` and the data-parallel group
     `dp_group` for its `experience` (by default one group a step, every response correct, no group);
-    `rounds_ahead` as rollout.rounds_ahead, `when_idle` as its schedule "when_idle"."""
+    `rounds_ahead` as rollout.schedule.rounds_ahead, `when_idle` as its schedule "when_idle"."""
     draws = iter(range(first_draw, 10**6))
 
     def draw_prompts():
@@ -72,5 +73,6 @@ def scripted_queue(answer, requests, *, max_staleness: int, steps: int, group_si
     source.engine = ScriptedEngine(answer)
     return RolloutQueue(source, selection or GroupSelection(1, True, 0, None),
                         reward or (lambda prompts, responses: torch.ones(responses.num_prompts, group_size)),
-                        ParallelGroups.data_parallel_rank(dp_group, torch.device("cpu")), max_staleness=max_staleness,
-                        steps=steps, rounds_ahead=rounds_ahead, when_idle=when_idle)
+                        ParallelGroups.data_parallel_rank(dp_group, torch.device("cpu")),
+                        schedule=ScheduleConfig(max_staleness=max_staleness, rounds_ahead=rounds_ahead,
+                                                ahead_schedule="when_idle" if when_idle else "fixed"), steps=steps)

@@ -4,13 +4,15 @@ contract's end-to-end check (test_parallel_invariance.py), reused for Qwen3 (tes
 import pytest
 import torch
 
+from megatron_gtpo.config import ClipCovOptions, KLCovOptions
+
 NUM_GROUPS, G = 4, 2
 LOSS_LEVELS = ("token", "sequence")
 # The token selections (Clip-Cov, KL-Cov, the high-entropy fraction) on the token-level loss, with settings that make
 # them act on this small batch: their statistics span the whole mini-batch, so the split must not change them.
 SELECTIONS = {
-    "clip_cov": dict(name="clip_cov", clip_cov_ratio=0.3, clip_cov_lb=0.05),
-    "kl_cov": dict(name="kl_cov", kl_cov_ratio=0.3),
+    "clip_cov": dict(name="clip_cov", clip_cov=ClipCovOptions(ratio=0.3, lb=0.05)),
+    "kl_cov": dict(name="kl_cov", kl_cov=KLCovOptions(ratio=0.3)),
     "entropy_fraction": dict(name="dapo", entropy_token_fraction=0.5),
 }
 # Micro-batch plans: (sequences, max tokens, packed)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from megatron_gtpo.algorithms import local_loss_normalizer, sequence_policy_loss, token_policy_loss
+from megatron_gtpo.algorithms import PPOClip, local_loss_normalizer, sequence_policy_loss, token_policy_loss
 
 TOL = dict(atol=1e-12, rtol=1e-12)
 
@@ -104,6 +104,12 @@ TOKEN_CASES = [
 ]
 
 
+def _settings(case: dict) -> dict:
+    """A case's settings as the losses take them: the clip's in a PPOClip."""
+    clip = PPOClip(case["eps_low"], case["eps_high"], case["dual_clip"])
+    return dict(clip=clip, **{k: v for k, v in case.items() if k not in ("eps_low", "eps_high", "dual_clip")})
+
+
 def _global_normalizer(mask, mode):
     return int(mask.sum()) if mode == "token-mean" else mask.shape[0]
 
@@ -119,7 +125,7 @@ def test_token_loss_matches_reference_with_gradients(case, advantage_shape):
         advantages = adv_BT if advantage_shape == "BT" else adv_B
         normalizer = _global_normalizer(mask, mode)
         loss, _ = token_policy_loss(logprobs, old, advantages, mask, loss_normalizer=normalizer, loss_agg_mode=mode,
-                                    ref_logprobs_BT=ref, entropy_BT=entropy, **case)
+                                    ref_logprobs_BT=ref, entropy_BT=entropy, **_settings(case))
         expected = reference_token_loss(logprobs, old, advantages, mask, ref, entropy, mode=mode,
                                         normalizer=normalizer, **case)
         torch.testing.assert_close(loss, expected, **TOL)
@@ -151,7 +157,7 @@ def test_sequence_loss_matches_reference_with_gradients(case):
         logprobs, old, ref, entropy, _, adv_B, mask = _inputs(10 + seed, spread=0.5)
         normalizer = mask.shape[0]
         loss, _ = sequence_policy_loss(logprobs, old, adv_B, mask, loss_normalizer=normalizer, sequence_ratio=ratio,
-                                       ref_logprobs_BT=ref, entropy_BT=entropy, **case)
+                                       ref_logprobs_BT=ref, entropy_BT=entropy, **_settings(case))
         expected = reference_sequence_loss(logprobs, old, adv_B, mask, ref, entropy, ratio=ratio,
                                            normalizer=normalizer, **case)
         torch.testing.assert_close(loss, expected, **TOL)
@@ -170,8 +176,7 @@ def test_clip_fractions_ratio_stats_and_approx_kl():
     adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
     old = torch.zeros_like(log_w)
     mask = torch.ones_like(log_w, dtype=torch.bool)
-    loss, metrics = token_policy_loss(log_w, old, adv, mask, loss_normalizer=6, eps_low=0.2, eps_high=0.28,
-                                      dual_clip=3.0)
+    loss, metrics = token_policy_loss(log_w, old, adv, mask, loss_normalizer=6, clip=PPOClip(0.2, 0.28, 3.0))
     # low binds: A<0, w<0.8 -> token 0; high binds: A>0, w>1.28 -> token 2; dual binds: A<0, w>3 -> token 5.
     assert metrics["clip_frac_low"].item() == pytest.approx(1 / 6)
     assert metrics["clip_frac_high"].item() == pytest.approx(1 / 6)
@@ -221,7 +226,7 @@ def test_micro_batches_and_dp_shards_sum_to_the_full_batch(loss_kind):
     mask = torch.arange(T) < lengths.unsqueeze(-1)
     adv_B = torch.randn(B, generator=gen, dtype=torch.float64)
     adv_BT = torch.randn(B, T, generator=gen, dtype=torch.float64)
-    kwargs = dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+    kwargs = dict(clip=PPOClip(0.2, 0.28, 3.0), kl_coef=0.05, entropy_coef=0.01)
 
     def micro_batch_loss(rows, normalizer):
         logprobs = _param_logprobs(theta, tokens[rows])
@@ -267,7 +272,9 @@ def test_invalid_arguments_raise_value_errors():
     with pytest.raises(ValueError, match="loss_agg_mode"):
         token_policy_loss(logprobs, old, adv_BT, mask, loss_normalizer=1.0, loss_agg_mode="mean")
     with pytest.raises(ValueError, match="dual_clip"):
-        token_policy_loss(logprobs, old, adv_BT, mask, loss_normalizer=1.0, dual_clip=0.9)
+        PPOClip(dual_clip=0.9)
+    with pytest.raises(ValueError, match="need 0 <= eps_low < 1"):
+        PPOClip(eps_low=1.0)
     with pytest.raises(ValueError, match="needs ref_logprobs_BT"):
         token_policy_loss(logprobs, old, adv_BT, mask, loss_normalizer=1.0, kl_coef=0.1)
     with pytest.raises(ValueError, match="needs entropy_BT"):

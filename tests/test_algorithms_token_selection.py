@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from algorithm_references import verl_clip_cov_loss, verl_kl_cov_loss
-from megatron_gtpo.algorithms import token_policy_loss
+from megatron_gtpo.algorithms import PPOClip, token_policy_loss
 from megatron_gtpo.algorithms.token_selection import (
     clip_cov_tokens,
     select_tokens,
@@ -125,7 +125,7 @@ def test_clip_cov_equals_verl_on_one_on_policy_micro_batch(seed):
     keys[torch.tensor(candidates)[perm]] = torch.arange(len(candidates), dtype=torch.float64)
     selection = select_tokens(advantages[mask], old[mask], old[mask], keys, clip_cov=(ratio, lb, ub))
     ours_lp = old.clone().requires_grad_()
-    loss, _ = _ours(ours_lp, old, advantages, mask, selection, eps_low=0.2, eps_high=0.28)
+    loss, _ = _ours(ours_lp, old, advantages, mask, selection, clip=PPOClip(0.2, 0.28))
     loss.backward()
     torch.testing.assert_close(loss, loss_v, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(ours_lp.grad, theirs_lp.grad, atol=1e-12, rtol=1e-12)
@@ -147,7 +147,7 @@ def test_kl_cov_equals_verl_when_the_covariance_uses_the_same_log_probs(seed, on
     selection = select_tokens(advantages[mask], current[mask], current[mask], current[mask], kl_cov_ratio=0.1)
     assert selection.penalise_K.tolist() == penalised_v[mask].tolist()
     ours_lp = current.clone().requires_grad_()
-    loss, metrics = _ours(ours_lp, old, advantages, mask, selection, ppo_clip=False, kl_cov_coef=1.0)
+    loss, metrics = _ours(ours_lp, old, advantages, mask, selection, clip=None, kl_cov_coef=1.0)
     loss.backward()
     torch.testing.assert_close(loss, loss_v, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(ours_lp.grad, theirs_lp.grad, atol=1e-12, rtol=1e-12)
@@ -172,7 +172,7 @@ def test_kl_cov_penalises_verls_count_when_every_covariance_ties(seed, advantage
     assert int(penalised_v.sum()) == n < K
     assert selection.penalise_K.nonzero().flatten().tolist() == list(range(n))
     assert selection.metrics["kl_cov_fraction"].item() == n / K
-    loss, metrics = _ours(current, old, advantages, mask, selection, ppo_clip=False, kl_cov_coef=coef)
+    loss, metrics = _ours(current, old, advantages, mask, selection, clip=None, kl_cov_coef=coef)
     log_ratios = [c - o for c, o in zip(current[mask].tolist(), old[mask].tolist())]
     expected = sum(-advantage * math.exp(x) + (coef * abs(x) if k < n else 0.0) for k, x in enumerate(log_ratios)) / K
     assert loss.item() == pytest.approx(expected, abs=1e-12)

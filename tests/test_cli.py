@@ -8,6 +8,7 @@ import pytest
 
 from cli_runs import ROOT_CAUSE, assert_one_clean_error, worker_frames
 from tiny_models import make_tiny_qwen2
+from tokenizer_dirs import build_hf_tokenizer_dir
 from trainer_runs import train_command
 
 
@@ -26,7 +27,9 @@ def test_train_with_a_misspelled_config_key(tmp_path):
 @pytest.mark.slow
 def test_evaluate_with_a_missing_data_file(tmp_path):
     make_tiny_qwen2(tmp_path / "model", num_layers=1)
-    res = _torchrun(["-m", "megatron_gtpo.evaluate", "--model", str(tmp_path / "model"), "--datasets",
+    tokenizer_dir = build_hf_tokenizer_dir(str(tmp_path / "tok"))  # the model directory has none
+    res = _torchrun(["-m", "megatron_gtpo.evaluate", "--model", str(tmp_path / "model"), "--tokenizer", tokenizer_dir,
+                     "--datasets",
                      f"mine={tmp_path / 'missing.jsonl'}", "--output-dir", str(tmp_path / "out")])
     assert_one_clean_error(res, f"megatron_gtpo.evaluate: error: dataset source must be one of ('aime24', 'aime25', "
                                 f"'math500') or an existing file, got '{tmp_path / 'missing.jsonl'}'")

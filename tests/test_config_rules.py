@@ -4,52 +4,50 @@ sections: rollout.engine alone switches engines, and only the selected engine's 
 import pytest
 
 from megatron_gtpo.config import ConfigError, features, load_config, parse_config
-from megatron_gtpo.config_rules import CROSS_FEATURE_RULES, REMOTE_ENGINES, refused_by
+from megatron_gtpo.config_rules import CROSS_FEATURE_RULES, refused_by
+from megatron_gtpo.engine_table import ENGINE_NAMES
 
 TINY = ["model.tiny_synthetic=true", "data.source=synthetic"]
 JSONL = ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl"]
 REMOTE = ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"]
-PARTIAL = ["rollout.partial_rollouts=true", "rollout.max_new_tokens=8", "rollout.partial_segment_tokens=2"]
+CORRECTION = "algorithm.rollout_correction.rollout_is=token"
+PARTIAL = ["rollout.schedule.partial_rollouts=true", "rollout.max_new_tokens=8",
+           "rollout.schedule.partial_segment_tokens=2"]
 
 # Per row (by name): the overrides that break it, and the change that makes them load.
 EXAMPLES = {
     "vllm needs a Hugging Face directory": (["model.load=/ckpt", "data.source=synthetic", "rollout.engine=vllm"],
                                             ["rollout.vllm.hf_dir=/hf"]),
-    "staleness needs engines of their own": (TINY + ["rollout.max_staleness=1", "algorithm.rollout_is=token"],
+    "staleness needs engines of their own": (TINY + ["rollout.schedule.max_staleness=1", CORRECTION],
                                              ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"]),
-    "staleness needs the rollout correction": (TINY + ["rollout.max_staleness=1", "rollout.engine=builtin_remote",
+    "staleness needs the rollout correction": (TINY + ["rollout.schedule.max_staleness=1",
+                                                       "rollout.engine=builtin_remote",
                                                        "rollout.remote.addresses=[h:1]"],
-                                               ["algorithm.rollout_is=token"]),
-    "partial rollouts without routing replay": (TINY + PARTIAL + ["algorithm.rollout_is=token",
-                                                                  "algorithm.routing_replay=rollout"],
-                                                ["algorithm.routing_replay=none"]),
-    "partial rollouts need dynamic sampling": (TINY + PARTIAL + ["algorithm.rollout_is=token", "algorithm.name=grpo"],
+                                               [CORRECTION]),
+    "partial rollouts without routing replay": (TINY + PARTIAL + [CORRECTION,
+                                                                  "model.moe.routing_replay=rollout"],
+                                                ["model.moe.routing_replay=none"]),
+    "partial rollouts need dynamic sampling": (TINY + PARTIAL + [CORRECTION, "algorithm.name=grpo"],
                                                ["algorithm.dynamic_sampling=true"]),
-    "partial rollouts need the rollout correction": (TINY + PARTIAL, ["algorithm.rollout_is=token"]),
+    "partial rollouts need the rollout correction": (TINY + PARTIAL, [CORRECTION]),
     "updates during generation need rollout servers": (
-        TINY + ["rollout.update_during_generation=true"],
-        REMOTE + ["rollout.max_staleness=1", "algorithm.rollout_is=token"]),
-    "updates during generation need staleness": (TINY + REMOTE + ["rollout.update_during_generation=true"],
-                                                 ["rollout.max_staleness=1", "algorithm.rollout_is=token"]),
+        TINY + ["rollout.schedule.update_during_generation=true"],
+        REMOTE + ["rollout.schedule.max_staleness=1", CORRECTION]),
+    "updates during generation need staleness": (TINY + REMOTE + ["rollout.schedule.update_during_generation=true"],
+                                                 ["rollout.schedule.max_staleness=1", CORRECTION]),
     "updates during generation without routing replay": (
-        TINY + REMOTE + ["rollout.update_during_generation=true", "rollout.max_staleness=1",
-                         "algorithm.rollout_is=token", "algorithm.routing_replay=rollout"],
-        ["algorithm.routing_replay=none"]),
-    "rounds ahead are a count": (TINY + ["rollout.rounds_ahead=-1"], ["rollout.rounds_ahead=0"]),
-    "rounds ahead need staleness": (TINY + REMOTE + ["rollout.rounds_ahead=1"],
-                                    ["rollout.max_staleness=1", "algorithm.rollout_is=token"]),
+        TINY + REMOTE + ["rollout.schedule.update_during_generation=true", "rollout.schedule.max_staleness=1",
+                         CORRECTION, "model.moe.routing_replay=rollout"],
+        ["model.moe.routing_replay=none"]),
     "rounds ahead need dynamic sampling": (
-        TINY + REMOTE + ["rollout.rounds_ahead=1", "rollout.max_staleness=1", "algorithm.rollout_is=token",
+        TINY + REMOTE + ["rollout.schedule.rounds_ahead=1", "rollout.schedule.max_staleness=1", CORRECTION,
                          "algorithm.name=grpo"], ["algorithm.dynamic_sampling=true"]),
     "rounds ahead within the rounds a step may take": (
-        TINY + REMOTE + ["rollout.rounds_ahead=3", "rollout.max_staleness=1", "algorithm.rollout_is=token",
+        TINY + REMOTE + ["rollout.schedule.rounds_ahead=3", "rollout.schedule.max_staleness=1", CORRECTION,
                          "algorithm.max_resample_rounds=2"], ["algorithm.max_resample_rounds=3"]),
-    "an ahead schedule needs rounds ahead": (
-        TINY + REMOTE + ["rollout.ahead_schedule=when_idle", "rollout.max_staleness=1", "algorithm.rollout_is=token"],
-        ["rollout.rounds_ahead=1"]),
-    "routing replay needs CP = 1": (TINY + ["parallel.context=2", "algorithm.routing_replay=rollout",
+    "routing replay needs CP = 1": (TINY + ["parallel.context=2", "model.moe.routing_replay=rollout",
                                             "rollout.engine=vllm_remote", "rollout.remote.addresses=[h:1]"],
-                                    ["algorithm.routing_replay=none"]),
+                                    ["model.moe.routing_replay=none"]),
     "no built-in engine in the trainer at CP > 1": (TINY + ["parallel.context=2"],
                                  ["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"]),
     "the tiny model needs the synthetic task": (TINY + ["data.source=jsonl", "data.path=p.jsonl"],
@@ -80,10 +78,10 @@ def test_each_rule_refuses_with_its_message_and_only_where_it_applies(rule):
 
 def test_a_rule_message_fills_in_the_configuration():
     with pytest.raises(ConfigError) as error:
-        load_config(None, TINY + ["rollout.max_staleness=2", "algorithm.rollout_is=token"])
-    assert str(error.value) == ("rollout.max_staleness: 2 needs engines on processes of their own that generate while "
-                                "the trainer trains (vllm_remote or builtin_remote); the builtin engine shares the "
-                                "trainer's")
+        load_config(None, TINY + ["rollout.schedule.max_staleness=2", CORRECTION])
+    assert str(error.value) == ("rollout.schedule.max_staleness: 2 needs engines on processes of their own that "
+                                "generate while the trainer trains (vllm_remote or builtin_remote); the builtin engine "
+                                "shares the trainer's")
 
 
 # One configuration with every engine's section set: rollout.engine alone picks which one is read.
@@ -94,7 +92,7 @@ EVERY_SECTION = ["model.hf_dir=/hf", "data.source=jsonl", "data.path=p.jsonl", "
                  "rollout.remote.reconnect_timeout_s=5"]
 
 
-@pytest.mark.parametrize("engine", ["builtin", "vllm", *REMOTE_ENGINES])
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
 def test_switching_the_engine_needs_no_other_change(engine):
     cfg = load_config(None, [*EVERY_SECTION, f"rollout.engine={engine}"])
     assert (cfg.rollout.engine, cfg.rollout.vllm.tensor_parallel, cfg.rollout.remote.addresses) == (engine, 2, ["h:1"])

@@ -3,6 +3,7 @@ side files, atomic output and error messages. Loading the result with megatron a
 test_converters_megatron.py, scoring it in test_score.py."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -318,3 +319,29 @@ def test_converter_checks_paths_first_creates_the_parent_and_says_what_it_wrote(
                             "for --tp 2 --pp 2 (it loads at any TP/PP)\n")
     assert to_megatron(["--hf-dir", str(models["tied"]), "--output-dir", str(tmp_path / "mg2"), "--quiet"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_without_its_manifest_is_named_not_met_as_a_readers_error(models, tmp_path):
+    """A checkpoint that lost its manifest.json: a missing or truncated data file is named from its torch_dist index
+    (.metadata) before anything is read; bytes changed inside a file, which only a manifest would catch, make the
+    read fail as the checkpoint's error (DamagedCheckpoint, a user error: one line), not as torch's EOFError."""
+    from megatron_gtpo.checkpoint.manifest import MANIFEST, DamagedCheckpoint, find_damage
+
+    convert_hf_to_megatron(str(models["untied"]), str(tmp_path / "mg"), progress=False)
+    mg = tmp_path / "mg"
+    os.remove(mg / MANIFEST)
+    assert find_damage(str(mg)) is None
+    data = sorted(p.name for p in mg.glob("*.distcp"))[0]
+    original = (mg / data).read_bytes()
+    (mg / data).write_bytes(original[:100])
+    message = f"checkpoint {mg} is damaged: {data} has 100 bytes where its .metadata places data up to byte "
+    with pytest.raises(DamagedCheckpoint, match=re.escape(message)):
+        convert_megatron_to_hf(str(mg), str(tmp_path / "hf2"), progress=False)
+    os.remove(mg / data)
+    assert find_damage(str(mg)) == f"checkpoint {mg} is damaged: {data} is missing (its .metadata places data in " \
+                                   f"it) (it has no {MANIFEST})"
+    (mg / data).write_bytes(original[:64] + b"\0" * 64 + original[128:])  # a torch.save header overwritten
+    with pytest.raises(DamagedCheckpoint, match=f"checkpoint {re.escape(str(mg))} could not be read .*: it has no "
+                                                f"{MANIFEST} to check its files against"):
+        convert_megatron_to_hf(str(mg), str(tmp_path / "hf2"), progress=False)
+    assert not (tmp_path / "hf2").exists()

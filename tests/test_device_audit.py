@@ -82,7 +82,7 @@ def test_audit_rules():
 def _policy_loss_with_host_tensors(rank, world_size, on_device):
     """The bug this audit was built for: the RL loss combining host-built mask / old log-probs / advantages with
     the log-probs computed from the model's logits on the device."""
-    from megatron_gtpo.algorithms.losses import token_policy_loss
+    from megatron_gtpo.algorithms.losses import PPOClip, token_policy_loss
     from megatron_gtpo.distributed import activate_cpu_platform
     from megatron_gtpo.distributed.device_audit import DeviceMixError
 
@@ -95,7 +95,7 @@ def _policy_loss_with_host_tensors(rank, world_size, on_device):
     advantages_BT = torch.ones(2, 5, device=device)
     try:
         loss, _ = token_policy_loss(logprobs_BT, old_BT, advantages_BT, mask_BT, loss_normalizer=10.0,
-                                    eps_low=0.2, eps_high=0.2)
+                                    clip=PPOClip(0.2, 0.2))
         loss.backward()
     except DeviceMixError as e:
         return str(e)

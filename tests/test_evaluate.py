@@ -253,7 +253,8 @@ def test_cli_end_to_end_with_the_builtin_engine_at_tp2(tmp_path):
     assert all(isinstance(r["response"], str) for r in responses)
     # One rank speaks: the dataset line, each progress bar and the summary table appear once at TP=2.
     assert res.stderr.count("evaluating five: 5 problems x 2 samples") == 1, res.stderr[-3000:]
-    assert res.stderr.count("generating:   0%") == 1, res.stderr[-3000:]
+    assert res.stderr.count("generating: 0/1 (0%)") == 1, res.stderr[-3000:]
+    assert res.stderr.count("tokenizing prompts: 0/5") == 1, res.stderr[-3000:]
     assert res.stdout.count("dataset  num_problems") == 1, res.stdout
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in res.stderr  # CUDA advice that means nothing on the CPU
 
@@ -442,7 +443,7 @@ def test_vllm_engine_without_vllm_is_a_user_error(tmp_path):
                           "--datasets", "aime24", "--output-dir", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
-    assert "megatron_gtpo.evaluate: error: --engine vllm needs vLLM, which does not import here" in res.stderr
+    assert "megatron_gtpo.evaluate: error: --engine vllm needs vLLM, which does not import (" in res.stderr
     assert "Traceback" not in res.stderr
 
 
@@ -459,3 +460,71 @@ def test_vllm_replica_gpus_follow_the_local_rank(monkeypatch):
     with pytest.raises(ValueError, match=r"8 replica\(s\) on this node x --vllm-tp 2 need 16 GPUs, the node shows "
                                          r"8; launch --nproc_per_node 4"):
         replicas.replica_cuda_devices(2, 8)
+
+
+def test_a_synthetic_tasks_checkpoint_is_evaluated_on_its_task(tmp_path, capsys):
+    """The demo's checkpoint (a synthetic task, its tokenizer built in code): evaluated on its task's problems with
+    its tokenizer and reward (the answer's digits, then EOS) and the run's response length; the text datasets'
+    flags are refused naming the task; its HF export says why it has no tokenizer and how to evaluate it."""
+    import importlib.util
+
+    import transformers
+
+    from megatron_gtpo.checkpoint import convert_hf_to_megatron
+    from megatron_gtpo.checkpoint.manifest import write_manifest
+    from megatron_gtpo.data.synthetic import CharTokenizer, addition_problems, tiny_model_hf_config
+
+    config = tiny_model_hf_config()
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
+    model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000250"
+    checkpoint.parent.mkdir(parents=True)
+    convert_hf_to_megatron(str(tmp_path / "hf"), str(checkpoint), progress=False)
+    meta = checkpoint / "megatron_gtpo_checkpoint.json"
+    record = json.loads(meta.read_text())
+    record["extra"].update(synthetic_task="addition", max_new_tokens=4)  # as the trainer writes it
+    meta.write_text(json.dumps(record))
+    write_manifest(str(checkpoint))
+    (checkpoint.parent / "latest").write_text("step_00000250\n")
+
+    tokenizer = CharTokenizer()
+    problems = addition_problems()
+
+    class AdditionEngine:
+        """Answers a+b right (digits, EOS) for a+b even, wrong (digits, no EOS: unfinished) otherwise."""
+
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, params):
+            self.calls.append((len(prompts), params.max_new_tokens, prompts[0]))
+            outputs = []
+            for prompt in prompts:
+                a, b = (int(c) for c in tokenizer.decode(prompt).rstrip("=").split("+"))
+                ids = tokenizer.encode(str(a + b)) + ([tokenizer.eos_token_id] if (a + b) % 2 == 0 else [])
+                outputs.append([Response(ids, [0.0] * len(ids), "stop")] * params.n)
+            return Responses.from_lists(outputs)
+
+    engine = AdditionEngine()
+    summary = evaluate.main(
+        ["--model", str(checkpoint.parent), "--output-dir", str(tmp_path / "eval"), "--num-samples", "2",
+         "--num-reward-workers", "1"],
+        replica_factory=lambda args, tok: replicas.Replica(engine, replicas.ReplicaShare(), tok.eos_token_id,
+                                                           vocab_size=tok.vocab_size, max_positions=64))
+    even = sum((int(p.answer) % 2 == 0) for p in problems) / len(problems)
+    assert summary["addition"]["mean@2"] == pytest.approx(even) and summary["addition"]["num_problems"] == 100
+    assert engine.calls[0][1:] == (4, list(problems[0].prompt_token_ids))  # the run's length, the task's prompt
+    for flags in (["--datasets", "aime24"], ["--tokenizer", str(tmp_path)], ["--plain"]):
+        with pytest.raises(ValueError, match=f"^{flags[0]}: {re.escape(str(checkpoint))} was trained on the "
+                                             f"synthetic task 'addition'"):
+            evaluate.main(["--model", str(checkpoint), "--output-dir", str(tmp_path / "e"), *flags])
+    spec = importlib.util.spec_from_file_location("to_hf", os.path.join(os.path.dirname(__file__), "..", "tools",
+                                                                       "convert_megatron_to_hf.py"))
+    to_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(to_hf)
+    capsys.readouterr()
+    assert to_hf.main(["--megatron-dir", str(checkpoint), "--output-dir", str(tmp_path / "exported"), "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"no tokenizer written: {checkpoint} was trained on the synthetic task 'addition', whose character tokenizer "
+        f"is built in code (megatron_gtpo.data.synthetic_tasks), not saved with it; evaluate the checkpoint on its "
+        f"task with python -m megatron_gtpo.evaluate --model {checkpoint} --output-dir DIR")

@@ -20,11 +20,16 @@ from tokenizer_dirs import build_hf_tokenizer_dir
 
 
 def _trainer_checkpoints(root) -> str:
-    """A trainer's checkpoints folder as far as a model path goes: two step directories and `latest`."""
+    """A trainer's checkpoints folder as far as a model path goes: two step directories (their metadata, no
+    tensors) and `latest`."""
+    from megatron_gtpo.checkpoint.megatron_checkpoint import CheckpointMetadata, write_checkpoint_metadata
+    from megatron_gtpo.data.synthetic import tiny_model_hf_config
+
     for step in (10, 20):
         checkpoint = root / "checkpoints" / f"step_{step:08d}"
         checkpoint.mkdir(parents=True)
-        (checkpoint / METADATA_FILE).write_text("{}")
+        write_checkpoint_metadata(str(checkpoint), CheckpointMetadata(tiny_model_hf_config(), "float32", 1, 1))
+        assert (checkpoint / METADATA_FILE).is_file()
     (root / "checkpoints" / "latest").write_text("step_00000020\n")
     return str(root / "checkpoints")
 

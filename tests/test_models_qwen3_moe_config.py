@@ -142,24 +142,26 @@ def test_planner_counts_equal_meta_device_models_at_expert_layouts():
     # Routing replay needs the routing recorded or returned at generation: layout.check_layout's one rule (whether
     # vLLM can return it is vllm_engine.routed_experts_unavailable's, when the engine starts).
     (["rollout.engine=builtin_remote", "rollout.remote.addresses=[h:1]"],
-     "rollout.engine: builtin_remote does not record routing for algorithm.routing_replay: rollout"),
+     "rollout.engine: builtin_remote does not record routing for model.moe.routing_replay: rollout"),
 ])
 def test_routing_replay_is_refused_where_it_cannot_run(overrides, message):
     from megatron_gtpo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message):
-        load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "algorithm.routing_replay=rollout",
+        load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", "model.moe.routing_replay=rollout",
                            *overrides])
 
 
-@pytest.mark.parametrize("key", ["algorithm.routing_replay=rollout", "model.moe_aux_loss_coef=0.001",
-                                 "model.moe_z_loss_coef=0.001"])
+@pytest.mark.parametrize("key", ["model.moe.routing_replay=rollout", "model.moe.aux_loss_coef=0.001",
+                                 "model.moe.z_loss_coef=0.001"])
 def test_expert_settings_need_a_mixture_of_experts_model(key):
     from megatron_gtpo.config import ConfigError, load_config, validate_for_model
 
     cfg = load_config(None, ["model.tiny_synthetic=true", "data.source=synthetic", key])
-    with pytest.raises(ConfigError, match=f"{key.split('=')[0]}: needs a mixture-of-experts model"):
+    with pytest.raises(ConfigError) as error:
         validate_for_model(cfg, ModelShape.from_hf(hf_config("qwen3-8b")))
+    assert str(error.value) == (f"{key.replace('=', ': ')} is read only by a mixture-of-experts model (Qwen3-MoE); "
+                                f"this one is dense: remove it")
     validate_for_model(cfg, SHAPE_30B)
 
 

@@ -120,3 +120,73 @@ def _assert_serves_the_responses(served, prompts, responses, where: str) -> None
         logprobs_L = torch.log_softmax(logits_LV.double(), -1)[torch.arange(len(tokens_L)), tokens_L]
         err = (torch.tensor(response.logprobs, dtype=torch.float64) - logprobs_L).abs().max().item()
         assert err < 1e-4, f"{where}: served log-probs differ from the synced weights' by {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
+def test_every_rmsnorm_weight_of_the_family_is_checksummed(family):
+    """The checksums that identify a policy version after a sync cover every RMSNorm of transformers' model of the
+    family: Qwen3's per-head q/k norms (self_attn.q_norm / k_norm) included."""
+    import transformers
+
+    from megatron_gtpo.models.qwen import ModelShape
+    from megatron_gtpo.rollout.weight_sync import policy_checksum_names
+    from tiny_models import tiny_config
+
+    config = tiny_config(family, **({} if family == "qwen2" else TINY_QWEN3))
+    with torch.device("meta"):
+        model = getattr(transformers, FAMILY_CLASSES[family][1])(config)
+    norms = [f"{name}.weight" for name, module in model.named_modules() if type(module).__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * config.num_hidden_layers + 1 + (0 if family == "qwen2" else 2 * config.num_hidden_layers)
+    assert sorted(policy_checksum_names(ModelShape.from_hf(config.to_dict()))) == sorted(norms)
+
+
+def _sync_with_a_corrupted_q_norm(rank, world_size, model_dir):
+    """A trainer's Qwen3 model and a built-in rollout server in one process: a sync of perturbed weights, then one
+    whose bucket carries a q_norm changed after its checksum was taken (on the wire), then a clean one. What each
+    reports, and whether the server holds the trainer's q_norm after the first."""
+    from megatron_gtpo.distributed import initialize_parallel
+    from megatron_gtpo.models.hf_checkpoint import HFCheckpoint, load_hf_weights
+    from megatron_gtpo.models.hf_mapping import ShardCoordinates
+    from megatron_gtpo.models.qwen import build_model
+    from megatron_gtpo.rollout.builtin_server import BuiltinServer
+    from megatron_gtpo.rollout.server_engine import ServerEngine
+
+    groups = initialize_parallel(1, 1)
+    with HFCheckpoint(model_dir) as ckpt:
+        chunks = build_model(ckpt.config, tensor_parallel=1, pipeline_parallel=1, pp_rank=0)
+        load_hf_weights(chunks, ckpt, shard=ShardCoordinates.of(groups))
+        shape = ckpt.shape
+    server = BuiltinServer(str(model_dir))
+    engine = ServerEngine(server, groups, shape)
+    _perturb(chunks, groups, shape)
+
+    def q_norm(model_chunks):
+        return dict(model_chunks[0].named_parameters())["decoder.layers.1.self_attention.q_layernorm.weight"]
+
+    engine.sync_weights(chunks, groups)
+    out = {"synced": torch.equal(q_norm(server.chunks), q_norm(chunks)), "version_1": engine.policy_version}
+    honest_load = server.load_bucket
+    server.load_bucket = lambda bucket: honest_load(
+        [(n, t + 1e-3 if n == "model.layers.1.self_attn.q_norm.weight" else t) for n, t in bucket])
+    try:
+        engine.sync_weights(chunks, groups)
+        out["corrupt"] = None
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        out["corrupt"] = f"{type(e).__name__}: {e}"
+    out["version_after_corrupt"] = engine.policy_version
+    server.load_bucket = honest_load
+    engine.sync_weights(chunks, groups)  # a clean sync repairs it
+    out["version_3"] = engine.policy_version
+    return out
+
+
+def test_a_q_norm_corrupted_in_a_sync_is_caught(model_dirs):
+    """Qwen3's q/k norms are in the sync's checksums: a q_norm that reaches the rollout server other than it was
+    sent fails that sync, naming it, and the policy version does not advance."""
+    from distributed_harness import run_distributed
+
+    (out,) = run_distributed(_sync_with_a_corrupted_q_norm, 1, args=(str(model_dirs("qwen3", False)),),
+                             timeout_s=300)
+    assert out["synced"] and out["version_1"] == 1
+    assert out["corrupt"] is not None and "model.layers.1.self_attn.q_norm.weight" in out["corrupt"], out["corrupt"]
+    assert out["version_after_corrupt"] == 1 and out["version_3"] == 2

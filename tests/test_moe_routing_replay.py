@@ -1,4 +1,4 @@
-"""Routing replay (algorithm.routing_replay: rollout) on CPU at EP=2: two data-parallel replicas, each holding 2 of
+"""Routing replay (model.moe.routing_replay: rollout) on CPU at EP=2: two data-parallel replicas, each holding 2 of
 the 4 experts of every layer, sample different prompts with the built-in engine, which records the experts each token
 went to; then
 - at the sampling weights, the old-policy pass that replays them gives the engine's sampling log-probs token for
@@ -56,7 +56,7 @@ def _replay_rank(rank, world_size, model_dir):
     from megatron_gtpo.training.train_step import run_train_step, supervised_loss_fn, update_micro_batch
 
     cfg = load_config(None, [f"model.hf_dir={model_dir}", "data.source=synthetic", "parallel.expert=2",
-                             "algorithm.routing_replay=rollout"])
+                             "model.moe.routing_replay=rollout"])
     groups = initialize_parallel(1, 1, expert_parallel=2, seed=3)
     policy = PolicyModel.build(cfg, load_hf_config(model_dir), groups)
     engine = BuiltinEngine(policy.chunks, groups, 1000, record_routing=True)

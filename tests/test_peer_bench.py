@@ -55,8 +55,8 @@ def test_both_sides_get_the_same_workload_and_trl_matched_our_grpo():
     # (test_trl_grpo_loss_is_our_grpo_loss), with our GRPO's clip range and TRL's per-group std scaling
     algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=r.max_new_tokens)
     assert algorithm.loss_agg_mode == "seq-mean-token-mean" and trl["loss_type"] == "grpo"
-    keywords = algorithm._policy_loss.keywords
-    assert (trl["epsilon"], trl["epsilon_high"]) == (keywords["eps_low"], keywords["eps_high"]) == (0.2, 0.2)
+    clip = algorithm._policy_loss.keywords["clip"]
+    assert (trl["epsilon"], trl["epsilon_high"]) == (clip.eps_low, clip.eps_high) == (0.2, 0.2)
     assert trl["scale_rewards"] == "group" and not algorithm.dynamic_sampling
 
 

@@ -361,7 +361,7 @@ def test_the_local_profile_refuses_the_unfused_attention():
 
 
 def test_routing_replay_record_is_counted_on_every_rank_of_its_stage():
-    """algorithm.routing_replay: rollout keeps the record on the GPU from generation (the built-in engine) or from the
+    """model.moe.routing_replay: rollout keeps the record on the GPU from generation (the built-in engine) or from the
     step batch (vLLM's, on the host while vLLM generates) to the end of the update: per rank, its replica's sequences
     x fed tokens (prompt + response - 1) x the stage's MoE layers x top-k expert indices, stored as int16
     (models/moe_routing.EXPERT_INDEX_DTYPE)."""

@@ -201,7 +201,7 @@ def test_the_documented_launches_are_found(launches):
     # README; the disaggregated job's rollout settings; the CPU config through launch.sh.
     assert any("model.recompute_activations=true" in launch.overrides and launch.world_size == 8
                and launch.where.startswith("examples/slurm/qwen3-30b-a3b.sbatch") for launch in extra)
-    assert any("rollout.max_staleness=1" in launch.overrides for launch in extra)
+    assert any("rollout.schedule.max_staleness=1" in launch.overrides for launch in extra)
     assert any(launch.config == "examples/cpu_demo.yaml" and launch.world_size == 2 for launch in extra)
     # The paper-length recipes' own headers: context parallelism on 4 and 8 nodes (32B), 2 nodes (30B-A3B).
     assert {(launch.config, launch.world_size) for launch in launches if launch.where.startswith(launch.config)
@@ -231,7 +231,7 @@ def test_every_documented_launch_passes_the_config_checks_and_builds_its_gpu_con
                 recompute_activations=m.recompute_activations,
                 accelerator=machine, transformer_engine=machine.transformer_engine,
                 packed_sequences=cfg.data.pack_sequences,
-                router_losses=RouterLosses(m.moe_aux_loss_coef, m.moe_z_loss_coef))
+                router_losses=RouterLosses(m.moe.aux_loss_coef, m.moe.z_loss_coef))
         except (ConfigError, ValueError, AssertionError) as e:
             failures.append(f"{launch}\n    {type(e).__name__}: {e}")
     assert not failures, "\n".join(failures)

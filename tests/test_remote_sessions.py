@@ -1,11 +1,11 @@
-"""The rollout server's session logic (rollout/remote_server.py) in process: the real serving loop on a thread, over
-the real channel (ZeroMQ on loopback, with a token; remote_listener.py), driven by real clients
+"""The rollout server's session logic (rollout/remote_server.py) in process: the real serving loop on a thread, over the
+real channel (ZeroMQ on loopback, with a token; remote_listener.py), driven by real clients
 (remote_client.RemoteClient), with a fake server object whose generation is a hand-computed record: each token says
 which policy version sampled it, and the test decides at which decode step a request must have arrived. Covers the
-orderings of generations, look-ahead and weight updates (rollout.update_during_generation), pre-emption by a newer
-session, refused hellos, malformed requests, an NCCL-style weight group whose rendezvous crosses the channel (gloo
-standing in for NCCL), abandoned weight groups reaped each on its own, and a client that outlives its server (killed
-and relaunched at the same address, a process forked from a forkserver)."""
+orderings of generations, look-ahead and weight updates (rollout.schedule.update_during_generation), pre-emption by a
+newer session, refused hellos, malformed requests, an NCCL-style weight group whose rendezvous crosses the channel (gloo
+standing in for NCCL), abandoned weight groups reaped each on its own, and a client that outlives its server (killed and
+relaunched at the same address, a process forked from a forkserver)."""
 import dataclasses
 import multiprocessing
 import os
@@ -228,7 +228,7 @@ def test_without_update_during_generation_the_update_waits_for_the_generation(se
     server.hold = {2: _arrived(listener, client, 1)}
     during = client.submit([[1]], PARAMS)
     assert server.holding.wait(10)
-    assert not client.idle()  # generating (rollout.ahead_schedule when_idle asks no round of it)
+    assert not client.idle()  # generating (rollout.schedule.ahead_schedule when_idle asks no round of it)
     # The begin sent while the generation runs (the client's begin_weight_update would take its answer first).
     client._call("begin", None, 20)
     client.load_bucket(list(weights(1).items()))

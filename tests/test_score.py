@@ -116,4 +116,4 @@ def test_missing_model_dir_is_named(tmp_path):
     res = subprocess.run([sys.executable, "-m", "megatron_gtpo.score", "--hf", str(tmp_path / "nope"),
                           "--input", "x.jsonl", "--output", str(tmp_path / "o.jsonl")],
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "no config.json" in res.stderr
+    assert res.returncode == 2 and f"--hf: '{tmp_path / 'nope'}' does not exist" in res.stderr, res.stderr

@@ -43,7 +43,7 @@ def test_node_script_builds_the_rendezvous_from_slurm_variables():
                         NPROC_PER_NODE="8", MASTER_PORT="23456")
     assert res.returncode == 0, res.stderr
     command = res.stdout.strip().splitlines()[-1].split()
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[:3] == [sys.executable, "-m", "megatron_gtpo.launch"]  # torchrun, ending as the commands do
     for arg in ("--nnodes=4", "--node_rank=2", "--nproc_per_node=8", "--master_addr=gpu017", "--master_port=23456"):
         assert arg in command
     assert command[command.index("-m", 3):] == ["-m", "megatron_gtpo.train", "--config", "examples/cpu_demo.yaml",
@@ -342,7 +342,7 @@ def test_disaggregated_job_splits_trainer_and_rollout_nodes(tmp_path):
     assert "--listen n3:31001" in servers[1] and "--hf-dir /models/q7" in servers[1]
     trainer = next(line for line in out.splitlines() if "megatron_gtpo.train" in line)
     assert "--nnodes=2" in trainer
-    assert "rollout.engine=vllm_remote" in trainer and "rollout.max_staleness=1" in trainer
+    assert "rollout.engine=vllm_remote" in trainer and "rollout.schedule.max_staleness=1" in trainer
     assert "rollout.remote.addresses=\\[n3:31000\\,n3:31001\\]" in trainer or \
         "rollout.remote.addresses=[n3:31000,n3:31001]" in trainer
 

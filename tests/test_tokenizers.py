@@ -82,7 +82,8 @@ def test_hf_chat_template_is_applied(hf_tokenizer):
 def test_hf_tokenizer_without_pad_or_chat_template(tmp_path):
     tokenizer = load_tokenizer(build_hf_tokenizer_dir(str(tmp_path), with_pad=False, with_chat_template=False))
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == 2
-    with pytest.raises(ValueError, match="has no chat template"):
+    with pytest.raises(ValueError, match=r"has no chat template: use a plain prompt \(data.template: plain in a "
+                                         r"training config, --plain for megatron_gtpo.evaluate\)$"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 

@@ -35,19 +35,19 @@ SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoin
 # top-k / top-p sampling (the demo's vocabulary has 16 ids: top-k 5 truncates).
 PACKED = ["data.pack_sequences=true", "data.max_tokens_per_micro_batch=64"]
 # Clip-Cov with a band and a ratio that pick tokens in the demo's small batches (its defaults pick 1 in (1, 5)).
-CLIP_COV_ACTS = ["algorithm.clip_cov_lb=0.0", "algorithm.clip_cov_ratio=0.05"]
+CLIP_COV_ACTS = ["algorithm.clip_cov.lb=0.0", "algorithm.clip_cov.ratio=0.05"]
 
 
 @pytest.mark.parametrize("layout,algorithm,options", [
     ("parallel.tensor=2", "gtpo", PACKED),
-    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_is=geometric",
+    ("parallel.tensor=2", "grpo_s", ["algorithm.entropy_coef=0.01", "algorithm.rollout_correction.rollout_is=geometric",
                                      "rollout.top_k=5", "rollout.top_p=0.9"]),
     ("parallel.tensor=2", "kl_cov", []), ("parallel.tensor=2", "dapo", ["data.epochs_per_step=2"]),
     ("parallel.pipeline=2", "gtpo", ["data.epochs_per_step=2", "algorithm.entropy_coef=0.01",
                                      "data.max_tokens_per_micro_batch=40"]),
     ("parallel.pipeline=2", "grpo_s", PACKED),
-    ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0", "algorithm.rollout_is=token",
-                                     "algorithm.rollout_rs=geometric"]),
+    ("parallel.pipeline=2", "grpo", ["algorithm.dual_clip=3.0", "algorithm.rollout_correction.rollout_is=token",
+                                     "algorithm.rollout_correction.rollout_rs=geometric"]),
     ("parallel.pipeline=2", "clip_cov", CLIP_COV_ACTS),
     # Data parallel: 2 replicas at TP=1 x PP=1, batch-scope GTPO statistics over both ranks' groups, and the
     # high-entropy fraction's over both ranks' tokens.
@@ -89,6 +89,10 @@ def test_algorithm_runs_and_logs_every_metric(tmp_path, layout, algorithm, optio
         # KL-Cov's mean |log-ratio| (0 on an on-policy single mini-batch, up to float noise), KL-Cov's alone
         assert (0 <= row["kl_cov_abs_log_ratio"] < 1) if algorithm == "kl_cov" else "kl_cov_abs_log_ratio" not in row
     assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json")
+    # its tokenizer is the synthetic task's: the checkpoint names the task (evaluate reads it there)
+    from megatron_gtpo.checkpoint.sources import ModelSource
+
+    assert ModelSource.detect(str(tmp_path / "checkpoints")).synthetic_task == "addition"
 
 
 def _check_busy(row: dict, replicas: int) -> None:
@@ -235,7 +239,8 @@ def test_sigterm_in_the_warm_start_exits_after_its_step_saying_nothing_is_saved(
     ("optim.learning_rate=1", "unknown config key optim.learning_rate"),
     # Layout errors too name their keys, before any process group exists (this runs as one process).
     ("parallel.tensor=2", "parallel: tensor x pipeline x context = 2 x 1 x 1 needs 2 processes (or a multiple), and "
-                          "this is one: launch it with torchrun --nproc_per_node 2 -m megatron_gtpo.train --config"),
+                          "this is one: launch it with python -m megatron_gtpo.launch --nproc_per_node 2 -m "
+                          "megatron_gtpo.train --config"),
 ])
 def test_bad_config_exits_with_named_key(tmp_path, override, message):
     res = subprocess.run([sys.executable, "-m", "megatron_gtpo.train", "--config", DEMO_CONFIG, "--set",
@@ -348,8 +353,8 @@ def test_a_prompt_that_leaves_no_room_for_a_whole_response_fails_at_start(tmp_pa
     """Partial rollouts of 2-token segments: every engine call would fit the tiny model's 64 positions, but a 5-token
     prompt and the 62-token budget do not; the run fails before its first step, naming the setting."""
     res = run_train(tmp_path, 1, ["parallel.tensor=1", "steps=1", "warm_start.steps=0", "rollout.max_new_tokens=62",
-                                  "rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2",
-                                  "algorithm.rollout_is=token"], timeout=120)
+                                  "rollout.schedule.partial_rollouts=true", "rollout.schedule.partial_segment_tokens=2",
+                                  "algorithm.rollout_correction.rollout_is=token"], timeout=120)
     assert res.returncode != 0
     assert "rollout.max_new_tokens: prompt" in res.stderr and "with max_new_tokens = 62 that exceeds the model's 64 " \
         "positions" in res.stderr, res.stderr[-3000:]

@@ -35,7 +35,7 @@ RECOMPUTED = ["model.recompute_activations=true"]
                          ids=["ep2", "replayed-recomputed-tp2-sp-ep2"])
 def test_gtpo_trains_a_moe_model_at_ep2_and_logs_its_routing(tmp_path, moe_dir, replay, layout):
     res = run_train(tmp_path, 2, [*MOE, f"model.hf_dir={moe_dir}", "parallel.expert=2", "algorithm.name=gtpo",
-                                  f"algorithm.routing_replay={replay}", *layout])
+                                  f"model.moe.routing_replay={replay}", *layout])
     assert res.returncode == 0, res.stderr[-4000:]
     warm, *rows = read_metrics(tmp_path)
     assert warm["step"] == -1 and [r["step"] for r in rows] == [0, 1]
@@ -53,7 +53,7 @@ def test_gtpo_trains_a_moe_model_at_ep2_and_logs_its_routing(tmp_path, moe_dir, 
                                                        for i in range(1, NUM_LAYERS + 1))
 
 
-RESUME = [*MOE, "algorithm.routing_replay=rollout", "checkpoint.save_every=2", "data.mini_batches_per_step=2",
+RESUME = [*MOE, "model.moe.routing_replay=rollout", "checkpoint.save_every=2", "data.mini_batches_per_step=2",
           "optim.lr_decay_style=constant"]
 
 

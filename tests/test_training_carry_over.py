@@ -1,6 +1,6 @@
 """Carrying informative groups over to the next step (training/rollout_queue.carry_over, RolloutQueue.experience) on
 hand-built groups: which groups are young enough for the next step (their newest token's version against
-rollout.max_staleness), what is dropped and counted, and the carried groups through a checkpoint's state; the
+rollout.schedule.max_staleness), what is dropped and counted, and the carried groups through a checkpoint's state; the
 statistics an experience records."""
 import pytest
 import torch

@@ -22,7 +22,7 @@ SCRIPTS = {
 
 
 def _collect(rank, world_size, scenario, dynamic_sampling, carried_groups=0, ahead_rounds=1):
-    """Rounds below `ahead_rounds` were asked for ahead (round 0 always; rollout.rounds_ahead further ones)."""
+    """Rounds below `ahead_rounds` were asked for ahead (round 0 always; rollout.schedule.rounds_ahead further ones)."""
     import torch.distributed as dist
 
     from hand_built import prompt_samples
@@ -120,8 +120,8 @@ def test_carried_groups_are_kept_first_and_round_0_is_never_lost(collected):
 
 
 def test_a_round_asked_for_ahead_is_rewarded_by_a_rank_that_needs_it_not(collected):
-    """Round 1 asked for ahead (rollout.rounds_ahead): rank 0, full after round 0, rewards it all the same rather
-    than standing by, and its informative groups (prompts 10, 12) are surplus for the next step."""
+    """Round 1 asked for ahead (rollout.schedule.rounds_ahead): rank 0, full after round 0, rewards it all the same
+    rather than standing by, and its informative groups (prompts 10, 12) are surplus for the next step."""
     rank0, rank1 = collected["fills", True, 0, 2]
     assert rank0["generate_rounds"] == rank1["generate_rounds"] == [0, 1] and rank0["stand_by"] == 0
     assert rank0["prompts"] == [0, 2] and rank0["surplus"] == [10, 12]
@@ -169,8 +169,8 @@ def _step_batch(kept, seed, groups, max_sequences=8):
 
 
 # The token selections' settings (acting on these few tokens), by algorithm: gtpo with the high-entropy fraction.
-SELECTION_SETTINGS = {"clip_cov": ["algorithm.clip_cov_lb=0.0", "algorithm.clip_cov_ratio=0.3"],
-                      "kl_cov": ["algorithm.kl_cov_ratio=0.3"], "gtpo": ["algorithm.entropy_token_fraction=0.4"]}
+SELECTION_SETTINGS = {"clip_cov": ["algorithm.clip_cov.lb=0.0", "algorithm.clip_cov.ratio=0.3"],
+                      "kl_cov": ["algorithm.kl_cov.ratio=0.3"], "gtpo": ["algorithm.entropy_token_fraction=0.4"]}
 
 
 def _global_advantages(rank, world_size, scenario, algorithm):

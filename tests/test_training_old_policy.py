@@ -6,7 +6,8 @@ GRPO-S then take their entropies from the built-in engine's sampling pass).
 - The update's forward gives what the pass gives: with rollout corrections that bind (importance weights at their
   cap, rejected tokens and sequences), stale tokens, padded or packed micro-batches, at TP 1 and 2, the updated
   weights and every metric equal the pass's, bit for bit.
-- The built-in engine's sampling entropies equal the trainer's pass's (float32 rounding), at TP 1 and 2.
+- The built-in engine's sampling entropies equal the trainer's pass's (float32 rounding), at TP 1 and 2, also when
+  it samples with top-k / top-p (both are the full tempered distribution's; the log-probs the truncated one's).
 - Whole trainer runs with the pass skipped equal those that keep it (data.old_policy_pass: always), at TP 2 and at
   TP 1 x DP 2, and the phase time shows it (0 s); runs that must keep the pass (two mini-batches per step, GTPO with
   partial rollouts) keep it and equal their `always` twins.
@@ -36,8 +37,9 @@ def _reason(*overrides):
         engine_entropies(cfg, algorithm)
 
 
-PARTIAL = ["rollout.partial_rollouts=true", "rollout.partial_segment_tokens=2", "rollout.max_new_tokens=4",
-           "algorithm.rollout_is=token", "algorithm.dynamic_sampling=true"]
+PARTIAL = ["rollout.schedule.partial_rollouts=true", "rollout.schedule.partial_segment_tokens=2",
+           "rollout.max_new_tokens=4", "algorithm.rollout_correction.rollout_is=token",
+           "algorithm.dynamic_sampling=true"]
 VLLM = ["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=/nonexistent"]
 
 
@@ -45,8 +47,10 @@ VLLM = ["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=/none
     (["algorithm.name=grpo"], None, False),
     (["algorithm.name=dapo"], None, False),
     (["algorithm.name=gtpo"], None, True),  # the built-in engine's entropies
-    (["algorithm.name=grpo_s", "algorithm.rollout_rs=geometric"], None, True),  # per-sequence normaliser
-    (["algorithm.name=grpo", "algorithm.rollout_is=geometric", "algorithm.rollout_rs=sequence"], None, False),
+    # the per-sequence normaliser
+    (["algorithm.name=grpo_s", "algorithm.rollout_correction.rollout_rs=geometric"], None, True),
+    (["algorithm.name=grpo", "algorithm.rollout_correction.rollout_is=geometric",
+      "algorithm.rollout_correction.rollout_rs=sequence"], None, False),
     (["algorithm.name=grpo", *PARTIAL], None, False),  # stale tokens: the correction needs no pass
     (["algorithm.name=dapo", *VLLM], None, False),
     (["algorithm.name=grpo", "algorithm.kl_coef=0.01"], None, False),  # the reference is scored on its own
@@ -56,7 +60,7 @@ VLLM = ["rollout.engine=vllm", "model.tiny_synthetic=false", "model.hf_dir=/none
     (["algorithm.name=clip_cov"], "token selection", False),
     (["algorithm.name=kl_cov"], "token selection", False),
     (["algorithm.name=dapo", "algorithm.entropy_token_fraction=0.2"], "token selection", False),
-    (["algorithm.name=dapo", "algorithm.rollout_rs=token"], "token-mean loss normaliser", False),
+    (["algorithm.name=dapo", "algorithm.rollout_correction.rollout_rs=token"], "token-mean loss normaliser", False),
     (["algorithm.name=gtpo", *VLLM], "vllm engine", False),
     (["algorithm.name=gtpo", *PARTIAL], "may be stale", False),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
@@ -89,12 +93,14 @@ def test_the_planner_counts_the_forward_only_passes_the_trainer_runs(overrides, 
     assert workload_from_config(_config(*overrides)).old_logprob_passes == passes
 
 
-def test_a_skipped_phase_is_logged_as_zero_seconds():
+def test_a_skipped_phase_is_logged_as_zero_seconds_and_polled_as_one_that_ran():
+    """0 s, and the rollout queue's poll after it (rollout_queue.POLLED_PHASES) keeps its place in the step."""
     from megatron_gtpo.training.metrics import PhaseTimer
 
-    timer = PhaseTimer()
+    polled = []
+    timer = PhaseTimer(after_phase=lambda name, t: polled.append((name, dict(t.seconds))))
     timer.skipped("old_logprob")
-    assert timer.seconds == {"old_logprob": 0.0}
+    assert timer.seconds == {"old_logprob": 0.0} and polled == [("old_logprob", {"old_logprob": 0.0})]
     with timer("update"):
         pass
     timer.skipped("update")  # a phase that ran keeps its time
@@ -173,9 +179,13 @@ def _fused_equals_pass(tp):
 
 
 def _engine_entropies(tp):
-    """The built-in engine's sampling entropies and the trainer's pass's, [S, T] each, of a sampled rollout (with
-    top-k / top-p, which do not enter either); and whether recording them changed a sampled token."""
+    """The built-in engine's sampling entropies and the trainer's pass's, [S, T] each, of a rollout sampled with top-k /
+    top-p (the pass takes the rollout's truncation, as the trainer's does); the engine's log-probs, the pass's with and
+    without the truncation; whether recording them changed a sampled token, and the token count."""
+    from dataclasses import replace
+
     from hand_built import rewarded_groups
+    from megatron_gtpo.distributed import Truncation
     from megatron_gtpo.rollout import BuiltinEngine, SamplingParams
     from megatron_gtpo.training.old_policy import old_policy_pass
     from megatron_gtpo.training.step_batch import build_step_batch
@@ -190,9 +200,16 @@ def _engine_entropies(tp):
     kept = rewarded_groups(prompts, rollout.responses, torch.zeros(3, 3), entropies_T=rollout.entropies_T)
     batch = build_step_batch(kept, run.parallel, mini_batches=[[0, 1, 2]], max_sequences=4, max_tokens=None)
     engine_ST = batch.entropy_ST.clone()
-    old_policy_pass(run.policy.chunks, batch, run.parallel, vocab_size=run.vocab_size, temperature=0.7)
+    scored = {}
+    for name, truncation in (("truncated", Truncation(10, 0.95)), ("full", None)):
+        scoring = replace(batch)  # the pass's fields on a copy of the batch, once per scoring
+        old_policy_pass(run.policy.chunks, scoring, run.parallel, vocab_size=run.vocab_size, temperature=0.7,
+                        truncation=truncation)
+        scored[name] = scoring.old_logprobs_ST, scoring.entropy_ST
     same_tokens = torch.equal(plain.token_ids_T, rollout.responses.token_ids_T)
-    return engine_ST, batch.entropy_ST, batch.mask_ST, same_tokens, rollout.responses.num_tokens
+    return dict(engine_ST=engine_ST, trainer_ST=scored["truncated"][1], full_trainer_ST=scored["full"][1],
+                rollout_ST=batch.rollout_logprobs_ST, truncated_ST=scored["truncated"][0], full_ST=scored["full"][0],
+                mask_ST=batch.mask_ST, same_tokens=same_tokens, tokens=rollout.responses.num_tokens)
 
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.yaml")
@@ -208,7 +225,8 @@ TRAINER_CASES = [
      ["model.tiny_synthetic=false", f"model.hf_dir={MOE_DIR}", "model.recompute_activations=true",
       "data.micro_batch_size=4"]),
     ("grpo-kl-stale-dp2", ["parallel.tensor=1"], ["algorithm.name=grpo", "algorithm.kl_coef=0.05", *PARTIAL,
-                                                  "algorithm.rollout_is=geometric", "algorithm.rollout_rs=sequence"]),
+                                                  "algorithm.rollout_correction.rollout_is=geometric",
+                                                  "algorithm.rollout_correction.rollout_rs=sequence"]),
     ("dapo-2-mini-batches-tp2", ["parallel.tensor=2"], ["algorithm.name=dapo", "data.mini_batches_per_step=2"]),
     ("gtpo-stale-tp2", ["parallel.tensor=2"], PARTIAL),
 ]
@@ -272,12 +290,19 @@ def test_the_updates_forward_gives_what_the_old_policy_pass_gives(spawned, case,
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "tp1-dp2"])
-def test_the_engines_sampling_entropies_equal_the_trainers(spawned, tp):
+def test_the_engines_sampling_entropies_equal_the_trainers_under_top_k_top_p(spawned, tp):
+    """Sampled at top-k 10 / top-p 0.95, where the truncation binds: the engine's log-probs are the truncated
+    distribution's (the pass's with the rollout's truncation, off the full distribution's); its entropies are the
+    full tempered distribution's, the same quantity as the pass's (docs/step_batch.md), so they may stand in."""
     for rank in spawned:
-        engine_ST, trainer_ST, mask_ST, same_tokens, tokens = rank["entropies"][tp]
-        assert same_tokens and tokens > 20
-        assert torch.allclose(engine_ST[mask_ST], trainer_ST[mask_ST], rtol=0, atol=2e-5)
-        assert bool((engine_ST[~mask_ST] == 0).all()) and float(trainer_ST[mask_ST].min()) > 0.1
+        e = rank["entropies"][tp]
+        mask_ST = e["mask_ST"]
+        assert e["same_tokens"] and e["tokens"] > 20
+        assert torch.allclose(e["rollout_ST"][mask_ST], e["truncated_ST"][mask_ST], rtol=0, atol=2e-5)
+        assert float((e["rollout_ST"] - e["full_ST"])[mask_ST].min()) > 1e-3  # every token's kept mass < 1
+        assert torch.equal(e["trainer_ST"], e["full_trainer_ST"])  # the pass's entropy: the full one either way
+        assert torch.allclose(e["engine_ST"][mask_ST], e["trainer_ST"][mask_ST], rtol=0, atol=2e-5)
+        assert bool((e["engine_ST"][~mask_ST] == 0).all()) and float(e["trainer_ST"][mask_ST].min()) > 0.1
 
 
 def _comparable(row):

@@ -99,7 +99,7 @@ def _schedule(max_staleness: int, steps: int) -> dict[int, tuple[int, list[int]]
         group_size=G)
     trained = {}
     for step in range(steps):
-        groups = queue.take(step)
+        groups, _ = queue.take(step)
         for i, prompt in enumerate(groups.prompts):
             first = groups.select(torch.tensor([i]))
             trained[prompt.index] = (step, first.versions_T[:3].tolist())
@@ -140,35 +140,36 @@ def test_a_prompt_and_a_whole_response_must_fit_the_model_at_start():
 
 
 @pytest.mark.parametrize("saved,now,message", [
-    (dict(max_staleness=1), dict(max_staleness=0), r"rollout.max_staleness 1 -> 0\)"),
+    (dict(max_staleness=1), dict(max_staleness=0), r"rollout.schedule.max_staleness 1 -> 0\)"),
     (dict(max_staleness=1, partial_rollouts=True, partial_segment_tokens=2),
      dict(max_staleness=2, partial_rollouts=True, partial_segment_tokens=1),
-     r"rollout.max_staleness 1 -> 2, rollout.partial_segment_tokens 2 -> 1\)"),
+     r"rollout.schedule.max_staleness 1 -> 2, rollout.schedule.partial_segment_tokens 2 -> 1\)"),
     (dict(partial_rollouts=True, partial_segment_tokens=2), dict(),
-     r"rollout.partial_rollouts True -> False, rollout.partial_segment_tokens 2 -> None\)"),
-    (dict(max_staleness=1, rounds_ahead=2), dict(max_staleness=1), r"rollout.rounds_ahead 2 -> 0\)"),
+     r"rollout.schedule.partial_rollouts True -> False, rollout.schedule.partial_segment_tokens 2 -> None\)"),
+    (dict(max_staleness=1, rounds_ahead=2), dict(max_staleness=1), r"rollout.schedule.rounds_ahead 2 -> 0\)"),
     (dict(max_staleness=1), dict(max_staleness=1), None),
     (dict(), dict(max_staleness=2), None),  # nothing in flight: the new schedule starts afresh
 ])
 def test_a_resume_under_other_rollout_settings_than_the_in_flight_work_is_refused(saved, now, message):
     """A checkpoint of bounded staleness or partial rollouts holds batches asked for ahead and unfinished groups;
     resuming it with another schedule would skip them (max_staleness 0) or train them beyond the new bound."""
-    from megatron_gtpo.config import RolloutConfig
+    from megatron_gtpo.config import RolloutConfig, ScheduleConfig
     from megatron_gtpo.training.resume_check import check_rollout_schedule
 
-    saved_config = {"rollout": dict(engine="builtin_remote", **saved)}  # an older checkpoint may lack keys
-    cfg = SimpleNamespace(rollout=RolloutConfig(**now))
+    saved_config = {"rollout": dict(engine="builtin_remote", schedule=saved)}  # an older checkpoint may lack keys
+    cfg = SimpleNamespace(rollout=RolloutConfig(schedule=ScheduleConfig(**now)))
     if message is None:
         check_rollout_schedule(saved_config, cfg, "ckpt/step_00000003")
         return
     with pytest.raises(ValueError, match="checkpoint ckpt/step_00000003 holds rollouts generated and not yet "
-                                         "trained on under other rollout settings than this run's " + f"\\({message}"):
+                                         "trained on under another rollout schedule than this run's "
+                                         + f"\\({message}"):
         check_rollout_schedule(saved_config, cfg, "ckpt/step_00000003")
 
 
 def test_a_saved_queue_keeps_the_routing_of_its_batches_in_flight():
-    """Routing replay with rollouts in flight (rollout.max_staleness 1 on a vLLM rollout server): the batch asked
-    for ahead is saved with its routing and comes back with it on the host after a resume (rollout_queue.py)."""
+    """Routing replay with rollouts in flight (rollout.schedule.max_staleness 1 on a vLLM rollout server): the batch
+    asked for ahead is saved with its routing and comes back with it on the host after a resume (rollout_queue.py)."""
     from hand_built import scripted_queue
     from megatron_gtpo.training.partial_rollouts import WholeResponses
 
@@ -178,15 +179,15 @@ def test_a_saved_queue_keeps_the_routing_of_its_batches_in_flight():
 
     queue, resumed = (scripted_queue(answer, WholeResponses(), max_staleness=1, steps=3, group_size=G)
                       for _ in range(2))
-    assert queue.take(0).routed_experts[1][0, 0, 0] == 1
+    assert queue.take(0)[0].routed_experts[1][0, 0, 0] == 1
     resumed.load_state_dict(queue.state_dict())  # batch 1, asked for at step 0
-    groups = resumed.take(1)
+    groups, _ = resumed.take(1)
     assert [r[0, 0, 0].item() for r in groups.routed_experts] == [10 + j for j in range(G)]
     assert all(r.device.type == "cpu" and r.dtype == torch.int16 for r in groups.routed_experts)
 
 
 def test_a_step_counts_every_token_of_its_engine_answers_once():
-    """RolloutQueue.tokens_generated (the `tokens_generated` metric) at N = 1 with partial rollouts of 2-token
+    """StepCounts.tokens_generated (the `tokens_generated` metric) at N = 1 with partial rollouts of 2-token
     segments of a 4-token budget: a step counts the answers it waits for (its batch and its further rounds), with the
     unfinished responses and the groups it will not train on; the batch asked for ahead counts in the step that waits
     for it, once, even when a checkpoint waited for it first."""
@@ -208,16 +209,19 @@ def test_a_step_counts_every_token_of_its_engine_answers_once():
     # Draws: A (step 0's batch), B (batch 1, asked at step 0), C (step 0's round 1).
     queue = scripted_queue(answer, PARTIAL, max_staleness=1, steps=2, group_size=G)
     sample_round = queue.rounds(0, PhaseTimer())
-    assert sample_round(0)[0]().num_groups == 0 and queue.tokens_generated == 3  # A left unfinished
-    assert [p.id for p in sample_round(1)[0]().prompts] == ["p2"] and queue.tokens_generated == 3 + 3
+    step_0 = queue.counts  # handed out by step 0's `take`
+    assert sample_round(0)[0]().num_groups == 0 and step_0.tokens_generated == 3  # A left unfinished
+    assert [p.id for p in sample_round(1)[0]().prompts] == ["p2"] and step_0.tokens_generated == 3 + 3
     queue.state_dict()  # waits for batch 1 (asked for at step 0) without counting it
-    assert queue.tokens_generated == 6
-    assert [p.id for p in queue.take(1).prompts] == ["p0", "p1"] and queue.tokens_generated == 2 + 3
+    assert step_0.tokens_generated == 6
+    groups, step_1 = queue.take(1)
+    assert [p.id for p in groups.prompts] == ["p0", "p1"] and step_1.tokens_generated == 2 + 3
+    assert step_0.tokens_generated == 6 and step_1 is queue.counts  # one object per step
 
 
 def test_continued_counts_the_responses_sampled_by_more_than_one_version():
-    """A server's record under rollout.update_during_generation, asked for at version 5: a response that an update
-    reached mid-way was sampled by two versions; one that started after the update (every token counts it), one
+    """A server's record under rollout.schedule.update_during_generation, asked for at version 5: a response that an
+    update reached mid-way was sampled by two versions; one that started after the update (every token counts it), one
     before it, an empty one and a one-token one by one version each."""
     lengths, updates = [4, 3, 2, 0, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0, 2]
     record = Responses(responses_per_prompt_P=torch.tensor([1] * 5), lengths_R=torch.tensor(lengths),

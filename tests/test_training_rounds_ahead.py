@@ -1,7 +1,7 @@
-"""Dynamic sampling's further rounds asked for ahead (rollout.rounds_ahead, RolloutQueue) over a scripted engine: the
-fixed schedule of what is asked (prompts, seeds, versions), which rounds a step takes from the buffer and which on the
-spot, the rounds dropped as too old, the metrics, and a queue restored from a checkpoint's state going on as the
-uninterrupted one."""
+"""Dynamic sampling's further rounds asked for ahead (rollout.schedule.rounds_ahead, RolloutQueue) over a scripted
+engine: the fixed schedule of what is asked (prompts, seeds, versions), which rounds a step takes from the buffer and
+which on the spot, the rounds dropped as too old, the metrics, and a queue restored from a checkpoint's state going on
+as the uninterrupted one."""
 import torch
 import torch.distributed as dist
 
@@ -91,24 +91,26 @@ def test_a_queue_restored_after_a_step_goes_on_as_the_uninterrupted_one(world_of
 
 
 def _idle_step(queue, step, idle_answers):
-    """Step `step` as the trainer runs it under rollout.ahead_schedule when_idle: its experience (which polls the
-    servers after its rounds), then the polls after its old-policy pass and its update; `idle_answers`: what the
-    scripted servers say at the polls that ask them."""
+    """Step `step` as the trainer runs it under rollout.schedule.ahead_schedule when_idle: its experience (which polls
+    the servers after its rounds), then its phases on a timer that polls the queue after each (`poll`: after the
+    old-policy pass and after the update, not after the advantages or the sync); `idle_answers`: what the scripted
+    servers say at the polls that ask them."""
     queue.source.engine.idle_answers = list(idle_answers)
-    timer = PhaseTimer()
+    timer = PhaseTimer(after_phase=queue.poll(step))
     kept = _step(queue, step)
-    queue.ask_if_idle(step, timer)
-    queue.ask_if_idle(step, timer)
+    for phase in ("old_logprob", "advantages", "update", "sync"):
+        with timer(phase):
+            pass
     assert not queue.source.engine.idle_answers, "a poll that should have asked the servers did not"
     return kept
 
 
 def test_when_idle_rounds_are_asked_one_at_a_time_when_the_servers_are_idle(world_of_one):
-    """rollout.ahead_schedule when_idle, 2 rounds ahead: step 0's servers are busy after its rounds, idle after its
-    old-policy pass and its update: p4, p5 are asked there (seeds of its rounds 3, 4). Step 1 serves p4; p5 (version
+    """rollout.schedule.ahead_schedule when_idle, 2 rounds ahead: step 0's servers are busy after its rounds, idle after
+    its old-policy pass and its update: p4, p5 are asked there (seeds of its rounds 3, 4). Step 1 serves p4; p5 (version
     0) is too old for step 2, so it polls: busy, then idle (p7, seed 13), idle again (p8, seed 14). Step 2 drops p5,
-    serves p7, p8; its first two polls find the servers idle (p10, p11), the third asks no server (two rounds held).
-    The last step asks nothing and polls nothing."""
+    serves p7, p8; its first two polls find the servers idle (p10, p11), the third asks no server (two rounds held). The
+    last step asks nothing and polls nothing."""
     queue = _queue(world_of_one, when_idle=True)
     answers = [[False, True, True], [False, True, True], [True, True], []]
     steps = [_idle_step(queue, step, idle) for step, idle in enumerate(answers)]
@@ -118,11 +120,28 @@ def test_when_idle_rounds_are_asked_one_at_a_time_when_the_servers_are_idle(worl
 
 
 def test_the_fixed_schedule_never_polls_the_servers(world_of_one):
-    """Without when_idle, `ask_if_idle` neither asks the servers (an empty script would raise) nor asks a round, also
-    where fewer rounds than rollout.rounds_ahead are held (before the first step's)."""
+    """Without when_idle, a poll (`poll`) neither asks the servers (an empty script would raise) nor asks a round, also
+    where fewer rounds than rollout.schedule.rounds_ahead are held (before the first step's)."""
     queue = _queue(world_of_one)
-    queue.ask_if_idle(0, PhaseTimer())
+    timer = PhaseTimer(after_phase=queue.poll(0))
+    for phase in ("old_logprob", "update"):
+        with timer(phase):
+            pass
     assert not queue.source.engine.asked and not queue.ahead
+
+
+def test_the_servers_are_polled_after_the_old_policy_pass_and_the_update_only(world_of_one):
+    """A step's phase timer polls the queue after every phase; the queue asks the servers after its rounds, its
+    old-policy pass and its update, never after the advantages or the weight sync (whose weights are the next step's:
+    a round asked there would be stamped with the wrong version)."""
+    queue = _queue(world_of_one, when_idle=True)
+    queue.source.engine.idle_answers = [False, False, False, True]  # the fourth would ask a round
+    timer = PhaseTimer(after_phase=queue.poll(0))
+    _step(queue, 0)
+    for phase in ("old_logprob", "advantages", "update", "sync"):
+        with timer(phase):
+            pass
+    assert queue.source.engine.idle_answers == [True] and not queue.ahead
 
 
 def _two_replicas(rank, world_size):

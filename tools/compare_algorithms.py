@@ -133,10 +133,10 @@ class Study:
 
 # The paper's mechanisms: the entropy weight (0 removes the shaping), GTPO's normalisation scope, an entropy clip.
 V1_ABLATIONS = (
-    *(Variant(f"gtpo alpha2={v}", "gtpo", (f"algorithm.alpha2={v}",)) for v in (0.0, 0.05, 0.2)),
-    *(Variant(f"grpo_s beta2={v}", "grpo_s", (f"algorithm.beta2={v}",)) for v in (0.0, 0.05, 0.2)),
-    Variant("gtpo norm_scope=group", "gtpo", ("algorithm.norm_scope=group",)),
-    Variant("gtpo entropy_clip=[0.1,2]", "gtpo", ("algorithm.entropy_clip=[0.1,2.0]",)),
+    *(Variant(f"gtpo alpha2={v}", "gtpo", (f"algorithm.gtpo.alpha2={v}",)) for v in (0.0, 0.05, 0.2)),
+    *(Variant(f"grpo_s beta2={v}", "grpo_s", (f"algorithm.grpo_s.beta2={v}",)) for v in (0.0, 0.05, 0.2)),
+    Variant("gtpo norm_scope=group", "gtpo", ("algorithm.gtpo.norm_scope=group",)),
+    Variant("gtpo entropy_clip=[0.1,2]", "gtpo", ("algorithm.gtpo.entropy_clip=[0.1,2.0]",)),
 )
 # The entropy bonus at 0.001: verl's former default `entropy_coeff` (DAPO itself has none).
 ENTROPY_BONUS = 0.001

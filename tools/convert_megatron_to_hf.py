@@ -5,9 +5,9 @@ Qwen2 / Qwen3 / Qwen3-MoE directory.
                                            --force]
 
 Streams tensor by tensor in one process. Writes sharded safetensors (with model.safetensors.index.json when there is
-more than one file), config.json, generation_config.json and the tokenizer files kept in the checkpoint; the result
-loads with transformers.AutoModelForCausalLM.from_pretrained. The output directory appears only when complete; an
-existing one is replaced only with --force.
+more than one file), config.json, generation_config.json and the tokenizer files kept in the checkpoint (where it
+holds none, it says so and why); the result loads with transformers.AutoModelForCausalLM.from_pretrained. The output
+directory appears only when complete; an existing one is replaced only with --force.
 """
 from __future__ import annotations
 
@@ -35,11 +35,17 @@ def main(argv=None) -> int:
     check_conversion_paths("--megatron-dir", args.megatron_dir, args.output_dir, force=args.force)
     from megatron_gtpo.checkpoint.megatron_checkpoint import WEIGHT_DTYPES
     from megatron_gtpo.checkpoint.hf_export import convert_megatron_to_hf, parse_size
+    from megatron_gtpo.checkpoint.sources import ModelSource
 
     files = convert_megatron_to_hf(args.megatron_dir, args.output_dir, max_shard_bytes=parse_size(args.max_shard_size),
                                    dtype=WEIGHT_DTYPES[args.dtype] if args.dtype else None, force=args.force,
                                    progress=not args.quiet)
     print(f"wrote {args.output_dir}: {len(files)} safetensors file(s)")
+    source = ModelSource.detect(args.megatron_dir, what="--megatron-dir")
+    if source.missing_tokenizer():
+        evaluate = f"; evaluate the checkpoint on its task with python -m megatron_gtpo.evaluate --model " \
+                   f"{source.path} --output-dir DIR" if source.synthetic_task else ""
+        print(f"no tokenizer written: {source.missing_tokenizer()}{evaluate}")
     return 0
 
 

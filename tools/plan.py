@@ -98,7 +98,8 @@ def parse_args(argv=None):
     split = p.add_argument_group("generating while training (--disaggregated; the rates are assumptions)")
     split.add_argument("--disaggregated", action="store_true",
                        help="split the GPUs of --nodes between rollout servers and training (whole nodes each)")
-    split.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the step (default 1)")
+    split.add_argument("--max-staleness", type=int, default=1,
+                       help="rollout.schedule.max_staleness of the step (default 1)")
     split.add_argument("--server-tp", type=int,
                        help="vLLM TP of each rollout server (SERVER_TP; default: the best of those the model allows)")
     defaults = Settings()
@@ -259,7 +260,7 @@ def format_disaggregated(result: dict) -> str:
     unused = result["nodes"] - train["nodes"] - roll["nodes"]
     lines = [
         f"{result['model']} on {result['nodes']} nodes x {result['gpus_per_node']} GPUs: rollout servers "
-        f"(rollout.engine vllm_remote) and training on nodes of their own, rollout.max_staleness {n}",
+        f"(rollout.engine vllm_remote) and training on nodes of their own, rollout.schedule.max_staleness {n}",
         "",
         f"split (the shortest step of the {1 + len(result['alternatives'])} that run):",
         f"  training: {train['nodes']} node(s), TP={lay['tensor']} PP={lay['pipeline']}{context} DP={lay['data']} "

@@ -1,7 +1,8 @@
 #!/bin/bash
-# One node of a megatron_gtpo job. launch.sh starts it with srun, one task per node; it runs
-#   torchrun --nnodes=$SLURM_NNODES --node_rank=$SLURM_NODEID --nproc_per_node=$NPROC_PER_NODE \
+# One node of a megatron_gtpo job. launch.sh starts it with srun, one task per node; it runs torchrun as
+#   python -m megatron_gtpo.launch --nnodes=$SLURM_NNODES --node_rank=$SLURM_NODEID --nproc_per_node=$NPROC_PER_NODE \
 #            --master_addr=<first host of the node list> --master_port=$MASTER_PORT -m megatron_gtpo.train "$@"
+# (megatron_gtpo.launch: torchrun's options and agent, ending with the ranks' one-line error and its status)
 # (torchrun's static rendezvous: node 0 hosts the TCP store every rank joins). It can also run without SLURM, one
 # copy per machine, given SLURM_NNODES, SLURM_NODEID and SLURM_JOB_NODELIST or MASTER_ADDR (tests/test_multinode.py
 # does that in network namespaces).
@@ -27,7 +28,8 @@ from megatron_gtpo.distributed.parallel import first_host_in_nodelist
 print(first_host_in_nodelist(sys.argv[1]))' "$nodelist")
 fi
 
-cmd=("$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK"
+# megatron_gtpo.launch is torchrun (its options, its agent) ending with the ranks' own one-line error and status.
+cmd=("$PYTHON" -m megatron_gtpo.launch --nnodes="$NNODES" --node_rank="$NODE_RANK"
      --nproc_per_node="$NPROC_PER_NODE" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT")
 if [[ -n "${TORCHRUN_LOG_DIR:-}" ]]; then  # per-rank stdout/stderr files, also echoed to the job log
     cmd+=(--log-dir="$TORCHRUN_LOG_DIR/node$NODE_RANK" --tee=3)

@@ -12,7 +12,7 @@ from megatron_gtpo.algorithms.advantages import (
 )
 from megatron_gtpo.algorithms.dynamic_sampling import informative_groups
 from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
-from megatron_gtpo.algorithms.losses import local_loss_normalizer, sequence_policy_loss, token_policy_loss
+from megatron_gtpo.algorithms.losses import PPOClip, local_loss_normalizer, sequence_policy_loss, token_policy_loss
 from megatron_gtpo.algorithms.token_selection import TokenSelection, select_tokens
 from megatron_gtpo.algorithms.registry import (
     ALGORITHM_NAMES,
@@ -39,6 +39,7 @@ __all__ = [
     "informative_groups",
     "local_loss_normalizer",
     "overlong_penalty",
+    "PPOClip",
     "resolve_algorithm",
     "select_tokens",
     "sequence_policy_loss",

@@ -1,6 +1,10 @@
 """Policy losses: the clipped surrogate per token (GRPO, DAPO, GTPO, Clip-Cov; KL-Cov's unclipped) and per sequence
 (GRPO-S, GSPO).
 
+Both are built from the same small pieces: the importance ratio, the clipping (`PPOClip`, or none: KL-Cov) and the
+`surrogate` it gives, the token selections (`apply_selection`: the rollout correction's and the selections' weights,
+KL-Cov's penalty), the regularisers (KL to the reference, the entropy bonus) and the `aggregate` of THE LOSS CONTRACT.
+
 Shapes: B sequences (the N x G responses of the batch, flattened) x T positions. logprobs_BT are the current
 policy's log-probs of the sampled tokens (differentiable), old_logprobs_BT the old policy's (detached),
 mask_BT is True on valid response tokens. Every input may hold anything (NaN included) at padding.
@@ -51,6 +55,9 @@ Statistics of an empty micro-batch are 0.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
 from megatron_gtpo.algorithms._checks import check_bool_mask, check_choice, check_floating, check_same_shape
@@ -72,17 +79,84 @@ def local_loss_normalizer(mask_BT: torch.Tensor, loss_agg_mode: str) -> torch.Te
     return torch.tensor(mask_BT.shape[0], dtype=torch.int64, device=mask_BT.device)
 
 
-def _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, eps_low, eps_high, dual_clip,
-                  ref_logprobs_BT, kl_coef, entropy_BT, entropy_coef) -> None:
+@dataclass(frozen=True)
+class PPOClip:
+    """The clipped surrogate's trust region: the ratio w clipped to [1 - eps_low, 1 + eps_high] (clip-higher:
+    eps_high > eps_low), and with `dual_clip` c > 1 the loss of a negative advantage capped at -c A (dual-clip PPO).
+    KL-Cov's surrogate has none (`clip=None`)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+
+    def __post_init__(self):
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={self.eps_low!r}, "
+                             f"eps_high={self.eps_high!r}")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip must be None or > 1 (the ratio cap for negative advantages), got "
+                             f"{self.dual_clip!r}")
+
+
+class ClipEvents(NamedTuple):
+    """Where each clip binds (selects its constant branch, so the element has no gradient): the low clip (A < 0 and
+    w < 1 - eps_low), the high clip (A > 0 and w > 1 + eps_high), the dual clip (A < 0 and w > dual_clip)."""
+
+    low: torch.Tensor
+    high: torch.Tensor
+    dual: torch.Tensor
+
+
+def surrogate(ratio, advantages, clip: PPOClip | None) -> tuple[torch.Tensor, ClipEvents]:
+    """Per element, the policy-gradient surrogate and where its clips bind: -min(w A, clip(w, 1 - eps_low,
+    1 + eps_high) A), with the dual clip min(., -c A) for A < 0; without a clip, -w A (no clip binds)."""
+    if clip is None:
+        no_event = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
+        return -advantages * ratio, ClipEvents(no_event, no_event, no_event)
+    clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip.eps_low, 1 + clip.eps_high))
+    low = (advantages < 0) & (ratio < 1 - clip.eps_low)
+    high = (advantages > 0) & (ratio > 1 + clip.eps_high)
+    if clip.dual_clip is None:
+        return clipped, ClipEvents(low, high, torch.zeros_like(low))
+    dual = (advantages < 0) & (ratio > clip.dual_clip)
+    return torch.where(advantages < 0, torch.minimum(clipped, -clip.dual_clip * advantages), clipped), \
+        ClipEvents(low, high, dual)
+
+
+def apply_selection(surrogate_BT, log_ratio_BT, mask_BT, *, pg_weights=None, kl_penalty_BT=None,
+                     kl_cov_coef: float = 0.0) -> torch.Tensor:
+    """The token selections applied to a per-token surrogate: KL-Cov's penalty kl_cov_coef * |log w| added on the
+    tokens of kl_penalty_BT, then the per-token weights pg_weights ([B, T] or [B], detached: the rollout-mismatch
+    importance weights times 0 where a selection removes the gradient); 0 at padding."""
+    B, T = mask_BT.shape
+    if kl_penalty_BT is not None:
+        check_bool_mask("kl_penalty_BT", kl_penalty_BT, mask_BT.shape)
+        surrogate_BT = surrogate_BT + kl_cov_coef * torch.where(kl_penalty_BT & mask_BT, log_ratio_BT.abs(), 0.0)
+    if pg_weights is not None:
+        if pg_weights.shape not in ((B, T), (B,)):
+            raise ValueError(f"pg_weights must have shape [B, T] = {(B, T)} or [B] = ({B},), got "
+                             f"{tuple(pg_weights.shape)}")
+        weights_BT = pg_weights.detach() if pg_weights.ndim == 2 else pg_weights.detach().unsqueeze(-1)
+        surrogate_BT = surrogate_BT * torch.where(mask_BT, weights_BT, 0.0)
+    return surrogate_BT
+
+
+def aggregate(per_token_BT, mask_BT, loss_agg_mode: str, loss_normalizer) -> torch.Tensor:
+    """One micro-batch's share of the loss (THE LOSS CONTRACT) from per-token terms that are exactly 0 at padding:
+    their sum, or for "seq-mean-token-mean" the sum of each sequence's mean, over `loss_normalizer`."""
+    if loss_agg_mode == "seq-mean-token-mean":
+        lengths_B = mask_BT.sum(dim=-1).clamp(min=1)
+        return (per_token_BT.sum(dim=-1) / lengths_B).sum() / loss_normalizer
+    return per_token_BT.sum() / loss_normalizer
+
+
+def _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, ref_logprobs_BT, kl_coef, entropy_BT,
+                  entropy_coef) -> None:
     check_floating("logprobs_BT", logprobs_BT, 2)
     check_same_shape("old_logprobs_BT", old_logprobs_BT, logprobs_BT.shape)
     check_bool_mask("mask_BT", mask_BT, logprobs_BT.shape)
     if isinstance(loss_normalizer, (int, float)) and not loss_normalizer > 0:
         raise ValueError(f"loss_normalizer must be > 0, got {loss_normalizer!r}")
-    if not (0 <= eps_low < 1 and eps_high >= 0):
-        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low!r}, eps_high={eps_high!r}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be None or > 1 (the ratio cap for negative advantages), got {dual_clip!r}")
     if kl_coef != 0 and ref_logprobs_BT is None:
         raise ValueError(f"kl_coef={kl_coef!r} needs ref_logprobs_BT")
     if ref_logprobs_BT is not None:
@@ -96,19 +170,6 @@ def _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, eps_lo
 def _masked_log_ratio(numerator_BT, denominator_BT, mask_BT) -> torch.Tensor:
     """numerator - denominator on valid tokens (clamped to +-LOG_RATIO_LIMIT), exactly 0 at padding."""
     return torch.where(mask_BT, numerator_BT - denominator_BT, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-
-
-def _clipped_surrogate(ratio, advantages, *, eps_low, eps_high, dual_clip):
-    """Per-element loss -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A), with the dual clip min(., -c A)
-    for A < 0, and where each clip binds (selects the constant branch, so the element has no gradient)."""
-    surrogate = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - eps_low, 1 + eps_high))
-    low_binds = (advantages < 0) & (ratio < 1 - eps_low)
-    high_binds = (advantages > 0) & (ratio > 1 + eps_high)
-    if dual_clip is None:
-        return surrogate, low_binds, high_binds, torch.zeros_like(low_binds)
-    dual_binds = (advantages < 0) & (ratio > dual_clip)
-    surrogate = torch.where(advantages < 0, torch.minimum(surrogate, -dual_clip * advantages), surrogate)
-    return surrogate, low_binds, high_binds, dual_binds
 
 
 def _k3(log_ratio):
@@ -144,6 +205,18 @@ def _regularisers_BT(logprobs_BT, mask_BT, num_tokens, ref_logprobs_BT, kl_coef,
     return per_token_BT, metrics
 
 
+def _ratio_metrics(pg_loss, events: ClipEvents, ratio, valid, count, log_ratio_BT, num_tokens) -> dict:
+    """The surrogate's metrics over `count` elements (`valid` of `ratio`): clip fractions and ratio statistics, and
+    the k3 approx_kl over the tokens."""
+    with torch.no_grad():
+        ratio_max, ratio_min = _masked_extremes(ratio, valid, count)
+        return dict(pg_loss=pg_loss.detach(), clip_frac_low=_fraction(events.low, count),
+                    clip_frac_high=_fraction(events.high, count), dual_clip_frac=_fraction(events.dual, count),
+                    approx_kl=_k3(log_ratio_BT).sum() / num_tokens.clamp(min=1),
+                    ratio_mean=torch.where(valid, ratio, 0.0).sum() / count.clamp(min=1), ratio_max=ratio_max,
+                    ratio_min=ratio_min, num_tokens=num_tokens)
+
+
 def token_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -152,15 +225,12 @@ def token_policy_loss(
     *,
     loss_normalizer: float | torch.Tensor,
     loss_agg_mode: str = "token-mean",
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
+    clip: PPOClip | None = PPOClip(),
     ref_logprobs_BT: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     entropy_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     pg_weights: torch.Tensor | None = None,
-    ppo_clip: bool = True,
     kl_penalty_BT: torch.Tensor | None = None,
     kl_cov_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -170,19 +240,19 @@ def token_policy_loss(
     (GRPO, DAPO). Per token, with w = exp(logprobs - old_logprobs):
         l = -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A)        [min(l, -dual_clip * A) when A < 0]
             + kl_coef * k3(ref_logprobs - logprobs) - entropy_coef * entropy
+    built from the pieces above: the `surrogate` under `clip` (None: -w A, KL-Cov's), the token selections
+    (`apply_selection`: KL-Cov's kl_cov_coef * |log w| on the tokens of kl_penalty_BT, the per-token pg_weights:
+    the rollout-mismatch importance weights of rollout_correction.py, times 0 where a token selection removes the
+    policy gradient, token_selection.py), the regularisers, and the `aggregate` of loss_agg_mode.
     entropy_BT is the CURRENT policy's entropy (differentiable) for the bonus; ref_logprobs_BT the reference
-    policy's log-probs. Either may be given with a zero coefficient to get its metric only. pg_weights ([B, T] or
-    [B], like advantages; detached) multiply the surrogate term per token: the rollout-mismatch importance weights
-    (rollout_correction.py), times 0 where a token selection removes the policy gradient (Clip-Cov, the
-    high-entropy fraction: token_selection.py); None means 1. KL-Cov (arXiv 2505.22617): ppo_clip=False makes the
-    surrogate -w A (no clip), and the tokens of kl_penalty_BT (bool [B, T]) add kl_cov_coef * |log w| to it.
+    policy's log-probs. Either may be given with a zero coefficient to get its metric only.
     Returns (loss_mb, metrics): pg_loss (the surrogate part of loss_mb), clip_frac_low (A < 0 and
     w < 1 - eps_low), clip_frac_high (A > 0 and w > 1 + eps_high), dual_clip_frac (A < 0 and w > dual_clip),
     approx_kl, ratio_mean/max/min, num_tokens, ref_kl / entropy when those inputs are given, and with kl_penalty_BT
     kl_cov_abs_log_ratio (the mean |log w| over the valid tokens).
     """
-    _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, eps_low, eps_high, dual_clip,
-                  ref_logprobs_BT, kl_coef, entropy_BT, entropy_coef)
+    _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, ref_logprobs_BT, kl_coef, entropy_BT,
+                  entropy_coef)
     check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     if advantages.shape not in (logprobs_BT.shape, logprobs_BT.shape[:1]):
         raise ValueError(f"advantages must have shape [B, T] = {tuple(logprobs_BT.shape)} or [B] = "
@@ -193,50 +263,18 @@ def token_policy_loss(
 
     log_ratio_BT = _masked_log_ratio(logprobs_BT, old_logprobs_BT, mask_BT)
     ratio_BT = torch.exp(log_ratio_BT)  # exactly 1 at padding, where the advantage is 0
-    if ppo_clip:
-        surrogate_BT, low_BT, high_BT, dual_BT = _clipped_surrogate(
-            ratio_BT, advantages_BT, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
-    else:
-        surrogate_BT = -advantages_BT * ratio_BT
-        low_BT = high_BT = dual_BT = torch.zeros_like(mask_BT)
-    abs_log_ratio_BT = log_ratio_BT.abs()  # exactly 0 at padding
-    if kl_penalty_BT is not None:
-        check_bool_mask("kl_penalty_BT", kl_penalty_BT, logprobs_BT.shape)
-        surrogate_BT = surrogate_BT + kl_cov_coef * torch.where(kl_penalty_BT & mask_BT, abs_log_ratio_BT, 0.0)
-    if pg_weights is not None:
-        if pg_weights.shape not in (logprobs_BT.shape, logprobs_BT.shape[:1]):
-            raise ValueError(f"pg_weights must have shape [B, T] = {tuple(logprobs_BT.shape)} or [B] = "
-                             f"({logprobs_BT.shape[0]},), got {tuple(pg_weights.shape)}")
-        weights_BT = pg_weights.detach() if pg_weights.ndim == 2 else pg_weights.detach().unsqueeze(-1)
-        surrogate_BT = surrogate_BT * torch.where(mask_BT, weights_BT, 0.0)
+    surrogate_BT, events = surrogate(ratio_BT, advantages_BT, clip)
+    surrogate_BT = apply_selection(surrogate_BT, log_ratio_BT, mask_BT, pg_weights=pg_weights,
+                                    kl_penalty_BT=kl_penalty_BT, kl_cov_coef=kl_cov_coef)
     num_tokens = mask_BT.sum()
     regularisers_BT, metrics = _regularisers_BT(logprobs_BT, mask_BT, num_tokens, ref_logprobs_BT, kl_coef,
                                                 entropy_BT, entropy_coef)
-
-    def aggregate(per_token_BT):  # every per-token term is exactly 0 at padding
-        if loss_agg_mode == "seq-mean-token-mean":
-            lengths_B = mask_BT.sum(dim=-1).clamp(min=1)
-            return (per_token_BT.sum(dim=-1) / lengths_B).sum() / loss_normalizer
-        return per_token_BT.sum() / loss_normalizer
-
-    pg_loss = aggregate(surrogate_BT)
-    loss = pg_loss + aggregate(regularisers_BT)
-
-    with torch.no_grad():
-        ratio_max, ratio_min = _masked_extremes(ratio_BT, mask_BT, num_tokens)
-        metrics.update(
-            pg_loss=pg_loss.detach(),
-            clip_frac_low=_fraction(low_BT, num_tokens),
-            clip_frac_high=_fraction(high_BT, num_tokens),
-            dual_clip_frac=_fraction(dual_BT, num_tokens),
-            approx_kl=_k3(log_ratio_BT).sum() / num_tokens.clamp(min=1),
-            ratio_mean=torch.where(mask_BT, ratio_BT, 0.0).sum() / num_tokens.clamp(min=1),
-            ratio_max=ratio_max,
-            ratio_min=ratio_min,
-            num_tokens=num_tokens,
-        )
-        if kl_penalty_BT is not None:  # KL-Cov's: over every valid token, penalised or not (verl's ppo_kl_abs)
-            metrics["kl_cov_abs_log_ratio"] = abs_log_ratio_BT.sum() / num_tokens.clamp(min=1)
+    pg_loss = aggregate(surrogate_BT, mask_BT, loss_agg_mode, loss_normalizer)
+    loss = pg_loss + aggregate(regularisers_BT, mask_BT, loss_agg_mode, loss_normalizer)
+    metrics.update(_ratio_metrics(pg_loss, events, ratio_BT, mask_BT, num_tokens, log_ratio_BT, num_tokens))
+    if kl_penalty_BT is not None:  # KL-Cov's: over every valid token, penalised or not (verl's ppo_kl_abs)
+        with torch.no_grad():
+            metrics["kl_cov_abs_log_ratio"] = log_ratio_BT.abs().sum() / num_tokens.clamp(min=1)
     return loss, metrics
 
 
@@ -248,9 +286,7 @@ def sequence_policy_loss(
     *,
     loss_normalizer: float | torch.Tensor,
     sequence_ratio: str = "arithmetic",
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
+    clip: PPOClip = PPOClip(),
     ref_logprobs_BT: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     entropy_BT: torch.Tensor | None = None,
@@ -271,8 +307,8 @@ def sequence_policy_loss(
     Metrics as token_policy_loss, with clip fractions and ratio statistics over the non-empty sequences of
     the micro-batch (num_sequences counts them) and approx_kl over its tokens.
     """
-    _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, eps_low, eps_high, dual_clip,
-                  ref_logprobs_BT, kl_coef, entropy_BT, entropy_coef)
+    _check_common(logprobs_BT, old_logprobs_BT, mask_BT, loss_normalizer, ref_logprobs_BT, kl_coef, entropy_BT,
+                  entropy_coef)
     check_choice("sequence_ratio", sequence_ratio, SEQUENCE_RATIOS)
     check_same_shape("advantages_B", advantages_B, logprobs_BT.shape[:1])
     lengths_B = mask_BT.sum(dim=-1)
@@ -285,8 +321,7 @@ def sequence_policy_loss(
         ratio_B = token_ratio_BT.sum(dim=-1) / lengths_B.clamp(min=1)
     else:
         ratio_B = torch.exp(log_ratio_BT.sum(dim=-1) / lengths_B.clamp(min=1))
-    surrogate_B, low_B, high_B, dual_B = _clipped_surrogate(
-        ratio_B, advantages_B, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+    surrogate_B, events = surrogate(ratio_B, advantages_B, clip)
     if pg_weights is not None:
         check_same_shape("pg_weights", pg_weights, logprobs_BT.shape[:1])
         surrogate_B = surrogate_B * pg_weights.detach()
@@ -295,21 +330,8 @@ def sequence_policy_loss(
                                                 entropy_BT, entropy_coef)
     # An empty sequence has advantage 0, so its surrogate is 0 whatever its (meaningless) ratio.
     pg_loss = surrogate_B.sum() / loss_normalizer
-    loss = pg_loss + (regularisers_BT.sum(dim=-1) / lengths_B.clamp(min=1)).sum() / loss_normalizer
-
-    with torch.no_grad():
-        num_sequences = nonempty_B.sum()
-        ratio_max, ratio_min = _masked_extremes(ratio_B, nonempty_B, num_sequences)
-        metrics.update(
-            pg_loss=pg_loss.detach(),
-            clip_frac_low=_fraction(low_B, num_sequences),
-            clip_frac_high=_fraction(high_B, num_sequences),
-            dual_clip_frac=_fraction(dual_B, num_sequences),
-            approx_kl=_k3(log_ratio_BT).sum() / num_tokens.clamp(min=1),
-            ratio_mean=torch.where(nonempty_B, ratio_B, 0.0).sum() / num_sequences.clamp(min=1),
-            ratio_max=ratio_max,
-            ratio_min=ratio_min,
-            num_tokens=num_tokens,
-            num_sequences=num_sequences,
-        )
+    loss = pg_loss + aggregate(regularisers_BT, mask_BT, "seq-mean-token-mean", loss_normalizer)
+    num_sequences = nonempty_B.sum()
+    metrics.update(_ratio_metrics(pg_loss, events, ratio_B, nonempty_B, num_sequences, log_ratio_BT, num_tokens),
+                   num_sequences=num_sequences)
     return loss, metrics

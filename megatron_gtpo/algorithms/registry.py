@@ -7,11 +7,15 @@ ONE written signature whatever the algorithm:
     advantages(rewards_NG, entropy_NGT=None, mask_NGT=None) -> advantages_NGT (per token) or advantages_NG
     policy_loss(logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, loss_normalizer, **tensors) -> loss, metrics
 
-An entry names its pure advantage function (advantages.py) and the config fields it takes as keywords, its policy
-loss (losses.py) with the loss's defaults and the config fields it takes, and the algorithm's defaults for dynamic
-sampling and the length penalty. Resolving binds the config's values once; nothing downstream branches on the name
-(algorithms/ imports no config module: the config is read by attribute). Defaults follow the papers (GTPO / GRPO-S:
-arXiv 2508.04349):
+An entry names its pure advantage function (advantages.py) and the options of its own it takes as keywords, its
+policy loss (losses.py) with the loss's defaults and the options of its own it takes, and the algorithm's defaults
+for dynamic sampling and the length penalty. An algorithm's own options are the config section named after it
+(`algorithm.gtpo`, `algorithm.grpo_s`, `algorithm.clip_cov`, `algorithm.kl_cov`), read here only when it is the
+one configured (the config refuses a setting in another's section); the settings every loss reads (the clip range,
+dual clip, KL and entropy coefficients) are the algorithm section's own fields, and each length penalty's options
+its section (`algorithm.overlong`, `algorithm.group_relative`). Resolving binds the config's values once; nothing
+downstream branches on the name (algorithms/ imports no config module: the config is read by attribute). Defaults
+follow the papers (GTPO / GRPO-S: arXiv 2508.04349):
 
     algorithm  advantages                 policy loss                  clip (low, high)  dyn. sampling  length penalty
     GRPO       grpo_advantages [N, G]     token, seq-mean-token-mean   0.2, 0.2          no             none
@@ -34,7 +38,7 @@ surrogate has no PPO clip (the paper's and verl's): its penalty on the selected 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
@@ -43,7 +47,7 @@ import torch
 from megatron_gtpo.algorithms.advantages import gtpo_advantages, grpo_advantages, grpo_s_advantages
 from megatron_gtpo.algorithms.dynamic_sampling import informative_groups
 from megatron_gtpo.algorithms.length_penalties import group_relative_overlong_penalty, overlong_penalty
-from megatron_gtpo.algorithms.losses import sequence_policy_loss, token_policy_loss
+from megatron_gtpo.algorithms.losses import PPOClip, sequence_policy_loss, token_policy_loss
 from megatron_gtpo.algorithms.token_selection import TokenSelection, select_tokens
 
 
@@ -56,23 +60,27 @@ class Algorithm(str, enum.Enum):  # in the order the config lists them: the entr
     KL_COV = "kl_cov"
 
 
-_TOKEN_LOSS_FIELDS = ("dual_clip", "kl_coef", "entropy_coef")  # the config fields every loss takes
-_CLIP_FIELDS = ("eps_low", "eps_high")  # the config's override the entry's default when set
+_TOKEN_LOSS_FIELDS = ("kl_coef", "entropy_coef")  # the algorithm section's fields every loss takes
+_CLIP_FIELDS = ("eps_low", "eps_high", "dual_clip")  # the config's override the entry's clip where set
+LENGTH_PENALTIES = ("none", "overlong", "group_relative")  # the config's choices of algorithm.length_penalty
+CLIP_HIGHER = PPOClip(0.2, 0.28)  # DAPO's clip-higher, and the algorithms built on DAPO
 
 
 @dataclass(frozen=True)
 class AlgorithmEntry:
-    """One algorithm: `advantages(rewards_NG[, entropy_NGT, mask_NGT], **settings)` with `advantage_fields` the
-    config fields passed as settings (the entropy arguments iff `uses_entropy`); `policy_loss` with `loss_defaults`
-    and the config fields `loss_fields`; the defaults of dynamic sampling and of the length penalty ("none" |
-    "overlong"); `covariance_selection`: "clip" (Clip-Cov), "kl" (KL-Cov) or None."""
+    """One algorithm: `advantages(rewards_NG[, entropy_NGT, mask_NGT], **options)` with `advantage_options` the
+    fields of its own section (algorithm.<name>) passed by name (the entropy arguments iff `uses_entropy`);
+    `policy_loss` with `loss_defaults`, the settings every loss takes and `loss_options` (loss keyword -> field of
+    its own section); the defaults of dynamic sampling and of the length penalty ("none" | "overlong");
+    `covariance_selection`: "clip" (Clip-Cov: its section's ratio, lb, ub), "kl" (KL-Cov: its section's ratio) or
+    None."""
 
     advantages: Callable[..., torch.Tensor]
-    advantage_fields: tuple[str, ...]
     uses_entropy: bool
     policy_loss: Callable[..., tuple]
     loss_defaults: dict = field(default_factory=dict)
-    loss_fields: tuple[str, ...] = _TOKEN_LOSS_FIELDS
+    advantage_options: tuple[str, ...] = ()
+    loss_options: dict = field(default_factory=dict)
     dynamic_sampling: bool = True
     length_penalty: str = "none"
     covariance_selection: str | None = None
@@ -84,23 +92,23 @@ class AlgorithmEntry:
 
 
 ALGORITHMS: dict[Algorithm, AlgorithmEntry] = {
-    Algorithm.GRPO: AlgorithmEntry(grpo_advantages, (), False, token_policy_loss,
-                                   dict(eps_low=0.2, eps_high=0.2, loss_agg_mode="seq-mean-token-mean"),
+    Algorithm.GRPO: AlgorithmEntry(grpo_advantages, False, token_policy_loss,
+                                   dict(clip=PPOClip(0.2, 0.2), loss_agg_mode="seq-mean-token-mean"),
                                    dynamic_sampling=False),
-    Algorithm.DAPO: AlgorithmEntry(grpo_advantages, (), False, token_policy_loss,
-                                   dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean"),
-                                   length_penalty="overlong"),
-    Algorithm.GTPO: AlgorithmEntry(gtpo_advantages, ("alpha1", "alpha2", "norm_scope", "entropy_clip"), True,
-                                   token_policy_loss, dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean")),
-    Algorithm.GRPO_S: AlgorithmEntry(grpo_s_advantages, ("beta1", "beta2", "entropy_clip"), True,
-                                     sequence_policy_loss, dict(eps_low=0.2, eps_high=0.28),
-                                     loss_fields=_TOKEN_LOSS_FIELDS + ("sequence_ratio",)),
-    Algorithm.CLIP_COV: AlgorithmEntry(grpo_advantages, (), False, token_policy_loss,
-                                       dict(eps_low=0.2, eps_high=0.28, loss_agg_mode="token-mean"),
+    Algorithm.DAPO: AlgorithmEntry(grpo_advantages, False, token_policy_loss,
+                                   dict(clip=CLIP_HIGHER, loss_agg_mode="token-mean"), length_penalty="overlong"),
+    Algorithm.GTPO: AlgorithmEntry(gtpo_advantages, True, token_policy_loss,
+                                   dict(clip=CLIP_HIGHER, loss_agg_mode="token-mean"),
+                                   advantage_options=("alpha1", "alpha2", "norm_scope", "entropy_clip")),
+    Algorithm.GRPO_S: AlgorithmEntry(grpo_s_advantages, True, sequence_policy_loss, dict(clip=CLIP_HIGHER),
+                                     advantage_options=("beta1", "beta2", "entropy_clip"),
+                                     loss_options=dict(sequence_ratio="sequence_ratio")),
+    Algorithm.CLIP_COV: AlgorithmEntry(grpo_advantages, False, token_policy_loss,
+                                       dict(clip=CLIP_HIGHER, loss_agg_mode="token-mean"),
                                        covariance_selection="clip"),
-    Algorithm.KL_COV: AlgorithmEntry(grpo_advantages, (), False, token_policy_loss,
-                                     dict(ppo_clip=False, loss_agg_mode="token-mean"),
-                                     loss_fields=_TOKEN_LOSS_FIELDS + ("kl_cov_coef",), covariance_selection="kl"),
+    Algorithm.KL_COV: AlgorithmEntry(grpo_advantages, False, token_policy_loss,
+                                     dict(clip=None, loss_agg_mode="token-mean"),
+                                     loss_options=dict(kl_cov_coef="coef"), covariance_selection="kl"),
 }
 
 
@@ -173,41 +181,48 @@ class ConfiguredAlgorithm:
 
 def configure_algorithm(config, *, max_new_tokens: int) -> ConfiguredAlgorithm:
     """The algorithm `config.name` names, resolved against `config` (an AlgorithmConfig): its advantage settings
-    and loss settings bound once (the config's clip range where set, else the algorithm's); `max_new_tokens` is the
-    rollout's, the overlong penalty's default length."""
+    and loss settings bound once (the config's clip range where set, else the algorithm's), from the settings every
+    loss reads and the algorithm's own section (`config.<name>`: no other algorithm's is read); `max_new_tokens` is
+    the rollout's, the overlong penalty's default length."""
     algorithm = resolve_algorithm(config.name)
     entry = ALGORITHMS[algorithm]
-    loss_settings = {**entry.loss_defaults,
-                     **{k: getattr(config, k) for k in _CLIP_FIELDS if getattr(config, k) is not None},
-                     **{k: getattr(config, k) for k in entry.loss_fields}}
+    own = getattr(config, algorithm.value, None)  # algorithm.<name>: its own options, where it has any
+    clip = entry.loss_defaults["clip"]
+    if clip is not None:  # KL-Cov's surrogate has none (the config refuses a clip setting with it)
+        clip = replace(clip, **{k: getattr(config, k) for k in _CLIP_FIELDS if getattr(config, k) is not None})
+    loss_settings = {**entry.loss_defaults, "clip": clip, **{k: getattr(config, k) for k in _TOKEN_LOSS_FIELDS},
+                     **{keyword: getattr(own, option) for keyword, option in entry.loss_options.items()}}
     return ConfiguredAlgorithm(
         algorithm=algorithm, uses_entropy=entry.uses_entropy,
         dynamic_sampling=entry.dynamic_sampling if config.dynamic_sampling is None else config.dynamic_sampling,
         loss_agg_mode=entry.loss_defaults.get("loss_agg_mode", "seq-mean-token-mean"),
         length_penalty=_length_penalty(config.length_penalty or entry.length_penalty, config, max_new_tokens),
-        _advantages=partial(entry.advantages, **{k: getattr(config, k) for k in entry.advantage_fields}),
+        _advantages=partial(entry.advantages, **{k: getattr(own, k) for k in entry.advantage_options}),
         _policy_loss=partial(entry.policy_loss, **loss_settings),
-        select_tokens=_token_selection(entry.covariance_selection, config))
+        select_tokens=_token_selection(entry.covariance_selection, own, config.entropy_token_fraction))
 
 
-def _token_selection(covariance_selection: str | None, config):
-    """select_tokens bound to the run's covariance selection and high-entropy fraction, or None when neither is on."""
+def _token_selection(covariance_selection: str | None, own, entropy_token_fraction: float | None):
+    """select_tokens bound to the run's covariance selection (from the algorithm's own options `own`) and
+    high-entropy fraction, or None when neither is on."""
     settings = {}
     if covariance_selection == "clip":
-        settings["clip_cov"] = (config.clip_cov_ratio, config.clip_cov_lb, config.clip_cov_ub)
+        settings["clip_cov"] = (own.ratio, own.lb, own.ub)
     elif covariance_selection == "kl":
-        settings["kl_cov_ratio"] = config.kl_cov_ratio
-    if config.entropy_token_fraction is not None:
-        settings["entropy_token_fraction"] = config.entropy_token_fraction
+        settings["kl_cov_ratio"] = own.ratio
+    if entropy_token_fraction is not None:
+        settings["entropy_token_fraction"] = entropy_token_fraction
     return partial(select_tokens, **settings) if settings else None
 
 
 def _length_penalty(name: str, config, max_new_tokens: int):
-    max_len = config.overlong_max_len or max_new_tokens
-    return {
-        "none": None,
-        "overlong": lambda lengths_NG, correct_NG: overlong_penalty(
-            lengths_NG, max_len=max_len, cache_len=config.overlong_cache_len or max(1, max_len // 5)),
-        "group_relative": lambda lengths_NG, correct_NG: group_relative_overlong_penalty(
-            lengths_NG, correct_NG, gamma=config.group_relative_gamma),
-    }[name]
+    """The length penalty `name` (LENGTH_PENALTIES) bound to its own options (config.overlong, config.group_relative),
+    or None."""
+    if name == "overlong":
+        max_len = config.overlong.max_len or max_new_tokens
+        cache_len = config.overlong.cache_len or max(1, max_len // 5)
+        return lambda lengths_NG, correct_NG: overlong_penalty(lengths_NG, max_len=max_len, cache_len=cache_len)
+    if name == "group_relative":
+        gamma = config.group_relative.gamma
+        return lambda lengths_NG, correct_NG: group_relative_overlong_penalty(lengths_NG, correct_NG, gamma=gamma)
+    return None

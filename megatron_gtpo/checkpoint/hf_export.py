@@ -26,9 +26,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megatron_gtpo.models.hf_checkpoint import INDEX_FILE, SINGLE_FILE
 from megatron_gtpo.models.hf_mapping import hf_tensor_shape, megatron_shards_to_hf, tensor_mappings
+from megatron_gtpo.progress import progress_bar
 
 from .atomic_dir import atomic_output_dir
-from .manifest import check_intact
+from .manifest import check_intact, reading
 from .megatron_checkpoint import (HF_FILES_DIR, copy_hf_side_files, dist_checkpoint_key, dtype_name,
                                   read_checkpoint_metadata)
 
@@ -186,8 +187,6 @@ def convert_megatron_to_hf(megatron_dir: str, output_dir: str, *, dtype: torch.d
     """Write the HF Qwen2 / Qwen3 model of the megatron_gtpo checkpoint in `megatron_dir` to `output_dir` (created
     atomically; replaced only with `force`). Each tensor keeps its stored dtype unless `dtype` is given. Returns the
     names of the safetensors files."""
-    from tqdm import tqdm
-
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     check_intact(megatron_dir)
@@ -229,8 +228,10 @@ def convert_megatron_to_hf(megatron_dir: str, output_dir: str, *, dtype: torch.d
 
     with atomic_output_dir(output_dir, force=force, inputs=(megatron_dir,)) as tmp:
         writer = SafetensorsShardWriter(tmp, plan_shards(specs, max_shard_bytes))
-        for mapping, key, offsets, sizes, axes in tqdm(reads, desc="HF tensors", unit="tensor", disable=not progress):
-            stored = reader.read(key, offsets, sizes)
+        for mapping, key, offsets, sizes, axes in progress_bar(reads, desc="HF tensors", unit="tensor",
+                                                               disable=not progress):
+            with reading(megatron_dir):
+                stored = reader.read(key, offsets, sizes)
             global_tensor = stored.reshape(stored.shape[axes:])  # without the stacked axes (each of size 1 here)
             for name, tensor in zip(mapping.hf_names, megatron_shards_to_hf(mapping, [global_tensor], shape)):
                 writer.write(name, tensor if dtype is None else tensor.to(dtype))

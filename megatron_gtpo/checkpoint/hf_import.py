@@ -33,6 +33,7 @@ from torch.futures import Future
 from megatron_gtpo.models.hf_checkpoint import HFCheckpoint
 from megatron_gtpo.models.hf_mapping import FC1, TensorMapping, hf_to_megatron_shard, tensor_mappings
 from megatron_gtpo.layout import ParallelLayout, check_layout
+from megatron_gtpo.progress import progress_bar
 
 from .atomic_dir import atomic_output_dir
 from .manifest import write_manifest
@@ -98,12 +99,11 @@ class _SequentialWriter(FileSystemWriter):
         self._progress = progress
 
     def write_data(self, plan: SavePlan, planner) -> Future:
-        from tqdm import tqdm
 
         file_name = f"{plan.storage_data.prefix}0.distcp"
         results = []
         with open(os.path.join(self.path, file_name), "wb") as stream:
-            for item in tqdm(plan.items, desc="megatron chunks", unit="chunk", disable=not self._progress):
+            for item in progress_bar(plan.items, desc="megatron chunks", unit="chunk", disable=not self._progress):
                 if item.type != WriteItemType.SHARD:
                     raise TypeError(f"{item.index.fqn}: only tensor chunks are written here, not {item.type}")
                 tensor = planner.resolve_data(item).detach().contiguous()

@@ -3,18 +3,23 @@ SHA-256, written last, when everything else is on disk. Before a load, `find_dam
 first one that is missing, of another size (truncated by a full disk or an interrupted copy) or of another checksum.
 
 Both walk every byte once; with a process group the files are shared out over its ranks (each rank hashes every
-world-th file) and the results gathered, so a large checkpoint is hashed in parallel. A checkpoint written before
-manifests existed has none: there is nothing to check it against, and `find_damage` reports nothing.
+world-th file) and the results gathered, so a large checkpoint is hashed in parallel. A checkpoint without a manifest
+(written before manifests existed, or lost it) is checked against its own index instead: every data file that
+torch.distributed.checkpoint's `.metadata` places tensors in must be there and long enough to hold them, which names a
+missing or truncated file; damage inside a file is then met when reading it, and `reading` reports it as the
+checkpoint's (DamagedCheckpoint, naming the checkpoint), not as the reader's EOFError.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 
 from megatron_gtpo.atomic_files import write_atomically
 
 MANIFEST = "manifest.json"
+DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index: where each stored tensor lies, file and bytes
 _READ_BYTES = 16 << 20
 
 
@@ -87,12 +92,38 @@ def _problem(directory: str, name: str, expected: dict) -> str | None:
     return None
 
 
+def _index_damage(directory: str) -> str | None:
+    """Without a manifest: the first data file that the torch_dist index (`.metadata`) places tensors in and that is
+    missing or shorter than they need; None when all are there (or there is no index: not a torch_dist checkpoint)."""
+    if not os.path.isfile(os.path.join(directory, DCP_INDEX)):
+        return None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data or {}
+    except Exception as e:  # noqa: BLE001 - whatever a damaged index makes the reader raise
+        return f"its {DCP_INDEX} is unreadable ({type(e).__name__}: {e})"
+    ends: dict[str, int] = {}
+    for item in storage.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing (its {DCP_INDEX} places data in it)"
+        if os.path.getsize(path) < end:
+            return (f"{name} has {os.path.getsize(path):,} bytes where its {DCP_INDEX} places data up to byte "
+                    f"{end:,} (truncated or cut short)")
+    return None
+
+
 def find_damage(directory: str, *, group=None) -> str | None:
-    """None when every file of `directory`'s manifest is there as written (or when it has no manifest); otherwise a
-    sentence naming the checkpoint and its first damaged file. Collective over `group` (None: this process alone)."""
+    """None when every file of `directory`'s manifest is there as written; otherwise a sentence naming the checkpoint
+    and its first damaged file. Without a manifest, the data files its index names (`_index_damage`). Collective
+    over `group` (None: this process alone)."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
-        return None
+        problem = _index_damage(directory)
+        return f"checkpoint {directory} is damaged: {problem} (it has no {MANIFEST})" if problem else None
     try:
         with open(path, encoding="utf-8") as f:
             files = json.load(f)["files"]
@@ -101,6 +132,34 @@ def find_damage(directory: str, *, group=None) -> str | None:
     problems = _shared_out(lambda names: [p for p in (_problem(directory, n, files[n]) for n in names) if p],
                            sorted(files), group)
     return f"checkpoint {directory} is damaged: {problems[0]}" if problems else None
+
+
+@contextmanager
+def reading(directory: str):
+    """Around the reads of a checkpoint's data: what a read of a checkpoint without a manifest raises (nothing checked
+    its bytes before) becomes a DamagedCheckpoint naming the checkpoint; with a manifest, which `check_intact`
+    checked, it stays as raised."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: a reader's failure inside
+
+    try:
+        yield
+    except DamagedCheckpoint:
+        raise
+    except (Exception, CheckpointException) as e:
+        if os.path.isfile(os.path.join(directory, MANIFEST)):
+            raise
+        raise DamagedCheckpoint(f"checkpoint {directory} could not be read ({_first_failure(e)}): it has no "
+                                f"{MANIFEST} to check its files against, and one of them is probably damaged") from e
+
+
+def _first_failure(error: BaseException) -> str:
+    """`Type: first sentence` of a reader's failure (torch's CheckpointException wraps each rank's, tracebacks and
+    all)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text.split('. ')[0]}".rstrip(": ")
 
 
 def check_intact(directory: str, *, group=None) -> None:

@@ -43,7 +43,7 @@ from megatron_gtpo.models.hf_mapping import LOCAL_TO_TE
 from megatron_gtpo.models.qwen import ModelShape, padded_vocab_size
 
 from .atomic_dir import begin_output_dir, commit_output_dir
-from .manifest import check_intact, write_manifest
+from .manifest import check_intact, reading, write_manifest
 
 METADATA_FILE = "megatron_gtpo_checkpoint.json"
 FORMAT_NAME = "megatron_gtpo.checkpoint"
@@ -320,7 +320,8 @@ def load_checkpoint(directory: str, model_chunks: list, *, extra_sharded_state: 
     read_checkpoint_metadata(directory)
     state = model_state_to_load(directory, model_chunks)
     extra = dict(extra_sharded_state or {})
-    loaded = load_sharded({**state, **extra}, directory)
+    with reading(directory):
+        loaded = load_sharded({**state, **extra}, directory)
     load_model_state(directory, model_chunks, loaded)
     return {key: loaded[key] for key in extra}
 

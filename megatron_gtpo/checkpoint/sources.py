@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+SYNTHETIC_TASK = "synthetic_task"  # a trainer checkpoint's metadata key: the synthetic task (data.task) it learned
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -40,6 +42,30 @@ class ModelSource:
         from .megatron_checkpoint import HF_FILES_DIR
 
         return os.path.join(self.path, HF_FILES_DIR) if self.is_megatron_checkpoint else self.path
+
+    @property
+    def synthetic_task(self) -> str | None:
+        """The synthetic task (data.task) a trainer checkpoint was trained on, whose tokenizer is built in code and
+        not saved with it; None for any other model."""
+        if not self.is_megatron_checkpoint:
+            return None
+        from .megatron_checkpoint import read_checkpoint_metadata
+
+        return read_checkpoint_metadata(self.path).extra.get(SYNTHETIC_TASK)
+
+    def missing_tokenizer(self) -> str | None:
+        """Why the model has no tokenizer files, in a sentence naming it; None when it has them."""
+        from megatron_gtpo.data.tokenizer import TOKENIZER_FILES
+
+        directory = self.tokenizer_dir
+        if any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+            return None
+        if self.synthetic_task:
+            return (f"{self.path} was trained on the synthetic task {self.synthetic_task!r}, whose character "
+                    f"tokenizer is built in code (megatron_gtpo.data.synthetic_tasks), not saved with it")
+        where = "does not exist" if not os.path.isdir(directory) else f"holds none of {', '.join(TOKENIZER_FILES)}"
+        return (f"{self.path} holds no tokenizer files ({directory} {where}): it was written from a model directory "
+                f"without them")
 
     def hf_config(self) -> dict:
         if self.is_megatron_checkpoint:

@@ -14,10 +14,9 @@ import dataclasses
 import logging
 from typing import Sequence
 
-from tqdm import tqdm
-
 from megatron_gtpo.data.records import PromptRecord, PromptSample
 from megatron_gtpo.data.tokenizer import Tokenizer
+from megatron_gtpo.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ def tokenize_prompts(
         raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {max_prompt_tokens!r}")
     samples: list[PromptSample] = []
     num_too_long = 0
-    for record in tqdm(records, desc="tokenizing prompts", disable=not progress):
+    for record in progress_bar(records, desc="tokenizing prompts", disable=not progress):
         token_ids = tuple(tokenizer.encode(template.render(record.problem, tokenizer)))
         if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
             num_too_long += 1

@@ -63,7 +63,8 @@ class HFTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
         if not self._tokenizer.chat_template:
             raise ValueError(
-                f"the tokenizer in {self._model_dir} has no chat template; use a plain template (chat=False)"
+                f"the tokenizer in {self._model_dir} has no chat template: use a plain prompt (data.template: plain "
+                f"in a training config, --plain for megatron_gtpo.evaluate)"
             )
         return self._tokenizer.apply_chat_template(
             [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt

@@ -86,11 +86,9 @@ def build_vllm_replica(args: argparse.Namespace, tokenizer: Tokenizer) -> Replic
 
     from megatron_gtpo.models.qwen import ModelShape, load_hf_config
 
-    try:
-        from megatron_gtpo.rollout import vllm_engine
-    except ImportError as e:
-        raise ValueError(f"--engine vllm needs vLLM, which does not import here ({e}); install it with "
-                         "pip install -e '.[vllm]' (GPU) or use --engine builtin") from e
+    from megatron_gtpo.rollout import import_vllm_engine
+
+    vllm_engine = import_vllm_engine("--engine vllm", "--engine builtin")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise ValueError(f"--engine vllm reads Hugging Face model directories; {args.model!r} has no config.json "
                          "(export a megatron_gtpo checkpoint with tools/convert_megatron_to_hf.py first)")

@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tqdm import tqdm
-
-from megatron_gtpo.data import PromptRecord, PromptTemplate, Tokenizer, tokenize_prompts
+from megatron_gtpo.data import PromptSample, Tokenizer
+from megatron_gtpo.progress import progress_bar
 from megatron_gtpo.rewards import RewardPool, extract_final_answer
 from megatron_gtpo.rollout.engine import SamplingParams, check_prompts
 
@@ -59,7 +58,7 @@ def generate_responses(
                       vocab_size=replica.vocab_size, max_positions=replica.max_positions,
                       max_new_tokens=sampling.max_new_tokens)
     responses: list[list[list[int]]] = []
-    for call in tqdm(calls, desc="generating", unit="call", disable=not progress):
+    for call in progress_bar(calls, desc="generating", unit="call", disable=not progress):
         prompts = [list(prompts_token_ids[position]) for position in call]
         params = SamplingParams(n=sampling.num_samples, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_new_tokens=sampling.max_new_tokens, stop_token_ids=(replica.eos_token_id,),
@@ -75,27 +74,28 @@ def generate_responses(
 
 
 def evaluate_dataset(
-    records: Sequence[PromptRecord],
+    all_samples: Sequence[PromptSample],
     *,
     replica: Replica,
     tokenizer: Tokenizer,
-    template: PromptTemplate,
     sampling: SamplingSettings,
     reward_pool: RewardPool,
     prompts_per_call: int = 64,
     progress: bool = True,
+    skip_special_tokens: bool = True,
 ) -> list[ProblemResult]:
-    """Generate `sampling.num_samples` responses per problem and grade each (math verification == 1.0): all
-    problems on rank 0 (the others return []), each generated and graded by one replica (`replica.share`).
-    `progress`: show progress bars (one rank does)."""
-    all_samples = tokenize_prompts(records, tokenizer, template, progress=progress)  # no length filter: keep all
+    """Generate `sampling.num_samples` responses per problem (its prompt token ids) and grade each (the reward
+    pool's reward == 1.0: math verification, or a synthetic task's reward, on the text decoded with or without the
+    special tokens, as its reward reads it): all problems on rank 0 (the others return []), each generated and graded
+    by one replica (`replica.share`). `progress`: show progress displays (one rank does)."""
     calls = replica_calls(len(all_samples), prompts_per_call=prompts_per_call, share=replica.share)
     positions = [position for call in calls for position in call]
     samples = [all_samples[position] for position in positions]
     response_ids = generate_responses(
         replica, [sample.prompt_token_ids for sample in all_samples], sampling, calls=calls, progress=progress,
     )
-    texts = [[tokenizer.decode(ids, skip_special_tokens=True) for ids in per_prompt] for per_prompt in response_ids]
+    texts = [[tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) for ids in per_prompt]
+             for per_prompt in response_ids]
     flat_texts = [text for per_prompt in texts for text in per_prompt]
     flat_references = [sample.answer for sample in samples for _ in range(sampling.num_samples)]
     rewards = reward_pool.rewards(flat_texts, flat_references, progress=progress)

@@ -55,7 +55,7 @@ class MoeShape:
 
 @dataclass(frozen=True)
 class RouterLosses:
-    """The router's auxiliary losses (model.moe_aux_loss_coef, model.moe_z_loss_coef): megatron's load-balancing loss
+    """The router's auxiliary losses (model.moe.aux_loss_coef, model.moe.z_loss_coef): megatron's load-balancing loss
     (Switch Transformer's, per micro-batch) and the router z-loss (ST-MoE's), each with its coefficient; 0 is off, the
     RL default (docs/algorithms.md, "Mixture of experts")."""
 

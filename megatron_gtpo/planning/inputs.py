@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_gtpo.engine_table import ENGINES
 from megatron_gtpo.layout import ParallelLayout, RolloutLayout, check_layout
 from megatron_gtpo.models.qwen import ModelShape
 
@@ -66,7 +67,7 @@ class Settings:
     # Without a colocated vLLM the built-in engine generates on the training model: its static KV cache holds at
     # most this many token slots per batch (rollout.builtin.max_batch_tokens; None: every row of a replica at once).
     builtin_max_batch_tokens: int | None = None
-    # algorithm.routing_replay: rollout. The record of the experts each fed token went to at a rank's MoE layers
+    # model.moe.routing_replay: rollout. The record of the experts each fed token went to at a rank's MoE layers
     # (memory.routing_record_bytes): on that rank's GPU from generation (built-in engine) or from the step batch
     # (vLLM's, on the host before) to the end of the update.
     routing_replay: bool = False
@@ -140,14 +141,15 @@ def settings_from_config(cfg, **overrides) -> Settings:
     """The planner's settings of a megatron_gtpo TrainConfig (dtype, recompute, colocated vLLM, routing replay), plus
     overrides. ValueError for the "local" kernel profile of a config on megatron's unfused attention, which it does
     not describe (activations.py)."""
-    vllm, builtin = cfg.rollout.engine == "vllm", cfg.rollout.engine == "builtin"
+    section = ENGINES[cfg.rollout.engine].section  # the engine's own options: builtin's cap, colocated vLLM's
+    vllm, builtin = section == "vllm", section == "builtin"
     if overrides.get("kernels") == "local" and cfg.model.core_attention != "sdpa":
         raise ValueError(f"the planner's local kernel profile is the SDPA attention's; model.core_attention="
                          f"{cfg.model.core_attention} keeps every head's [s, s] scores besides and is not planned")
     return Settings(**{"params_dtype": cfg.model.dtype, "recompute_activations": cfg.model.recompute_activations,
                        "logprob_workspace_mib": cfg.model.logprob_workspace_mib,
                        "builtin_max_batch_tokens": cfg.rollout.builtin.max_batch_tokens if builtin else None,
-                       "routing_replay": cfg.algorithm.replays_routing,
+                       "routing_replay": cfg.model.moe.replays_routing,
                        "vllm_memory_fraction": cfg.rollout.vllm.gpu_memory_utilization if vllm else None,
                        "vllm_tensor_parallel": cfg.rollout.vllm.tensor_parallel if vllm else None, **overrides})
 

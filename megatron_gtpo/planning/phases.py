@@ -84,7 +84,7 @@ def step_s(generate_s: float, train_s: float, sync_s: float, max_staleness: int)
     by default a rollout server answers requests in order and every step ends with a weight sync, which waits for
     the generation before it (the update drains the engine). So one generation overlaps one training step whatever
     N: the step is max(generation, training) + sync at every N >= 1, and staleness 1 is all it takes to keep both
-    sides busy in steady state. With rollout.update_during_generation the engine takes the sync between decode
+    sides busy in steady state. With rollout.schedule.update_during_generation the engine takes the sync between decode
     steps (it pauses for it) and the trainer does not wait for the generation's tail: each side still spends its
     phase plus the sync per step, so the steady state is the same; what changes is the variance (a generation
     longer than a training step spreads over up to N steps), which this model does not hold."""

@@ -84,7 +84,7 @@ def plan_disaggregated(shape: ModelShape, layout: ParallelLayout, workload: Work
                        nodes: int, max_staleness: int = 1, server_tp: int | None = None,
                        model_name: str = "") -> dict:
     """The split of `nodes` nodes between training and rollout (rollout.engine vllm_remote) with the shortest step at
-    rollout.max_staleness `max_staleness` (step_s), against `layout` on all of them with colocated engines.
+    rollout.schedule.max_staleness `max_staleness` (step_s), against `layout` on all of them with colocated engines.
 
     Training runs DP replicas of `layout` (its TP, PP and the rest; DP is the split's) on nodes of their own, and
     must fit in memory (plan()'s training peak); rollout runs one vLLM server of `server_tp` GPUs per replica (the

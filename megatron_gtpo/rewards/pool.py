@@ -42,9 +42,8 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Protocol, Sequence
 
-from tqdm import tqdm
-
 from megatron_gtpo.process_lifetime import die_with_parent
+from megatron_gtpo.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +269,8 @@ class RewardPool:
         self.close()
 
     def rewards(self, responses: Sequence[str], references: Sequence[str], *, progress: bool = False) -> list[float]:
-        """Rewards of the pairs (responses[i], references[i]), in order. `progress` shows a tqdm bar."""
+        """Rewards of the pairs (responses[i], references[i]), in order. `progress` shows a progress display
+        (progress.py)."""
         if len(responses) != len(references):
             raise ValueError(
                 f"responses and references must have the same length, got {len(responses)} and {len(references)}"
@@ -282,7 +282,7 @@ class RewardPool:
         with self._lock:
             if not self._finalizer.alive:
                 raise RuntimeError("this RewardPool is closed")
-            with tqdm(total=len(responses), desc="rewards", disable=not progress) as bar:
+            with progress_bar(total=len(responses), desc="rewards", disable=not progress) as bar:
                 return self._rewards_locked(responses, references, bar)
 
     def _rewards_locked(self, responses, references, bar) -> list[float]:

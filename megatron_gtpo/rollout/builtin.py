@@ -72,9 +72,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from megatron_gtpo.models.moe_routing import recording
+from megatron_gtpo.progress import progress_bar
 
 from .engine import Rollout, SamplingParams, check_prompts, response_seed
 from .decode_rows import DecodeRows
@@ -184,7 +184,8 @@ class BuiltinEngine:
         # No device sync for the end time: every decode step reads the count of live rows back from the device.
         start_s = time.perf_counter()
         with self._inference_mode(), recording(self.models, self.record_routing) as recorder, \
-                tqdm(total=len(rows), desc="decoding", unit="row", leave=False, disable=not self.progress) as bar:
+                progress_bar(total=len(rows), desc="decoding", unit="row", leave=False,
+                             disable=not self.progress) as bar:
             for batch in batches:
                 *batch_parts, batch_entropies, batch_routes = self._generate_batch(
                     [rows[r] for r in batch], [seeds[r] for r in batch], params, recorder)
@@ -365,8 +366,9 @@ class BuiltinEngine:
 
 def sampling_entropies(logits_BV: torch.Tensor, *, vocab_size: int, temperature: float) -> torch.Tensor:
     """float32 [B]: the entropy of each row's next-token distribution, softmax(logits / temperature) over the true
-    vocabulary (temperature 1 when greedy; top-k / top-p not folded in: engine.py's log-prob convention), by the
-    trainer's own op (distributed/vocab_parallel.py), here over the whole vocabulary, which every TP rank holds."""
+    vocabulary (temperature 1 when greedy), by the trainer's own op (distributed/vocab_parallel.py), here over the
+    whole vocabulary, which every TP rank holds. Top-k / top-p are not folded in, unlike the sampled tokens'
+    log-probs: the trainer's entropy is the full distribution's (docs/algorithms.md, "Which entropy")."""
     from megatron_gtpo.distributed.vocab_parallel import vocab_parallel_logprobs_and_entropy
 
     no_targets_B = torch.zeros(logits_BV.shape[0], dtype=torch.long, device=logits_BV.device)

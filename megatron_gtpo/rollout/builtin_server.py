@@ -6,7 +6,7 @@ docs/remote_rollout.md), a `remote_server.ServedServer` as `vllm_engine.VLLMServ
 network: its store is in memory and its gloo device on loopback, `own_world`), and takes weight updates from the
 trainer in the channel's messages (or its NCCL weight group), in Hugging Face names through the one mapping
 (models/hf_mapping.py), so the trainer's side is the one vLLM servers use. It is what lets engines generate while
-the trainer trains (`rollout.max_staleness`) on a machine without vLLM, and the CPU tests run that path.
+the trainer trains (`rollout.schedule.max_staleness`) on a machine without vLLM, and the CPU tests run that path.
 
 A weight update is whole: `receive_bucket` keeps each bucket's tensors, `finish_weight_update` loads them all into
 the model (every parameter must be covered) and checks the trainer's checksums against what arrived, then bumps
@@ -15,7 +15,7 @@ the policy version. Memory: one host copy of the model during an update.
 A generation runs the `between_steps` its call passes (`submit`) before every decode step: the serving loop's
 session passes its own (remote_server.py), which abandons the generation (`Preempted`) once a newer trainer session
 was admitted, and takes the weight updates sent meanwhile where its trainer sends them during generation
-(rollout.update_during_generation); the engine then prefills its rows in flight again under the new weights
+(rollout.schedule.update_during_generation); the engine then prefills its rows in flight again under the new weights
 (builtin.py), and `pause_generation` / `resume_generation` have nothing to do: the engine waits inside
 `between_steps` meanwhile. A broadcast of the weight group is abandoned the same way (the group's own
 `NewerSession`, remote_channel.join_weight_group); `leave_weight_group(abandoned=True)` then drops what an

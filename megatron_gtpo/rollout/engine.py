@@ -87,9 +87,10 @@ class Rollout:
     of its generation to its end, on the machine that generated; the longest of a call's engines where several
     answer it; kept with a round held in a checkpoint), what the trainer's `rollout_busy_fraction` counts; 0 where
     nothing was generated (a host without prompts). `entropies_T`: the built-in engine with `record_entropies`
-    gives per token (record order) the float32 entropy of the distribution it was sampled from, softmax(logits /
-    temperature) over the true vocabulary as the log-prob convention above takes it, on the record's device; None:
-    not recorded. Beside the record, not in it: no other engine computes them, and no message carries them."""
+    gives per token (record order) the float32 entropy of the full tempered distribution it was sampled from,
+    softmax(logits / temperature) over the true vocabulary before any top-k / top-p (the trainer's entropy, not the
+    truncated distribution's that the log-prob convention above takes), on the record's device; None: not
+    recorded. Beside the record, not in it: no other engine computes them, and no message carries them."""
 
     responses: Responses
     routed_experts: list[torch.Tensor] | None = None
@@ -108,7 +109,7 @@ class RolloutEngine(Protocol):
         """`generate` in two halves, both collective: the call asks, the function it returns gives the rollout (the
         record, and the routing where the engine records it). An engine on processes of its own generates in
         between, with the weights of the last sync before the call (what lets the trainer train meanwhile:
-        rollout.max_staleness); an engine on the trainer's ranks answers at once."""
+        rollout.schedule.max_staleness); an engine on the trainer's ranks answers at once."""
         ...
 
     def idle(self) -> bool:

@@ -6,13 +6,13 @@ failure a client refuses further calls; after an error the server reported, the 
 is checked against its request (`check_rollout`): a reply that does not fit is an error naming the server, never
 training data.
 
-A `RemoteClient` is a rollout server (server_engine.RolloutServer) whose `submit` asks for responses without waiting
-for them. By default the server answers requests in order, so a weight
-update sent after a submitted generation waits until that generation is done (the update drains it, never interrupts
-it), and the generation is of the weights that were current when it was submitted. With `update_during_generation`
-(rollout.update_during_generation) the server takes a weight update between the decode steps of the generations in
-flight instead: their later tokens are sampled by the new weights, and each token says how many updates came before
-it (`Responses.weight_updates_T`, counted from the weights the request was made with).
+A `RemoteClient` is a rollout server (server_engine.RolloutServer) whose `submit` asks for responses without waiting for
+them. By default the server answers requests in order, so a weight update sent after a submitted generation waits until
+that generation is done (the update drains it, never interrupts it), and the generation is of the weights that were
+current when it was submitted. With `update_during_generation` (rollout.schedule.update_during_generation) the server
+takes a weight update between the decode steps of the generations in flight instead: their later tokens are sampled by
+the new weights, and each token says how many updates came before it (`Responses.weight_updates_T`, counted from the
+weights the request was made with).
 
 A client that outlives its server (`reconnect_timeout_s` > 0, rollout.remote.reconnect_timeout_s, 900 s by default):
 when the connection to the server is lost (the server died), it says so in one line, waits that long for a server at
@@ -221,7 +221,7 @@ class RemoteClient:
         self.session, self.max_message_bytes = info["session"], info["max_message_bytes"]
         if self.routed and not info["routed_experts"]:
             raise ConnectionError(f"the rollout server at {self.address} does not return routed experts, which "
-                                  f"algorithm.routing_replay: rollout takes over: start it with "
+                                  f"model.moe.routing_replay: rollout takes over: start it with "
                                   f"--return-routed-experts (a vLLM server on GPUs)")
         self.dtype = getattr(torch, info["dtype"])
         self._open_weights(info, timeout_s)

@@ -9,7 +9,7 @@
 `--engine vllm` (default; `rollout.engine: vllm_remote`) serves a vLLM engine (vllm_engine.VLLMServer);
 `--engine builtin` (`rollout.engine: builtin_remote`) the built-in Megatron engine (builtin_server.BuiltinServer),
 which needs no vLLM; both are `ServedServer`s. `--return-routed-experts` (vLLM on GPUs): the server also answers
-each response's experts to a trainer that asks for them at its hello (routing replay, algorithm.routing_replay:
+each response's experts to a trainer that asks for them at its hello (routing replay, model.moe.routing_replay:
 rollout). The server listens on HOST:PORT and on HOST only (remote_listener.py: ZeroMQ, authenticated with the token
 in GTPO_REMOTE_TOKEN or in the file GTPO_REMOTE_TOKEN_FILE names, which a non-loopback HOST requires), answers the
 requests of the newest admitted trainer session (a newer session whose hello checks out replaces an older one and
@@ -18,13 +18,13 @@ remote_client.py. Nothing from the network is unpickled (remote_messages.py); a 
 protocol, or over a bound (the flags above), is answered with an error and changes nothing.
 
 Requests are answered in order. Before every decode step of a generation the session (`_Session.between_steps`, the
-callback its generation passes to the server) checks for a newer session, and, for a session whose trainer sends
-weight updates during generation (hello's `update_during_generation`, rollout.update_during_generation), looks ahead
+callback its generation passes to the server) checks for a newer session, and, for a session whose trainer sends weight
+updates during generation (hello's `update_during_generation`, rollout.schedule.update_during_generation), looks ahead
 among the requests already sent, past further generations, for a weight update, and takes it there
-(`server.pause_generation`, its begin / bucket / finish, `server.resume_generation`). The generation goes on under
-the new weights; its later tokens count the update (`Responses.weight_updates_T`), and a generation asked for before
-the update but started after it counts it on all its tokens. Each generation is answered with the policy version
-it was asked for with (what the trainer's client checks) and the seconds the server spent generating it.
+(`server.pause_generation`, its begin / bucket / finish, `server.resume_generation`). The generation goes on under the
+new weights; its later tokens count the update (`Responses.weight_updates_T`), and a generation asked for before the
+update but started after it counts it on all its tokens. Each generation is answered with the policy version it was
+asked for with (what the trainer's client checks) and the seconds the server spent generating it.
 """
 from __future__ import annotations
 

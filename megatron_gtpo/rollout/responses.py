@@ -8,7 +8,7 @@ transport and the experience to the step batch without a Python object per respo
     logprobs_T              float32  [T]  logprobs_T[t] belongs to token_ids_T[t] (the convention of engine.py)
     weight_updates_T        int32    [T]  weight updates the engine took between the call and sampling the token:
                                           0 (the weights the call was made with) but for a rollout server that takes
-                                          updates while it generates (rollout.update_during_generation)
+                                          updates while it generates (rollout.schedule.update_during_generation)
 
 A field's name ends with its axis: _P per prompt, _R per response, _T per token. Selection (`select_prompts`),
 concatenation (`cat`), continuation (`extend`), moves (`to`), allocation (`allocate`) and the transport work field

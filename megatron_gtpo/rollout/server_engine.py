@@ -72,6 +72,17 @@ class RolloutServer(Protocol):
         ...
 
 
+class IPCRolloutServer(RolloutServer, Protocol):
+    """A rollout server that also takes buckets by CUDA IPC (a colocated `vllm_engine.VLLMServer` on CUDA): what a
+    `ServerEngine` with `ipc_members` drives."""
+
+    def load_ipc_bucket(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                        handles: dict) -> None:
+        """Load the bucket whose members exported it on their GPUs (cuda_ipc.py): `handles`, by member rank, the
+        handles of each worker's own GPU's copy; laid out as `weight_sync.pack_on_device`."""
+        ...
+
+
 class RolloutEngineError(ConnectionError, RuntimeError):
     """A rollout engine (its server, its processes, the connection to it) failed: raised alike on every rank of the
     model replica. An OSError, so the command line reports it in one line (cli.py) for the user to act on."""
@@ -88,13 +99,13 @@ class ServerEngine:
     `policy_version` is the servers' policy version after the last successful sync (0 before any).
     """
 
-    def __init__(self, server: RolloutServer | None, parallel, shape, *, hosts=SINGLE_DESTINATION,
+    def __init__(self, server: RolloutServer | IPCRolloutServer | None, parallel, shape, *, hosts=SINGLE_DESTINATION,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, ipc_members=None,
                  routed_layers: tuple[int, ...] | None = None):
-        """`server`: this rank's `RolloutServer` on an engine host, None elsewhere. `routed_layers`: this rank's MoE
-        layers (models/moe_routing.routed_layers): with them the servers must return routing, and `submit`'s
-        rollouts carry each response's experts at those layers, as the built-in engine records them (int16
-        [P + R - 1, M, k], `Rollout`), but on the host (module doc)."""
+        """`server`: this rank's `RolloutServer` on an engine host (an `IPCRolloutServer` with `ipc_members`), None
+        elsewhere. `routed_layers`: this rank's MoE layers (models/moe_routing.routed_layers): with them the servers
+        must return routing, and `submit`'s rollouts carry each response's experts at those layers, as the built-in
+        engine records them (int16 [P + R - 1, M, k], `Rollout`), but on the host (module doc)."""
         self.hosts = [tuple(h) for h in hosts]
         # Colocated on CUDA: each engine's member ranks (placement.engine_members, host first), which hand their
         # engine's workers the buckets by CUDA IPC; None: the buckets go to the hosts' servers (`load_bucket`).

@@ -9,7 +9,7 @@
 - Responses keep rollout/engine.py's contract: vLLM runs with `logprobs_mode="processed_logprobs"`, so under top-k /
   top-p it reports the log-probs of the truncated, renormalised distribution it sampled from, as the trainer computes
   them (docs/algorithms.md, "Truncated sampling").
-- Weight updates during generation (a remote server's session with rollout.update_during_generation,
+- Weight updates during generation (a remote server's session with rollout.schedule.update_during_generation,
   remote_server.py): `pause_generation` stops vLLM's scheduler with the requests in flight kept (pause mode "keep"),
   the update loads, and `resume_generation` sends those requests back to the waiting queue with their KV cache
   dropped (vLLM's reset_prefix_cache(reset_running_requests=True)), so they are prefilled again under the new
@@ -72,9 +72,9 @@ def routed_experts_unavailable() -> str | None:
                                      (f"{_V2_RUNNER} unset or 1", os.environ.get(_V2_RUNNER, "1") == "1")) if not ok]
     if not missing:
         return None
-    return (f"algorithm.routing_replay: rollout takes the experts vLLM routed each token to, which vLLM returns from "
+    return (f"model.moe.routing_replay: rollout takes the experts vLLM routed each token to, which vLLM returns from "
             f"its V2 model runner only ({_V2_RUNNER}=1); that runner needs {', '.join(missing)}, missing here (vLLM "
-            f"on {current_platform.device_type}): use rollout.engine: builtin, or algorithm.routing_replay: none")
+            f"on {current_platform.device_type}): use rollout.engine: builtin, or model.moe.routing_replay: none")
 
 
 @contextmanager

@@ -69,11 +69,11 @@ def sync_units(shape) -> list[list]:
 
 
 def policy_checksum_names(shape) -> list[str]:
-    """HF tensors whose checksums identify a policy version after a sync: every RMSNorm weight. They are trained,
-    and every engine stores them unsharded and unrepacked, so the engine side can checksum them at any TP."""
-    names = [f"model.layers.{i}.{n}.weight" for i in range(shape.num_layers)
-             for n in ("input_layernorm", "post_attention_layernorm")]
-    return names + ["model.norm.weight"]
+    """HF tensors whose checksums identify a policy version after a sync: every RMSNorm weight of the one mapping
+    (models/hf_mapping.py): each layer's input and post-attention norms, Qwen3's per-head q/k norms
+    (self_attn.q_norm / k_norm), the final norm. They are trained, and every engine stores them unsharded and
+    unrepacked, so the engine side can checksum them at any TP."""
+    return [name for mapping in tensor_mappings(shape) for name in mapping.hf_names if name.endswith("norm.weight")]
 
 
 def tensor_checksum(tensor: torch.Tensor) -> tuple[float, float]:

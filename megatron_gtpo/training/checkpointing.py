@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_gtpo.checkpoint.manifest import DamagedCheckpoint, find_damage
 from megatron_gtpo.checkpoint.megatron_checkpoint import LATEST, load_sharded, save_checkpoint, series_members
+from megatron_gtpo.checkpoint.sources import SYNTHETIC_TASK
 from megatron_gtpo.cli import say_once
 from megatron_gtpo.config import TrainConfig, config_text, save_config, to_dict
 from megatron_gtpo.distributed import ParallelGroups
@@ -156,7 +157,8 @@ def save(state: TrainerState, step: int) -> str:
     hf_files = model_source(cfg).tokenizer_dir if cfg.model.hf_dir or cfg.model.load else None
     save_checkpoint(directory, state.policy.chunks, hf_config=state.hf_config,
                     model_state={k: v for k, v in sharded.items() if k != "optimizer"},
-                    extra_sharded_state={"optimizer": sharded["optimizer"]}, extra_metadata={"step": step},
+                    extra_sharded_state={"optimizer": sharded["optimizer"]},
+                    extra_metadata={"step": step, **_synthetic_task(cfg)},
                     hf_files_from=hf_files,
                     files={TRAINER_STATE: json.dumps(trainer_state, indent=1), "config.yaml": config_text(cfg)},
                     # the rollouts in flight are waited for here (rollout_queue.RolloutQueue.state_dict)
@@ -165,6 +167,14 @@ def save(state: TrainerState, step: int) -> str:
     if parallel.world_rank == 0:
         save_config(cfg, os.path.join(root, "config.yaml"))
     return directory
+
+
+def _synthetic_task(cfg) -> dict:
+    """The synthetic task in a checkpoint's metadata (its tokenizer is built in code: evaluate and the HF export
+    read the task from there), with the response length its run sampled."""
+    if cfg.data.source != "synthetic":
+        return {}
+    return {SYNTHETIC_TASK: cfg.data.task, "max_new_tokens": cfg.rollout.max_new_tokens}
 
 
 def resume_candidates(root: str) -> list[str]:

@@ -89,20 +89,19 @@ def collect_experience(sample_round: Callable[[int], tuple[Callable[[], SampledG
                        reward_groups: Callable[[list, Responses], torch.Tensor], selection: GroupSelection,
                        parallel: ParallelGroups, *, stand_by: Callable[[], None],
                        carried: RewardedGroups | None) -> tuple[Experience, RewardedGroups]:
-    """Sample G responses per prompt and reward them: (the experience, its surplus). `sample_round(round_index)`
-    draws a round's prompts and gives (the function that returns its groups, whether the round was asked for ahead):
-    a round asked for ahead (round 0 always; with rollout.rounds_ahead further rounds too) is always rewarded, another
-    is waited for only when needed (the engine is asked then); `reward_groups(prompts,
-    responses) -> [N, G]` verifier rewards in {0, 1}, on the host. `carried`: groups rewarded in an earlier step (the
-    rollout queue's), kept first. With dynamic sampling (`selection`), groups whose rewards are all equal
-    (algorithms.informative_groups) are dropped and more prompts are drawn (at most `max_extra_rounds` more rounds,
-    the same number on every DP rank so data loaders stay aligned) until `target_prompt_groups` informative groups
-    are kept; then train on what there is. The groups a rewarded round would keep (with dynamic sampling the
-    informative ones) beyond the target are the surplus. A round's groups come in the
-    order the engine was asked for them: with partial rollouts the continued (older) ones first, so they are kept
-    first. The length penalty is added to the rewards. The kept groups' responses are selected and concatenated as
-    tensors where the engine left them; only their lengths and finish reasons come to the host (rewards, stats).
-    `stand_by()` is called in the rounds where this rank has enough groups and generates nothing (the built-in
+    """Sample G responses per prompt and reward them: (the experience, its surplus). `sample_round(round_index)` draws a
+    round's prompts and gives (the function that returns its groups, whether the round was asked for ahead): a round
+    asked for ahead (round 0 always; with rollout.schedule.rounds_ahead further rounds too) is always rewarded, another
+    is waited for only when needed (the engine is asked then); `reward_groups(prompts, responses) -> [N, G]` verifier
+    rewards in {0, 1}, on the host. `carried`: groups rewarded in an earlier step (the rollout queue's), kept first.
+    With dynamic sampling (`selection`), groups whose rewards are all equal (algorithms.informative_groups) are dropped
+    and more prompts are drawn (at most `max_extra_rounds` more rounds, the same number on every DP rank so data loaders
+    stay aligned) until `target_prompt_groups` informative groups are kept; then train on what there is. The groups a
+    rewarded round would keep (with dynamic sampling the informative ones) beyond the target are the surplus. A round's
+    groups come in the order the engine was asked for them: with partial rollouts the continued (older) ones first, so
+    they are kept first. The length penalty is added to the rewards. The kept groups' responses are selected and
+    concatenated as tensors where the engine left them; only their lengths and finish reasons come to the host (rewards,
+    stats). `stand_by()` is called in the rounds where this rank has enough groups and generates nothing (the built-in
     engine then takes part in its expert-parallel peers' generation)."""
     target = selection.target_prompt_groups
     kept: list[RewardedGroups] = []

@@ -1,5 +1,6 @@
 """Per-step metrics: `<output dir>/metrics.jsonl` (one JSON object per step), TensorBoard, Weights & Biases when
-configured, and a console progress bar. Only the logging rank writes; the others hold a disabled logger."""
+configured, and a console progress display (a bar on a terminal, plain lines in a log file: progress.py). Only the
+logging rank writes; the others hold a disabled logger."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_gtpo.atomic_files import write_atomically
+from megatron_gtpo.progress import progress_bar as progress_display
 
 
 def _nothing() -> None:
@@ -21,15 +23,19 @@ def _nothing() -> None:
 
 
 class PhaseTimer:
-    """Wall time of named phases of one step (seconds).
+    """Wall time of named phases of one step (seconds), and what runs between them.
 
     A GPU runs the kernels a phase launches after the host has moved on, so each phase ends with one
     `synchronize` (default: torch.cuda.synchronize on a machine with CUDA, nothing on a CPU, where work is done when
-    its call returns): the device time lands in the phase that queued it, not in whichever later phase waits."""
+    its call returns): the device time lands in the phase that queued it, not in whichever later phase waits.
+    `after_phase(name, timer)`, when given, runs when a phase has ended without an error, outside its time (the rollout
+    queue's polls of the servers: rollout_queue.RolloutQueue.poll)."""
 
-    def __init__(self, synchronize: Callable[[], None] | None = None):
+    def __init__(self, synchronize: Callable[[], None] | None = None,
+                 after_phase: Callable[[str, "PhaseTimer"], None] | None = None):
         self.seconds: dict[str, float] = {}
         self._synchronize = synchronize or (torch.cuda.synchronize if torch.cuda.is_available() else _nothing)
+        self._after_phase = after_phase
 
     @contextmanager
     def __call__(self, name: str):
@@ -39,10 +45,15 @@ class PhaseTimer:
         finally:
             self._synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        if self._after_phase is not None:
+            self._after_phase(name, self)
 
     def skipped(self, name: str) -> None:
-        """A phase with nothing to run this step: 0 s (logged as such, not missing)."""
+        """A phase with nothing to run this step: 0 s (logged as such, not missing), and `after_phase` as after a
+        phase that ran (what runs between the phases keeps its place in the step)."""
         self.seconds.setdefault(name, 0.0)
+        if self._after_phase is not None:
+            self._after_phase(name, self)
 
 
 class MetricsLogger:
@@ -65,13 +76,13 @@ class MetricsLogger:
             self._wandb = wandb.init(project=wandb_project, config=run_config, dir=output_dir)
         self._progress_bar = progress_bar
         if progress_bar:
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="RL steps", dynamic_ncols=True)
+            self._bar = progress_display(total=total_steps, initial=start_step, desc="RL steps", unit="step")
 
     def progress(self, steps: range, desc: str):
         """`steps` with a progress bar of their own on the logging rank (the warm start's), gone when done."""
         if not (self.enabled and self._progress_bar):
             return steps
-        return tqdm(steps, desc=desc, dynamic_ncols=True, leave=False)
+        return progress_display(steps, desc=desc, unit="step", leave=False)
 
     def _truncate_after(self, start_step: int) -> None:
         """A resumed run rewrites the steps it is about to redo (those logged after its checkpoint)."""

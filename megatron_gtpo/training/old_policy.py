@@ -26,6 +26,7 @@ import torch
 from megatron_gtpo.algorithms import ConfiguredAlgorithm
 from megatron_gtpo.algorithms.rollout_correction import rollout_correction
 from megatron_gtpo.distributed import ParallelGroups, Truncation
+from megatron_gtpo.engine_table import ENGINES, engines_that, one_of
 
 from .forward import next_token_logprobs_and_entropy, on_context_rank, run_pipeline
 from .step_batch import StepBatch
@@ -35,7 +36,7 @@ def pass_reason(cfg, algorithm: ConfiguredAlgorithm, *, optimizer_steps: int) ->
     """Why a step of the run `cfg` (a TrainConfig) whose step batch takes `optimizer_steps` optimizer steps runs the
     old-policy pass, or None where the update's own forward gives the old-policy values (module doc). The first
     reason that applies."""
-    r, a = cfg.rollout, cfg.algorithm
+    r, correction = cfg.rollout, cfg.algorithm.rollout_correction
     reads = algorithm.reads_old_policy
     reasons = (
         (cfg.data.old_policy_pass == "always", "data.old_policy_pass is always"),
@@ -44,15 +45,15 @@ def pass_reason(cfg, algorithm: ConfiguredAlgorithm, *, optimizer_steps: int) ->
                               "policy's"),
         (reads == "log-probs", "the token selection (Clip-Cov, KL-Cov, algorithm.entropy_token_fraction) reads the old "
                                "log-probs and entropies of the whole mini-batch before its first loss"),
-        (a.rollout_rs != "none" and algorithm.loss_agg_mode == "token-mean",
-         "algorithm.rollout_rs rejects tokens, and the token-mean loss normaliser counts the tokens the whole "
-         "mini-batch keeps before its first loss"),
-        (reads == "entropies" and r.engine != "builtin",
+        (correction.rollout_rs != "none" and algorithm.loss_agg_mode == "token-mean",
+         "algorithm.rollout_correction.rollout_rs rejects tokens, and the token-mean loss normaliser counts the tokens "
+         "the whole mini-batch keeps before its first loss"),
+        (reads == "entropies" and not ENGINES[r.engine].trainers_model,
          f"the advantages read the old policy's entropies, and the {r.engine} engine does not sample with the "
-         "trainer's own model and weights (only rollout.engine builtin does)"),
-        (reads == "entropies" and bool(r.max_staleness or r.partial_rollouts),
-         "the advantages read the old policy's entropies, and rollouts may be stale (rollout.max_staleness, "
-         "rollout.partial_rollouts): the engine's are an older policy's"),
+         f"trainer's own model and weights (only rollout.engine {one_of(engines_that('trainers_model'))} does)"),
+        (reads == "entropies" and r.schedule.holds_rollouts,
+         "the advantages read the old policy's entropies, and rollouts may be stale (rollout.schedule.max_staleness, "
+         "rollout.schedule.partial_rollouts): the engine's are an older policy's"),
     )
     return next((why for applies, why in reasons if applies), None)
 

@@ -1,16 +1,16 @@
-"""How engine answers become sampled groups: whole responses, or partial rollouts (rollout.partial_rollouts). Both
-implement one interface (`RolloutRequests`): `request(continued, prompts, params)` gives the engine call that starts
-G responses for each new prompt (and continues `continued`'s unfinished ones), `merge(continued, prompts, rollout,
-version)` gives (complete groups, groups still unfinished or None). The rollout queue (rollout_queue.py) and the
-trainer use only this interface.
+"""How engine answers become sampled groups: whole responses, or partial rollouts (rollout.schedule.partial_rollouts).
+Both implement one interface (`RolloutRequests`): `request(continued, prompts, params)` gives the engine call that
+starts G responses for each new prompt (and continues `continued`'s unfinished ones), `merge(continued, prompts,
+rollout, version)` gives (complete groups, groups still unfinished or None). The rollout queue (rollout_queue.py) and
+the trainer use only this interface.
 
-With partial rollouts every engine call generates at most `segment_tokens` (rollout.partial_segment_tokens) tokens
-per response. A group of G responses is complete when each of them is finished (it sampled a stop token, or
-max_new_tokens in all); only complete groups are rewarded and trained on. A group with an unfinished response waits,
-and the next batch asked for continues each of its unfinished responses for one more segment under the weights of
-then: the engine's prompt is the response's prompt followed by its tokens so far. Tokens keep the policy version
-that sampled them and their behaviour log-probs, so the rollout correction weighs each token against the policy
-that sampled it. A response spans at most max_new_tokens / segment_tokens engine calls, so that many versions.
+With partial rollouts every engine call generates at most `segment_tokens` (rollout.schedule.partial_segment_tokens)
+tokens per response. A group of G responses is complete when each of them is finished (it sampled a stop token, or
+max_new_tokens in all); only complete groups are rewarded and trained on. A group with an unfinished response waits, and
+the next batch asked for continues each of its unfinished responses for one more segment under the weights of then: the
+engine's prompt is the response's prompt followed by its tokens so far. Tokens keep the policy version that sampled them
+and their behaviour log-probs, so the rollout correction weighs each token against the policy that sampled it. A
+response spans at most max_new_tokens / segment_tokens engine calls, so that many versions.
 
 This is Kimi k1.5's scheme (a fixed budget of output tokens per step; the unfinished rest continues in the next)
 rather than slime's (abort the unfinished responses once enough groups are done): with a budget, which tokens each
@@ -75,10 +75,10 @@ class PartialRollouts:
     segment_tokens: int  # one engine call's, per response
 
     def __post_init__(self):
-        # Decided by the configuration (config.RolloutConfig.check, rollout.partial_segment_tokens): a segment in
-        # [1, max_new_tokens) that divides it, so every unfinished response has a whole number of segments left.
+        # Decided by the configuration (config.RolloutConfig.check, rollout.schedule.partial_segment_tokens): a segment
+        # in [1, max_new_tokens) that divides it, so every unfinished response has a whole number of segments left.
         assert 1 <= self.segment_tokens < self.max_new_tokens and not self.max_new_tokens % self.segment_tokens, \
-            "rollout.partial_segment_tokens: RolloutConfig.check's rule"
+            "rollout.schedule.partial_segment_tokens: RolloutConfig.check's rule"
 
     def unfinished_R(self, responses: Responses) -> torch.Tensor:
         """bool [R]: the response stopped at a segment's end, short of max_new_tokens and of a stop token."""

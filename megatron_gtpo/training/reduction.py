@@ -57,10 +57,10 @@ METRICS: dict[str, Metric] = {
     "groups_kept": Metric(Reduce.SUM, kind=int),
     "groups_generated": Metric(Reduce.SUM, kind=int),
     "sampling_rounds": Metric(Reduce.MAX, kind=int),
-    # Bounded staleness (rollout.max_staleness) and partial rollouts, over the kept responses: steps between the
-    # policy that sampled a response's first token and the one it trains; the fraction of responses continued over
-    # several engine calls; the fraction of kept response tokens an earlier policy sampled; the groups left
-    # unfinished for a later step.
+    # Bounded staleness (rollout.schedule.max_staleness) and partial rollouts, over the kept responses: steps between
+    # the policy that sampled a response's first token and the one it trains; the fraction of responses continued over
+    # several engine calls; the fraction of kept response tokens an earlier policy sampled; the groups left unfinished
+    # for a later step.
     "staleness_mean": _mean("kept_responses"),
     "staleness_max": Metric(Reduce.MAX, kind=int, optional=True),
     "continued_fraction": _mean("kept_responses"),
@@ -71,9 +71,9 @@ METRICS: dict[str, Metric] = {
     "groups_from_carry": Metric(Reduce.SUM, kind=int),
     "groups_carried": Metric(Reduce.SUM, kind=int),
     "groups_dropped_stale": Metric(Reduce.SUM, kind=int),
-    # Further rounds asked for ahead (rollout.rounds_ahead; logged only then, rollout_queue.py): the step's further
-    # rounds served from them and asked for on the spot (the same on every rank), and the prompt groups of the rounds
-    # held for the next steps.
+    # Further rounds asked for ahead (rollout.schedule.rounds_ahead; logged only then, rollout_queue.py): the step's
+    # further rounds served from them and asked for on the spot (the same on every rank), and the prompt groups of the
+    # rounds held for the next steps.
     "rounds_served_ahead": Metric(Reduce.MAX, kind=int, optional=True),
     "rounds_on_the_spot": Metric(Reduce.MAX, kind=int, optional=True),
     "groups_asked_ahead": Metric(Reduce.SUM, kind=int, optional=True),
@@ -87,8 +87,9 @@ METRICS: dict[str, Metric] = {
     "rollout_is_weight_mean": _mean("tokens"),
     "rollout_is_capped_fraction": _mean("tokens"),
     "rollout_rs_masked_fraction": _mean("tokens"),
-    # With rollouts that may be stale (rollout.max_staleness, partial rollouts), by the staleness of the token: the
-    # mean log-ratio old - rollout of tokens 0, 1, 2+ versions old, and the mismatch on the current version's tokens.
+    # With rollouts that may be stale (rollout.schedule.max_staleness, partial rollouts), by the staleness of the token:
+    # the mean log-ratio old - rollout of tokens 0, 1, 2+ versions old, and the mismatch on the current version's
+    # tokens.
     **{name: _mean(weight, optional=True) for name, weight in STALENESS_METRICS.items()},
     # The token selections (Clip-Cov, KL-Cov, the high-entropy fraction), where configured: each computed over a whole
     # mini-batch (the same on every rank), weighted by the mini-batch's valid tokens (algorithms/token_selection.py).

@@ -1,19 +1,19 @@
-"""Rollouts asked for ahead of training (rollout.max_staleness = N), the groups partial rollouts left unfinished, and
-the complete groups carried over from one step to the next.
+"""Rollouts asked for ahead of training (rollout.schedule.max_staleness = N), the groups partial rollouts left
+unfinished, and the complete groups carried over from one step to the next.
 
-Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked
-for at step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version
-max(0, k - N) (the weights after that many steps) while the trainer trains the steps in between, and no batch is
-trained on more than N versions after the weights that sampled it. The schedule is fixed, so a run is the same
-whatever the engines' speed. N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call.
-Dynamic sampling's further rounds of a step (`rounds`) are asked for on the spot, with the weights of now, or with
-rollout.rounds_ahead = K served from the rounds asked for ahead (`ahead`): after each step's rounds, further rounds
-are asked for with the weights of then until K rounds young enough for the next step are held, and the next steps
-take them oldest first while at most N versions old (older ones are waited for and dropped, their groups counted).
-That schedule is fixed too: what is asked, with which version and seeds, depends on the rewards only. With
-rollout.ahead_schedule "when_idle" the rounds ahead are asked for one at a time instead, at the boundaries of the
-step's phases (`ask_if_idle`), whenever every rollout server of the run has answered all it was asked, up to K held:
-what each version samples then depends on the engines' speed (a resumed run trains on other rounds).
+Step k trains on batch k: the prompts the loader gave for it and the engine's responses to them. Batch k is asked for at
+step max(0, k - N), once that step's own batch has arrived, so it is generated with the policy of version max(0, k - N)
+(the weights after that many steps) while the trainer trains the steps in between, and no batch is trained on more than
+N versions after the weights that sampled it. The schedule is fixed, so a run is the same whatever the engines' speed.
+N = 0 asks for batch k and waits for it at once: the on-policy trainer, call for call. Dynamic sampling's further rounds
+of a step (`rounds`) are asked for on the spot, with the weights of now, or with rollout.schedule.rounds_ahead = K
+served from the rounds asked for ahead (`ahead`): after each step's rounds, further rounds are asked for with the
+weights of then until K rounds young enough for the next step are held, and the next steps take them oldest first while
+at most N versions old (older ones are waited for and dropped, their groups counted). That schedule is fixed too: what
+is asked, with which version and seeds, depends on the rewards only. With rollout.schedule.ahead_schedule "when_idle"
+the rounds ahead are asked for one at a time instead, at the end of the step's rounds and of its phases POLLED_PHASES
+(`poll`: the step's phase timer calls it), whenever every rollout server of the run has answered all it was asked, up
+to K held: what each version samples then depends on the engines' speed (a resumed run trains on other rounds).
 
 With partial rollouts (partial_rollouts.py) each batch asked for also continues the groups left unfinished by the
 batches and rounds waited for until then. A step waits for its batch before it asks for the next, so the
@@ -27,7 +27,8 @@ then; older ones are dropped and counted. At N = 0 none is young enough, so noth
 trainer is unchanged.
 
 The queue hands the trainer each step's experience (`experience`: experience.collect_experience over the carried
-groups and the step's rounds) with its statistics, the queue's own among them: the tokens the engines generated in
+groups and the step's rounds) with its statistics, the queue's own among them (a step's counts, in the one `StepCounts`
+its `take` hands out): the tokens the engines generated in
 the answers the step waited for, the groups carried over, dropped as too old and left unfinished, and with K the
 further rounds served from those asked for ahead and asked for on the spot, and the groups held ahead. The step's
 wait for its rounds is its "generate" phase, the rewards its "reward" phase. What a round is served from stays inside
@@ -39,11 +40,13 @@ the carried ones, so a resumed run trains on the very batches an uninterrupted o
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_gtpo.config import ScheduleConfig
 from megatron_gtpo.distributed import ParallelGroups
 from megatron_gtpo.rollout.engine import Rollout
 from megatron_gtpo.rollout.responses import Responses
@@ -53,43 +56,55 @@ from .metrics import PhaseTimer
 from .rollout_source import AskedBatch, RolloutSource
 from .sampled_groups import SampledGroups
 
-__all__ = ["AskedBatch", "RolloutQueue", "carry_over"]
+__all__ = ["AskedBatch", "POLLED_PHASES", "RolloutQueue", "StepCounts", "carry_over"]
+
+# The phases after which an idle server may be asked a round ahead (ahead_schedule when_idle): the old-policy pass and
+# the update, where the servers may have answered meanwhile; never after the weight sync, whose weights are the next
+# step's version, not this one's.
+POLLED_PHASES = ("old_logprob", "update")
+
+
+@dataclass
+class StepCounts:
+    """What one step's rollouts did, counted from its `take` on: every token of the engine answers it folded in
+    (continued segments and groups later dropped, carried over or left unfinished included, each counted once) and
+    the seconds the engine spent generating them; the further rounds asked for ahead during it (their seeds' indices),
+    served to it from those asked for ahead, and the groups of rounds asked for ahead dropped as too old for it."""
+
+    tokens_generated: int = 0
+    generation_s: float = 0.0
+    asked_ahead: int = 0
+    served_ahead: int = 0
+    dropped_ahead: int = 0
 
 
 class RolloutQueue:
-    """The batches asked for and not yet trained on, the unfinished groups and the carried ones (module doc).
-    `source` draws a round's prompts and asks the engine for its responses (and the continuation of unfinished
-    ones: its `requests` say how answers merge into groups); `selection`: which groups a step keeps;
-    `reward(prompts, responses) -> [N, G]` the verifier's rewards on the host; `parallel`: this rank's groups (the
-    data-parallel ranks agree on a step's rounds; a restored state goes to the training device); `max_staleness`
-    (rollout.max_staleness): how far ahead batches are asked for; `steps`: the run's (no batch is asked for beyond its
-    last step); `rounds_ahead` (rollout.rounds_ahead): further rounds kept asked for ahead; `when_idle`
-    (rollout.ahead_schedule "when_idle"): asked for when the servers are idle, not on the fixed schedule."""
+    """The batches asked for and not yet trained on, the unfinished groups and the carried ones (module doc). `source`
+    draws a round's prompts and asks the engine for its responses (and the continuation of unfinished ones: its
+    `requests` say how answers merge into groups); `selection`: which groups a step keeps; `reward(prompts, responses)
+    -> [N, G]` the verifier's rewards on the host; `parallel`: this rank's groups (the data-parallel ranks agree on a
+    step's rounds; a restored state goes to the training device); `schedule` (rollout.schedule): how far ahead
+    batches are asked for (max_staleness), the further rounds kept asked for ahead (rounds_ahead) and when
+    (ahead_schedule: "when_idle" asks them when the servers are idle, not on the fixed schedule); `steps`: the run's
+    (no batch is asked for beyond its last step)."""
 
     def __init__(self, source: RolloutSource, selection: GroupSelection,
-                 reward: Callable[[list, Responses], torch.Tensor], parallel: ParallelGroups, *, max_staleness: int,
-                 steps: int, rounds_ahead: int = 0, when_idle: bool = False):
+                 reward: Callable[[list, Responses], torch.Tensor], parallel: ParallelGroups, *,
+                 schedule: ScheduleConfig, steps: int):
         self.source = source
         self.requests = source.requests
         self.selection = selection
         self.reward = reward
         self.parallel = parallel
-        self.max_staleness = max_staleness
+        self.max_staleness = schedule.max_staleness
         self.steps = steps
-        self.rounds_ahead = rounds_ahead
-        self.when_idle = when_idle
-        self.asked_ahead_in_step = 0  # further rounds asked for ahead during this step (their seeds' indices)
+        self.rounds_ahead = schedule.rounds_ahead
+        self.when_idle = schedule.ahead_schedule == "when_idle"
         self.asked: dict[int, AskedBatch] = {}
         self.ahead: list[AskedBatch] = []  # further rounds asked for ahead, oldest first
-        self.served_ahead = 0  # this step's further rounds served from `ahead`
-        self.dropped_ahead = 0  # this step's groups of rounds asked for ahead and too old for it
         self.unfinished: SampledGroups | None = None  # waiting for the next batch asked for
         self.carried: RewardedGroups | None = None  # complete groups kept for the next step
-        # Every token of the engine answers folded in since this step's `take` (the step's answers): continued
-        # segments and groups later dropped, carried over or left unfinished included, each counted once; and the
-        # seconds the engine spent generating those answers.
-        self.tokens_generated = 0
-        self.generation_s = 0.0
+        self.counts = StepCounts()  # the step's, since its `take`
 
     def experience(self, step: int, timer: PhaseTimer) -> Experience:
         """Step `step`'s experience (experience.collect_experience): the groups carried over to it first, then its
@@ -107,37 +122,37 @@ class RolloutQueue:
         exp, surplus = collect_experience(sample_round, reward, self.selection, self.parallel,
                                           stand_by=self.source.stand_by, carried=carried)
         self.carried, dropped = carry_over(surplus, step + 1, self.max_staleness)
-        exp.stats.update(tokens_generated=self.tokens_generated, rollout_busy_s=self.generation_s,
-                         groups_dropped_stale=dropped + self.dropped_ahead,
+        counts = self.counts
+        exp.stats.update(tokens_generated=counts.tokens_generated, rollout_busy_s=counts.generation_s,
+                         groups_dropped_stale=dropped + counts.dropped_ahead,
                          groups_carried=self.carried.num_groups if self.carried is not None else 0,
                          **self.requests.metrics(self.unfinished))
         if self.rounds_ahead:
             if self.when_idle:
-                self.ask_if_idle(step, timer)
+                self._ask_if_idle(step, timer)
             else:
                 self._ask_ahead(step)
-            exp.stats.update(rounds_served_ahead=self.served_ahead,
-                             rounds_on_the_spot=exp.stats["sampling_rounds"] - 1 - self.served_ahead,
+            exp.stats.update(rounds_served_ahead=counts.served_ahead,
+                             rounds_on_the_spot=exp.stats["sampling_rounds"] - 1 - counts.served_ahead,
                              groups_asked_ahead=sum(len(asked.prompts) for asked in self.ahead))
         return exp
 
-    def take(self, step: int) -> SampledGroups:
+    def take(self, step: int) -> tuple[SampledGroups, StepCounts]:
         """The groups of batch `step`, waited for (asked for now if it was not: N = 0, or the first step); then every
-        batch up to step + N (and before the run's end) not asked for yet is asked for, with the weights of now
-        (version `step`): the engine generates those while this one trains. Waiting first lets the asked batches
-        continue the responses this one left unfinished (partial rollouts) N versions after it, not N + 1; at
-        N >= 1 it costs no time, since the batch was generated before the weight update that ended the last step
-        (the update drains the engine; with rollout.update_during_generation it need not, and the wait is for the
-        rest of the batch, sampled by the newer weights). Starts the step's count of `tokens_generated`."""
-        self.tokens_generated, self.generation_s = 0, 0.0
-        self.asked_ahead_in_step = 0
+        batch up to step + N (and before the run's end) not asked for yet is asked for, with the weights of now (version
+        `step`): the engine generates those while this one trains. Waiting first lets the asked batches continue the
+        responses this one left unfinished (partial rollouts) N versions after it, not N + 1; at N >= 1 it costs no
+        time, since the batch was generated before the weight update that ended the last step (the update drains the
+        engine; with rollout.schedule.update_during_generation it need not, and the wait is for the rest of the batch,
+        sampled by the newer weights). Hands out the step's counts (`StepCounts`), from here on."""
+        counts = self.counts = StepCounts()
         if step not in self.asked:
             self._ask(step, step)
         groups = self.groups(self.asked.pop(step))
         for later in range(step + 1, min(step + self.max_staleness + 1, self.steps)):
             if later not in self.asked:
                 self._ask(later, step)
-        return groups
+        return groups, counts
 
     def rounds(self, step: int, timer: PhaseTimer) -> Callable[[int], tuple[Callable[[], SampledGroups], bool]]:
         """Step `step`'s sampling rounds for experience.collect_experience: round 0 is batch `step` (`take`, waited
@@ -145,19 +160,18 @@ class RolloutQueue:
         is generated by the weights of now when waited for. The rounds asked for ahead that are more than
         max_staleness versions old for this step are dropped first (`_dropped`). The waits are timed as the
         "generate" phase."""
-        self.served_ahead = 0
         with timer("generate"):
-            first = self.take(step)
+            first, counts = self.take(step)
             stale = [asked for asked in self.ahead if asked.version < step - self.max_staleness]
             self.ahead = self.ahead[len(stale):]  # oldest first, so the stale ones lead
-            self.dropped_ahead = sum(self._dropped(asked) for asked in stale)
+            counts.dropped_ahead = sum(self._dropped(asked) for asked in stale)
 
         def sample_round(round_index: int) -> tuple[Callable[[], SampledGroups], bool]:
             if not round_index:
                 return (lambda: first), True
             asked_ahead = bool(self.ahead)
             if asked_ahead:
-                self.served_ahead += 1
+                counts.served_ahead += 1
                 asked = self.ahead.pop(0)
             else:
                 asked = self.source.ask(step, step, None, round_index, on_the_spot=True)
@@ -171,17 +185,28 @@ class RolloutQueue:
     def _dropped(self, asked: AskedBatch) -> int:
         """Waits for a round asked for ahead and too old to train on (its tokens counted in `tokens_generated`) and
         drops its groups, those left unfinished by partial rollouts too: how many."""
-        rollout = asked.wait()
-        self.tokens_generated += rollout.responses.num_tokens
-        self.generation_s += rollout.generation_s
+        self._count(asked.wait())
         return len(asked.prompts)
 
-    def ask_if_idle(self, step: int, timer: PhaseTimer) -> None:
-        """With `when_idle`, at a boundary of step `step`'s phases (its rounds' end included): one further round
-        asked for ahead, as `_ask_ahead` asks them, if fewer than `rounds_ahead` young enough for the next step are
-        held and every rollout server of the run has answered all it was asked. The servers are asked on every rank
-        and the answer agreed over all of them, so that every data-parallel rank draws the same rounds and the loaders
-        stay aligned: collective over every rank (nothing, and no collective, without `when_idle`). Timed as
+    def _count(self, rollout: Rollout) -> Rollout:
+        """`rollout`'s tokens and generation seconds counted in the step's counts."""
+        self.counts.tokens_generated += rollout.responses.num_tokens
+        self.counts.generation_s += rollout.generation_s
+        return rollout
+
+    def poll(self, step: int) -> Callable[[str, PhaseTimer], None]:
+        """Step `step`'s phase timer's `after_phase`: after each phase of POLLED_PHASES, `_ask_if_idle`."""
+        def after_phase(phase: str, timer: PhaseTimer) -> None:
+            if phase in POLLED_PHASES:
+                self._ask_if_idle(step, timer)
+        return after_phase
+
+    def _ask_if_idle(self, step: int, timer: PhaseTimer) -> None:
+        """With `when_idle`, at the end of step `step`'s rounds or of a phase (`poll`): one further round asked for
+        ahead, as `_ask_ahead` asks them, if fewer than `rounds_ahead` young enough for the next step are held and
+        every rollout server of the run has answered all it was asked. The servers are asked on every rank and the
+        answer agreed over all of them, so that every data-parallel rank draws the same rounds and the loaders stay
+        aligned: collective over every rank (nothing, and no collective, without `when_idle`). Timed as
         "generate"."""
         if not self.when_idle or step + 1 >= self.steps or self._held(step) >= self.rounds_ahead:
             return
@@ -200,8 +225,8 @@ class RolloutQueue:
             return
         first_index = self.selection.max_extra_rounds + 1
         for _ in range(self.rounds_ahead - self._held(step) if rounds is None else rounds):
-            self.ahead.append(self.source.ask(step, step, None, first_index + self.asked_ahead_in_step))
-            self.asked_ahead_in_step += 1
+            self.ahead.append(self.source.ask(step, step, None, first_index + self.counts.asked_ahead))
+            self.counts.asked_ahead += 1
 
     def _held(self, step: int) -> int:
         """The rounds asked for ahead young enough for step `step` + 1."""
@@ -214,9 +239,7 @@ class RolloutQueue:
     def groups(self, asked: AskedBatch) -> SampledGroups:
         """The complete groups of a round, waited for (its tokens counted in `tokens_generated`); groups with an
         unfinished response (partial rollouts) wait for the next batch asked for."""
-        rollout = asked.wait()
-        self.tokens_generated += rollout.responses.num_tokens
-        self.generation_s += rollout.generation_s
+        rollout = self._count(asked.wait())
         complete, unfinished = self.requests.merge(asked.continued, asked.prompts, rollout, asked.version)
         if unfinished is not None:
             self.unfinished = unfinished if self.unfinished is None else SampledGroups.cat([self.unfinished,

@@ -32,8 +32,8 @@ class AskedBatch:
 class RolloutSource:
     """Asks the engine for sampling rounds. `draw_prompts()`: the loader's next batch of this rank's prompts;
     `sampling_params(step, round_index)`: the round's params (its seed); `requests`: how a round's engine call is made
-    (whole responses or partial rollouts); `oversample_batches` (rollout.oversample_batches): further loader batches
-    in a step's first round, the batch asked for ahead, so that dynamic sampling needs fewer rounds on the spot.
+    (whole responses or partial rollouts); `oversample_batches` (rollout.schedule.oversample_batches): further loader
+    batches in a step's first round, the batch asked for ahead, so that dynamic sampling needs fewer rounds on the spot.
     `engine` is set once built (after the resume: a colocated engine sizes its memory from what training leaves)."""
 
     def __init__(self, draw_prompts: Callable[[], list], requests: RolloutRequests,

@@ -9,6 +9,7 @@ through it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -34,7 +35,6 @@ from .old_policy import OldPolicyFromUpdate, correct_rollout, engine_entropies, 
 from .partial_rollouts import PartialRollouts, WholeResponses
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
-from .resume_check import holds_rollouts
 from .rollout_queue import RolloutQueue
 from .rollout_source import RolloutSource
 from .sampled_groups import SampledGroups
@@ -73,27 +73,26 @@ class Trainer:
         self.policy = PolicyModel.build(cfg, self.task.hf_config, self.parallel)
         # Routing replay: this rank's MoE layers, whose experts the rollout records and the passes replay.
         self.replay = ReplayPlan(routed_layers(self.policy.chunks), shape.moe.topk) \
-            if cfg.algorithm.replays_routing else None
+            if cfg.model.moe.replays_routing else None
         # A mixture-of-experts model's per-layer routing metrics (the same names on every rank, for the reducer).
         self.moe_metrics = moe_metrics(shape.num_layers) if shape.moe else {}
         self.reference = ReferencePolicy.build(cfg, self.task.hf_config, self.parallel)  # None without a KL term
         self.loader = PromptLoader(self.task.samples, prompts_per_step=cfg.data.prompts_per_step,
                                    dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=cfg.data.seed)
         self.algorithm = configure_algorithm(cfg.algorithm, max_new_tokens=cfg.rollout.max_new_tokens)
-        r = cfg.rollout
+        r, schedule = cfg.rollout, cfg.rollout.schedule
         # Whole responses, or responses generated over several steps, a segment each (partial_rollouts.py).
-        requests = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, r.partial_segment_tokens) \
-            if r.partial_rollouts else WholeResponses()
+        requests = PartialRollouts(r.num_responses_per_prompt, r.max_new_tokens, schedule.partial_segment_tokens) \
+            if schedule.partial_rollouts else WholeResponses()
         self.source = RolloutSource(lambda: self.loader.next_batch().items, requests, self.sampling_params,
-                                    oversample_batches=r.oversample_batches)
+                                    oversample_batches=schedule.oversample_batches)
         selection = GroupSelection(cfg.data.prompts_per_step // self.parallel.dp_size, self.algorithm.dynamic_sampling,
                                    cfg.algorithm.max_resample_rounds, self.algorithm.length_penalty)
-        self.rollouts = RolloutQueue(self.source, selection, self.reward_responses, self.parallel,
-                                     max_staleness=r.max_staleness, steps=cfg.steps, rounds_ahead=r.rounds_ahead,
-                                     when_idle=r.ahead_schedule == "when_idle")
+        self.rollouts = RolloutQueue(self.source, selection, self.reward_responses, self.parallel, schedule=schedule,
+                                     steps=cfg.steps)
         # Rollouts in flight between steps (bounded staleness, partial rollouts): checkpointed, and each token's
         # staleness counted in the step batch.
-        self.holds_rollouts = holds_rollouts(r)
+        self.holds_rollouts = schedule.holds_rollouts
         self.start_step = checkpointing.restore(self.checkpoint_state())  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
         self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel,
@@ -111,30 +110,22 @@ class Trainer:
     def train(self) -> None:
         """The RL loop."""
         self.stop = StopSignal.install(saves=self.cfg.checkpoint.save_every >= 0)  # SIGTERM, SIGUSR1, Ctrl-C
-        if self.start_step == 0 and self.cfg.warm_start.steps:
-            warm_start = self.warm_start()
-            if warm_start is None:  # a stop signal: a warm start is not checkpointed
-                self.logger.close()
-                return
-            self.logger.log(-1, {"warm_start_steps": self.cfg.warm_start.steps, **warm_start})
-            self.sync_weights()  # an external engine generates with the warm-started policy from the first batch on
-            if self.cfg.steps == 0:  # a warm-start-only run: its checkpoint is where RL runs start (model.load)
-                checkpointing.save(self.checkpoint_state(), 0)
+        if self.start_step == 0 and self.cfg.warm_start.steps and not self.warm_start():
+            self.logger.close()  # a stop signal in the warm start, which is not checkpointed
+            return
         self.pin_reference()  # the KL term's reference: the policy as RL starts, or model.reference
         for step in range(self.start_step, self.cfg.steps):
-            timer = PhaseTimer()
+            timer = PhaseTimer(after_phase=self.rollouts.poll(step))  # the schedule's polls between the phases
             metrics = MetricReducer(self.parallel.device, (*STEP_METRICS, *self.moe_metrics),
                                     {**METRICS, **self.moe_metrics})
             experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
             with timer("step_batch"):
                 batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
             self.old_policy_pass(batch, timer, metrics)  # old log-probs, entropies, correction; or in the update
-            self.rollouts.ask_if_idle(step, timer)  # rollout.ahead_schedule when_idle: an idle server gets a round
             with timer("advantages"):
                 self.compute_advantages(batch, step, metrics)  # over the global batch; the token selection
             with timer("update"):
                 self.update(batch, metrics)
-            self.rollouts.ask_if_idle(step, timer)
             with timer("sync"):
                 self.sync_weights()
             self.log_metrics(step, experience, batch, metrics, timer)
@@ -144,11 +135,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ the phases
 
-    def warm_start(self) -> dict | None:
+    def warm_start(self) -> bool:
         """Supervised warm-start on the task's reference responses (`Task.demonstration`: synthetic tasks only), each
-        prompt with its reference as a group of one response, through the step batch and its micro-batch plan.
-        Returns its metrics, or None where a stop signal ended it (after the step in progress, said in one line:
-        nothing of it is saved, a relaunch starts it over)."""
+        prompt with its reference as a group of one response, through the step batch and its micro-batch plan; its
+        metrics logged as step -1, then the weights synced (an external engine generates with the warm-started policy
+        from the first batch on), and a warm-start-only run (steps: 0) checkpointed (where RL runs start: model.load).
+        False where a stop signal ended it (after the step in progress, said in one line: nothing of it is saved, a
+        relaunch starts it over)."""
         cfg, parallel = self.cfg, self.parallel
         metrics = MetricReducer(parallel.device, WARM_START_METRICS)
         for step in self.logger.progress(range(cfg.warm_start.steps), "warm start steps"):
@@ -171,10 +164,14 @@ class Trainer:
             if self.stop.agreed(parallel.device):
                 say_once(f"stopped in the warm start after {step + 1} of {cfg.warm_start.steps} steps: a warm start is "
                          "not checkpointed, so a relaunch starts it over")
-                return None
+                return False
         metrics.add({"optimizer_steps": cfg.warm_start.steps})
         self.policy.scheduler.step(increment=0)  # back to the schedule's learning rate for RL
-        return metrics.reduce(parallel.dp_group)
+        self.logger.log(-1, {"warm_start_steps": cfg.warm_start.steps, **metrics.reduce(parallel.dp_group)})
+        self.sync_weights()
+        if cfg.steps == 0:
+            checkpointing.save(self.checkpoint_state(), 0)
+        return True
 
     def pin_reference(self) -> None:
         if self.reference is not None:
@@ -189,7 +186,7 @@ class Trainer:
         return exp
 
     def build_step_batch(self, exp: Experience, step: int) -> StepBatch:
-        """The step batch; when rollouts may be stale (rollout.max_staleness, partial rollouts), with each token's
+        """The step batch; when rollouts may be stale (rollout.schedule: staleness, partial rollouts), with each token's
         staleness against version `step` (for the mismatch metrics by staleness)."""
         d = self.cfg.data
         return build_step_batch(exp.kept, self.parallel,
@@ -286,9 +283,7 @@ class Trainer:
     @property
     def correction(self) -> dict:
         """The rollout mismatch correction's settings (algorithms/rollout_correction.py)."""
-        a = self.cfg.algorithm
-        return dict(rollout_is=a.rollout_is, rollout_is_cap=a.rollout_is_cap, rollout_rs=a.rollout_rs,
-                    rollout_rs_bounds=tuple(a.rollout_rs_bounds))
+        return dataclasses.asdict(self.cfg.algorithm.rollout_correction)
 
     @contextlib.contextmanager
     def routing_measured(self, metrics: MetricReducer, measured: bool):

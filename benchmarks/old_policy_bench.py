@@ -18,7 +18,6 @@ old-policy values come from only.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -54,15 +53,10 @@ def _worker(a_parity: int, train_argv: list[str]) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="trainer config (YAML)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
-    p.add_argument("--steps", type=int, default=22, help="RL steps per run, warm-up included")
-    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out (per run; even)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per algorithm, A on even steps in every other one")
-    p.add_argument("--algorithms", nargs="+", default=["grpo", "gtpo"])
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="trainer config override for every run (repeatable)")
+    from throughput import trainer_runs_parser  # benchmarks/, this script's directory
+
+    p = trainer_runs_parser(__doc__.split("\n\n")[0], steps=22, algorithms=["grpo", "gtpo"],
+                            repeats_help="runs per algorithm, A on even steps in every other one")
     p.add_argument("--hidden", type=int, help="train a random Qwen2 of this hidden size (with --layers, --heads, "
                                               "--kv-heads) on the config's synthetic task instead of its model")
     p.add_argument("--layers", type=int, default=8)

@@ -148,19 +148,27 @@ def _planned_memory_gib(cfg, hf_config: dict, parallel) -> dict:
 # ---------------------------------------------------------------------------------------------- driver side
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def trainer_runs_parser(description: str, *, steps: int, repeats_help: str, algorithms: list[str],
+                        algorithms_help: str | None = None) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs the trainer per algorithm under torchrun (this one, old_policy_bench.py):
+    the config, ranks, steps and warm-up steps, repeats, algorithms and config overrides."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", required=True, help="trainer config (YAML)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
-    p.add_argument("--steps", type=int, default=10, help="RL steps per algorithm, warm-up included")
+    p.add_argument("--steps", type=int, default=steps, help="RL steps per run, warm-up included")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the statistics (per run)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per algorithm, interleaved (A B C, B C A, ...) so that load drifts hit all alike; the "
-                        "statistics pool their steps")
-    p.add_argument("--algorithms", nargs="+", default=["grpo", "gtpo", "grpo_s"],
-                   help="the first is the baseline of the overhead figures")
+    p.add_argument("--repeats", type=int, default=1, help=repeats_help)
+    p.add_argument("--algorithms", nargs="+", default=algorithms, help=algorithms_help)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="trainer config override for every algorithm (repeatable)")
+                   help="trainer config override for every run (repeatable)")
+    return p
+
+
+def parse_args(argv=None):
+    p = trainer_runs_parser(__doc__.split("\n\n")[0], steps=10, algorithms=["grpo", "gtpo", "grpo_s"],
+                            repeats_help="runs per algorithm, interleaved (A B C, B C A, ...) so that load drifts hit "
+                                         "all alike; the statistics pool their steps",
+                            algorithms_help="the first is the baseline of the overhead figures")
     p.add_argument("--keep-dynamic-sampling", action="store_true")
     p.add_argument("--no-logprob-reference", action="store_true",
                    help="do not time megatron-core's log-prob-only cross entropy on the old-policy pass's logits "

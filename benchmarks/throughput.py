@@ -33,6 +33,8 @@ Derived figures:
   fused op's time (log-probs need the same logsumexp sweep). Marginal: fused op - log-prob-only op.
 Dynamic sampling is switched off for all algorithms by default (--set algorithm.dynamic_sampling=false) so that
 every step generates the same number of groups; pass --keep-dynamic-sampling to keep each algorithm's default.
+--dry-run runs nothing: it prints each algorithm's trainer command, its config loaded and checked as the trainer
+checks it before building anything (benchmarks/gpu_step.sh's DRY_RUN; tests/test_scripts.py).
 """
 from __future__ import annotations
 
@@ -182,6 +184,8 @@ def parse_args(argv=None):
     p.add_argument("--output", help="write the results as markdown here (also printed)")
     p.add_argument("--note", action="append", default=[], help="a line for the results file's notes (repeatable)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per algorithm run")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run nothing: print each algorithm's trainer command with its config checked")
     return p.parse_args(argv)
 
 
@@ -197,6 +201,15 @@ def detect_peak_tflops() -> tuple[float | None, str]:
     return None, name
 
 
+def random_model_dir(name: str, directory: str) -> str:
+    return os.path.join(directory, f"{name}-random")
+
+
+def random_model_settings(name: str, directory: str) -> list[str]:
+    """The trainer settings of a run on the random model `name` (make_random_model) in `directory`."""
+    return [f"model.hf_dir={random_model_dir(name, directory)}", "model.tiny_synthetic=false"]
+
+
 def make_random_model(name: str, directory: str) -> str:
     """A Hugging Face directory with random weights of a published Qwen2.5 shape (bf16 safetensors), initialised on
     the GPU in bf16 where there is one (a 7B shape in fp32 on the host takes minutes)."""
@@ -205,7 +218,7 @@ def make_random_model(name: str, directory: str) -> str:
 
     from megatron_gtpo.models.presets import hf_config
 
-    path = os.path.join(directory, f"{name}-random")
+    path = random_model_dir(name, directory)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     config = {k: v for k, v in hf_config(name).items() if k not in ("architectures", "model_type")}
@@ -220,6 +233,55 @@ def make_random_model(name: str, directory: str) -> str:
     return path
 
 
+def trainer_argv(args, algorithm: str, out_dir: str, extra: list[str]) -> list[str]:
+    """The trainer's command line (python -m megatron_gtpo.train's) of one algorithm's run writing to `out_dir`;
+    `extra`: the random model's settings."""
+    sets = [f"algorithm.name={algorithm}", f"steps={args.steps}", f"logging.output_dir={out_dir}",
+            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=-1",
+            "checkpoint.resume=false", *([] if args.keep_dynamic_sampling else ["algorithm.dynamic_sampling=false"]),
+            *extra, *args.overrides]
+    return ["--config", args.config, *sum((["--set", s] for s in sets), [])]
+
+
+def check_trainer_config(train_argv: list[str], *, world_size: int, hf_config: dict | None = None):
+    """The config of a trainer command line (`trainer_argv`'s form: --config FILE, then --set pairs), loaded and
+    checked as the trainer checks it before it builds anything: the config's own rules, then the model's and the
+    layout's at `world_size` ranks for the model `hf_config` (None: the config's tiny synthetic one; the task's
+    prompts are not read), and the planner's inputs made of it. ConfigError / ValueError naming the problem; the
+    config else."""
+    from megatron_gtpo.config import load_config, validate_for_model, validate_layout
+    from megatron_gtpo.data.synthetic_tasks import SYNTHETIC_TASKS
+    from megatron_gtpo.models.qwen import ModelShape
+    from megatron_gtpo.planning import settings_from_config, workload_from_config
+
+    if train_argv[:1] != ["--config"] or train_argv[2::2] != ["--set"] * (len(train_argv) // 2 - 1):
+        raise ValueError(f"not a trainer command line of --config FILE and --set pairs: {train_argv}")
+    cfg = load_config(train_argv[1], train_argv[3::2])
+    if hf_config is None and not cfg.model.tiny_synthetic:
+        raise ValueError("check_trainer_config: the config trains a model of its own: give its hf_config")
+    shape = ModelShape.from_hf(hf_config or SYNTHETIC_TASKS[cfg.data.task].tiny_model_hf_config())
+    validate_for_model(cfg, shape)
+    validate_layout(cfg, world_size=world_size, shape=shape)
+    settings_from_config(cfg, kernels="local")
+    workload_from_config(cfg)
+    return cfg
+
+
+def dry_run(args) -> int:
+    """--dry-run: each algorithm's trainer command line, its config checked (check_trainer_config) against the model
+    the run would train; nothing is run or written."""
+    from megatron_gtpo.models.presets import hf_config
+
+    work_dir = args.work_dir or "<a temporary directory>"
+    extra = random_model_settings(args.random_model, work_dir) if args.random_model else []
+    for algorithm in args.algorithms:
+        argv = trainer_argv(args, algorithm, os.path.join(args.log_dir or work_dir, f"{algorithm}-0"), extra)
+        check_trainer_config(argv, world_size=args.nproc,
+                             hf_config=hf_config(args.random_model) if args.random_model else None)
+        print(f"{algorithm}: config ok: python -m megatron_gtpo.train {shlex.join(argv)}", flush=True)
+    return 0
+
+
 def run_algorithm(args, algorithm: str, work_dir: str, extra: list[str], repeat: int) -> dict:
     """One trainer run. Its output goes to `<log dir>/<algorithm>-<repeat>.log` as it is written, and its metrics to
     `<log dir>/<algorithm>-<repeat>/metrics.jsonl` (the trainer's own file, a line per step), so a run cut short by
@@ -229,11 +291,7 @@ def run_algorithm(args, algorithm: str, work_dir: str, extra: list[str], repeat:
     os.makedirs(out_dir, exist_ok=True)
     record_dir = os.path.join(work_dir, f"{algorithm}-{repeat}-records")
     os.makedirs(record_dir, exist_ok=True)
-    sets = [f"algorithm.name={algorithm}", f"steps={args.steps}", f"logging.output_dir={out_dir}",
-            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=-1",
-            "checkpoint.resume=false", *([] if args.keep_dynamic_sampling else ["algorithm.dynamic_sampling=false"]),
-            *extra, *args.overrides]
-    train_argv = ["--config", args.config, *sum((["--set", s] for s in sets), [])]
+    train_argv = trainer_argv(args, algorithm, out_dir, extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            os.path.abspath(__file__), WORKER_FLAG, record_dir, "0" if args.no_logprob_reference else "1", *train_argv]
     env = dict(os.environ, PYTHONPATH=REPO + (os.pathsep + os.environ["PYTHONPATH"] if "PYTHONPATH" in os.environ
@@ -460,6 +518,8 @@ def main(argv=None) -> int:
     if args.skip >= args.steps or args.repeats < 1:
         print(f"throughput: need --skip ({args.skip}) < --steps ({args.steps}) and --repeats >= 1", file=sys.stderr)
         return 2
+    if args.dry_run:
+        return dry_run(args)
     peak, device = detect_peak_tflops()
     peak = args.peak_tflops or peak
     command = "python benchmarks/throughput.py " + " ".join(shlex.quote(a) for a in argv)
@@ -468,7 +528,8 @@ def main(argv=None) -> int:
         os.makedirs(work_dir, exist_ok=True)
         extra = []
         if args.random_model:
-            extra = [f"model.hf_dir={make_random_model(args.random_model, work_dir)}", "model.tiny_synthetic=false"]
+            make_random_model(args.random_model, work_dir)
+            extra = random_model_settings(args.random_model, work_dir)
         rows = {algorithm: [] for algorithm in args.algorithms}
         records = {algorithm: [] for algorithm in args.algorithms}
         first_step_s = {algorithm: [] for algorithm in args.algorithms}

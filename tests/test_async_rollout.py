@@ -222,7 +222,8 @@ def test_a_killed_run_resumes_on_the_batches_an_uninterrupted_run_trains_on(tmp_
         refused = subprocess.run(train_command(tmp_path / "killed", 1, steps_on), capture_output=True, text=True,
                                  timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert refused.returncode != 0, refused.stderr[-3000:]
-        assert "under other rollout settings than this run's (rollout.schedule.max_staleness 1 -> 0)" in refused.stderr
+        assert ("under another rollout schedule than this run's (rollout.schedule.max_staleness 1 -> 0)"
+                in refused.stderr), refused.stderr[-3000:]
 
 
 def test_a_server_that_dies_mid_run_is_one_clear_error_and_the_last_checkpoint_stays_intact(tmp_path, server_model):

@@ -60,6 +60,7 @@ def test_solution_count_matches_an_independent_search(digits):
             assert task.reward(text + "</s>", prompt) == 1.0
 
 
+@pytest.mark.slow  # over 1.5 s of CPU: the whole task enumerated (make test runs it)
 def test_problems_have_several_solutions_none_one_step_away_and_disjoint_held_out_digits():
     train, heldout = task.train_problems(), task.heldout_problems()
     assert len(heldout) == task.NUM_HELDOUT and len(train) > 5000
@@ -76,6 +77,7 @@ def test_problems_have_several_solutions_none_one_step_away_and_disjoint_held_ou
     assert task.train_problems() == train  # seeded: the same problems every time
 
 
+@pytest.mark.slow  # over 1.5 s of CPU: the whole task enumerated (make test runs it)
 def test_demonstrations_are_correct_and_some_try_again():
     tok = task.tokenizer()
     samples = task.train_problems()[:300]

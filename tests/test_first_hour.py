@@ -70,6 +70,7 @@ def test_a_run_ends_with_how_it_went_what_it_wrote_and_where(tmp_path):
                                 f"megatron_gtpo.plot {tmp_path}/other")
 
 
+@pytest.mark.slow  # matplotlib's import and two figures: over 2 s of CPU (make test runs it)
 def test_the_plot_command_draws_and_summarises_one_or_several_runs(tmp_path, capsys):
     import json
 

@@ -116,3 +116,36 @@ def test_sdpa_refuses_what_it_does_not_compute(sdpa):
     with pytest.raises(ValueError, match="model.core_attention: 'flash' is not one of"):
         layer_spec(False, qk_norm=False, core_attention="flash")
     assert layer_spec(False, qk_norm=False).submodules.self_attention.submodules.core_attention is SdpaAttention
+
+
+@pytest.mark.parametrize("case,form", [(case, form) for case, (*_, given, _) in CASES.items() if given is not None
+                                       for form in ("bool", "additive")])
+def test_keys_and_values_expanded_for_a_mask_give_the_same_attention(sdpa, case, form, monkeypatch):
+    """SdpaAttention.expand_kv_with_mask_on (a masked GQA call with its keys and values expanded to every head, for
+    CUDA's memory-efficient kernel) on this device type: outputs and gradients those of SDPA's own GQA, and the
+    call SDPA got was the expanded one (every head's keys, no enable_gqa)."""
+    import torch.nn.functional as F
+
+    from megatron_gtpo.models import sdpa_attention
+    from megatron_gtpo.models.sdpa_attention import additive_mask
+
+    sq, sk, batch, given, _ = CASES[case]
+    if form == "additive":
+        given = additive_mask(given, torch.float64)
+    q, k, v = _qkv(sq, sk, batch)
+    weights = torch.randn(sq, batch, HEADS * HEAD_DIM, dtype=torch.float64)
+    native = sdpa(q, k, v, given)
+    native_grads = torch.autograd.grad((native * weights).sum(), (q, k, v))
+    calls = []
+
+    def spy(query, key, value, **kwargs):
+        calls.append((key.shape[1], kwargs["enable_gqa"]))
+        return F.scaled_dot_product_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(sdpa, "expand_kv_with_mask_on", frozenset({q.device.type}))
+    monkeypatch.setattr(sdpa_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    expanded = sdpa(q, k, v, given)
+    assert calls == [(HEADS, False)]
+    assert torch.allclose(expanded, native, rtol=0, atol=1e-12), case
+    for ours, theirs in zip(torch.autograd.grad((expanded * weights).sum(), (q, k, v)), native_grads):
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-12), case

@@ -14,6 +14,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*REPO.glob("benchmarks/*.py"), *REPO.glob("tools/*.py")])
+# The GPU tests skip on a CPU before their bodies run: a name they use is checked here, not by running them.
+GPU_TESTS = sorted(REPO.glob("tests/gpu/*.py"))
 # Modules that import an optional heavy package: their names are checked only where that package is installed.
 OPTIONAL = {"megatron_gtpo.rollout.vllm_engine": "vllm"}
 
@@ -44,9 +46,9 @@ def _unresolved(path: Path) -> list[str]:
     return missing
 
 
-def test_every_package_name_a_script_uses_exists():
-    assert len(SCRIPTS) >= 10
-    assert [m for path in SCRIPTS for m in _unresolved(path)] == []
+def test_every_package_name_a_script_or_a_gpu_test_uses_exists():
+    assert len(SCRIPTS) >= 10 and len(GPU_TESTS) >= 5
+    assert [m for path in SCRIPTS + GPU_TESTS for m in _unresolved(path)] == []
 
 
 def test_the_check_sees_a_renamed_function(tmp_path):
@@ -90,7 +92,8 @@ def test_throughput_benchmark_times_the_fused_op(tmp_path):
 def test_gpu_probe_runs_every_item_in_order_and_none_past_its_deadline(tmp_path):
     """The probe's --tiny shapes on this CPU: one JSON line per item, in the documented order, each ok; then a run
     whose deadline has passed starts no item (each gets a 'skipped' line)."""
-    order = ["preflight", "anchors", "decode", "hf_generate", "attention", "update_1.5b", "logprob_7b"]
+    order = ["preflight", "anchors", "sdpa_backends", "layer_saved_bytes", "decode", "hf_generate", "attention",
+             "update_1.5b", "logprob_7b"]
     for deadline, out in (("600", tmp_path / "full"), ("0", tmp_path / "late")):
         res = subprocess.run([sys.executable, "benchmarks/gpu_probe.py", "--output-dir", str(out), "--tiny",
                               "--deadline-s", deadline], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -102,25 +105,72 @@ def test_gpu_probe_runs_every_item_in_order_and_none_past_its_deadline(tmp_path)
             assert all("skipped" in r for r in records)
             continue
         assert all(r["ok"] for r in records), [r.get("error") for r in records]
-        decode, peer = records[2], records[3]
+        item = {r["item"]: r for r in records}
+        decode, peer = item["decode"], item["hf_generate"]
         assert set(decode["rows"]) == set(peer["rows"]) and all(v["tokens_per_s"] > 0 for v in decode["rows"].values())
-        assert records[5]["plan_memory_gib"]["training_peak"] > 0 and records[6]["pass_s"] > 0
+        assert item["update_1.5b"]["plan_memory_gib"]["training_peak"] > 0 and item["logprob_7b"]["pass_s"] > 0
+        # Every SDPA call shape with and without GQA, the backend picked and each forced one's answer; the expanded
+        # keys and values timed for each masked GQA case, and the choice made of those times.
+        sdpa = item["sdpa_backends"]
+        shapes = {"train_causal": None, "train_packed": "block_causal", "prefill_left_pad": "left_pad",
+                  "decode_left_pad": "left_pad", "decode": None}
+        cases = sdpa["cases"]
+        assert cases.keys() == {f"{shape}_{kind}" for shape in shapes for kind in ("gqa", "mha")}
+        assert all(c["mask"] == shapes[name.rsplit("_", 1)[0]] and c["picked"] and set(c["forced"]) == {
+            "flash_attention", "efficient_attention", "cudnn_attention", "math"} for name, c in cases.items())
+        expanded = {name for name, c in cases.items() if "expanded_ms" in c}
+        assert expanded == {name for name, c in cases.items() if c["mask"] and c["groups"] < sdpa["heads"]}
+        assert len(expanded) == 3 and set(sdpa["expanded_speedup"]) == expanded
+        faster = [cases[n]["expanded_ms"] < cases[n]["default_ms"] for n in expanded]
+        assert sdpa["choose_expand_kv_with_mask"] == all(faster)
+        # One layer's saved bytes in bf16 against the plan: the CPU's norms keep their fp32 copies on top of it.
+        assert all(s["agrees_with"] == "plan + cpu norm copies" for s in item["layer_saved_bytes"]["seqs"].values())
+
+
+def _gpu_step(tmp_path, *args, **env):
+    """benchmarks/gpu_step.sh with this Python as its python3 (it holds megatron-core); (its result, OUT_DIR)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1",
+               PREFLIGHT_S="300", **env)  # this CPU is shared: its imports may take a minute
+    return subprocess.run(["bash", "benchmarks/gpu_step.sh", *args, str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, env=env), out
 
 
 def test_gpu_step_aborts_at_once_without_a_gpu(tmp_path):
     """`gpu_step.sh all` on a machine without CUDA (this one) stops after its preflight, exit 3, saying why in
     OUT/summary.txt, and starts no part."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this one, with megatron-core
-    (bin_dir / "python3").chmod(0o755)
-    out = tmp_path / "out"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    res = subprocess.run(["bash", "benchmarks/gpu_step.sh", "all", str(out)], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env=env)
+    res, out = _gpu_step(tmp_path, "all")
     summary = (out / "summary.txt").read_text()
     assert res.returncode == 3, res.stdout + res.stderr
     assert "ABORT" in summary and "no CUDA device" in summary and "== probe" not in summary, summary
+
+
+def test_gpu_step_dry_run_builds_what_each_part_runs(tmp_path):
+    """DRY_RUN=1 gpu_step.sh all: every part of the GPU command with what it builds checked on this CPU (the probe's
+    update config and plans at the GPU's sizes, the throughput part's trainer configs as the trainer checks them,
+    the GPU tests' command; tests/test_gpu_trainer_configs.py checks those tests' configs): a rename the GPU run
+    would trip on fails here."""
+    res, out = _gpu_step(tmp_path, "all", DRY_RUN="1")
+    summary = (out / "summary.txt").read_text()
+    assert res.returncode == 0, summary + res.stderr[-3000:]
+    assert [line.split(":")[0] for line in summary.splitlines() if "exit 0" in line] == ["probe", "throughput", "tests"]
+    (dry,) = [json.loads(line) for line in (out / "probe.jsonl").read_text().splitlines()]
+    assert dry["item"] == "dry_run" and dry["ok"], dry
+    assert dry["update_config"]["model.dtype"] == "bfloat16" and len(dry["sdpa_cases"]) == 5
+    plans = dry["plan_memory_gib"]
+    assert 0 < plans["update_model"]["parameters"] < plans["logprob_model"]["parameters"]  # 1.5B, 7B in bf16
+    log = (out / "throughput_0.5b.log").read_text()
+    assert [line.split(":")[0] for line in log.splitlines() if ": config ok:" in line] == ["grpo", "gtpo"], log
+    assert "model.dtype=bfloat16" in log and "rollout.max_new_tokens=256" in log
+    # The GPU tests the command selects by name exist (a renamed one would silently leave the part empty).
+    command = (out / "test_gpu.log").read_text()
+    selected = set(re.findall(r"\btest_\w+_\w+", command.split("-k", 1)[1].split("--junitxml")[0]))
+    defined = {name for path in GPU_TESTS for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}
+    assert "test-gpu" in command and len(selected) == 2 and selected <= defined, command
 
 
 def test_throughput_sees_the_first_rl_step_only_once_its_line_is_complete(tmp_path):

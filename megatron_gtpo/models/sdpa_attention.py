@@ -21,6 +21,13 @@ whole row's mask (models/context_attention.py). Three things differ from SDPA's 
 - Without a mask and with fewer queries than keys (sq < sk: new tokens against a KV cache), the queries are the
   last sq positions: causal alignment is bottom-right, where SDPA's `is_causal` is top-left. One query (a decode
   step) sees every key and needs no mask.
+
+A mask with GQA: CUDA's memory-efficient kernel takes a mask but not `enable_gqa`, and the flash kernel neither, so
+SDPA falls back to its math kernel there (scores of every head materialised). `SdpaAttention.expand_kv_with_mask_on`
+names the device types on which such a call gets its keys and values expanded to every head instead (a copy per
+layer, kept for the backward), which the memory-efficient kernel takes. None yet: benchmarks/gpu_probe.py (item
+`sdpa_backends`) times both on a GPU and reports which to choose; turning it on for "cuda" also needs the planner's
+local profile (planning/activations.py) to count the expanded keys and values of packed rows.
 """
 from __future__ import annotations
 
@@ -33,6 +40,9 @@ class SdpaAttention(DotProductAttention):
     """DotProductAttention's contract (query [sq, b, np, hn], key / value [sk, b, ng, hn] -> context [sq, b, np * hn]
     of this TP rank's heads) through one scaled_dot_product_attention call. A subclass, so that whatever asks for
     megatron's local attention (training/forward.uses_local_attention, the built-in engine's mask check) finds it."""
+
+    # The device types on which a masked GQA call expands the keys and values to every head (module doc).
+    expand_kv_with_mask_on: frozenset[str] = frozenset()
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
@@ -63,9 +73,13 @@ class SdpaAttention(DotProductAttention):
         elif sq > 1:  # the last sq positions against all sk keys: bottom-right causal
             sdpa_mask_BHQK = (torch.arange(sk, device=query.device)[None, :]
                               <= torch.arange(sk - sq, sk, device=query.device)[:, None])
+        key_BGKD, value_BGKD, groups = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), key.shape[2]
+        if groups != heads and sdpa_mask_BHQK is not None and query.device.type in self.expand_kv_with_mask_on:
+            key_BGKD, value_BGKD, groups = (key_BGKD.repeat_interleave(heads // groups, dim=1),
+                                            value_BGKD.repeat_interleave(heads // groups, dim=1), heads)
         context_BNQD = F.scaled_dot_product_attention(
-            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), attn_mask=sdpa_mask_BHQK,
-            is_causal=causal, scale=self.softmax_scale, enable_gqa=key.shape[2] != heads)
+            query.permute(1, 2, 0, 3), key_BGKD, value_BGKD, attn_mask=sdpa_mask_BHQK, is_causal=causal,
+            scale=self.softmax_scale, enable_gqa=groups != heads)
         return context_BNQD.permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
 
 

@@ -11,10 +11,9 @@ from cuda_only import pytestmark, skip_without, skip_without_cuda  # noqa: F401 
 skip_without_cuda()
 
 from distributed_harness import run_distributed  # noqa: E402
+from gpu_trainer_runs import PEAK_MEMORY_RUN, RESUME_RUNS, peak_memory_plan, resume_run, vllm_model, vllm_run  # noqa: E402
 from tiny_models import make_tiny_qwen2  # noqa: E402
 from trainer_runs import DEMO_CONFIG, checkpoint_tensors, read_metrics, run_train  # noqa: E402
-
-ONE_GPU_BF16 = ["parallel.tensor=1", "model.dtype=bfloat16", "data.prompts_per_step=8", "warm_start.steps=0"]
 
 
 def _train_and_measure(rank, world_size, output_dir, overrides):
@@ -34,23 +33,16 @@ def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
     peak. The comparison (both numbers and the plan's parts) is appended as one JSON line to
     $MEGATRON_GTPO_GPU_RESULTS when set."""
     from megatron_gtpo.config import load_config
-    from megatron_gtpo.data.synthetic import tiny_model_hf_config
     from megatron_gtpo.models.accelerator import Accelerator
-    from megatron_gtpo.models.qwen import ModelShape
-    from megatron_gtpo.layout import ParallelLayout
-    from megatron_gtpo.planning import plan, settings_from_config, workload_from_config
 
-    # The synthetic prompts are 5 tokens; the planner sizes activations for max_prompt_tokens.
-    overrides = [*ONE_GPU_BF16, "steps=1", "checkpoint.save_every=0", "data.max_prompt_tokens=16"]
-    code, allocated, reserved = run_distributed(_train_and_measure, 1, args=(str(tmp_path), overrides),
+    code, allocated, reserved = run_distributed(_train_and_measure, 1, args=(str(tmp_path), PEAK_MEMORY_RUN),
                                                 init_process_group=False, timeout_s=600)[0]
     assert code == 0
-    cfg = load_config(DEMO_CONFIG, overrides)
+    cfg = load_config(DEMO_CONFIG, PEAK_MEMORY_RUN)
     # The trainer takes the Transformer Engine spec whenever TE imports (no config key chooses the local spec).
-    settings = settings_from_config(cfg, kernels=Accelerator.probe().layer_spec,
-                                    gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
-    expected = plan(ModelShape.from_hf(tiny_model_hf_config()), ParallelLayout(), workload_from_config(cfg), settings,
-                    model_name="cpu_demo tiny")
+    kernels = Accelerator.probe().layer_spec
+    expected = peak_memory_plan(cfg, kernels=kernels,
+                                gpu_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
     gib = 2**30
     record = {"test": "rl_step_peak_memory", "device": torch.cuda.get_device_name(0),
               "max_memory_allocated_gib": allocated / gib, "max_memory_reserved_gib": reserved / gib,
@@ -59,7 +51,7 @@ def test_rl_step_peak_memory_is_within_the_plan(tmp_path):
               "plan_training_peak_without_framework_overhead_gib":
                   expected.memory_gib["training_peak"] - expected.memory_gib["framework_overhead"],
               "plan_memory_gib": expected.memory_gib, "layout": "TP1 PP1 DP1", "dtype": cfg.model.dtype,
-              "kernels": settings.kernels}
+              "kernels": kernels}
     results = os.environ.get("MEGATRON_GTPO_GPU_RESULTS")
     if results:
         with open(results, "a", encoding="utf-8") as f:
@@ -73,10 +65,9 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     order varies from run to run. The learning rate is constant: a decaying schedule spans the config's `steps`, so
     the 2-step run would decay faster than the 4-step one before any resume (on an H200, 2026-11-26, approx_kl at step
     1 was 0.00553 against 0.00451 for that reason, the same in two runs)."""
-    common = [*ONE_GPU_BF16, "checkpoint.save_every=2", "data.mini_batches_per_step=2", "optim.lr_decay_style=constant"]
     full, part = tmp_path / "full", tmp_path / "part"
-    for out, steps in ((full, 4), (part, 2), (part, 4)):
-        res = run_train(out, 1, [*common, f"steps={steps}"])
+    for out, steps in RESUME_RUNS:
+        res = run_train(tmp_path / out, 1, resume_run(steps))
         assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr
     full_rows, part_rows = read_metrics(full), read_metrics(part)
@@ -105,18 +96,9 @@ def test_rl_steps_with_colocated_vllm(tmp_path):
     it, syncs the new weights and checks the engine's checksums (the run fails if they differ); then the log-probs
     vLLM sampled with agree with the trainer's old-policy pass on the same responses."""
     skip_without("vllm", "the colocated engine needs it (pip install -e '.[gpu]')")
-    from megatron_gtpo.data.synthetic import VOCAB_SIZE
-
-    # The synthetic task's vocabulary; head_dim 64 (vLLM's attention backends do not all take the demo model's 16).
     hf_dir = tmp_path / "hf"
-    make_tiny_qwen2(hf_dir, dtype=torch.bfloat16, vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
-                    num_layers=2, num_heads=4, num_kv_heads=2, max_positions=64)
-    # A random model rarely solves a problem: dynamic sampling would drop every group (and with them the tokens
-    # the mismatch is measured on).
-    res = run_train(tmp_path / "run", 1, [*ONE_GPU_BF16, "steps=2", "checkpoint.save_every=0",
-                                          "algorithm.dynamic_sampling=false",
-                                          "model.tiny_synthetic=false", f"model.hf_dir={hf_dir}",
-                                          "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=0.3"])
+    make_tiny_qwen2(hf_dir, **vllm_model())
+    res = run_train(tmp_path / "run", 1, vllm_run(hf_dir))
     assert res.returncode == 0, res.stderr[-4000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]

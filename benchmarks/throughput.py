@@ -16,9 +16,9 @@ that pass (with CUDA synchronisation around it on GPUs); unless --no-logprob-ref
 log-prob-only vocab_parallel_cross_entropy on the same logits, and takes that added time out of the phase again.
 Each run writes its log (stdout and stderr, as they come) and its metrics.jsonl into --log-dir (default: the work
 directory) as it goes, and saves no checkpoint (checkpoint.save_every=-1); the report gives each run's time to its
-first RL step. Per-phase times come from the trainer's own metrics.jsonl (time_generate_s, time_old_logprob_s,
-time_advantages_s, time_update_s, time_sync_s). The first --skip steps of each run are warm-up and not counted;
-the tables give medians over the remaining steps.
+first RL step. Per-phase times come from the trainer's own metrics.jsonl (time_generate_s, time_step_batch_s,
+time_old_logprob_s, time_advantages_s, time_update_s, time_sync_s). The first --skip steps of each run are warm-up
+and not counted; the tables give medians over the remaining steps.
 
 Derived figures:
 - tokens/s/GPU: prompt + response tokens of the step's scored sequences / step time / GPUs; response tokens/s/GPU
@@ -51,7 +51,7 @@ import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
-PHASES = ("generate", "old_logprob", "advantages", "update", "sync")
+PHASES = ("generate", "step_batch", "old_logprob", "advantages", "update", "sync")
 
 
 # ---------------------------------------------------------------------------------------------- worker side
@@ -150,19 +150,27 @@ def _planned_memory_gib(cfg, hf_config: dict, parallel) -> dict:
 # ---------------------------------------------------------------------------------------------- driver side
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def trainer_runs_parser(description: str, *, steps: int, repeats_help: str, algorithms: list[str],
+                        algorithms_help: str | None = None) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs the trainer per algorithm under torchrun (this one, old_policy_bench.py):
+    the config, ranks, steps and warm-up steps, repeats, algorithms and config overrides."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--config", required=True, help="trainer config (YAML)")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
-    p.add_argument("--steps", type=int, default=10, help="RL steps per algorithm, warm-up included")
+    p.add_argument("--steps", type=int, default=steps, help="RL steps per run, warm-up included")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the statistics (per run)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per algorithm, interleaved (A B C, B C A, ...) so that load drifts hit all alike; the "
-                        "statistics pool their steps")
-    p.add_argument("--algorithms", nargs="+", default=["grpo", "gtpo", "grpo_s"],
-                   help="the first is the baseline of the overhead figures")
+    p.add_argument("--repeats", type=int, default=1, help=repeats_help)
+    p.add_argument("--algorithms", nargs="+", default=algorithms, help=algorithms_help)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="trainer config override for every algorithm (repeatable)")
+                   help="trainer config override for every run (repeatable)")
+    return p
+
+
+def parse_args(argv=None):
+    p = trainer_runs_parser(__doc__.split("\n\n")[0], steps=10, algorithms=["grpo", "gtpo", "grpo_s"],
+                            repeats_help="runs per algorithm, interleaved (A B C, B C A, ...) so that load drifts hit "
+                                         "all alike; the statistics pool their steps",
+                            algorithms_help="the first is the baseline of the overhead figures")
     p.add_argument("--keep-dynamic-sampling", action="store_true")
     p.add_argument("--no-logprob-reference", action="store_true",
                    help="do not time megatron-core's log-prob-only cross entropy on the old-policy pass's logits "
@@ -359,7 +367,9 @@ def step_rows(run: dict, skip: int, peak_tflops: float | None) -> list[dict]:
                    update_tflops=3 * logprob_flops * records[0]["epochs_per_step"] / 1e12)
         if peak_tflops:
             row["mfu_update"] = row["update_tflops"] / (row["update_s"] * world * peak_tflops)
-            row["mfu_logprob"] = row["logprob_tflops"] / (row["old_logprob_s"] * world * peak_tflops)
+            # no old-policy pass (the update's forward gave its values): no MFU of one
+            row["mfu_logprob"] = row["logprob_tflops"] / (row["old_logprob_s"] * world * peak_tflops) \
+                if row["old_logprob_s"] > 0 else float("nan")
         rows.append(row)
     return rows
 

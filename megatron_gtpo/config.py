@@ -536,6 +536,11 @@ class DataConfig:
     pack_sequences: bool = False
     mini_batches_per_step: int = 1
     epochs_per_step: int = 1
+    # auto: a step whose batch takes one optimizer step and whose algorithm reads nothing of the old policy before
+    # its update takes the old log-probs from the update's own forward (training/old_policy.py; docs/step_batch.md
+    # lists the cases that keep the forward-only old-policy pass, and why) | always: run that pass every step (the
+    # same update, one forward more: for comparisons)
+    old_policy_pass: str = "auto"
     max_prompt_tokens: int = 2048
     seed: int = 1234
     reward_workers: int = 4  # math-verify worker processes per model replica (jsonl tasks)
@@ -638,6 +643,7 @@ _CHOICES = {
     "optim.lr_decay_style": ("constant", "linear", "cosine"), "data.source": ("jsonl", "synthetic"),
     "data.task": tuple(SYNTHETIC_TASKS),  # data/synthetic_tasks.py: the only list of tasks
     "data.template": tuple(DATA_TEMPLATES),  # data/templates.py: the only list of templates
+    "data.old_policy_pass": ("auto", "always"),
 }
 
 

@@ -2,12 +2,12 @@
 engine reads (the config's choices and rules, the layout's rules, the trainer's engine setup, the planner, the check
 of the packages a launch needs) instead of comparing its name.
 
-    engine          generates on         options          routing  MoE  updates in  at      HF dir,
-                                                          replay        generation  CP > 1  package
-    builtin         the trainer's ranks  rollout.builtin  yes      yes  no          no      -
-    vllm            the trainer's GPUs   rollout.vllm     yes      yes  no          yes     yes, vllm
-    vllm_remote     rollout servers      rollout.remote   yes      yes  yes         yes     -
-    builtin_remote  rollout servers      rollout.remote   no       no   yes         yes     -
+    engine          generates on         options          routing  MoE  updates in  at      HF dir,    the trainer's
+                                                          replay        generation  CP > 1  package    model
+    builtin         the trainer's ranks  rollout.builtin  yes      yes  no          no      -          yes
+    vllm            the trainer's GPUs   rollout.vllm     yes      yes  no          yes     yes, vllm  no
+    vllm_remote     rollout servers      rollout.remote   yes      yes  yes         yes     -          no
+    builtin_remote  rollout servers      rollout.remote   no       no   yes         yes     -          no
 
 What the engines' objects answer themselves is not a column: whether a server has answered all it was asked
 (`RolloutEngine.idle`: always, for one that answers within the call), whether a request is seeded
@@ -45,11 +45,15 @@ class Engine:
     # Runs on the trainer's GPUs at a tensor-parallel size of its own (rollout.vllm.tensor_parallel), whose engines
     # must tile each model replica (layout.check_layout).
     engine_tensor_parallel: bool = False
+    # Samples with the trainer's own model chunks at its layout and weights (and records each token's entropy, by the
+    # trainer's op): those entropies are the old policy's, and GTPO / GRPO-S may skip the old-policy pass
+    # (training/old_policy.py). A server's copy of the weights runs other kernels, in other processes.
+    trainers_model: bool = False
 
 
 ENGINES: dict[str, Engine] = {
     "builtin": Engine(remote=False, section="builtin", routing_replay=True, moe=True, updates_during_generation=False,
-                      context_parallel=False, needs_hf_directory=False, package=None),
+                      context_parallel=False, needs_hf_directory=False, package=None, trainers_model=True),
     "vllm": Engine(remote=False, section="vllm", routing_replay=True, moe=True, updates_during_generation=False,
                    context_parallel=True, needs_hf_directory=True, package="vllm", engine_tensor_parallel=True),
     "vllm_remote": Engine(remote=True, section="remote", routing_replay=True, moe=True, updates_during_generation=True,

@@ -22,10 +22,12 @@ def prompt_samples(prompt_token_ids: list, first_index: int = 0) -> list[PromptS
 
 def rewarded_groups(prompt_token_ids: list, record: Responses, correct_NG: torch.Tensor,
                     rewards_NG: torch.Tensor | None = None, *, version: int = 0,
-                    routed_experts: list | None = None) -> RewardedGroups:
+                    routed_experts: list | None = None, entropies_T: torch.Tensor | None = None) -> RewardedGroups:
     """The groups of `record` (prompt-major, one group per prompt) sampled by `version`, with the verifier's
-    rewards `correct_NG` and the rewards `rewards_NG` (the same by default)."""
-    groups = SampledGroups.sampled(prompt_samples(prompt_token_ids), Rollout(record, routed_experts), version)
+    rewards `correct_NG` and the rewards `rewards_NG` (the same by default); the engine's routing and sampling
+    entropies where given."""
+    groups = SampledGroups.sampled(prompt_samples(prompt_token_ids),
+                                   Rollout(record, routed_experts, entropies_T=entropies_T), version)
     return RewardedGroups(groups, correct_NG, correct_NG.clone() if rewards_NG is None else rewards_NG)
 
 

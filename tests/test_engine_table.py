@@ -9,9 +9,11 @@ import pathlib
 import pytest
 
 import megatron_gtpo
+from megatron_gtpo.algorithms import configure_algorithm
 from megatron_gtpo.config import ConfigError, features, load_config, parse_config, validate_layout
 from megatron_gtpo.config_rules import refused_by
 from megatron_gtpo.engine_table import ENGINE_NAMES, ENGINES
+from megatron_gtpo.training.old_policy import pass_reason
 
 TINY = ["model.tiny_synthetic=true", "data.source=synthetic", "rollout.remote.addresses=[h:1]"]
 CORRECTION = "algorithm.rollout_correction.rollout_is=token"
@@ -34,6 +36,9 @@ def test_each_capability_decides_its_rule_for_every_engine(engine):
         == (not can.context_parallel)
     loads_a_checkpoint = ["model.tiny_synthetic=false", "model.load=/ckpt"]
     assert ("vllm needs a Hugging Face directory" in _refused(engine, loads_a_checkpoint)) == can.needs_hf_directory
+    gtpo = parse_config(None, [*TINY, f"rollout.engine={engine}", "algorithm.name=gtpo"])
+    algorithm = configure_algorithm(gtpo.algorithm, max_new_tokens=gtpo.rollout.max_new_tokens)
+    assert (pass_reason(gtpo, algorithm, optimizer_steps=1) is None) == can.trainers_model  # its entropies stand in
     replay = parse_config(None, [*TINY, f"rollout.engine={engine}", "model.moe.routing_replay=rollout"])
     if can.routing_replay:
         validate_layout(replay)

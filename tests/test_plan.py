@@ -490,6 +490,12 @@ def test_training_phase_times_by_hand():
     recompute = training_phase_s(shape, TINY_WORK, Settings(peak_flops_per_s=1e12, training_mfu=0.5,
                                                             recompute_activations=True), gpus=2, tensor_parallel=1)
     assert recompute["update_s"] == pytest.approx(4 * forward / 1e12)
+    # No forward-only pass (the update's forward gives the old log-probs), or the old policy's and a KL reference's.
+    for passes in (0, 2):
+        times = training_phase_s(shape, replace(TINY_WORK, old_logprob_passes=passes), settings, gpus=2,
+                                 tensor_parallel=1)
+        assert times["old_logprob_s"] == pytest.approx(passes * forward / 1e12)
+        assert times["train_s"] == pytest.approx((3 + passes) * forward / 1e12)
 
 
 def test_generation_phase_times_by_hand_bandwidth_and_compute_bound():

@@ -26,7 +26,7 @@ REQUIRED = ("step", "reward_mean", "entropy_mean", "response_length_mean", "clip
             "update_successful", "optimizer_steps", "empty_mini_batches", "mismatch_kl", "token_mult_prob_error",
             "rollout_is_weight_mean", "rollout_is_capped_fraction", "rollout_rs_masked_fraction", "tokens_generated",
             "rollout_busy_s", "rollout_busy_fraction", "rollout_busy_fraction_min")
-PHASES = ("generate", "reward", "old_logprob", "advantages", "update", "sync")
+PHASES = ("generate", "reward", "step_batch", "old_logprob", "advantages", "update", "sync")
 SHORT = ["steps=2", "warm_start.steps=30", "data.prompts_per_step=8", "checkpoint.save_every=0"]
 
 

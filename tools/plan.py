@@ -66,6 +66,10 @@ def parse_args(argv=None):
     work.add_argument("--epochs", type=int, help="passes over each step's data")
     work.add_argument("--mean-response-tokens", type=int,
                       help="expected response length for the phase times (default: half of the maximum)")
+    work.add_argument("--old-logprob-passes", type=int, choices=(0, 1, 2),
+                      help="forward-only passes before the update: the old-policy pass (none where the update's own "
+                           "forward gives the old log-probs: docs/step_batch.md) and a KL reference's (default 1, or "
+                           "what --config runs)")
     mem = p.add_argument_group("memory")
     mem.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU (default 80, H100)")
     mem.add_argument("--gpus-per-node", type=int, default=8)
@@ -166,7 +170,8 @@ def build_inputs(args, moe: bool = False) -> tuple[ParallelLayout, Workload, Set
         micro_batch_size=pick(args.micro_batch_size, workload.micro_batch_size),
         mini_batches_per_step=pick(args.mini_batches, workload.mini_batches_per_step),
         epochs_per_step=pick(args.epochs, workload.epochs_per_step),
-        mean_response_tokens=pick(args.mean_response_tokens, workload.mean_response_tokens))
+        mean_response_tokens=pick(args.mean_response_tokens, workload.mean_response_tokens),
+        old_logprob_passes=pick(args.old_logprob_passes, workload.old_logprob_passes))
     default_fraction = settings.vllm_memory_fraction if args.config else \
         (None if moe else Settings.vllm_memory_fraction)
     fraction = None if args.no_vllm else pick(args.vllm_memory_fraction, default_fraction)

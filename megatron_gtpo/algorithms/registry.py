@@ -143,6 +143,17 @@ class ConfiguredAlgorithm:
     _policy_loss: Callable[..., tuple]
     select_tokens: Callable[..., TokenSelection] | None = None
 
+    @property
+    def reads_old_policy(self) -> str | None:
+        """What of the old policy the algorithm reads before its update, where the update's own forward comes too
+        late to give it: "log-probs" for a token selection (its statistics span the whole mini-batch and decide the
+        first micro-batch's loss; entropies too, for the high-entropy fraction), "entropies" for the entropy-shaped
+        advantages (GTPO, GRPO-S), None for nothing (GRPO, DAPO: their old log-probs are read in the loss only).
+        training/old_policy.py decides from it whether a step runs the old-policy pass."""
+        if self.select_tokens is not None:
+            return "log-probs"
+        return "entropies" if self.uses_entropy else None
+
     def advantages(self, rewards_NG: torch.Tensor, entropy_NGT: torch.Tensor | None = None,
                    mask_NGT: torch.Tensor | None = None) -> torch.Tensor:
         """The algorithm's advantages; the entropy-shaped ones give 0 to every token of a group whose rewards are

@@ -24,11 +24,14 @@ collapses towards 0 or sits at the cap.
 The weights are detached and multiply the policy-gradient (surrogate) term only. Rejected tokens leave the loss mask:
 under "token-mean" they count in no normaliser; under the per-sequence modes (seq-mean-*, GRPO-S) a wholly rejected
 sequence still counts as a sequence of the mini-batch and contributes 0 (the loss contract in losses.py). Both are
-computed once per step, before the update, from log-probs that do not change during it.
+computed once per step from log-probs that do not change during the update: before it, or, where the update's own
+forward gives the old log-probs, per micro-batch (each weight and rejection is a function of one token or one
+whole sequence) before its loss.
 
 GTPO and GRPO-S: their token entropies, and so their shaped advantages, come from the old-policy pass (the trainer's
-own forward at the training layout), never from the rollout engine; the correction above reweights or rejects the
-samples those advantages are attached to, and leaves the advantages as they are.
+own forward at the training layout), never from a rollout engine but the built-in one sampling with the trainer's
+model and weights (training/old_policy.py); the correction above reweights or rejects the samples those advantages
+are attached to, and leaves the advantages as they are.
 
 Metrics, as sums over valid tokens (`num_tokens` is the weight; sum over ranks, then divide):
     rollout_logprob_mismatch    |old_logprobs - rollout_logprobs|

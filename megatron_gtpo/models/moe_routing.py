@@ -220,8 +220,8 @@ def _local_tokens(values_T: torch.Tensor, router) -> torch.Tensor:
 class RouterStatistics:
     """Per MoE layer of `model_chunks`, while installed (a context manager): the tokens routed to each expert and
     the summed entropy of the router's distribution over all experts, over the real tokens of every forward
-    (`prepare_routers`' token mask). On the device; `totals()` gives them as [M, E] counts, [M] entropy sums and
-    [M] token counts."""
+    (`prepare_routers`' token mask; an activation recompute in the backward pass is no new forward). On the device;
+    `totals()` gives them as [M, E] counts, [M] entropy sums and [M] token counts."""
 
     def __init__(self, model_chunks: list):
         self.routers = routers(model_chunks)
@@ -247,7 +247,11 @@ class RouterStatistics:
         self._hooks = []
 
     def _hook(self, m: int):
+        from megatron.core.tensor_parallel.random import is_checkpointing
+
         def hook(router, inputs, outputs):
+            if is_checkpointing() and torch.is_grad_enabled():  # a recompute in the backward: counted in its forward
+                return
             _, routing_map_TE = outputs
             with torch.no_grad():
                 logits_TE = router.gating(inputs[0]).reshape(-1, router.config.num_moe_experts).float()

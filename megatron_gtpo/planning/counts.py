@@ -132,8 +132,9 @@ def generation_flops(shape: ModelShape, *, num_sequences: int, prompt_tokens: in
 
 def training_flops(shape: ModelShape, workload: Workload, *, response_tokens: int, padded_vocab: int) -> dict:
     """Model FLOPs of one step's training phases with every response `response_tokens` long: old_logprob, a forward
-    over every sequence; update, forward and backward (3 x forward) per epoch."""
+    over every sequence per forward-only pass (`Workload.old_logprob_passes`: none where the update's own forward
+    gives the old log-probs); update, forward and backward (3 x forward) per epoch."""
     n, length = workload.sequences_per_step, workload.max_prompt_tokens + response_tokens
-    logprob = n * forward_flops(shape, num_tokens=length, sum_squared_lengths=length**2, padded_vocab=padded_vocab)
-    return {"old_logprob": logprob, "update": 3.0 * logprob * workload.epochs_per_step}
+    forward = n * forward_flops(shape, num_tokens=length, sum_squared_lengths=length**2, padded_vocab=padded_vocab)
+    return {"old_logprob": forward * workload.old_logprob_passes, "update": 3.0 * forward * workload.epochs_per_step}
 

@@ -27,6 +27,9 @@ class Workload:
     mini_batches_per_step: int = 1
     epochs_per_step: int = 1
     mean_response_tokens: int | None = None  # None: half of max_response_tokens (an assumption)
+    # Forward-only passes over the step's sequences before the update (the old_logprob phase): the old policy's,
+    # none where the update's own forward gives its values (training/old_policy.py), and a KL reference's.
+    old_logprob_passes: int = 1
 
     @property
     def expected_response_tokens(self) -> int:
@@ -103,6 +106,9 @@ def _check_workload(shape: ModelShape, w: Workload) -> None:
                  "micro_batch_size", "mini_batches_per_step", "epochs_per_step"):
         if getattr(w, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(w, name)}")
+    if w.old_logprob_passes not in (0, 1, 2):
+        raise ValueError(f"old_logprob_passes must be 0, 1 or 2 (the old policy's, the KL reference's), got "
+                         f"{w.old_logprob_passes}")
     if w.mean_response_tokens is not None and not 1 <= w.mean_response_tokens <= w.max_response_tokens:
         raise ValueError(f"mean_response_tokens must be in [1, max_response_tokens = {w.max_response_tokens}], "
                          f"got {w.mean_response_tokens}")
@@ -150,8 +156,11 @@ def settings_from_config(cfg, **overrides) -> Settings:
 
 def workload_from_config(cfg) -> Workload:
     """The planner's workload of a megatron_gtpo TrainConfig."""
+    from megatron_gtpo.training.old_policy import forward_passes_before_update
+
     return Workload(prompts_per_step=cfg.data.prompts_per_step,
                     num_responses_per_prompt=cfg.rollout.num_responses_per_prompt,
                     max_prompt_tokens=cfg.data.max_prompt_tokens, max_response_tokens=cfg.rollout.max_new_tokens,
                     micro_batch_size=cfg.data.micro_batch_size, mini_batches_per_step=cfg.data.mini_batches_per_step,
-                    epochs_per_step=cfg.data.epochs_per_step)
+                    epochs_per_step=cfg.data.epochs_per_step,
+                    old_logprob_passes=forward_passes_before_update(cfg))

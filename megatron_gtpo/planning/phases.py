@@ -16,8 +16,9 @@ from .memory import vllm_kv_bytes_per_token
 def training_phase_s(shape: ModelShape, workload: Workload, settings: Settings, *, gpus: int,
                      tensor_parallel: int) -> dict[str, float]:
     """old_logprob and update seconds of one step on `gpus` training GPUs: their model FLOPs at the mean response
-    length / (gpus x peak_flops_per_s x training_mfu). Full activation recompute runs the forward once more in the
-    update (4 passes where the model FLOPs count 3)."""
+    length / (gpus x peak_flops_per_s x training_mfu); old_logprob is 0 s where the step runs no forward-only pass
+    (`Workload.old_logprob_passes`). Full activation recompute runs the forward once more in the update (4 passes
+    where the model FLOPs count 3)."""
     flops = training_flops(shape, workload, response_tokens=workload.expected_response_tokens,
                            padded_vocab=padded_vocab_size(shape.vocab_size, tensor_parallel))
     flops_per_s = gpus * settings.peak_flops_per_s * settings.training_mfu

@@ -125,7 +125,8 @@ def _step_flops(shape: ModelShape, layout: ParallelLayout, workload: Workload) -
                                 prompt_tokens=workload.max_prompt_tokens,
                                 response_tokens=workload.max_response_tokens, padded_vocab=vocab)
     return {"generate": generate, **train, "total": generate + train["old_logprob"] + train["update"],
-            "note": "at the maximum prompt and response lengths (an upper bound); update = 3 x forward x epochs"}
+            "note": "at the maximum prompt and response lengths (an upper bound); old_logprob = forward x "
+                    f"{workload.old_logprob_passes} forward-only pass(es); update = 3 x forward x epochs"}
 
 
 def _reasons(stages: list[StageMemory], worst: StageMemory, workload: Workload, settings: Settings,

@@ -59,6 +59,9 @@ all-reduce (MAX) over the group; a rank with none left takes part in its peers' 
 output it drops (`stand_by`), until no peer has rows left. Without expert parallelism nothing of this runs.
 `record_routing`: `submit`'s rollout also gives, per response, the experts each of its fed tokens went to at this
 rank's MoE layers (models/moe_routing.py), for routing replay in training; it stays on the rank, beside the record.
+`record_entropies`: it also gives each token's sampling entropy (`Rollout.entropies_T`), computed on the last stage by
+the trainer's own op (distributed/vocab_parallel.py) on the logits it samples from, and shared with the tokens: the
+old policy's entropies where the trainer trains the weights that sampled (training/old_policy.py).
 
 Sampling and the log-prob convention are in sampling.py and engine.py. Sequence parallelism is switched off for the
 duration of a call (decode steps have one token, which cannot be split over TP ranks) with megatron's own
@@ -103,11 +106,12 @@ class BuiltinEngine:
 
     def __init__(self, model_chunks: list, parallel, vocab_size: int, *, max_batch_size: int | None = None,
                  max_batch_tokens: int | None = None, prompt_alignment: str = "auto", progress: bool = False,
-                 record_routing: bool = False):
+                 record_routing: bool = False, record_entropies: bool = False):
         """`max_batch_size` / `max_batch_tokens`: caps on the rows and on the KV-cache token slots of one batch
         (None: no cap; see the module doc). `prompt_alignment`: "left_pad", "teacher_force" or "auto" (left_pad
         where the attention honours explicit masks, else teacher_force). `progress`: a progress bar over the rows.
-        `record_routing`: responses carry their tokens' experts (a mixture-of-experts model; module doc)."""
+        `record_routing`: responses carry their tokens' experts (a mixture-of-experts model; module doc).
+        `record_entropies`: rollouts carry each token's sampling entropy (module doc)."""
         if not model_chunks:
             raise ValueError("model_chunks is empty")
         if prompt_alignment not in ("auto", "left_pad", "teacher_force"):
@@ -123,6 +127,7 @@ class BuiltinEngine:
         self.max_batch_tokens = max_batch_tokens
         self.progress = progress
         self.record_routing = record_routing
+        self.record_entropies = record_entropies
         self.lockstep_group = parallel.expert_lockstep_group  # None for a dense model: no lockstep
         config = self.models[0].config
         padded_vocab = self.models[0].vocab_size
@@ -177,6 +182,7 @@ class BuiltinEngine:
         batches = batch_ranges([len(r) for r in rows], max_new_tokens=params.max_new_tokens,
                                max_rows=self.max_batch_size, max_tokens=self.max_batch_tokens, rows_per_prompt=params.n)
         parts: list[tuple[torch.Tensor, ...]] = []  # per batch: (tokens_T, logprobs_T, updates_T, lengths_R, finish_R)
+        entropies: list[torch.Tensor] = []  # per batch, with record_entropies
         routed: list[torch.Tensor] | None = [] if self.record_routing else None
         self._between_steps, self._updates_taken = between_steps, 0  # this call's, and the updates it took
         # No device sync for the end time: every decode step reads the count of live rows back from the device.
@@ -186,9 +192,10 @@ class BuiltinEngine:
                 progress_bar(total=len(rows), desc="decoding", unit="row", leave=False,
                              disable=not self.progress) as bar:
             for batch in batches:
-                *batch_parts, batch_routes = self._generate_batch(
+                *batch_parts, batch_entropies, batch_routes = self._generate_batch(
                     [rows[r] for r in batch], [seeds[r] for r in batch], params, recorder)
                 parts.append(batch_parts)
+                entropies += [batch_entropies] if batch_entropies is not None else []
                 if routed is not None:
                     routed += batch_routes if batch_routes is not None else [None] * len(batch)
                 bar.update(len(batch))
@@ -200,7 +207,7 @@ class BuiltinEngine:
         record = Responses(responses_per_prompt_P=torch.full((len(prompts),), params.n, device=self.parallel.device),
                            lengths_R=lengths_R, finish_R=finish_R, token_ids_T=tokens_T, logprobs_T=logprobs_T,
                            weight_updates_T=updates_T)
-        return Rollout(record, routed, generation_s)
+        return Rollout(record, routed, generation_s, torch.cat(entropies) if self.record_entropies else None)
 
     def idle(self) -> bool:
         """True: the engine answers within the call."""
@@ -253,7 +260,8 @@ class BuiltinEngine:
 
     def _generate_batch(self, rows: list[list[int]], seeds: list[int], params: SamplingParams, recorder):
         """One batch of rows: (token_ids_T, logprobs_T, weight_updates_T, lengths_R, finish_R) on the device, the
-        rows' tokens back to back, and with a `recorder` each row's recorded experts (else None)."""
+        rows' tokens back to back, with `record_entropies` their entropies_T (else None), and with a `recorder` each
+        row's recorded experts (else None)."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         # The position the next logits predict: after the longest prompt (left padding), else after the shortest.
@@ -262,7 +270,7 @@ class BuiltinEngine:
                                          max_sequence_length=max(len(r) for r in rows) + params.max_new_tokens)
         state = DecodeRows(rows, seeds, left_pad=self.left_pad, max_new_tokens=params.max_new_tokens,
                            stop_token_ids=params.stop_token_ids, cache_len=context.max_sequence_length,
-                           device=self.parallel.device)
+                           device=self.parallel.device, record_entropies=self.record_entropies)
         feed_BS = state.prefill_tokens(position)
         routes = _RouteLog(len(rows), state.pads) if recorder is not None else None
         while True:
@@ -276,8 +284,8 @@ class BuiltinEngine:
             if routes is not None:  # the fed columns [position - S, position) of the batch's rows
                 routes.add(position - feed_BS.shape[1], state.row_B, state.live_B.clone(), recorder.take())
             context.enable_decode_mode()
-            tokens_B, logprobs_B = self._sample_and_share(logits_BV, state, params)
-            feed_BS = state.record(tokens_B, logprobs_B, position, self._updates_taken)
+            tokens_B, logprobs_B, entropies_B = self._sample_and_share(logits_BV, state, params)
+            feed_BS = state.record(tokens_B, logprobs_B, position, self._updates_taken, entropies_B)
             position += 1
             if state.live_rows() == 0:
                 break
@@ -286,7 +294,7 @@ class BuiltinEngine:
                 _keep_cache_rows(context, keep_B)
                 feed_BS = feed_BS.index_select(0, keep_B)
         experts = routes.per_row() if routes is not None else None
-        return (*state.results(), experts)
+        return (*state.results(), state.entropies_T(), experts)
 
     def _take_updates(self) -> int:
         """The call's `between_steps`, counting the weight updates it took (never while recording routing: a row's
@@ -341,21 +349,40 @@ class BuiltinEngine:
 
     def _sample_and_share(self, logits_BV, state: DecodeRows, params: SamplingParams):
         """Sample on the last stage (each row from its seed and draw index: sample_next_tokens); every rank of the
-        model-parallel group gets the token ids (int64 [B]) and their float32 log-probs, on the device."""
+        model-parallel group gets the token ids (int64 [B]), their float32 log-probs and with `record_entropies`
+        the float32 entropies of the distributions they were sampled from (else None), on the device."""
         parallel = self.parallel
+        rows = 3 if self.record_entropies else 2
         if parallel.is_last_stage:
             tokens_B, logprobs_B = sample_next_tokens(
                 logits_BV, vocab_size=self.vocab_size, temperature=params.temperature, top_k=params.top_k,
                 top_p=params.top_p, stream_keys_B=state.stream_keys_B, draws_B=state.draws_B())
-            # float64 carries token ids exactly (< 2**53) and the float32 log-probs unchanged: one message.
-            shared_2B = torch.stack([tokens_B.double(), logprobs_B.double()])
+            shared = [tokens_B, logprobs_B]
+            if self.record_entropies:
+                shared.append(sampling_entropies(logits_BV, vocab_size=self.vocab_size, temperature=params.temperature))
+            # float64 carries token ids exactly (< 2**53) and the float32 values unchanged: one message.
+            shared_KB = torch.stack([values.double() for values in shared])
             if parallel.tp_size > 1:
-                dist.broadcast(shared_2B, src=dist.get_global_rank(parallel.tp_group, 0), group=parallel.tp_group)
+                dist.broadcast(shared_KB, src=dist.get_global_rank(parallel.tp_group, 0), group=parallel.tp_group)
         else:
-            shared_2B = torch.empty(2, state.batch_rows, dtype=torch.float64, device=parallel.device)
+            shared_KB = torch.empty(rows, state.batch_rows, dtype=torch.float64, device=parallel.device)
         if parallel.pp_size > 1:
-            dist.broadcast(shared_2B, src=parallel.last_stage_global_rank, group=parallel.pp_group)
-        return shared_2B[0].long(), shared_2B[1].float()
+            dist.broadcast(shared_KB, src=parallel.last_stage_global_rank, group=parallel.pp_group)
+        return shared_KB[0].long(), shared_KB[1].float(), shared_KB[2].float() if self.record_entropies else None
+
+
+def sampling_entropies(logits_BV: torch.Tensor, *, vocab_size: int, temperature: float) -> torch.Tensor:
+    """float32 [B]: the entropy of each row's next-token distribution, softmax(logits / temperature) over the true
+    vocabulary (temperature 1 when greedy), by the trainer's own op (distributed/vocab_parallel.py), here over the
+    whole vocabulary, which every TP rank holds. Top-k / top-p are not folded in, unlike the sampled tokens'
+    log-probs: the trainer's entropy is the full distribution's (docs/algorithms.md, "Which entropy")."""
+    from megatron_gtpo.distributed.vocab_parallel import vocab_parallel_logprobs_and_entropy
+
+    no_targets_B = torch.zeros(logits_BV.shape[0], dtype=torch.long, device=logits_BV.device)
+    _, entropies_B = vocab_parallel_logprobs_and_entropy(logits_BV.contiguous(), no_targets_B, tp_group=None,
+                                                         vocab_size=vocab_size, temperature=temperature or 1.0,
+                                                         check_targets=False)
+    return entropies_B.float()
 
 
 class _RouteLog:

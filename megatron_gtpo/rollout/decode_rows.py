@@ -19,10 +19,11 @@ class DecodeRows:
 
     `left_pad`: prompts right-aligned at the longest (the batch's prompt columns end together, padding keys masked
     by `key_is_pad_BK`); else left-aligned, each row's generation starting after its own prompt (teacher forcing:
-    a row inside its prompt is fed its next prompt token and draws nothing)."""
+    a row inside its prompt is fed its next prompt token and draws nothing). `record_entropies`: each token's
+    sampling entropy is kept too (`entropies_T`)."""
 
     def __init__(self, rows: list[list[int]], seeds: list[int], *, left_pad: bool, max_new_tokens: int,
-                 stop_token_ids, cache_len: int, device):
+                 stop_token_ids, cache_len: int, device, record_entropies: bool = False):
         width = max(len(r) for r in rows)
         lengths = [len(r) for r in rows]
         self.max_new_tokens = max_new_tokens
@@ -43,6 +44,7 @@ class DecodeRows:
         self.tokens_RN1 = torch.zeros(len(rows), max_new_tokens + 1, dtype=torch.int32, device=device)
         self.logprobs_RN1 = torch.zeros(len(rows), max_new_tokens + 1, dtype=torch.float32, device=device)
         self.updates_RN1 = torch.zeros(len(rows), max_new_tokens + 1, dtype=torch.int32, device=device)
+        self.entropies_RN1 = torch.zeros_like(self.logprobs_RN1) if record_entropies else None
         self.lengths_R = torch.zeros(len(rows), dtype=torch.long, device=device)
         self.batch_rows = len(rows)  # host mirror of len(row_B)
         self.live = len(rows)  # host mirror of live_B.sum(), as of the last `live_rows`
@@ -60,15 +62,19 @@ class DecodeRows:
         """Each row's draw index: the index in its response of the token it samples next."""
         return self.lengths_R[self.row_B]
 
-    def record(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor, position: int, updates: int) -> torch.Tensor:
-        """Record the tokens sampled from the logits of `position` (the column they predict) and return the tokens
-        to feed next, [B, 1]: the sampled token, or a row's next prompt token while it is inside its prompt."""
+    def record(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor, position: int, updates: int,
+               entropies_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Record the tokens sampled from the logits of `position` (the column they predict), with `record_entropies`
+        their `entropies_B`, and return the tokens to feed next, [B, 1]: the sampled token, or a row's next prompt
+        token while it is inside its prompt."""
         drawing_B = self.live_B if position >= self.last_prompt_end else \
             self.live_B & (self.prompt_end_B <= position)
         k_B = self.lengths_R[self.row_B]
         column_B = torch.where(drawing_B, k_B, self.max_new_tokens)
         self.tokens_RN1[self.row_B, column_B] = tokens_B.to(torch.int32)
         self.logprobs_RN1[self.row_B, column_B] = logprobs_B.float()
+        if self.entropies_RN1 is not None:
+            self.entropies_RN1[self.row_B, column_B] = entropies_B
         if updates:
             self.updates_RN1[self.row_B, column_B] = updates
         k_B = k_B + drawing_B
@@ -104,9 +110,19 @@ class DecodeRows:
     def results(self) -> tuple[torch.Tensor, ...]:
         """(token_ids_T, logprobs_T, weight_updates_T): the rows' tokens back to back; lengths_R; finish_R (stop if
         the last token is a stop token, else length)."""
-        valid_RN = torch.arange(self.max_new_tokens, device=self.lengths_R.device) < self.lengths_R[:, None]
+        valid_RN = self._valid_RN()
         last_R = self.tokens_RN1.gather(1, (self.lengths_R - 1).clamp(min=0)[:, None]).squeeze(1).long()
         finish_R = torch.where(torch.isin(last_R, self.stop_ids_S), FINISH_STOP_CODE, FINISH_LENGTH_CODE)
         n = self.max_new_tokens
         return (self.tokens_RN1[:, :n][valid_RN], self.logprobs_RN1[:, :n][valid_RN],
                 self.updates_RN1[:, :n][valid_RN], self.lengths_R, finish_R)
+
+    def entropies_T(self) -> torch.Tensor | None:
+        """With `record_entropies`, the rows' token entropies back to back (as `results`' tokens), else None."""
+        if self.entropies_RN1 is None:
+            return None
+        return self.entropies_RN1[:, :self.max_new_tokens][self._valid_RN()]
+
+    def _valid_RN(self) -> torch.Tensor:
+        """bool [R, N]: the tokens each row generated."""
+        return torch.arange(self.max_new_tokens, device=self.lengths_R.device) < self.lengths_R[:, None]

@@ -86,11 +86,16 @@ class Rollout:
     training). `generation_s`: the wall seconds the engine that answered spent generating this call (from the start
     of its generation to its end, on the machine that generated; the longest of a call's engines where several
     answer it; kept with a round held in a checkpoint), what the trainer's `rollout_busy_fraction` counts; 0 where
-    nothing was generated (a host without prompts)."""
+    nothing was generated (a host without prompts). `entropies_T`: the built-in engine with `record_entropies`
+    gives per token (record order) the float32 entropy of the full tempered distribution it was sampled from,
+    softmax(logits / temperature) over the true vocabulary before any top-k / top-p (the trainer's entropy, not the
+    truncated distribution's that the log-prob convention above takes), on the record's device; None: not
+    recorded. Beside the record, not in it: no other engine computes them, and no message carries them."""
 
     responses: Responses
     routed_experts: list[torch.Tensor] | None = None
     generation_s: float = 0.0
+    entropies_T: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

@@ -11,11 +11,13 @@ from .model_setup import PolicyModel
 from .task import Task
 
 
-def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups):
+def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, parallel: ParallelGroups, *,
+                 entropies: bool = False):
     """The engine of rollout.engine started from the policy's weights, built from its own section of the rollout
     config (rollout.builtin, rollout.vllm or rollout.remote; the others are not read). For routing replay
     (model.moe.routing_replay: rollout) the built-in engine records each token's experts, vLLM engines return them
-    (their rollouts carry them)."""
+    (their rollouts carry them). `entropies` (the built-in engine only: old_policy.engine_entropies): its rollouts
+    carry each token's sampling entropy."""
     from megatron_gtpo.models.moe_routing import routed_layers
     from megatron_gtpo.rollout.builtin import BuiltinEngine
 
@@ -24,7 +26,8 @@ def build_engine(cfg: TrainConfig, task: Task, shape, policy: PolicyModel, paral
     layers = routed_layers(policy.chunks) if replay else None
     # Built from its own section (engine_table.Engine.section): the engines that share one share its builder.
     return {"builtin": lambda: BuiltinEngine(policy.chunks, parallel, vocab_size=shape.vocab_size,
-                                             max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay),
+                                             max_batch_tokens=r.builtin.max_batch_tokens, record_routing=replay,
+                                             record_entropies=entropies),
             "vllm": lambda: _vllm_engine(r.vllm, cfg, parallel, layers),
             "remote": lambda: _remote_engine(r.remote, r.schedule.update_during_generation, shape, parallel,
                                              layers)}[ENGINES[r.engine].section]()

@@ -48,6 +48,13 @@ class PhaseTimer:
         if self._after_phase is not None:
             self._after_phase(name, self)
 
+    def skipped(self, name: str) -> None:
+        """A phase with nothing to run this step: 0 s (logged as such, not missing), and `after_phase` as after a
+        phase that ran (what runs between the phases keeps its place in the step)."""
+        self.seconds.setdefault(name, 0.0)
+        if self._after_phase is not None:
+            self._after_phase(name, self)
+
 
 class MetricsLogger:
     def __init__(self, output_dir: str, *, enabled: bool, start_step: int, total_steps: int, tensorboard: bool,

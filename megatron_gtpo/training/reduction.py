@@ -117,7 +117,7 @@ METRICS: dict[str, Metric] = {
     "lr": MAX,
     # Wall time of the step's phases (training/metrics.PhaseTimer): the slowest rank's, of all ranks.
     **{f"time_{phase}_s": Metric(Reduce.MAX, over_world=True)
-       for phase in ("generate", "reward", "old_logprob", "advantages", "update", "sync")},
+       for phase in ("generate", "reward", "step_batch", "old_logprob", "advantages", "update", "sync")},
     # Every token the engines generated in the step's answers (partial segments, groups later dropped or carried
     # over included; rollout_queue.py), and per second of the step: each replica's, summed (the run's throughput).
     "tokens_generated": Metric(Reduce.SUM, kind=int),

@@ -30,9 +30,14 @@ class ReferencePolicy:
             chunk.eval()
             chunk.requires_grad_(False)
 
+    @staticmethod
+    def wanted(cfg: TrainConfig) -> bool:
+        """Whether a run of `cfg` has a reference policy (module doc)."""
+        return cfg.algorithm.kl_coef != 0 or cfg.model.reference is not None
+
     @classmethod
     def build(cls, cfg: TrainConfig, hf_config: dict, parallel: ParallelGroups) -> "ReferencePolicy | None":
-        if cfg.algorithm.kl_coef == 0 and cfg.model.reference is None:
+        if not cls.wanted(cfg):
             return None
         from .model_setup import build_chunks
 

@@ -19,13 +19,15 @@ class SampledGroups:
     """Prompt groups of G responses each, as sampled so far: the loader's items, their record (prompt-major), per
     token the policy version (steps trained) whose weights sampled it, and per response the version of its first
     segment (its oldest). With routing replay, per response the experts the engine routed its tokens to
-    (rank-local; experience.py)."""
+    (rank-local; experience.py); where the engine records them, per token the entropy it was sampled with
+    (`Rollout.entropies_T`; none for groups continued over several calls)."""
 
     prompts: list  # [N]
     responses: Responses
     versions_T: torch.Tensor  # int64, on the record's device
     start_versions_R: torch.Tensor  # int64, on the record's device
     routed_experts: list[torch.Tensor] | None = None
+    entropies_T: torch.Tensor | None = None  # float32, on the record's device
 
     @classmethod
     def sampled(cls, prompts: list, rollout: Rollout, version: int) -> SampledGroups:
@@ -33,15 +35,18 @@ class SampledGroups:
         engine took updates during the call, later ones)."""
         responses, routes = rollout.responses, rollout.routed_experts
         return cls(prompts, responses, sampled_versions(responses, version),
-                   filled(responses.num_responses, version, responses.device), routes)
+                   filled(responses.num_responses, version, responses.device), routes, rollout.entropies_T)
 
     @classmethod
     def cat(cls, parts: list[SampledGroups]) -> SampledGroups:
-        """The groups of `parts` one after the other (at least one part; routing with none or all parts)."""
+        """The groups of `parts` one after the other (at least one part; routing and entropies with none or all
+        parts)."""
         routes = None if any(p.routed_experts is None for p in parts) else \
             [r for p in parts for r in p.routed_experts]
+        entropies = None if any(p.entropies_T is None for p in parts) else torch.cat([p.entropies_T for p in parts])
         return cls([x for p in parts for x in p.prompts], Responses.cat([p.responses for p in parts]),
-                   torch.cat([p.versions_T for p in parts]), torch.cat([p.start_versions_R for p in parts]), routes)
+                   torch.cat([p.versions_T for p in parts]), torch.cat([p.start_versions_R for p in parts]), routes,
+                   entropies)
 
     @property
     def num_groups(self) -> int:
@@ -51,14 +56,16 @@ class SampledGroups:
         """Groups `index_N` (long indices), in that order."""
         index = self.responses.prompt_index(index_N)
         routes = None if self.routed_experts is None else [self.routed_experts[r] for r in index["R"].tolist()]
+        entropies = None if self.entropies_T is None else self.entropies_T.index_select(0, index["T"])
         return SampledGroups([self.prompts[i] for i in index["P"].tolist()], self.responses.gather(index),
                              self.versions_T.index_select(0, index["T"]),
-                             self.start_versions_R.index_select(0, index["R"]), routes)
+                             self.start_versions_R.index_select(0, index["R"]), routes, entropies)
 
     def to(self, device) -> SampledGroups:
         """The groups' tensors on `device` (the routing is rank-local and not moved)."""
         return dataclasses.replace(self, responses=self.responses.to(device), versions_T=self.versions_T.to(device),
-                                   start_versions_R=self.start_versions_R.to(device))
+                                   start_versions_R=self.start_versions_R.to(device),
+                                   entropies_T=None if self.entropies_T is None else self.entropies_T.to(device))
 
     def last_versions_R(self) -> torch.Tensor:
         """int64 [R]: the version that sampled each response's last token (its first segment's when it is empty)."""

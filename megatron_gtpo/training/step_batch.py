@@ -12,7 +12,8 @@ The micro-batch plan is computed once (`plan_micro_batches`): per mini-batch (op
 each micro-batch, either length-bucketed and cut by a sequence count and a padded-token budget, or packed
 (data.pack_sequences: first-fit decreasing into rows of at most the token budget, several sequences per row with
 attention confined to each, forward.py). The old-log-prob pass and the update run the same micro-batches, so an
-on-policy first mini-batch sees the very same computation twice (its importance ratio is exactly 1). The loss
+on-policy first mini-batch sees the very same computation twice (its importance ratio is exactly 1), and a step of
+one optimizer step takes its old-policy values from the update's forward instead (old_policy.py). The loss
 contract (algorithms/losses.py) makes the update independent of the split and of the packing.
 
 Response columns: in a micro-batch's [B, L] layout column k scores token k + 1 (forward.next_token_targets), so
@@ -31,9 +32,11 @@ each sequence's last token) get filler experts.
 Fields, by the phase that adds them (all on parallel.device; build_step_batch's on every pipeline stage, the later
 phases' on the last stage only, elsewhere None and mismatch_sums empty):
     build_step_batch      mask_ST, rollout_logprobs_ST, correct_NG, rewards_NG, group_index_S, response_index_S,
-                          staleness_ST (with a trained version)
+                          staleness_ST (with a trained version), entropy_ST (the engine's, where it records them)
     score (old policy)    old_logprobs_ST, entropy_ST, ref_logprobs_ST (with a reference policy)
     correct_rollout       loss_mask_ST (mask_ST less rejected tokens), pg_weights ([S, T] or [S]), mismatch sums
+    (or the update)       old_logprobs_ST, entropy_ST and mismatch sums from its forward (old_policy.py); the loss
+                          mask and weights per micro-batch
     advantages            advantages ([S, T] per token or [S] per sequence)
     token selection       pg_weights times 0 where a token loses its policy gradient, kl_penalty_ST (with a
                           selection configured: Clip-Cov, KL-Cov, the high-entropy fraction)
@@ -216,6 +219,8 @@ def build_step_batch(kept: RewardedGroups, parallel: ParallelGroups, *, mini_bat
     mask_ST = torch.arange(max(response_lengths, default=0), device=device) < lengths_S[:, None]
     # Row-major order of the mask's True entries is the record's token order: response s's tokens fill row s.
     rollout_ST = torch.zeros(mask_ST.shape, device=device).masked_scatter_(mask_ST, responses.logprobs_T)
+    entropy_ST = None if sampled.entropies_T is None else \
+        torch.zeros(mask_ST.shape, device=device).masked_scatter_(mask_ST, sampled.entropies_T.to(device))
     staleness_ST = None
     if trained_version is not None:
         staleness_ST = torch.zeros(mask_ST.shape, dtype=torch.int64, device=device).masked_scatter_(
@@ -240,7 +245,7 @@ def build_step_batch(kept: RewardedGroups, parallel: ParallelGroups, *, mini_bat
                      response_lengths=response_lengths, group_index_S=index_S // G, response_index_S=index_S % G,
                      mask_ST=mask_ST, rollout_logprobs_ST=rollout_ST, correct_NG=kept.correct_NG.to(device),
                      rewards_NG=kept.rewards_NG.to(device), plan=planned, lockstep=lockstep is not None,
-                     staleness_ST=staleness_ST)
+                     staleness_ST=staleness_ST, entropy_ST=entropy_ST)
 
 
 def _pad_to_peers(plan: list[list[list[int]]], group, device) -> list[list[list[int]]]:

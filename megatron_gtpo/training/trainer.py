@@ -8,6 +8,7 @@ through it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -30,7 +31,7 @@ from .engine_setup import build_engine
 from .experience import Experience, GroupSelection, RewardedGroups
 from .metrics import MetricsLogger, PhaseTimer
 from .model_setup import PolicyModel
-from .old_policy import correct_rollout, old_policy_pass
+from .old_policy import OldPolicyFromUpdate, correct_rollout, engine_entropies, old_policy_pass, pass_reason
 from .partial_rollouts import PartialRollouts, WholeResponses
 from .reduction import METRICS, STEP_METRICS, WARM_START_METRICS, MetricReducer, moe_layer_values, moe_metrics
 from .reference import ReferencePolicy
@@ -94,7 +95,8 @@ class Trainer:
         self.holds_rollouts = schedule.holds_rollouts
         self.start_step = checkpointing.restore(self.checkpoint_state())  # 0 without a checkpoint
         # Last: a colocated engine sizes its memory from what the training state leaves free.
-        self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel)
+        self.engine = build_engine(cfg, self.task, shape, self.policy, self.parallel,
+                                   entropies=engine_entropies(cfg, self.algorithm))
         self.source.engine = self.engine
         self.sync_weights()  # an external engine starts from the (restored) policy
         self.is_logging_rank = (self.parallel.is_last_stage and self.parallel.tp_rank == 0
@@ -117,9 +119,9 @@ class Trainer:
             metrics = MetricReducer(self.parallel.device, (*STEP_METRICS, *self.moe_metrics),
                                     {**METRICS, **self.moe_metrics})
             experience = self.collect_experience(step, timer, metrics)  # G responses per prompt, rewards
-            with timer("old_logprob"):
+            with timer("step_batch"):
                 batch = self.build_step_batch(experience, step)  # tokens, masks, group index, micro-batch plan
-                self.old_policy_pass(batch, metrics)  # old log-probs, entropies (routing); mismatch correction
+            self.old_policy_pass(batch, timer, metrics)  # old log-probs, entropies, correction; or in the update
             with timer("advantages"):
                 self.compute_advantages(batch, step, metrics)  # over the global batch; the token selection
             with timer("update"):
@@ -193,19 +195,25 @@ class Trainer:
                                 pack=d.pack_sequences, replay=self.replay,
                                 trained_version=step if self.holds_rollouts else None)
 
-    def old_policy_pass(self, batch: StepBatch, metrics: MetricReducer) -> None:
-        """Adds old log-probs and entropies (and the reference's log-probs) at the training TP/PP, then the rollout
-        mismatch correction's loss mask and importance weights. A mixture-of-experts model's routing in this pass
-        gives the per-layer expert load imbalance and router entropy (reduction.moe_metrics)."""
-        parallel = self.parallel
-        with RouterStatistics(self.policy.chunks) as routing:
-            old_policy_pass(self.policy.chunks, batch, parallel, vocab_size=self.vocab_size,
-                             temperature=self.cfg.rollout.temperature, truncation=self.truncation,
-                             chunk_tokens=self.logprob_chunk_tokens,
-                             reference_chunks=self.reference.chunks if self.reference else None)
-        tp_routes_own_tokens = parallel.tp_group if parallel.sequence_parallel else None
-        metrics.add(moe_layer_values(routing.per_layer(parallel.dp_group, tp_routes_own_tokens)))
-        correct_rollout(batch, **dataclasses.asdict(self.cfg.algorithm.rollout_correction))
+    def old_policy_pass(self, batch: StepBatch, timer: PhaseTimer, metrics: MetricReducer) -> None:
+        """Timed as "old_logprob": adds old log-probs and entropies (and the reference's log-probs) at the training
+        TP/PP, then the rollout mismatch correction's loss mask and importance weights; a mixture-of-experts model's
+        routing in this pass gives the per-layer expert load imbalance and router entropy (reduction.moe_metrics).
+        Where the update's own forward gives all that (old_policy.pass_reason), only the reference's pass runs, and
+        without a reference nothing (0 s)."""
+        scored = self.pass_reason(batch) is not None
+        reads_entropies = self.algorithm.uses_entropy and batch.num_prompt_groups
+        assert scored or batch.entropy_ST is not None or not reads_entropies, \
+            "old_policy.engine_entropies: the engine records the entropies these advantages read"
+        if not scored and self.reference is None:
+            timer.skipped("old_logprob")
+            return
+        with timer("old_logprob"), self.routing_measured(metrics, scored):
+            old_policy_pass(self.policy.chunks if scored else None, batch, self.parallel, vocab_size=self.vocab_size,
+                            temperature=self.cfg.rollout.temperature, truncation=self.truncation,
+                            chunk_tokens=self.logprob_chunk_tokens,
+                            reference_chunks=self.reference.chunks if self.reference else None)
+        correct_rollout(batch, **self.correction)
 
     def compute_advantages(self, batch: StepBatch, step: int, metrics: MetricReducer) -> None:
         """The configured algorithm's advantages over the global batch, then its token selection (if any) over each
@@ -217,10 +225,18 @@ class Trainer:
                                        seed=self.cfg.seed, step=step)
 
     def update(self, batch: StepBatch, metrics: MetricReducer) -> None:
-        update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
-                      epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,
-                      temperature=self.cfg.rollout.temperature, truncation=self.truncation,
-                      chunk_tokens=self.logprob_chunk_tokens)
+        """The update phase (update.py); where no old-policy pass ran, its forward gives the old-policy values
+        (old_policy.OldPolicyFromUpdate) and the routing metrics."""
+        from_update = self.pass_reason(batch) is None
+        old_policy = OldPolicyFromUpdate(batch, **self.correction) \
+            if from_update and self.parallel.is_last_stage and batch.micro_batches() else None
+        with self.routing_measured(metrics, from_update):
+            update_policy(self.policy, batch, self.parallel, self.algorithm, metrics,
+                          epochs=self.cfg.data.epochs_per_step, vocab_size=self.vocab_size,
+                          temperature=self.cfg.rollout.temperature, truncation=self.truncation,
+                          chunk_tokens=self.logprob_chunk_tokens, old_policy=old_policy)
+        if old_policy is not None:  # the mismatch metrics of the whole batch, as after the pass
+            correct_rollout(batch, **self.correction)
 
     def sync_weights(self) -> None:
         self.engine.sync_weights(self.policy.chunks, self.parallel)
@@ -231,7 +247,7 @@ class Trainer:
         throughput and busy fraction (its generation seconds over the step's time), reduces the metrics over
         the data-parallel ranks and the timings over all ranks (reduction.py; collective over every rank) and logs
         them."""
-        if batch.entropy_ST is not None:  # the last pipeline stage
+        if batch.old_logprobs_ST is not None:  # the last pipeline stage, scored by the pass or the update
             metrics.add_totals(*_token_totals(batch))
         step_time = sum(timer.seconds.values())
         # The step's engine answers (rollout_queue.py): their tokens, and the seconds the engine spent generating them.
@@ -259,6 +275,28 @@ class Trainer:
         return stopping
 
     # ------------------------------------------------------------------------------------------------ helpers
+
+    def pass_reason(self, batch: StepBatch) -> str | None:
+        """Why this step runs the old-policy pass; None: the update's forward gives the old-policy values."""
+        return pass_reason(self.cfg, self.algorithm, optimizer_steps=len(batch.plan) * self.cfg.data.epochs_per_step)
+
+    @property
+    def correction(self) -> dict:
+        """The rollout mismatch correction's settings (algorithms/rollout_correction.py)."""
+        return dataclasses.asdict(self.cfg.algorithm.rollout_correction)
+
+    @contextlib.contextmanager
+    def routing_measured(self, metrics: MetricReducer, measured: bool):
+        """With `measured`, the routing metrics of a mixture-of-experts model (reduction.moe_metrics) over the policy's
+        forwards inside (collective over the data-parallel group; a dense model has no routers: nothing)."""
+        if not measured:
+            yield
+            return
+        parallel = self.parallel
+        with RouterStatistics(self.policy.chunks) as routing:
+            yield
+        tp_routes_own_tokens = parallel.tp_group if parallel.sequence_parallel else None
+        metrics.add(moe_layer_values(routing.per_layer(parallel.dp_group, tp_routes_own_tokens)))
 
     def checkpoint_state(self) -> TrainerState:
         """The components a checkpoint saves and a resume restores, by name (checkpointing.TrainerState): with

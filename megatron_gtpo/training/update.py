@@ -1,6 +1,9 @@
 """The update phase: epochs over the step batch's mini-batches, one optimizer step each, on the micro-batch plan the
-old-policy pass ran (train_step.py runs one optimizer step through megatron-core's pipeline schedule)."""
+old-policy pass ran (train_step.py runs one optimizer step through megatron-core's pipeline schedule), or, where the
+step ran no old-policy pass, whose forward gives the old-policy values (old_policy.py)."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,10 +23,13 @@ _LOSS_WEIGHTS, _NOT_LOGGED = ("num_tokens", "num_sequences"), ("entropy",)
 
 def update_policy(policy: PolicyModel, batch: StepBatch, parallel: ParallelGroups, algorithm: ConfiguredAlgorithm,
                   metrics: MetricReducer, *, epochs: int, vocab_size: int, temperature: float,
-                  truncation: Truncation | None = None, chunk_tokens: int | None) -> None:
+                  truncation: Truncation | None = None, chunk_tokens: int | None,
+                  old_policy: Callable | None = None) -> None:
     """`epochs` epochs over the step batch's mini-batches, one optimizer step each, recording the update's metrics.
     A mini-batch without a response token on any DP rank (dynamic sampling came up short) takes no optimizer and no
-    LR-schedule step: Adam would still move the weights on its momentum."""
+    LR-schedule step: Adam would still move the weights on its momentum. `old_policy` (old_policy.OldPolicyFromUpdate,
+    on the last pipeline stage of a step batch of one optimizer step): called with each micro-batch and its log-probs
+    and entropies before its loss, it gives the micro-batch its old-policy values."""
     mini_batches = [[update_micro_batch(batch, planned) for planned in mini] for mini in batch.plan]
     # Per mini-batch: [the loss normaliser (loss contract), response tokens before rejection], summed over this
     # rank's micro-batches (a padding micro-batch adds none), then over DP ranks: one all-reduce, one host read.
@@ -38,12 +44,15 @@ def update_policy(policy: PolicyModel, batch: StepBatch, parallel: ParallelGroup
     response_tokens = counts[:, 1].tolist()
     empty = response_tokens.count(0)
     optimizer_steps = epochs * (len(response_tokens) - empty)
+    assert old_policy is None or epochs * len(response_tokens) == 1, "old_policy.pass_reason: one optimizer step"
     for _epoch in range(epochs):
         for micro_batches, normalizer, tokens in zip(mini_batches, normalizers, response_tokens):
             if tokens == 0:
                 continue
 
             def loss_fn(mb, logprobs_BT, entropy_BT, normalizer=normalizer):
+                if old_policy is not None:
+                    mb = old_policy(mb, logprobs_BT, entropy_BT)
                 selected = {} if mb.kl_penalty_BT is None else {"kl_penalty_BT": mb.kl_penalty_BT}
                 return algorithm.policy_loss(logprobs_BT, mb.old_logprobs_BT, mb.advantages, mb.loss_mask_BT,
                                              loss_normalizer=normalizer, entropy_BT=entropy_BT,

@@ -100,6 +100,7 @@ def test_all_gather_attention_at_cp2_equals_cp1(model_dirs):
                 assert (grads[name] - ref).abs().max() / scale < tolerance, f"{case}: gradient of {name}"
 
 
+@pytest.mark.slow  # megatron's GPT layer specs' import: 2.5 s of CPU (make test runs it)
 def test_context_parallel_reaches_megatron_config_and_the_local_spec():
     """TE's attention reads context_parallel_size and cp_comm_type from the TransformerConfig; the local spec gets the
     all-gather attention in DotProductAttention's place (which refuses CP > 1), on either core attention."""

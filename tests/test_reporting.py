@@ -19,6 +19,7 @@ def test_window_means_leave_out_steps_without_a_value():
     assert window_means([4.0, 6.0, 8.0], 10) == (4.0, 8.0)  # the window is clipped to half the series
 
 
+@pytest.mark.slow  # matplotlib's import and a figure (make test runs it)
 def test_runs_with_missing_values_are_read_and_plotted(tmp_path):
     rows = [{"step": -1, "sft_loss": 2.0}] + [{"step": s, "reward_mean": 0.1 * s, "entropy_mean": None if s == 1
                                                else 1.0, "response_length_mean": 3.0} for s in range(4)]
@@ -48,6 +49,7 @@ def test_normalized_auc_is_the_trapezoid_area_per_step():
         normalized_auc([])
 
 
+@pytest.mark.slow  # matplotlib's import and a figure (make test runs it)
 def test_bands_over_seeds_are_plotted_with_missing_values(tmp_path):
     seeds = [[{"step": s, "reward_mean": 0.1 * s + seed, "entropy_mean": None if (s, seed) == (1, 0) else 1.0}
               for s in range(4)] for seed in range(3)]

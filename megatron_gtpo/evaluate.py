@@ -27,8 +27,8 @@ from typing import Sequence
 
 from megatron_gtpo.cli import ArgumentParser, run_cli
 from megatron_gtpo.data import EVAL_SET_NAMES, PROMPT_STYLES, load_dataset, load_tokenizer, tokenize_prompts
-from megatron_gtpo.evaluation.replicas import build_replica
 from megatron_gtpo.distributed.parallel import read_launch_env
+from megatron_gtpo.evaluation.replicas import build_replica
 from megatron_gtpo.evaluation.report import RESPONSES_JSONL, RESULTS_CSV, RESULTS_JSON, format_summary, write_report
 from megatron_gtpo.evaluation.run import SamplingSettings, evaluate_dataset
 from megatron_gtpo.rewards import DEFAULT_TIMEOUT_S, RewardPool, verify_math_answer

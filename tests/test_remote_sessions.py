@@ -450,11 +450,12 @@ class DyingServer(FakeServer):
         super().load_bucket(bucket)
 
 
-def _serve_until_killed(port: int, dies_at: str | None) -> None:
-    """Serve a DyingServer; `dies_at` "update": inside a weight update taken during its first generation (held at
-    its decode step 2 until the update's begin, request 6 of session 1, arrived)."""
+def _serve_until_killed(port: int, dies_at: str | None, listening) -> None:
+    """Serve a DyingServer, `listening` set once it listens; `dies_at` "update": inside a weight update taken during
+    its first generation (held at its decode step 2 until the update's begin, request 6 of session 1, arrived)."""
     server = DyingServer("bucket" if dies_at == "update" else dies_at)
     listener = listen(server, port)
+    listening.set()
     if dies_at == "update":
         server.hold = {2: lambda: listener.peek(1, 6) is not None}
     serve_sessions(server, SHAPE, listener)
@@ -466,12 +467,19 @@ class Relaunching(threading.Thread):
 
     def __init__(self, port: int, deaths: list):
         super().__init__(daemon=True)
-        self.port, self.deaths, self.process = port, deaths, None
+        self.fork = multiprocessing.get_context("forkserver")  # forked from a process without the test's threads
+        self.port, self.deaths, self.process, self.listening = port, deaths, None, self.fork.Event()
+
+    def start(self):
+        """Start serving; return once the first server listens. A forkserver started afresh imports torch and
+        megatron.core first: once a CI run's client gave up (20 s) before the first server listened."""
+        super().start()
+        assert self.listening.wait(120), "the first server did not listen within 120 s"
 
     def run(self):
-        fork = multiprocessing.get_context("forkserver")  # forked from a process without the test's threads
         while self.deaths:
-            self.process = fork.Process(target=_serve_until_killed, args=(self.port, self.deaths.pop(0)), daemon=True)
+            self.process = self.fork.Process(target=_serve_until_killed,
+                                             args=(self.port, self.deaths.pop(0), self.listening), daemon=True)
             self.process.start()
             self.process.join()
 

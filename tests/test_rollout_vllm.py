@@ -506,7 +506,8 @@ def test_vllm_remote_server_weight_broadcast(checkpoints, tmp_path):
 
     vllm_dir, megatron_dir = checkpoints
     log_path = tmp_path / "server.log"
-    server, address = _start_remote_server(vllm_dir, log_path, vllm_tp=REMOTE_VLLM_TP, max_model_len=512)
+    server, address = _start_remote_server(vllm_dir, log_path, vllm_tp=REMOTE_VLLM_TP,
+                                           max_model_len=SHAPE["max_positions"])
     try:
         per_rank = run_distributed(_remote_checks, 2, args=(address, str(megatron_dir), server.pid, free_port()),
                                    timeout_s=600)

@@ -54,7 +54,11 @@ def server(model_dir, tmp_path_factory):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("GTPO_REMOTE_TOKEN", TOKEN)
             patch.delenv("GTPO_REMOTE_TOKEN_FILE", raising=False)
-            clean = _session(address, model_dir, connect_timeout_s=120)
+            try:
+                clean = _session(address, model_dir, connect_timeout_s=120)
+            except Exception as e:  # what the server said, to tell a server that never listened from the rest
+                state = "running" if process.poll() is None else f"exited with status {process.returncode}"
+                raise AssertionError(f"{e}\nthe server ({state}) logged:\n{log_path.read_text()[-3000:]}") from e
             yield process, address, log_path, clean
     finally:
         if process.poll() is None:
@@ -207,10 +211,16 @@ def test_memory_is_bounded_by_bytes_and_by_n(server, healthy):
     with pytest.raises(RuntimeError, match=r"failed in 'bucket': refused: a message of \d+ bytes exceeds the "
                                            r"4194304 this server takes"):
         client._call("bucket", ([n for n, _ in big], ["float32"] * 3, [[2**19]] * 3), 30, tensors=frames)
-    # Requests queued behind a long generation: the fourth of 1 MiB exceeds the 3 MiB bound.
-    long = client.submit([[5, 6, 7]] * 2, SamplingParams(n=2, max_new_tokens=40, seed=1))
+    # Requests queued behind a long generation: the fourth of 1 MiB exceeds the 3 MiB bound. Encoded before the
+    # generation is asked for, so that all four arrive while it runs however slow this process is.
     padding = [[1] * (2**20 // 3)]  # about 1 MiB of JSON
-    seqs = [client._request("generate", (padding, SamplingParams(n=1, max_new_tokens=1), 0)) for _ in range(4)]
+    seqs = [client._seq + 1 + i for i in range(4)]  # after the long generation's
+    bodies = [dumps({"op": "generate", "seq": seq, "payload": (padding, SamplingParams(n=1, max_new_tokens=1), 0)})
+              for seq in seqs]
+    long = client.submit([[5, 6, 7]] * 2, SamplingParams(n=2, max_new_tokens=40, seed=1))
+    for body in bodies:
+        client._control.send(body)
+    client._seq += len(bodies)
     errors = []
     for seq in seqs:
         try:

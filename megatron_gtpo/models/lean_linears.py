@@ -60,9 +60,15 @@ class _Lean:
 
 
 class LeanColumnParallelLinear(_Lean, ColumnParallelLinear):
-    """ColumnParallelLinear; without gradients, its forward in three ops at most (module doc)."""
+    """ColumnParallelLinear; without gradients, its forward in three ops at most (module doc). As a model's output
+    layer, the positions of its [L, B, H] input before `first_position` are not multiplied (training.forward's
+    `logits_from`; never set under sequence parallelism, where the input is this rank's shard of the positions)."""
+
+    first_position = 0
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
+        if self.first_position:
+            input_ = input_[self.first_position:]
         if torch.is_grad_enabled() or self.sequence_parallel or self.config.defer_embedding_wgrad_compute or \
                 self.config._cpu_offloading_context is not None:
             return super().forward(input_, weight, runtime_gather_output)

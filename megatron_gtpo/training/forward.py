@@ -52,6 +52,11 @@ class MicroBatch:
     routed_experts: RoutedExperts | None = None
     # Context parallelism: long [L / CP], the row positions this rank feeds the model (`on_context_rank`); None: all.
     context_positions_L: torch.Tensor | None = None
+    # The first column whose next-token outputs are read (host int): the output layer and the log-prob/entropy op
+    # run on the columns from it on only, and the columns before it come out 0. A step's padded micro-batch sets it
+    # to its shortest prompt's last column (step_batch.py), as TRL's logits_to_keep: the update and the old-policy
+    # pass read response tokens only. 0 with packed rows, sequence or context parallelism (module doc).
+    scored_from: int = 0
 
     @property
     def token_mask_LB(self) -> torch.Tensor:
@@ -174,6 +179,10 @@ def model_forward(model, mb: MicroBatch, *, local_attention: bool):
     tokens_BL, position_ids_BL = mb.tokens_BL, mb.position_ids_BL
     if mb.context_positions_L is not None:
         tokens_BL, position_ids_BL = tokens_BL[:, mb.context_positions_L], position_ids_BL[:, mb.context_positions_L]
+    if mb.scored_from:
+        assert mb.cu_seqlens is None and mb.context_positions_L is None, "scored_from: padded rows at CP = 1 only"
+        with logits_from(model, mb.scored_from):
+            return model(tokens_BL, position_ids_BL, attention_mask=None)
     if mb.cu_seqlens is None:
         return model(tokens_BL, position_ids_BL, attention_mask=None)
     if packed_locally:
@@ -183,6 +192,25 @@ def model_forward(model, mb: MicroBatch, *, local_attention: bool):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                              max_seqlen_q=mb.max_segment, max_seqlen_kv=mb.max_segment)
     return model(tokens_BL, position_ids_BL, attention_mask=None, packed_seq_params=params)
+
+
+@contextlib.contextmanager
+def logits_from(model, position: int):
+    """While it lasts, the output layer of `model` (a chunk, bare or in megatron's DDP wrapper) computes the logits
+    of the sequence positions >= `position` only; a chunk without one (not the last pipeline stage) is left alone."""
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module
+    layer = getattr(model, "output_layer", None)
+    if layer is None:
+        yield
+        return
+    if not hasattr(layer, "first_position"):  # models/qwen.py's builder makes it a LeanColumnParallelLinear
+        raise TypeError(f"the output layer is a {type(layer).__name__}, which computes every position's logits")
+    layer.first_position = position
+    try:
+        yield
+    finally:
+        layer.first_position = 0
 
 
 def run_pipeline(model_chunks: list, micro_batches: list, on_last_stage: Callable, *, forward_only: bool,
@@ -216,8 +244,8 @@ def run_pipeline(model_chunks: list, micro_batches: list, on_last_stage: Callabl
 
 def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.Tensor, parallel: ParallelGroups, *,
                                     vocab_size: int, temperature: float = 1.0, truncation: Truncation | None = None,
-                                    chunk_size: int | None = None,
-                                    check_targets: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                    chunk_size: int | None = None, check_targets: bool = False,
+                                    scored_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_BL, entropy_BL) of the vocab-parallel logits of a micro-batch's rows: column k scores tokens[b, k+1]
     under logits / temperature (with `truncation`, the sampling's top-k / top-p: under the truncated, renormalised
     distribution), and the entropy of that next-token distribution over the true vocabulary (the last
@@ -226,8 +254,15 @@ def next_token_logprobs_and_entropy(logits_BLV: torch.Tensor, tokens_BL: torch.T
     the ids' range, at the cost of a host sync. Under context parallelism the logits are this rank's positions of the
     whole rows `tokens_BL` (`on_context_rank`), and the values come back for the whole rows, gathered over the CP
     ranks: every CP rank then computes the same loss from them, and each keeps the gradient of its own positions
-    (distributed/context_parallel.gather_sequence)."""
+    (distributed/context_parallel.gather_sequence). With `scored_from` (MicroBatch.scored_from) the logits are of the
+    columns from it on, and the columns before it come out 0."""
     targets_BL = next_token_targets(tokens_BL)
+    if scored_from:
+        assert parallel.cp_size == 1, "scored_from: CP = 1 only"
+        values = vocab_parallel_logprobs_and_entropy(
+            logits_BLV, targets_BL[:, scored_from:].contiguous(), tp_group=parallel.tp_group, vocab_size=vocab_size,
+            temperature=temperature, truncation=truncation, chunk_size=chunk_size, check_targets=check_targets)
+        return tuple(torch.nn.functional.pad(v_BL, (scored_from, 0)) for v_BL in values)
     if parallel.cp_size > 1:
         targets_BL = targets_BL[:, load_balanced_positions(tokens_BL.shape[1], parallel.cp_rank, parallel.cp_size,
                                                            device=tokens_BL.device)]

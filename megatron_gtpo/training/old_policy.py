@@ -110,7 +110,7 @@ def _response_logprobs_and_entropy(model_chunks, *, batch: StepBatch, micro_batc
     def on_last_stage(mb, logits_BLV):
         logprobs_BL, entropy_BL = next_token_logprobs_and_entropy(  # no id check: no host sync per micro-batch
             logits_BLV, mb.inputs.tokens_BL, parallel, vocab_size=vocab_size, temperature=temperature,
-            truncation=truncation, chunk_size=chunk_tokens)
+            truncation=truncation, chunk_size=chunk_tokens, scored_from=mb.inputs.scored_from)
         return logprobs_BL.float(), entropy_BL.float()
 
     for model in model_chunks:

@@ -299,6 +299,8 @@ def _planned(rows: list[int], tokens_SL: torch.Tensor, mask_ST: torch.Tensor, se
     else:
         inputs = padded_micro_batch(selected_SL, lengths, pad_to_multiple=multiple)
         row_S, offsets = list(range(len(rows))), [0] * len(rows)
+        if parallel.cp_size == 1 and not parallel.sequence_parallel:  # forward.MicroBatch.scored_from
+            inputs.scored_from = min(prompt_lengths[i] for i in rows) - 1
     if replay is not None:
         inputs.routed_experts = _placed_experts(inputs, [routes[i] for i in rows],
                                                 list(zip(row_S, offsets)), replay, device)

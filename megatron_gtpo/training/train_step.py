@@ -71,7 +71,7 @@ def run_train_step(policy: PolicyModel, micro_batches: list[UpdateMicroBatch], p
         # No id-range check: a host sync per micro-batch; the ids are the step batch's (forward.py).
         logprobs_BL, entropy_BL = next_token_logprobs_and_entropy(
             logits_BLV, mb.inputs.tokens_BL, parallel, vocab_size=vocab_size, temperature=temperature,
-            truncation=truncation, chunk_size=chunk_tokens)
+            truncation=truncation, chunk_size=chunk_tokens, scored_from=mb.inputs.scored_from)
         if not mb.columns.sequences_S.numel():  # a rank without sequences: zero loss, still in the backward graph
             return (logprobs_BL * 0).sum(), {}
         loss, metrics = loss_fn(mb, mb.columns.gather(logprobs_BL), mb.columns.gather(entropy_BL))

@@ -19,6 +19,10 @@ the attention completes from the other ranks (a packed row's mask stays the whol
 made from the whole rows before the cut, and the per-token log-probs and entropies gathered back into row order
 (`next_token_logprobs_and_entropy`), so everything after them sees the layout of CP = 1. Rows must be a multiple of
 2 x CP long (ParallelGroups.sequence_multiple).
+
+Scored columns: a step's padded micro-batch reads the outputs of its response tokens only, so `MicroBatch.scored_from`
+(its shortest prompt's last column) makes the output layer and the log-prob/entropy op skip the columns before it
+(docs/step_batch.md); packed rows, sequence and context parallelism keep every column.
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ class MicroBatch:
     # The first column whose next-token outputs are read (host int): the output layer and the log-prob/entropy op
     # run on the columns from it on only, and the columns before it come out 0. A step's padded micro-batch sets it
     # to its shortest prompt's last column (step_batch.py), as TRL's logits_to_keep: the update and the old-policy
-    # pass read response tokens only. 0 with packed rows, sequence or context parallelism (module doc).
+    # pass read response tokens only. 0 with packed rows, sequence or context parallelism.
     scored_from: int = 0
 
     @property

@@ -38,6 +38,6 @@ setup(
         # The peer benchmark (benchmarks/peer_bench.py): TRL's GRPOTrainer beside ours; `make setup-peers` installs it
         # in a venv of its own (.venv-peers), so that neither the main install nor `make test` sees it.
         "peers": ["trl==1.16.0"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "ruff==0.17.6"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff==0.17.6"],
     },
 )

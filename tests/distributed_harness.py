@@ -37,8 +37,9 @@ def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result
     import torch
     import torch.distributed as dist
 
-    # Oversubscribing a 2-core machine with 4 ranks x N threads makes gloo collectives crawl.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # Oversubscribing a 2-core machine with 4 ranks x N threads makes gloo collectives crawl (GTPO_TEST_CORES: this
+    # test process's share of the cores, tests/conftest.py).
+    torch.set_num_threads(max(1, int(os.environ.get("GTPO_TEST_CORES", os.cpu_count() or 1)) // world_size))
     try:
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -38,7 +38,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n auto tests $(PYTEST_ARGS)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) test-vllm; fi
 
-# The inner loop (about 15 seconds on 2 cores): the suite without the tests marked slow (every test that starts
+# The inner loop (about 30 seconds on 2 cores): the suite without the tests marked slow (every test that starts
 # processes, marked by tests/conftest.py, and the long ones; pytest.ini) and without vLLM. `make test` stays the whole
 # suite.
 test-fast: setup

@@ -12,19 +12,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-# The cores one test process may use: all of them, or its share under pytest-xdist (`make test` runs `-n auto`). N
-# workers with a thread per core each would oversubscribe the machine, and torch's threads spin while they wait
-# (a 64x64 matmul on 2 threads took 80x longer beside one busy process); the harness's ranks and the trainers the
-# tests start inherit the share (GTPO_TEST_CORES, OMP_NUM_THREADS).
-TEST_CORES = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-os.environ["GTPO_TEST_CORES"] = str(TEST_CORES)
-if TEST_CORES < (os.cpu_count() or 1):
-    os.environ["OMP_NUM_THREADS"] = str(TEST_CORES)
-    torch.set_num_threads(TEST_CORES)
-
 # The distributed harness lives next to the tests and is imported by module name in the ranks it starts.
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
+
+from distributed_harness import share_of_cores  # noqa: E402  (found through the path above)
+
+# Under pytest-xdist (`make test` runs `-n auto`) N workers with a thread per core each would oversubscribe the
+# machine, and torch's threads spin while they wait (a 64x64 matmul on 2 threads took 80x longer beside one busy
+# process): each worker, and the trainers its tests start (OMP_NUM_THREADS), keeps to its share.
+if share_of_cores() < (os.cpu_count() or 1):
+    os.environ["OMP_NUM_THREADS"] = str(share_of_cores())
+    torch.set_num_threads(share_of_cores())
 
 # Names whose use starts a process: the multi-process harness (distributed_harness.run_distributed), the trainer
 # under torchrun (trainer_runs), the modules that start processes themselves, and the reward pool's workers.

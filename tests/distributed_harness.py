@@ -21,6 +21,12 @@ import time
 import traceback
 
 
+def share_of_cores() -> int:
+    """The cores this test process may use: all of them, or its share under pytest-xdist's N workers (the ranks
+    this harness starts have the caller's environment, PYTEST_XDIST_WORKER_COUNT included)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -37,9 +43,8 @@ def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result
     import torch
     import torch.distributed as dist
 
-    # Oversubscribing a 2-core machine with 4 ranks x N threads makes gloo collectives crawl (GTPO_TEST_CORES: this
-    # test process's share of the cores, tests/conftest.py).
-    torch.set_num_threads(max(1, int(os.environ.get("GTPO_TEST_CORES", os.cpu_count() or 1)) // world_size))
+    # Oversubscribing a 2-core machine with 4 ranks x N threads makes gloo collectives crawl.
+    torch.set_num_threads(max(1, share_of_cores() // world_size))
     try:
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -454,6 +454,29 @@ def test_a_port_that_is_no_rollout_server_is_named_in_one_line(token):
         sock.close()
 
 
+def test_a_reply_the_server_sent_before_it_went_away_is_taken(token):
+    """A shutdown's reply and the end of the connection have both arrived when the client looks for the reply (a
+    client slowed down on a busy machine): the server did what it was asked, and the client takes its answer rather
+    than reporting the server lost."""
+    server = FakeServer()
+    listener = listen(server)
+    thread = threading.Thread(target=serve_sessions, daemon=True, args=(server, SHAPE, listener))
+    thread.start()
+    client = _client(f"127.0.0.1:{listener.port}")
+    send = client._request
+
+    def send_then_let_the_server_go(op, payload, tensors=()):
+        seq = send(op, payload, tensors)
+        thread.join(20)
+        listener.close()  # its last reply leaves, then the connection closes
+        assert client._monitor.poll(20_000)  # the connection's end is reported before the client reads the reply
+        return seq
+
+    client._request = send_then_let_the_server_go
+    client.close(shutdown_server=True)
+    assert not thread.is_alive()
+
+
 class DyingServer(FakeServer):
     """A FakeServer whose tokens say which weights sampled them (the synced norm's value, not the version: a
     relaunched server counts its versions from 0) and which SIGKILLs its own process at `dies_at`: "generate", at

@@ -166,6 +166,7 @@ class RemoteClient:
         self._broken: str | None = None
         self._replies: dict[tuple[bool, int], tuple[str, object]] = {}  # (rendezvous?, seq) -> (status, payload)
         self._ended: str | None = None
+        self._disconnected = False  # ZeroMQ's monitor said the connection dropped (kept: it says so once)
         self._seq = self._rendezvous_seq = 0
         self._control = self._context.socket(zmq.DEALER)
         configure(self._control)
@@ -472,12 +473,15 @@ class RemoteClient:
         return seq
 
     def _receive(self, timeout_ms: int) -> None:
-        """Take what arrived within `timeout_ms` (replies, an "ended" notice); `_Lost` when the connection dropped.
+        """Take what arrived within `timeout_ms` (replies, an "ended" notice); `_Lost` when the connection dropped
+        and nothing the server sent before is left to take: a server that answers and exits (a shutdown's reply)
+        may be gone before the client looks, and its answer still counts.
         A message that is not a reply of the declared format is not one of this server's: the connection is lost."""
-        while self._monitor.poll(0):
-            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+        while not self._disconnected and self._monitor.poll(0):
+            self._disconnected = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
+        if not self._control.poll(0 if self._disconnected else timeout_ms):
+            if self._disconnected:
                 raise _Lost()
-        if not self._control.poll(timeout_ms):
             return
         while self._control.poll(0):
             body = loads(self._control.recv())

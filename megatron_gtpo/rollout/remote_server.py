@@ -165,7 +165,8 @@ class _Session:
         if op == "join":
             if self.weights != "nccl":
                 raise ValueError("this session's weights travel in its messages (hello's weights: channel): no join")
-            probes = server.join_weight_group(self.admitted.store_path, self.session, timeout_s=payload)
+            probes = server.join_weight_group(self.listener.store_path(self.session), self.session,
+                                               timeout_s=payload)
             self.joined = True
             if any(p != self.session for p in probes):
                 raise RuntimeError(f"the weight group probe reached the workers as {probes}, sent {self.session}")

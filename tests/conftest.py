@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import megatron_gtpo  # noqa: F401  (first, as in every process of the project: megatron_gtpo/_megatron_jit.py)
+
 # The distributed harness lives next to the tests and is imported by module name in the ranks it starts.
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)

@@ -66,8 +66,14 @@ def test_inactive_when_cuda_is_present():
             "assert not platform.is_cpu_platform_active()\n"
             "assert torch.empty(1).device.type == 'cpu'\n"
             "print('ok')")
+    assert _python(code) == ["ok"]
+
+
+def _python(code: str) -> list[str]:
+    """The lines `code` prints in a fresh interpreter (which must exit 0)."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
 
 
 def test_bare_package_import_is_light():
@@ -75,9 +81,7 @@ def test_bare_package_import_is_light():
             "print(' '.join(m for m in ('torch', 'megatron', 'vllm', 'transformer_engine') if m in sys.modules))\n"
             "import megatron_gtpo.algorithms\n"
             "print(' '.join(m for m in ('megatron', 'vllm', 'transformer_engine') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["", ""]
+    assert _python(code) == ["", ""]
 
 
 def test_without_triton_megatron_decorates_its_fusions_without_importing_the_compiler():
@@ -88,9 +92,7 @@ def test_without_triton_megatron_decorates_its_fusions_without_importing_the_com
             "from megatron.core.fusions import fused_bias_swiglu\n"
             "print(inspect.isfunction(fused_bias_swiglu.swiglu), fused_bias_swiglu.swiglu.__code__.co_name,\n"
             "      [m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[0] == "True swiglu []"
+    assert _python(code) == ["True swiglu []"]
 
 
 def test_with_triton_or_megatron_imported_its_fusion_decorator_stays_torch_compile(monkeypatch):

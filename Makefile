@@ -33,8 +33,8 @@ NO_CUDA := $(if $(shell command -v nvidia-smi 2>/dev/null),,yes)
 
 # Both venvs are installed at once (each pip keeps about one core busy), then the main suite runs on every core
 # (pytest-xdist, one worker per core; each worker and the processes it starts keep to their share of the threads:
-# tests/conftest.py), then the vLLM tests, after it rather than beside it: beside it, their CPU time comes out of the
-# suite's (main suite 22:32 with the vLLM install beside it, 18:12-20:15 without).
+# tests/conftest.py), then the vLLM tests, after it rather than beside it: the machine is busy all along, so beside
+# it their CPU time only comes out of the suite's (a fresh clone's .ci/run: 26:13 with them beside, 25:31 after).
 # ruff (ruff.toml: pyflakes and pycodestyle) first: a lint error fails in seconds, not after the suite.
 test:
 	$(MAKE) -j2 --output-sync=target $(VENV)/.installed $(if $(NO_CUDA),$(VLLM_VENV)/.installed)

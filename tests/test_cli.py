@@ -86,8 +86,11 @@ def test_ranks_of_a_launch_say_a_line_once_and_a_later_launch_removes_the_claims
         (tmp_path / f"megatron_gtpo-said-{pid}-{'0' * 16}").mkdir()
     monkeypatch.setenv("RANK", "0")
     cli._claims.cache_clear()
-    assert cli.say_once("a warning") and not cli.say_once("a warning")  # the second as another local rank would
-    assert capsys.readouterr().err == "a warning\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"megatron_gtpo-said-{os.getpid()}-{'0' * 16}", f"megatron_gtpo-said-{os.getppid()}-{cli._launch_key()}"])
-    cli._claims.cache_clear()
+    try:
+        assert cli.say_once("a warning") and not cli.say_once("a warning")  # the second as another local rank would
+        assert capsys.readouterr().err == "a warning\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [f"megatron_gtpo-said-{os.getpid()}-{'0' * 16}",
+             f"megatron_gtpo-said-{os.getppid()}-{cli._launch_key()}"])
+    finally:
+        cli._claims.cache_clear()  # no later test of this process claims in this test's directory

@@ -23,9 +23,10 @@ from distributed_harness import share_of_cores  # noqa: E402  (found through the
 # Under pytest-xdist (`make test` runs `-n auto`) N workers with a thread per core each would oversubscribe the
 # machine, and torch's threads spin while they wait (a 64x64 matmul on 2 threads took 80x longer beside one busy
 # process): each worker, and the trainers its tests start (OMP_NUM_THREADS), keeps to its share.
-if share_of_cores() < (os.cpu_count() or 1):
-    os.environ["OMP_NUM_THREADS"] = str(share_of_cores())
-    torch.set_num_threads(share_of_cores())
+_cores = share_of_cores()
+if _cores < (os.cpu_count() or 1):
+    os.environ["OMP_NUM_THREADS"] = str(_cores)
+    torch.set_num_threads(_cores)
 
 # Names whose use starts a process: the multi-process harness (distributed_harness.run_distributed), the trainer
 # under torchrun (trainer_runs), the modules that start processes themselves, and the reward pool's workers.

@@ -18,7 +18,8 @@ Without a token (a server whose --listen is loopback): the NULL mechanism, and a
 Every message is multipart: a body in the declared format of remote_messages.py (no pickle), then raw tensor bytes
 (a weight bucket's tensors, one frame each; `tensor_frames` / `frame_tensors`), each frame's length checked against
 the dtype and shape the body declares. Requests are {"op", "seq", "payload"}; replies {"seq", "status", "payload"}
-(status "ok", "error", or "ended": the server gave the session to a newer trainer). GPU weights may instead go over
+(status "ok", "error", "ended": the server gave the session to a newer trainer, or "no_session": the connection
+holds no session on this server). GPU weights may instead go over
 NCCL (`weight_group`), whose rendezvous crosses this channel (`ChannelStore`) to a store of that session's on the
 server's own disk: NCCL itself is not authenticated. Imports no vllm.
 """
@@ -44,11 +45,13 @@ from zmq.utils import z85
 
 from .remote_messages import MalformedMessage
 
-PROTOCOL = 9  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py); 4:
+PROTOCOL = 10  # 2: generate carries first_prompt; 3: generate answers a rollout record (responses.py); 4:
 # generate_routed, and hello says whether the server returns routed experts; 5: a request's op readable on its own;
 # 6: messages in the declared format of remote_messages.py, signed with the shared token (no pickle); 7: one generate
 # op, answered with the record, its routing where hello asked for it, and the version; 8: generate's answer also holds
-# the server's generation seconds; 9: ZeroMQ (CURVE, a weight socket, bounds in the hello reply), no TCPStore
+# the server's generation seconds; 9: ZeroMQ (CURVE, a weight socket, bounds in the hello reply), no TCPStore; 10: a
+# request on a connection without a session is answered "no_session" (ZeroMQ reconnects a trainer's socket to a
+# relaunched server by itself: the trainer learns from that reply that its server is gone)
 TOKEN_SETTINGS = "GTPO_REMOTE_TOKEN or GTPO_REMOTE_TOKEN_FILE"
 _TOKEN_ENV, _TOKEN_FILE_ENV = "GTPO_REMOTE_TOKEN", "GTPO_REMOTE_TOKEN_FILE"
 ZAP_CONTROL, ZAP_WEIGHTS = b"gtpo-control", b"gtpo-weights"  # the sockets' ZAP domains

@@ -167,6 +167,7 @@ class RemoteClient:
         self._replies: dict[tuple[bool, int], tuple[str, object]] = {}  # (rendezvous?, seq) -> (status, payload)
         self._ended: str | None = None
         self._disconnected = False  # ZeroMQ's monitor said the connection dropped (kept: it says so once)
+        self._unknown = False  # a reply said this connection holds no session there: another server took the address
         self._seq = self._rendezvous_seq = 0
         self._control = self._context.socket(zmq.DEALER)
         configure(self._control)
@@ -475,8 +476,12 @@ class RemoteClient:
     def _receive(self, timeout_ms: int) -> None:
         """Take what arrived within `timeout_ms` (replies, an "ended" notice); `_Lost` when the connection dropped
         and nothing the server sent before is left to take: a server that answers and exits (a shutdown's reply)
-        may be gone before the client looks, and its answer still counts.
+        may be gone before the client looks, and its answer still counts. ZeroMQ reconnects the socket to a server
+        relaunched at the address by itself, so a request may reach the new server before the client has seen the
+        old one go: its "no_session" reply is the loss too, and nothing after it is this session's.
         A message that is not a reply of the declared format is not one of this server's: the connection is lost."""
+        if self._unknown:
+            raise _Lost()
         while not self._disconnected and self._monitor.poll(0):
             self._disconnected = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
         if not self._control.poll(0 if self._disconnected else timeout_ms):
@@ -486,8 +491,11 @@ class RemoteClient:
         while self._control.poll(0):
             body = loads(self._control.recv())
             if not (isinstance(body, dict) and {"seq", "status", "payload"} <= set(body)
-                    and body["status"] in ("ok", "error", "ended")):
+                    and body["status"] in ("ok", "error", "ended", "no_session")):
                 raise MalformedMessage(f"a reply is {{'seq', 'status', 'payload'}}, got {str(body)[:80]}")
+            if body["status"] == "no_session":
+                self._unknown = True
+                return
             if body["status"] == "ended":
                 self._ended = str(body["payload"])
             elif isinstance(body["seq"], int):

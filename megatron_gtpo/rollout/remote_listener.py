@@ -265,8 +265,8 @@ class Listener(threading.Thread):
         if session is None:
             if op != "hello":
                 self.tally("message", f"{op[:40]!r} from a connection without a session")
-                return self._send(identity, seq, "error", "refused: this connection has no session (a session "
-                                                          "starts with hello)")
+                return self._send(identity, seq, "no_session", "refused: this connection has no session (a session "
+                                                               "starts with hello)")
             return self._hello(identity, seq, payload, nbytes + sum(len(f.buffer) for f in frames))
         if session in self._ended:
             return self._send(identity, seq, "ended", self._ended[session])

@@ -36,10 +36,13 @@ NO_CUDA := $(if $(shell command -v nvidia-smi 2>/dev/null),,yes)
 # tests/conftest.py), then the vLLM tests, after it rather than beside it: the machine is busy all along, so beside
 # it their CPU time only comes out of the suite's (a fresh clone's .ci/run: 26:13 with them beside, 25:31 after).
 # ruff (ruff.toml: pyflakes and pycodestyle) first: a lint error fails in seconds, not after the suite.
+# --dist worksteal: a worker that has run out of tests takes half of another's queue. With the default (load), the
+# queue handed out last can hold several of the minute-long trainer runs: one run's first worker finished after
+# 592 s and waited while the second ran 1045 s (17:25); with worksteal both ended together (16:26).
 test:
 	$(MAKE) -j2 --output-sync=target $(VENV)/.installed $(if $(NO_CUDA),$(VLLM_VENV)/.installed)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider -n auto tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal tests $(PYTEST_ARGS)
 	$(if $(NO_CUDA),$(MAKE) test-vllm)
 
 # The inner loop (about 30 seconds on 2 cores): the suite without the tests marked slow (every test that starts

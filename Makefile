@@ -45,7 +45,7 @@ test:
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal tests $(PYTEST_ARGS)
 	$(if $(NO_CUDA),$(MAKE) test-vllm)
 
-# The inner loop (about 30 seconds on 2 cores): the suite without the tests marked slow (every test that starts
+# The inner loop (under 30 seconds on 2 cores): the suite without the tests marked slow (every test that starts
 # processes, marked by tests/conftest.py, and the long ones; pytest.ini) and without vLLM. `make test` stays the whole
 # suite.
 test-fast: setup

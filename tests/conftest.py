@@ -2,7 +2,7 @@
 
 `slow` by rule: a test that starts processes (the multi-process harness, torchrun, a subprocess) is marked slow at
 collection, whether it does so itself, through a helper of the tests or through a fixture; tests that take seconds
-in one process carry the mark by hand. `make test-fast` (-m "not slow") is what is left.
+in one process, or wait seconds on purpose, carry the mark by hand. `make test-fast` (-m "not slow") is what is left.
 """
 import os
 import sys

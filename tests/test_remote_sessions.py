@@ -307,6 +307,7 @@ def test_an_older_clients_hello_is_refused_for_its_protocol():
         check_hello(older, dataclasses.asdict(SHAPE), "cpu")
 
 
+@pytest.mark.slow  # waits 1.5 s on purpose: a refused socket's reconnections would show in that time
 @pytest.mark.parametrize("refused, error, message", [
     (dict(token="wrong"), ConnectionError, r"refused this trainer at the handshake .*token is not this trainer's"),
     (dict(protocol=5), RuntimeError, f"refused: protocol 5 is not this server's {PROTOCOL}: update both"),
@@ -331,6 +332,7 @@ def test_a_refused_hello_leaves_the_active_session_alone(served, monkeypatch, re
     assert _steps(_generate(active, [[1]])) == [1, 1, 1, 1]
 
 
+@pytest.mark.slow  # waits 3 s on purpose: the unread events pile up in that time
 def test_events_nobody_reads_never_stop_the_other_sockets_of_their_context():
     """libzmq's I/O thread sends a monitor's events with a blocking send: on pyzmq's bounded monitor pipe, ~2000
     unread events (a socket retrying a port nobody listens on, every millisecond) stop every socket of the context."""

@@ -167,7 +167,7 @@ class RemoteClient:
         self._replies: dict[tuple[bool, int], tuple[str, object]] = {}  # (rendezvous?, seq) -> (status, payload)
         self._ended: str | None = None
         self._disconnected = False  # ZeroMQ's monitor said the connection dropped (kept: it says so once)
-        self._unknown = False  # a reply said this connection holds no session there: another server took the address
+        self._no_session = False  # a reply said this connection holds no session there: another server took the address
         self._seq = self._rendezvous_seq = 0
         self._control = self._context.socket(zmq.DEALER)
         configure(self._control)
@@ -480,7 +480,7 @@ class RemoteClient:
         relaunched at the address by itself, so a request may reach the new server before the client has seen the
         old one go: its "no_session" reply is the loss too, and nothing after it is this session's.
         A message that is not a reply of the declared format is not one of this server's: the connection is lost."""
-        if self._unknown:
+        if self._no_session:
             raise _Lost()
         while not self._disconnected and self._monitor.poll(0):
             self._disconnected = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
@@ -494,7 +494,7 @@ class RemoteClient:
                     and body["status"] in ("ok", "error", "ended", "no_session")):
                 raise MalformedMessage(f"a reply is {{'seq', 'status', 'payload'}}, got {str(body)[:80]}")
             if body["status"] == "no_session":
-                self._unknown = True
+                self._no_session = True
                 return
             if body["status"] == "ended":
                 self._ended = str(body["payload"])

@@ -193,8 +193,8 @@ def test_peers_without_the_token_neither_end_a_session_nor_lock_trainers_out(ser
 
 def test_memory_is_bounded_by_bytes_and_by_n(server, healthy):
     """With the token: a generate asking for 2**70 responses, a weight message over --max-message-bytes in all, a
-    frame over it, and requests beyond --max-buffered-bytes while a generation runs are each refused (one line to
-    the sender), and the server's memory does not follow them."""
+    frame over it, and requests beyond --max-buffered-bytes held while the server waits on an earlier one are each
+    refused (one line to the sender), and the server's memory does not follow them."""
     from megatron_gtpo.rollout.engine import SamplingParams
     from megatron_gtpo.rollout.remote_messages import dumps
 
@@ -211,16 +211,17 @@ def test_memory_is_bounded_by_bytes_and_by_n(server, healthy):
     with pytest.raises(RuntimeError, match=r"failed in 'bucket': refused: a message of \d+ bytes exceeds the "
                                            r"4194304 this server takes"):
         client._call("bucket", ([n for n, _ in big], ["float32"] * 3, [[2**19]] * 3), 30, tensors=frames)
-    # Requests queued behind a long generation: the fourth of 1 MiB exceeds the 3 MiB bound. Encoded before the
-    # generation is asked for, so that all four arrive while it runs however slow this process is.
+    # Requests buffered while the server waits on an earlier one: four of 1 MiB each, sent on the control connection
+    # (which keeps order) before the generation whose seq comes first, so that the server holds them all whatever
+    # the generation's speed; one exceeds the 3 MiB bound. (Sent after it, they raced it: on a loaded machine the
+    # generation could end before they arrived, and the server took them one at a time.)
     padding = [[1] * (2**20 // 3)]  # about 1 MiB of JSON
-    seqs = [client._seq + 1 + i for i in range(4)]  # after the long generation's
-    bodies = [dumps({"op": "generate", "seq": seq, "payload": (padding, SamplingParams(n=1, max_new_tokens=1), 0)})
-              for seq in seqs]
+    seqs = [client._seq + 1 + i for i in range(4)]  # after the generation's
+    for seq in seqs:
+        client._control.send(dumps({"op": "generate", "seq": seq,
+                                    "payload": (padding, SamplingParams(n=1, max_new_tokens=1), 0)}))
     long = client.submit([[5, 6, 7]] * 2, SamplingParams(n=2, max_new_tokens=40, seed=1))
-    for body in bodies:
-        client._control.send(body)
-    client._seq += len(bodies)
+    client._seq += len(seqs)
     errors = []
     for seq in seqs:
         try:
@@ -228,7 +229,7 @@ def test_memory_is_bounded_by_bytes_and_by_n(server, healthy):
         except RuntimeError as e:
             errors.append(str(e))
     assert any("exceed its bound of 3145728 (--max-buffered-bytes)" in e for e in errors), errors
-    assert long().responses.num_responses == 4  # the generation in flight was not disturbed
+    assert long().responses.num_responses == 4  # the generation they waited on was not disturbed
     client.close()
     # A frame over the bound: ZeroMQ drops the connection unread (MAXMSGSIZE).
     sender = _client(address)

@@ -28,10 +28,10 @@ if _cores < (os.cpu_count() or 1):
     os.environ["OMP_NUM_THREADS"] = str(_cores)
     torch.set_num_threads(_cores)
 
-# Names whose use starts a process: the multi-process harness (distributed_harness.run_distributed), the trainer
-# under torchrun (trainer_runs), the modules that start processes themselves, and the reward pool's workers.
-PROCESS_STARTERS = frozenset({"run_distributed", "run_train", "train_command", "subprocess", "multiprocessing",
-                              "RewardPool"})
+# Names whose use starts a process: the multi-process harness (distributed_harness.run_distributed, run_module), the
+# trainer's runs (trainer_runs), the modules that start processes themselves, and the reward pool's workers.
+PROCESS_STARTERS = frozenset({"run_distributed", "run_module", "run_train", "train_command", "subprocess",
+                              "multiprocessing", "RewardPool"})
 
 
 def _names(code: types.CodeType) -> set[str]:

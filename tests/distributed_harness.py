@@ -9,6 +9,9 @@ unless `init_process_group=False`, a gloo default process group. The return valu
 are fine) come back as a list indexed by rank. A rank that raises makes the whole call raise with that rank's
 traceback; a rank that hangs makes it raise TimeoutError after `timeout_s`, naming the ranks that never
 reported. Every child is terminated before the call returns or raises, so a failing test cannot leak ranks.
+
+`run_module(module, argv, nproc)` starts a command's ranks the same way, as torchrun would start `python -m module`
+on each, and returns what subprocess.run would.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
 import time
 import traceback
 
@@ -103,15 +107,94 @@ def _each_case(rank, world_size, fn, cases):
 
 
 def _context():
-    """Fresh processes forked from a server that has imported torch and megatron.core once (multiprocessing's
-    forkserver), not spawned interpreters that each import them again (3 s a rank on 2 cores): a 4-rank test starts
-    in about a second. The package first, as in every process of the project: it decides megatron-core's fusion
-    decorator before megatron-core is imported (megatron_gtpo/_megatron_jit.py). The server is started by the first
-    call; no import starts a thread, so none runs in it when it forks. What a test changes in its own process
-    (monkeypatch) reaches no rank, as with spawn; its environment does (`_worker`)."""
+    """Fresh processes forked from a server that has imported torch, megatron.core and the package's commands once
+    (multiprocessing's forkserver), not spawned interpreters that each import them again (4 CPU-s a rank on 2
+    cores): a 4-rank test starts in about a second. The package first, as in every process of the project: it
+    decides megatron-core's fusion decorator before megatron-core is imported (megatron_gtpo/_megatron_jit.py).
+    torch._dynamo is what a trainer rank imports at run time (0.6 s). The server is started by the first call; no
+    import starts a thread, so none runs in it when it forks. What a test changes in its own process (monkeypatch)
+    reaches no rank, as with spawn; its environment does (`_worker`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["megatron_gtpo", "torch", "megatron.core"])
+    ctx.set_forkserver_preload(["megatron_gtpo", "torch", "megatron.core", "torch._dynamo", "megatron_gtpo.train",
+                                "megatron_gtpo.training.trainer", "megatron_gtpo.score"])
     return ctx
+
+
+def run_module(module: str, argv: list[str], nproc: int, *, env: dict | None = None, timeout_s: float = 600.0,
+               grace_s: float = 10.0) -> subprocess.CompletedProcess:
+    """`python -m module *argv` on `nproc` ranks with the variables torchrun gives them (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), `env` (default: this process's) and this process's
+    working directory (multiprocessing gives it to each child), each rank forked from the server of `_context`
+    rather than started by torchrun's agent: a short training run costs about a third of the CPU time (no agent, no
+    imports per rank). What it returns is what subprocess.run returns for the torchrun command: the stdout and stderr
+    of rank 0, then rank 1, ..., and the exit status of the first rank that failed (0 if none did), as
+    megatron_gtpo.launch ends. Once a rank has failed, the others get `grace_s` to end and are then stopped (torchrun
+    stops them at once). subprocess.TimeoutExpired after `timeout_s`. The tests of what a launcher does (signals, a
+    killed rank, torchrun's own output) start the real one."""
+    import tempfile
+
+    env = dict(os.environ if env is None else env)
+    ctx, port = _context(), free_port()
+    with tempfile.TemporaryDirectory(prefix="gtpo-ranks-") as out_dir:
+        procs = [ctx.Process(target=_module_rank, args=(rank, nproc, port, module, argv, env, out_dir))
+                 for rank in range(nproc)]
+        for p in procs:
+            p.start()
+        failed, deadline, stop_at = None, time.monotonic() + timeout_s, None
+        try:
+            while any(p.exitcode is None for p in procs):
+                now = time.monotonic()
+                if failed is None:
+                    failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
+                    stop_at = None if failed is None else now + grace_s
+                if stop_at is not None and now > stop_at:
+                    break  # the others are stopped below
+                if now > deadline:
+                    raise subprocess.TimeoutExpired([module, *argv], timeout_s, *_outputs(out_dir, nproc))
+                time.sleep(0.05)
+            failed = failed or next((p for p in procs if p.exitcode != 0), None)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5.0)
+        status = 0 if failed is None else 128 - failed.exitcode if failed.exitcode < 0 else failed.exitcode
+        return subprocess.CompletedProcess([module, *argv], status, *_outputs(out_dir, nproc))
+
+
+def _module_rank(rank, world_size, port, module, argv, environ, out_dir):
+    """A rank of `run_module`: its stdout and stderr (the file descriptors, so that C libraries' output goes there
+    too) to files of `out_dir`, then the module as `python -m` runs it (its SystemExit is the process's status)."""
+    import runpy
+    import sys
+
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        target = os.open(os.path.join(out_dir, f"{stream}.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+
+    # What OMP_NUM_THREADS would have set at torch's import, which happened in the server.
+    torch.set_num_threads(int(environ.get("OMP_NUM_THREADS") or max(1, share_of_cores() // world_size)))
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _outputs(out_dir: str, nproc: int) -> tuple[str, str]:
+    """(stdout, stderr) of the ranks of `run_module`, rank by rank."""
+    def read(stream):
+        text = []
+        for rank in range(nproc):
+            path = os.path.join(out_dir, f"{stream}.{rank}")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    text.append(f.read())
+        return "".join(text)
+    return read("stdout"), read("stderr")
 
 
 def _run_once(fn, world_size: int, args, kwargs, timeout_s: float, init_process_group: bool, port: int,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from cli_runs import worker_frames
-from distributed_harness import free_port
-from trainer_runs import read_metrics, train_command
+from distributed_harness import free_port, run_module
+from trainer_runs import read_metrics, train_arguments, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -78,14 +78,15 @@ def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_check
     out = tmp_path / name
     own_server = server is None
     server, address = _start_server(model_dir, tmp_path / f"{name}_server.log") if own_server else server
-    trainer = subprocess.Popen(train_command(out, 1, _overrides(address, steps, staleness, *extra)),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    overrides, env = _overrides(address, steps, staleness, *extra), dict(os.environ, OMP_NUM_THREADS="1")
+    trainer = None
     try:
-        if kill_after_checkpoint is None:
-            output, _ = trainer.communicate(timeout=900)
-            assert trainer.returncode == 0, output[-4000:]
-            return trainer.returncode
+        if kill_after_checkpoint is None:  # its rank as torchrun starts it, without torchrun (run_module)
+            res = run_module("megatron_gtpo.train", train_arguments(out, overrides), 1, env=env, timeout_s=900)
+            assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+            return res.returncode
+        trainer = subprocess.Popen(train_command(out, 1, overrides), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         latest = out / "checkpoints" / "latest"
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline and trainer.poll() is None:
@@ -98,7 +99,7 @@ def _train(tmp_path, name, model_dir, steps, staleness, *extra, kill_after_check
         return trainer.returncode
     finally:
         for process in (trainer, server) if own_server else (trainer,):
-            if process.poll() is None:
+            if process is not None and process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
 

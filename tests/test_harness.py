@@ -1,8 +1,12 @@
+import os
+import subprocess
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_harness import run_distributed
+from distributed_harness import run_distributed, run_module
 
 
 def _allreduce_rank(rank, world_size):
@@ -37,6 +41,28 @@ def test_error_on_one_rank_is_reported_with_traceback():
 def test_hang_is_a_timeout_naming_ranks():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
         run_distributed(_hang, 2, timeout_s=2, init_process_group=False)
+
+
+def test_run_module_gives_each_ranks_output_in_rank_order_in_the_callers_directory(tmp_path, monkeypatch):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    assert run_module("rank_behaviour", ["ok"], 1, env=env, timeout_s=60).returncode == 0  # the fork server runs
+    monkeypatch.chdir(tmp_path)  # after the fork server started elsewhere
+    res = run_module("rank_behaviour", ["ok"], 2, env=env, timeout_s=60)
+    assert res.returncode == 0
+    assert res.stdout == f"rank 0 of 2, 1 thread(s), in {tmp_path}\nrank 1 of 2, 1 thread(s), in {tmp_path}\n"
+    assert res.stderr == "rank 0 on fd 2\nrank 1 on fd 2\n"
+
+
+def test_run_module_ends_with_the_failed_ranks_status_and_stops_the_others():
+    start = time.monotonic()
+    res = run_module("rank_behaviour", ["fail"], 2, timeout_s=60, grace_s=1)
+    assert res.returncode == 3 and time.monotonic() - start < 30  # rank 0 was stopped, not waited for
+    assert res.stdout.startswith("rank 0 of 2") and "rank 1 of 2" in res.stdout
+
+
+def test_run_module_times_out_as_subprocess_run_does():
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_module("rank_behaviour", ["hang"], 2, timeout_s=2)
 
 
 

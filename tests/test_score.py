@@ -1,4 +1,5 @@
-"""`python -m megatron_gtpo.score` end to end under torchrun, against a float64 reference from transformers."""
+"""`python -m megatron_gtpo.score` end to end on ranks as torchrun starts them (distributed_harness.run_module), and
+alone, against a float64 reference from transformers."""
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from distributed_harness import free_port
+from distributed_harness import run_module
 from megatron_gtpo.checkpoint import convert_hf_to_megatron
 from tiny_models import make_tiny_qwen2
 
@@ -15,10 +16,7 @@ SEQUENCES = [[5, 17, 250, 999, 3, 42, 7], [1, 2], [900, 800, 700, 600, 500, 400,
 
 
 def _run_score(args, nproc=1, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "megatron_gtpo.score", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return run_module("megatron_gtpo.score", args, nproc, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout_s=timeout)
 
 
 @pytest.fixture(scope="module")

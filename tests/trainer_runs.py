@@ -1,4 +1,4 @@
-"""Running the trainer under torchrun from tests, and reading what it wrote."""
+"""Running the trainer from tests (its ranks as torchrun starts them, or torchrun itself), and reading what it wrote."""
 from __future__ import annotations
 
 import json
@@ -6,20 +6,29 @@ import os
 import subprocess
 import sys
 
+from distributed_harness import run_module
+
 DEMO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "examples", "cpu_demo.yaml")
 
 
-def train_command(output_dir, nproc: int, overrides: list[str]) -> list[str]:
+def train_arguments(output_dir, overrides: list[str]) -> list[str]:
+    """The trainer's arguments for a run of the demo's config with `overrides`, writing to `output_dir`."""
     sets = [f"logging.output_dir={output_dir}", "logging.progress_bar=false", "logging.tensorboard=false",
             *overrides]
+    return ["--config", DEMO_CONFIG, *sum((["--set", s] for s in sets), [])]
+
+
+def train_command(output_dir, nproc: int, overrides: list[str]) -> list[str]:
+    """The torchrun command of that run (for the tests of what a launched run does with signals and kills)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", "-m",
-            "megatron_gtpo.train", "--config", DEMO_CONFIG, *sum((["--set", s] for s in sets), [])]
+            "megatron_gtpo.train", *train_arguments(output_dir, overrides)]
 
 
 def run_train(output_dir, nproc: int, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(train_command(output_dir, nproc, overrides), capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    """That run on `nproc` ranks of one thread each, as torchrun would start them (distributed_harness.run_module:
+    without torchrun's agent and each rank's imports, most of a short run's CPU time)."""
+    return run_module("megatron_gtpo.train", train_arguments(output_dir, overrides), nproc,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"), timeout_s=timeout)
 
 
 def read_metrics(output_dir) -> list[dict]:

@@ -63,6 +63,10 @@ def starts_processes(fn, seen: set | None = None) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The tests marked `first` (minutes each) run first: pytest-xdist's worksteal hands each worker a contiguous
+    # share of the collection and a worker that runs out takes the end of another's queue, so a minutes-long test
+    # near the end of the collection left one worker idle while the other ran it.
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)
     for item in items:
         if item.get_closest_marker("slow") is not None or not isinstance(item, pytest.Function):
             continue

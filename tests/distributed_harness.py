@@ -136,6 +136,7 @@ def run_module(module: str, argv: list[str], nproc: int, *, env: dict | None = N
     env = dict(os.environ if env is None else env)
     ctx, port = _context(), free_port()
     with tempfile.TemporaryDirectory(prefix="gtpo-ranks-") as out_dir:
+        os.mkdir(os.path.join(out_dir, "tmp"))
         procs = [ctx.Process(target=_module_rank, args=(rank, nproc, port, module, argv, env, out_dir))
                  for rank in range(nproc)]
         for p in procs:
@@ -175,7 +176,12 @@ def _module_rank(rank, world_size, port, module, argv, environ, out_dir):
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), TMPDIR=os.path.join(out_dir, "tmp"))
+    import tempfile
+
+    # The ranks' temporary files (cli.say_once's claims, named by the launcher's pid: here the long-lived fork
+    # server's) in one directory of the run's, removed with it.
+    tempfile.tempdir = None
     import torch
 
     # What OMP_NUM_THREADS would have set at torch's import, which happened in the server.

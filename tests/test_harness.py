@@ -43,13 +43,16 @@ def test_hang_is_a_timeout_naming_ranks():
         run_distributed(_hang, 2, timeout_s=2, init_process_group=False)
 
 
-def test_run_module_gives_each_ranks_output_in_rank_order_in_the_callers_directory(tmp_path, monkeypatch):
+def test_run_module_gives_each_ranks_output_in_order_in_the_callers_directory_and_cleans_up(tmp_path, monkeypatch):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     assert run_module("rank_behaviour", ["ok"], 1, env=env, timeout_s=60).returncode == 0  # the fork server runs
     monkeypatch.chdir(tmp_path)  # after the fork server started elsewhere
     res = run_module("rank_behaviour", ["ok"], 2, env=env, timeout_s=60)
     assert res.returncode == 0
-    assert res.stdout == f"rank 0 of 2, 1 thread(s), in {tmp_path}\nrank 1 of 2, 1 thread(s), in {tmp_path}\n"
+    lines = res.stdout.splitlines()
+    assert lines[0::2] == [f"rank {rank} of 2, 1 thread(s), in {tmp_path}" for rank in (0, 1)]
+    temporary = {line.removeprefix("temporary files in ") for line in lines[1::2]}
+    assert len(temporary) == 1 and not os.path.exists(temporary.pop())  # one for the ranks, gone with the run
     assert res.stderr == "rank 0 on fd 2\nrank 1 on fd 2\n"
 
 

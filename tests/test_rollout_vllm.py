@@ -582,18 +582,15 @@ MOE_MISMATCH_BOUND = 1e-4
 def test_gtpo_on_a_moe_model_at_ep2_with_vllm_rollouts(moe_checkpoints, tmp_path):
     import json
     import signal
-    import subprocess
 
-    from trainer_runs import read_metrics, train_command
+    from trainer_runs import read_metrics, run_train
 
     vllm_dir, megatron_dir, _ = moe_checkpoints
     log_path = tmp_path / "server.log"
     server, address = _start_remote_server(vllm_dir, log_path, vllm_tp=1, max_model_len=64)
     out = tmp_path / "run"
     try:
-        run = subprocess.run(train_command(out, 2, [*MOE_RUN, f"model.hf_dir={megatron_dir}",
-                                                    f"rollout.remote.addresses=[{address}]"]),
-                             capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        run = run_train(out, 2, [*MOE_RUN, f"model.hf_dir={megatron_dir}", f"rollout.remote.addresses=[{address}]"])
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()

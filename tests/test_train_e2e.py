@@ -250,6 +250,7 @@ def test_bad_config_exits_with_named_key(tmp_path, override, message):
     assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]
 
 
+@pytest.mark.first
 def test_demo_reward_rises(tmp_path):
     """The README's demo, as `make demo` runs it: the mean reward must rise by at least 0.3 (the script's own
     check), and it must leave its plot behind."""
@@ -362,6 +363,7 @@ def test_a_prompt_that_leaves_no_room_for_a_whole_response_fails_at_start(tmp_pa
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.first
 def test_compare_algorithms_tool_runs_each_variant_from_the_same_warm_start_and_resumes(tmp_path):
     """tools/compare_algorithms.py --smoke (study v2: DAPO and DAPO + entropy bonus, seeds 1 and 2, two steps, tiny
     batches): both variants start from the one warm-start checkpoint with the same seed, so their step-0 rollouts
@@ -411,6 +413,7 @@ def test_compare_algorithms_tool_runs_each_variant_from_the_same_warm_start_and_
     assert (report.parent / "v2_main.png").exists()
 
 
+@pytest.mark.first
 def test_study_v3_smoke_runs_from_the_shipped_warm_start_and_reports_the_pre_registered_tests(tmp_path):
     """tools/compare_algorithms.py --study v3 --smoke: the shipped warm start (a HF directory, its SHA-256 checked)
     is what every RL run loads (model.hf_dir) and what is evaluated before RL; the control and GRPO-S run, and the

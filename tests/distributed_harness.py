@@ -131,10 +131,20 @@ def run_module(module: str, argv: list[str], nproc: int, *, env: dict | None = N
     megatron_gtpo.launch ends. Once a rank has failed, the others get `grace_s` to end and are then stopped (torchrun
     stops them at once). subprocess.TimeoutExpired after `timeout_s`. The tests of what a launcher does (signals, a
     killed rank, torchrun's own output) start the real one."""
+    env = dict(os.environ if env is None else env)
+    for attempt in range(3):
+        res = _run_module_once(module, argv, nproc, env, timeout_s, grace_s, free_port())
+        # The port was free when chosen and taken by another process before rank 0 bound it (other tests or jobs on
+        # the machine): a race of the harness, not of the code under test. Again on a new port.
+        if res.returncode == 0 or "EADDRINUSE" not in res.stderr or attempt == 2:
+            return res
+
+
+def _run_module_once(module: str, argv: list[str], nproc: int, env: dict, timeout_s: float, grace_s: float,
+                     port: int) -> subprocess.CompletedProcess:
     import tempfile
 
-    env = dict(os.environ if env is None else env)
-    ctx, port = _context(), free_port()
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="gtpo-ranks-") as out_dir:
         os.mkdir(os.path.join(out_dir, "tmp"))
         procs = [ctx.Process(target=_module_rank, args=(rank, nproc, port, module, argv, env, out_dir))

@@ -63,6 +63,11 @@ def test_run_module_ends_with_the_failed_ranks_status_and_stops_the_others():
     assert res.stdout.startswith("rank 0 of 2") and "rank 1 of 2" in res.stdout
 
 
+def test_run_module_starts_again_on_another_port_when_its_port_was_taken(tmp_path):
+    res = run_module("rank_behaviour", ["port-taken", str(tmp_path / "failed once")], 2, timeout_s=60, grace_s=1)
+    assert res.returncode == 0 and "EADDRINUSE" not in res.stderr, res.stderr
+
+
 def test_run_module_times_out_as_subprocess_run_does():
     with pytest.raises(subprocess.TimeoutExpired):
         run_module("rank_behaviour", ["hang"], 2, timeout_s=2)

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import subprocess
 import time
@@ -32,9 +33,25 @@ def share_of_cores() -> int:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port of 127.0.0.1 that nothing listens on now, drawn below the kernel's ephemeral range. A port of that
+    range (what binding port 0 gives) is also what the kernel hands out as the source port of outgoing connections,
+    so in a busy suite (every gloo rank opens many) another process could take it before the test's server bound it
+    (seen once: a launcher test's rendezvous failed with EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except OSError:
+        ephemeral_low = 32768  # Linux's default
+    draw = random.SystemRandom()  # not the global stream, which tests seed alike in every worker
+    for _ in range(100):
+        port = draw.randrange(10000, max(10001, ephemeral_low))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found between 10000 and {ephemeral_low}")
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result_queue, environ):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_harness import run_distributed, run_module
+from distributed_harness import free_port, run_distributed, run_module
 
 
 def _allreduce_rank(rank, world_size):
@@ -61,6 +61,18 @@ def test_run_module_ends_with_the_failed_ranks_status_and_stops_the_others():
     res = run_module("rank_behaviour", ["fail"], 2, timeout_s=60, grace_s=1)
     assert res.returncode == 3 and time.monotonic() - start < 30  # rank 0 was stopped, not waited for
     assert res.stdout.startswith("rank 0 of 2") and "rank 1 of 2" in res.stdout
+
+
+def test_free_port_is_free_and_below_the_ephemeral_range():
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+        ephemeral_low = int(f.read().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < ephemeral_low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_run_module_starts_again_on_another_port_when_its_port_was_taken(tmp_path):

@@ -54,13 +54,17 @@ def free_port() -> int:
     raise RuntimeError(f"no free TCP port found between 10000 and {ephemeral_low}")
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result_queue, environ):
-    os.environ.clear()  # the caller's environment of now, not the fork server's of its start
+def _rank_environment(environ: dict, rank: int, world_size: int, port: int, **extra: str) -> None:
+    """This rank's environment: the caller's of now (not the fork server's of its start), torchrun's variables for
+    the rank, and `extra`."""
+    os.environ.clear()
     os.environ.update(environ)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), **extra)
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, init_process_group, result_queue, environ):
+    _rank_environment(environ, rank, world_size, port)
     import torch
     import torch.distributed as dist
 
@@ -200,10 +204,7 @@ def _module_rank(rank, world_size, port, module, argv, environ, out_dir):
         target = os.open(os.path.join(out_dir, f"{stream}.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), TMPDIR=os.path.join(out_dir, "tmp"))
+    _rank_environment(environ, rank, world_size, port, TMPDIR=os.path.join(out_dir, "tmp"))
     import tempfile
 
     # The ranks' temporary files (cli.say_once's claims, named by the launcher's pid: here the long-lived fork
